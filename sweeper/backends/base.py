@@ -1,0 +1,53 @@
+"""The one interface between the trial runner (Ray actors) and a training backend: a request in, a report out.
+
+Both are plain, picklable values. The runner sets the torch.distributed rendezvous environment (MASTER_ADDR,
+MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) before calling the backend in the rank's process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Inject = Literal["nan", "hang", "crash"]
+
+
+@dataclass(frozen=True)
+class SmokeRequest:
+    model: dict[str, Any]  # ModelSpec.model_dump()
+    layout: dict[str, Any]  # Layout.to_dict()
+    seq_length: int
+    steps: int
+    warmup_steps: int
+    checkpoint: bool
+    checkpoint_every: int | None
+    trial_dir: str  # every rank writes its log and the torch_dist checkpoint under here (shared by ranks of a node)
+    seed: int = 1234
+    timeout_s: float = 900.0  # torch.distributed process-group timeout
+    # CPU only: the simulated GPU's memory; a rank whose resident memory exceeds it stops with failure kind oom.
+    memory_limit_gib: float | None = None
+    reference_checkpoint: str | None = None  # equivalence gate: load this checkpoint, compare loss on a fixed batch
+    inject: Inject | None = None  # fault injection for tests (simulated clusters only)
+    inject_rank: int = 0
+
+
+@dataclass
+class RankReport:
+    rank: int
+    node_id: str
+    backend: str  # "megatron-core-cpu" | "megatron-core-gpu"
+    ok: bool
+    failure_kind: str | None = None  # one of sweeper.results.FAILURE_KINDS
+    error: str | None = None  # one line: the root cause in the user's terms
+    checks: dict[str, Any] = field(default_factory=dict)  # the TrialChecks fields this rank could prove
+    step_times_s: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    tokens_per_step: int = 0
+    flops_per_step: float = 0.0  # Megatron's formula, whole model, one global batch
+    peak_memory_bytes: int = 0
+    memory_kind: Literal["device", "host"] = "host"
+    checkpoint_dir: str | None = None
+    equivalence: dict[str, float] | None = None  # {"loss": ..., "grad_norm": ...} on the reference batch
+    notes: list[str] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)  # init, build, steps, checkpoint_save, checkpoint_load

@@ -1,0 +1,261 @@
+"""The search YAML: its pydantic schema, its defaults, and one-line errors that name the offending field.
+
+Keys and meanings follow ARCHITECTURE.md exactly; unknown keys are errors (a typo must not silently fall back
+to a default on a 16-GPU reservation). ``load_config`` is the only entry point: it returns a validated
+``SweepConfig`` with the model resolved to a ``ModelSpec``, or raises ``ConfigError`` with one line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from sweeper.estimate.constants import EstimatorConstants
+from sweeper.models.spec import ModelSpec
+
+
+class ConfigError(ValueError):
+    """Bad user input; the message is one line that names the field."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ClusterConfig(_Strict):
+    nodes: PositiveInt = 1
+    gpus_per_node: PositiveInt = 8
+    gpu_memory_gib: PositiveFloat = 80.0
+    compute_capability: str = "9.0"
+    gpu_kind: str | None = None  # e.g. h100, h200, b200, rtx-pro-6000; None = inferred from compute capability
+    address: str = "auto"  # auto | local | <ray address>
+    simulate: Literal["auto"] | bool = "auto"
+    intra_node_bandwidth_gbs: PositiveFloat = 50.0  # GB/s per GPU inside a node (PCIe 5 x16 ~ 50; NVLink 4 ~ 450)
+    inter_node_bandwidth_gbs: PositiveFloat = 25.0  # GB/s per GPU between nodes (a 200 Gb/s NIC ~ 25)
+
+    @field_validator("compute_capability", mode="before")
+    @classmethod
+    def _cc(cls, value: Any) -> str:
+        text = str(value)
+        if not re.fullmatch(r"\d{1,2}\.\d", text):
+            raise ValueError(f"must look like '9.0' or '12.0', got {value!r}")
+        return text
+
+    @property
+    def total_gpus(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def capability(self) -> tuple[int, int]:
+        major, minor = self.compute_capability.split(".")
+        return int(major), int(minor)
+
+
+class TrainingConfig(_Strict):
+    seq_length: PositiveInt = 4096
+    global_batch_size: PositiveInt = 64
+    steps: PositiveInt = 20
+    checkpoint: bool = True
+    checkpoint_every: PositiveInt | None = None  # None = one save at the last step
+    trial_timeout_s: PositiveFloat = 900.0
+    warmup_steps: int = Field(2, ge=0)  # step times of these first steps are excluded from throughput
+    data_paths: list[str] = []  # files every node must see (doctor checks them); trials use synthetic tokens
+    tokenizer_path: str | None = None
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainingConfig:
+        if self.warmup_steps >= self.steps:
+            raise ValueError(f"warmup_steps ({self.warmup_steps}) must be smaller than steps ({self.steps})")
+        return self
+
+
+Axis = list[PositiveInt]
+
+
+class SpaceConfig(_Strict):
+    gpus: Axis | None = None  # None = every GPU of the cluster
+    tp: Axis = [1]
+    pp: Axis = [1]
+    vpp: Axis = [1]
+    cp: Axis = [1]
+    ep: Axis = [1]
+    etp: Axis = [1]
+    sp: list[Literal["auto"] | bool] = ["auto"]
+    mbs: Axis = [1]
+    precision: list[Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]] = ["bf16"]
+    recompute: list[Literal["none", "selective", "full"]] = ["none"]
+    distributed_optimizer: list[bool] = [True]
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _non_empty(cls, value: Any) -> Any:
+        if isinstance(value, list) and not value:
+            raise ValueError("must list at least one value")
+        return value
+
+
+class SearchConfig(_Strict):
+    max_trials: PositiveInt = 40
+    parallel: Literal["auto"] | PositiveInt = "auto"
+    objective: Literal["tokens_per_s", "tflops_per_gpu"] = "tokens_per_s"
+    memory_headroom: float = Field(0.10, ge=0.0, lt=1.0)
+    sampler: Literal["auto", "grid", "tpe", "random"] = "auto"
+    seed: int = 0
+    seeds: list[str] = []  # layouts to run first, in --layout syntax (e.g. a Megatron-Bridge recipe's)
+    confirm_top: int = Field(3, ge=0)  # re-run the best candidates; the winner must pass every confirmation
+    confirm_steps: PositiveInt | None = None  # None = 2 x training.steps
+    wall_time_s: PositiveFloat | None = None
+    gpu_hours: PositiveFloat | None = None
+
+
+class TrackingConfig(_Strict):
+    mlflow_tracking_uri: str | None = None
+    experiment: str | None = None
+
+
+class SweepConfig(_Strict):
+    name: str
+    model: ModelSpec
+    cluster: ClusterConfig = ClusterConfig()
+    training: TrainingConfig = TrainingConfig()
+    space: SpaceConfig = SpaceConfig()
+    search: SearchConfig = SearchConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    estimate: EstimatorConstants = EstimatorConstants()
+    source: Path | None = None  # the YAML this came from (set by load_config)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", value):
+            raise ValueError(f"must be letters, digits, '.', '_' or '-' (it names the sweep folder), got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _fits_cluster(self) -> SweepConfig:
+        for i, gpus in enumerate(self.space.gpus or []):
+            if gpus > self.cluster.total_gpus:
+                raise _FieldError(
+                    ("space", "gpus", i),
+                    f"{gpus} GPUs requested but the cluster has {self.cluster.nodes} x "
+                    f"{self.cluster.gpus_per_node} = {self.cluster.total_gpus}",
+                )
+        return self
+
+    @property
+    def world_sizes(self) -> list[int]:
+        return sorted(set(self.space.gpus or [self.cluster.total_gpus]))
+
+    @property
+    def experiment_name(self) -> str:
+        return self.tracking.experiment or self.name
+
+
+class _FieldError(ValueError):
+    """A cross-field check that knows which field is at fault."""
+
+    def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
+        super().__init__(message)
+        self.loc = loc
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    """Read, validate and resolve a search YAML; raises ConfigError with one line naming the field."""
+    from sweeper.models.catalog import ModelError, resolve_model
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (name, model, cluster, ...), got {type(data).__name__}")
+    if "model" not in data:
+        raise ConfigError(f"{path}: model: required (a preset name, an inline spec or {{hf_config: path}})")
+    try:
+        data = {**data, "model": resolve_model(data["model"], base_dir=path.parent)}
+    except ModelError as exc:
+        raise ConfigError(f"{path}: model{exc.where}: {exc}") from None
+    try:
+        return SweepConfig.model_validate({**data, "source": path})
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {format_validation_error(exc)}") from None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """The first error of a pydantic ValidationError as ``space.tp[0]: must be a positive integer, got -2``."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    ctx_error = err.get("ctx", {}).get("error")
+    if isinstance(ctx_error, _FieldError):
+        return f"{_dotted(ctx_error.loc)}: {ctx_error}"
+    return f"{_dotted(_drop_union_tags(loc))}: {_explain(err)}"
+
+
+def _drop_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    # pydantic puts the union member it tried into the path (e.g. 'literal['auto']', 'int'); users never wrote it.
+    return tuple(p for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or p.startswith(("literal[", "function-")))))
+
+
+_TYPE_TAGS = {"int", "bool", "float", "str", "constrained-int", "constrained-float", "list[constrained-int]"}
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+def _explain(err: dict[str, Any]) -> str:
+    kind, ctx, value = err["type"], err.get("ctx", {}), err.get("input")
+    got = f", got {value!r}"
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required"
+    if kind == "greater_than" and ctx.get("gt") == 0 and isinstance(value, int) and not isinstance(value, bool):
+        return f"must be a positive integer{got}"
+    if kind == "greater_than":
+        return f"must be greater than {ctx.get('gt')}{got}"
+    if kind in ("greater_than_equal", "less_than", "less_than_equal"):
+        op = {"greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+        bound = ctx.get("ge", ctx.get("lt", ctx.get("le")))
+        return f"must be {op} {bound}{got}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer{got}"
+    if kind in ("float_type", "float_parsing"):
+        return f"must be a number{got}"
+    if kind in ("bool_type", "bool_parsing"):
+        return f"must be true or false{got}"
+    if kind in ("string_type",):
+        return f"must be a string{got}"
+    if kind == "list_type":
+        return f"must be a list{got}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a mapping{got}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}{got}"
+    message = str(err.get("msg", "invalid"))
+    message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    return message[:1].lower() + message[1:]

@@ -1,0 +1,1 @@
+"""Pre-flight estimates of per-GPU memory and step time for a Layout (plain Python, no torch)."""

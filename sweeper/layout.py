@@ -1,0 +1,252 @@
+"""Layout: one parallel layout of one trial, the value every part of sweeper passes around.
+
+A frozen dataclass in the manner of torchtitan's ParallelDims: the sizes a user chooses are fields, the sizes
+Megatron derives (DP, EDP) are properties. A Layout can be invalid for a model (``sweeper.rules`` says why), so
+construction only checks that every size is a positive integer. It serialises to the ``--layout`` string, to
+Megatron-LM command-line flags and to Megatron-Bridge overrides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]
+Recompute = Literal["none", "selective", "full"]
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
+RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+
+# The keys of the contract's JSON "layout" object, in the contract's order.
+CONTRACT_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp", "vpp", "sp", "mbs", "gbs", "precision", "recompute")
+
+
+class LayoutError(ValueError):
+    """A layout string or value that cannot describe any layout (bad key, bad number)."""
+
+
+@dataclass(frozen=True, order=True)
+class Layout:
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    vpp: int = 1
+    sp: bool = False
+    mbs: int = 1
+    gbs: int = 1
+    precision: str = "bf16"
+    recompute: str = "none"
+    distributed_optimizer: bool = True
+    # Uneven pipeline split (Megatron's num_layers_in_first/last_pipeline_stage); None = even split.
+    first_stage_layers: int | None = None
+    last_stage_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "mbs", "gbs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise LayoutError(f"{name}: must be a positive integer, got {value!r}")
+        if self.precision not in PRECISIONS:
+            raise LayoutError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.recompute not in RECOMPUTES:
+            raise LayoutError(f"recompute: must be one of {', '.join(RECOMPUTES)}, got {self.recompute!r}")
+
+    # -- derived sizes -------------------------------------------------------------------------------------------
+    @property
+    def model_parallel(self) -> int:
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size (0 when the world size does not divide; rules report that)."""
+        return self.world_size // self.model_parallel if self.world_size % self.model_parallel == 0 else 0
+
+    @property
+    def edp(self) -> int:
+        """Expert data-parallel size: W = ETP * EP * EDP * PP (MoE parallel folding; CP folds into EDP)."""
+        expert = self.etp * self.ep * self.pp
+        return self.world_size // expert if self.world_size % expert == 0 else 0
+
+    @property
+    def num_microbatches(self) -> int:
+        per_step = self.mbs * self.dp
+        return self.gbs // per_step if per_step and self.gbs % per_step == 0 else 0
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.precision in ("fp8", "mxfp8")
+
+    @property
+    def params_dtype_bytes(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    # -- serialisation -------------------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """The contract's JSON layout object (plus the fields it needs to be rebuilt)."""
+        out: dict[str, Any] = {key: getattr(self, key) for key in CONTRACT_KEYS}
+        out.update(
+            gpus=self.world_size,
+            distributed_optimizer=self.distributed_optimizer,
+            first_stage_layers=self.first_stage_layers,
+            last_stage_layers=self.last_stage_layers,
+        )
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Layout:
+        names = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in names}
+        kwargs["world_size"] = data.get("gpus", data.get("world_size"))
+        return cls(**kwargs)
+
+    def short(self) -> str:
+        """A compact name for tables and MLflow tags, e.g. ``TP2-PP2-EP4-bf16``."""
+        parts = [f"TP{self.tp}", f"PP{self.pp}"]
+        if self.vpp > 1:
+            parts.append(f"VPP{self.vpp}")
+        for name in ("cp", "ep", "etp"):
+            if getattr(self, name) > 1:
+                parts.append(f"{name.upper()}{getattr(self, name)}")
+        parts.append(f"DP{self.dp}")
+        if self.sp:
+            parts.append("SP")
+        parts.append(f"MBS{self.mbs}")
+        if self.recompute != "none":
+            parts.append(f"RC-{self.recompute}")
+        if not self.distributed_optimizer:
+            parts.append("noDO")
+        parts.append(self.precision)
+        return "-".join(parts)
+
+    def to_string(self) -> str:
+        """The ``--layout`` form; ``parse_layout(layout.to_string(), ...)`` gives the same Layout back."""
+        items = [
+            f"gpus={self.world_size}",
+            f"tp={self.tp}",
+            f"pp={self.pp}",
+            f"vpp={self.vpp}",
+            f"cp={self.cp}",
+            f"ep={self.ep}",
+            f"etp={self.etp}",
+            f"sp={str(self.sp).lower()}",
+            f"mbs={self.mbs}",
+            f"gbs={self.gbs}",
+            f"precision={self.precision}",
+            f"recompute={self.recompute}",
+            f"distributed_optimizer={str(self.distributed_optimizer).lower()}",
+        ]
+        return ",".join(items)
+
+    def megatron_args(self) -> list[str]:
+        """Megatron-LM ``pretrain_gpt.py`` / ``pretrain_mamba.py`` flags for this layout."""
+        args = [
+            f"--tensor-model-parallel-size={self.tp}",
+            f"--pipeline-model-parallel-size={self.pp}",
+            f"--context-parallel-size={self.cp}",
+            f"--expert-model-parallel-size={self.ep}",
+            f"--expert-tensor-parallel-size={self.etp}",
+            f"--micro-batch-size={self.mbs}",
+            f"--global-batch-size={self.gbs}",
+        ]
+        if self.vpp > 1:
+            args.append(f"--num-virtual-stages-per-pipeline-rank={self.vpp}")
+        if self.first_stage_layers is not None:
+            args.append(f"--decoder-first-pipeline-num-layers={self.first_stage_layers}")
+        if self.last_stage_layers is not None:
+            args.append(f"--decoder-last-pipeline-num-layers={self.last_stage_layers}")
+        if self.sp:
+            args.append("--sequence-parallel")
+        if self.distributed_optimizer:
+            args.append("--use-distributed-optimizer")
+        args += _PRECISION_FLAGS[self.precision]
+        if self.recompute == "selective":
+            args.append("--recompute-granularity=selective")
+        elif self.recompute == "full":
+            args += ["--recompute-granularity=full", "--recompute-method=uniform", "--recompute-num-layers=1"]
+        return args
+
+    def bridge_overrides(self) -> list[str]:
+        """Megatron-Bridge recipe overrides (Hydra-style ``section.field=value``)."""
+        out = [
+            f"model.tensor_model_parallel_size={self.tp}",
+            f"model.pipeline_model_parallel_size={self.pp}",
+            f"model.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'null'}",
+            f"model.context_parallel_size={self.cp}",
+            f"model.expert_model_parallel_size={self.ep}",
+            f"model.expert_tensor_parallel_size={self.etp}",
+            f"model.sequence_parallel={str(self.sp).lower()}",
+            f"train.micro_batch_size={self.mbs}",
+            f"train.global_batch_size={self.gbs}",
+            f"ddp.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
+            f"optimizer.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
+            f"mixed_precision={_BRIDGE_PRECISION[self.precision]}",
+        ]
+        if self.first_stage_layers is not None:
+            out.append(f"model.num_layers_in_first_pipeline_stage={self.first_stage_layers}")
+        if self.last_stage_layers is not None:
+            out.append(f"model.num_layers_in_last_pipeline_stage={self.last_stage_layers}")
+        if self.recompute != "none":
+            out.append(f"model.recompute_granularity={self.recompute}")
+        if self.recompute == "full":
+            out += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
+        return out
+
+
+_PRECISION_FLAGS: dict[str, list[str]] = {
+    "fp32": [],
+    "fp16": ["--fp16"],
+    "bf16": ["--bf16"],
+    "fp8": ["--bf16", "--fp8-format=hybrid", "--fp8-recipe=delayed"],
+    "mxfp8": ["--bf16", "--fp8-format=e4m3", "--fp8-recipe=mxfp8"],
+}
+# Megatron-Bridge's mixed-precision recipe names (megatron/bridge/training/mixed_precision.py).
+_BRIDGE_PRECISION: dict[str, str] = {
+    "fp32": "null",
+    "fp16": "fp16_mixed",
+    "bf16": "bf16_mixed",
+    "fp8": "bf16_with_fp8_delayed_scaling_mixed",
+    "mxfp8": "bf16_with_mxfp8_mixed",
+}
+
+_INT_KEYS = ("gpus", "tp", "pp", "vpp", "cp", "dp", "ep", "etp", "edp", "mbs", "gbs")
+_BOOL_KEYS = ("sp", "distributed_optimizer")
+_ALL_KEYS = _INT_KEYS + _BOOL_KEYS + ("precision", "recompute")
+
+
+def parse_assignments(text: str, what: str = "--layout") -> dict[str, Any]:
+    """Parse ``"tp=2,pp=2,sp=true"`` into typed values; raises LayoutError naming the bad item."""
+    out: dict[str, Any] = {}
+    if not text.strip():
+        raise LayoutError(f"{what}: empty; expected key=value pairs such as 'tp=2,pp=2'")
+    for item in text.split(","):
+        key, sep, raw = (part.strip() for part in item.partition("="))
+        key = key.lower()
+        if not sep or not key or not raw:
+            raise LayoutError(f"{what}: '{item.strip()}' is not key=value")
+        if key not in _ALL_KEYS:
+            raise LayoutError(f"{what}: unknown key '{key}' (known: {', '.join(_ALL_KEYS)})")
+        if key in out:
+            raise LayoutError(f"{what}: '{key}' given twice")
+        out[key] = _parse_value(key, raw, what)
+    return out
+
+
+def _parse_value(key: str, raw: str, what: str) -> Any:
+    if key in _INT_KEYS:
+        if not raw.isdigit() or int(raw) < 1:
+            raise LayoutError(f"{what}: {key} must be a positive integer, got '{raw}'")
+        return int(raw)
+    if key in _BOOL_KEYS:
+        low = raw.lower()
+        if key == "sp" and low == "auto":
+            return "auto"
+        if low not in ("true", "false", "1", "0", "on", "off", "yes", "no"):
+            raise LayoutError(f"{what}: {key} must be true or false, got '{raw}'")
+        return low in ("true", "1", "on", "yes")
+    choices = PRECISIONS if key == "precision" else RECOMPUTES
+    if raw.lower() not in choices:
+        raise LayoutError(f"{what}: {key} must be one of {', '.join(choices)}, got '{raw}'")
+    return raw.lower()
+

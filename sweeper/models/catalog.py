@@ -1,0 +1,205 @@
+"""The model catalog: presets with their published architecture numbers, and ``resolve_model`` for the YAML.
+
+``model:`` in a search YAML is a preset name, ``{preset: NAME, <field>: override, ...}``, ``{hf_config: path}``
+(a local Hugging Face config.json, no download) or an inline spec with ModelSpec's fields.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from sweeper.models.spec import ModelSpec
+
+
+class ModelError(ValueError):
+    """A model section that cannot be resolved; ``where`` is the sub-path (e.g. ``.num_layers``)."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
+
+
+NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
+
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        # nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16 config.json: hybrid Mamba2 + MoE + GQA, squared-ReLU MLPs.
+        ModelSpec(
+            name="nemotron-3-nano-30b-a3b",
+            num_layers=52,
+            hidden_size=2688,
+            ffn_hidden_size=1856,
+            num_attention_heads=32,
+            num_query_groups=2,
+            kv_channels=128,
+            vocab_size=131072,
+            max_position_embeddings=262144,
+            gated_linear_unit=False,
+            position_embedding_type="none",
+            num_moe_experts=128,
+            moe_router_topk=6,
+            moe_ffn_hidden_size=1856,
+            moe_shared_expert_intermediate_size=3712,
+            hybrid_layer_pattern=NEMOTRON_3_NANO_PATTERN,
+            mamba_num_heads=64,
+            mamba_head_dim=64,
+            mamba_num_groups=8,
+            mamba_state_dim=128,
+            published_total_params_b=31.6,
+            published_active_params_b=3.6,  # 3.2B active excluding embeddings
+        ),
+        # deepseek-ai/DeepSeek-V2-Lite config.json: MLA without query compression, first layer dense.
+        ModelSpec(
+            name="deepseek-v2-lite",
+            num_layers=27,
+            hidden_size=2048,
+            ffn_hidden_size=10944,
+            num_attention_heads=16,
+            vocab_size=102400,
+            max_position_embeddings=163840,
+            num_moe_experts=64,
+            moe_router_topk=6,
+            moe_ffn_hidden_size=1408,
+            moe_shared_expert_intermediate_size=2 * 1408,
+            moe_first_k_dense=1,
+            multi_latent_attention=True,
+            q_lora_rank=None,
+            kv_lora_rank=512,
+            qk_head_dim=128,
+            qk_pos_emb_head_dim=64,
+            v_head_dim=128,
+            published_total_params_b=15.7,
+            published_active_params_b=2.4,
+        ),
+        # meta-llama/Meta-Llama-3-8B config.json.
+        ModelSpec(
+            name="llama3-8b",
+            num_layers=32,
+            hidden_size=4096,
+            ffn_hidden_size=14336,
+            num_attention_heads=32,
+            num_query_groups=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            published_total_params_b=8.03,
+            published_active_params_b=8.03,
+        ),
+        # Qwen/Qwen3-30B-A3B config.json: 128 experts top-8, QK-norm, head_dim 128 (not hidden/heads).
+        ModelSpec(
+            name="qwen3-30b-a3b",
+            num_layers=48,
+            hidden_size=2048,
+            ffn_hidden_size=6144,
+            num_attention_heads=32,
+            num_query_groups=4,
+            kv_channels=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            qk_layernorm=True,
+            num_moe_experts=128,
+            moe_router_topk=8,
+            moe_ffn_hidden_size=768,
+            published_total_params_b=30.5,
+            published_active_params_b=3.3,
+        ),
+        # mistralai/Mixtral-8x7B-v0.1 config.json.
+        ModelSpec(
+            name="mixtral-8x7b",
+            num_layers=32,
+            hidden_size=4096,
+            ffn_hidden_size=14336,
+            num_attention_heads=32,
+            num_query_groups=8,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            num_moe_experts=8,
+            moe_router_topk=2,
+            published_total_params_b=46.7,
+            published_active_params_b=12.9,
+        ),
+        # Tiny models for CPU trials (seconds per step on gloo).
+        ModelSpec(
+            name="tiny-gpt",
+            num_layers=4,
+            hidden_size=64,
+            ffn_hidden_size=256,
+            num_attention_heads=4,
+            num_query_groups=2,
+            vocab_size=256,
+            max_position_embeddings=256,
+        ),
+        ModelSpec(
+            name="tiny-moe",
+            num_layers=4,
+            hidden_size=64,
+            ffn_hidden_size=128,
+            num_attention_heads=4,
+            num_query_groups=2,
+            vocab_size=256,
+            max_position_embeddings=256,
+            num_moe_experts=4,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=64,
+        ),
+        # The mission's 16-GPU "5D" check model: 4 layers, hidden 256, FFN 512, MoE.
+        ModelSpec(
+            name="tiny-5d",
+            num_layers=4,
+            hidden_size=256,
+            ffn_hidden_size=512,
+            num_attention_heads=8,
+            num_query_groups=4,
+            vocab_size=1024,
+            max_position_embeddings=512,
+            num_moe_experts=8,
+            moe_router_topk=2,
+            moe_ffn_hidden_size=512,
+        ),
+    )
+}
+
+
+def resolve_model(value: Any, base_dir: Path = Path(".")) -> ModelSpec:
+    """Turn the YAML's ``model:`` value into a ModelSpec, or raise ModelError."""
+    if isinstance(value, str):
+        return preset(value)
+    if not isinstance(value, dict):
+        raise ModelError(f"must be a preset name or a mapping, got {type(value).__name__}")
+    if "hf_config" in value:
+        from sweeper.models.hf import spec_from_hf_config
+
+        extra = sorted(set(value) - {"hf_config", "name"})
+        if extra:
+            raise ModelError("unknown key next to hf_config", where=f".{extra[0]}")
+        path = Path(str(value["hf_config"]))
+        return spec_from_hf_config(path if path.is_absolute() else base_dir / path, name=value.get("name"))
+    if "preset" in value:
+        base = preset(str(value["preset"]))
+        overrides = {k: v for k, v in value.items() if k != "preset"}
+        return _validated({**base.model_dump(exclude_unset=True), "name": base.name, **overrides})
+    return _validated(value)
+
+
+def preset(name: str) -> ModelSpec:
+    if name not in PRESETS:
+        raise ModelError(f"unknown preset '{name}' (known: {', '.join(PRESETS)})")
+    return PRESETS[name]
+
+
+def _validated(data: dict[str, Any]) -> ModelSpec:
+    try:
+        return ModelSpec.model_validate(data)
+    except ValidationError as exc:
+        from sweeper.config import _dotted, _explain
+
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        return _raise(f"{_explain(err)}", "." + _dotted(loc) if loc else "")
+
+
+def _raise(message: str, where: str) -> ModelSpec:
+    raise ModelError(message, where=where)

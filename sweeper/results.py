@@ -1,0 +1,75 @@
+"""TrialResult: what one smoke trial proved, in the shape of the `trial --json` contract (ARCHITECTURE.md).
+
+Plain dataclasses so the sweep, the tracker and the report can use results without importing Ray or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Status = Literal["passed", "failed", "pruned"]
+FailureKind = Literal[
+    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "infra", "unsupported"
+]
+FAILURE_KINDS: tuple[str, ...] = (
+    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "infra", "unsupported"
+)
+
+
+@dataclass
+class TrialMetrics:
+    tokens_per_s: float | None = None
+    step_time_s: float | None = None
+    tflops_per_gpu: float | None = None
+    peak_memory_gib: float | None = None  # max over ranks; device reserved on GPU, host RSS on CPU (see memory_kind)
+    loss_first: float | None = None
+    loss_last: float | None = None
+
+
+@dataclass
+class TrialChecks:
+    process_group: bool = False
+    model_built: bool = False
+    forward_backward: bool = False
+    finite: bool = False
+    checkpoint_saved: bool = False
+    checkpoint_reloaded: bool | None = None
+    equivalence_rel_err: float | None = None
+
+
+@dataclass
+class TrialResult:
+    status: Status
+    failure_kind: FailureKind | None = None
+    error: str | None = None
+    metrics: TrialMetrics = field(default_factory=TrialMetrics)
+    checks: TrialChecks = field(default_factory=TrialChecks)
+    checkpoint: str | None = None
+    rank_nodes: list[str] = field(default_factory=list)
+    backend: str = "none"
+    # Beyond the contract's required keys: what the memory figure measures, per-step losses, notes such as
+    # "Mamba fast path missing", and the trial folder holding every rank's log.
+    memory_kind: Literal["device", "host"] | None = None
+    losses: list[float] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    trial_dir: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrialResult:
+        data = dict(data)
+        data["metrics"] = TrialMetrics(**data.get("metrics") or {})
+        data["checks"] = TrialChecks(**data.get("checks") or {})
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    @classmethod
+    def pruned(cls, reason: str, kind: FailureKind | None = "invalid_layout") -> TrialResult:
+        return cls(status="pruned", failure_kind=kind, error=reason)
