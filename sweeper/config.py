@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    PositiveFloat,
     PositiveInt,
     ValidationError,
     field_validator,
@@ -25,6 +24,10 @@ from pydantic import (
 
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.models.spec import ModelSpec
+
+
+# gt=0.0 (a float) tells the error formatter to say "greater than 0" rather than "a positive integer".
+PositiveFloat = Annotated[float, Field(gt=0.0)]
 
 
 class ConfigError(ValueError):
@@ -234,7 +237,7 @@ def _explain(err: dict[str, Any]) -> str:
         return "unknown key"
     if kind == "missing":
         return "required"
-    if kind == "greater_than" and ctx.get("gt") == 0 and isinstance(value, int) and not isinstance(value, bool):
+    if kind == "greater_than" and ctx.get("gt") == 0 and not isinstance(ctx.get("gt"), float):
         return f"must be a positive integer{got}"
     if kind == "greater_than":
         return f"must be greater than {ctx.get('gt')}{got}"

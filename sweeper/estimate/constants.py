@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class EstimatorConstants(BaseModel):
@@ -14,6 +14,6 @@ class EstimatorConstants(BaseModel):
     # NCCL communicator buffers per process group the rank belongs to.
     nccl_buffer_gib_per_group: float = Field(0.06, ge=0)
     # torch reserved / allocated: the caching allocator keeps freed blocks; ~1.1-1.2 in long Megatron runs.
-    allocator_fragmentation: PositiveFloat = 1.15
+    allocator_fragmentation: float = Field(1.15, ge=1.0)
     # Fraction of the GPU's dense BF16 peak a well-tuned Megatron run reaches (model FLOPs utilisation).
     achievable_mfu: float = Field(0.40, gt=0, le=1)

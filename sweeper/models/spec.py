@@ -132,3 +132,7 @@ class ModelSpec(BaseModel):
     def count(self, block: Block) -> int:
         """How many layers contain this block."""
         return sum(1 for blocks in self.layer_blocks if block in blocks)
+
+    @property
+    def has_attention(self) -> bool:
+        return self.count("attention") > 0

@@ -1,0 +1,168 @@
+"""Command line: ``python -m sweeper {plan,trial,search,report,doctor}`` per ARCHITECTURE.md's contract.
+
+User errors (bad YAML, bad layout strings, impossible clusters, missing files) exit 2 with one line on stderr
+and write nothing. Heavy imports (ray, torch, mlflow) happen inside the commands that need them, so ``plan``
+stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from sweeper.config import ConfigError, SweepConfig, load_config
+from sweeper.layout import LayoutError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    """Bad input found by a command after parsing; one line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # argparse prints usage + message over two lines; we print one
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, LayoutError, UsageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="sweeper", description="Find the best stable Megatron parallel layout for a model on a cluster.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    plan = sub.add_parser("plan", help="list every layout of the space, valid or not, with predicted memory")
+    plan.add_argument("space", type=Path)
+    plan.add_argument("--json", action="store_true", help="print one JSON array")
+    plan.add_argument("--only", help='keep layouts matching these keys, e.g. "tp=2,ep=4,sp=true"')
+    plan.add_argument("--limit", type=int, default=40, help="valid layouts shown in the table (0 = all)")
+    plan.set_defaults(func=cmd_plan)
+
+    trial = sub.add_parser("trial", help="run one smoke trial of a layout on the space's cluster")
+    trial.add_argument("space", type=Path)
+    trial.add_argument("--layout", required=True, help='e.g. "tp=2,pp=2,ep=1"')
+    trial.add_argument("--json", action="store_true")
+    trial.add_argument("--out", type=Path, help="trial folder (default sweeps/<name>/trials/manual-<time>)")
+    trial.add_argument("--address", help="Ray address (overrides cluster.address)")
+    trial.set_defaults(func=cmd_trial)
+
+    search = sub.add_parser("search", help="run the sweep and export the best stable layout")
+    search.add_argument("space", type=Path)
+    search.add_argument("--resume", action="store_true", help="continue the sweep recorded in --out")
+    search.add_argument("--out", type=Path, help="sweep folder (default sweeps/<name>/)")
+    search.add_argument("--max-trials", type=int, help="override search.max_trials")
+    search.add_argument("--parallel", type=int, help="override search.parallel (trials at once)")
+    search.add_argument("--address", help="Ray address (overrides cluster.address)")
+    search.add_argument("--inject", action="append", default=[], metavar="SPEC",
+                        help="fault injection on simulated clusters: node-loss@trial=N, node-join@trial=N, "
+                        "hang@trial=N, nan@trial=N, kill-rank@trial=N")
+    search.set_defaults(func=cmd_search)
+
+    report = sub.add_parser("report", help="re-render the report of a sweep folder")
+    report.add_argument("dir", type=Path)
+    report.set_defaults(func=cmd_report)
+
+    doctor = sub.add_parser("doctor", help="check every node of the cluster before any trial")
+    doctor.add_argument("space", type=Path)
+    doctor.add_argument("--address", help="Ray address (overrides cluster.address)")
+    doctor.set_defaults(func=cmd_doctor)
+    return parser
+
+
+# -- plan ---------------------------------------------------------------------------------------------------------
+def cmd_plan(args: argparse.Namespace) -> int:
+    from sweeper.space import only_filter
+
+    cfg = load_config(args.space)
+    only = only_filter(args.only)
+    from sweeper.plan import build_plan
+
+    entries = build_plan(cfg, only)
+    if args.json:
+        json.dump([e.to_json() for e in entries], sys.stdout)
+        sys.stdout.write("\n")
+        return EXIT_OK
+    from sweeper.views import print_plan
+
+    print_plan(cfg, entries, limit=args.limit)
+    return EXIT_OK
+
+
+# -- trial --------------------------------------------------------------------------------------------------------
+def cmd_trial(args: argparse.Namespace) -> int:
+    from sweeper.space import layout_from_string
+
+    cfg = load_config(args.space)
+    layout = layout_from_string(cfg, args.layout)
+    from sweeper.workflow import run_single_trial
+
+    result = run_single_trial(cfg, layout, out=args.out, address=args.address)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        from sweeper.views import print_trial
+
+        print_trial(cfg, layout, result)
+    return EXIT_OK if result.passed else EXIT_FAILED
+
+
+# -- search -------------------------------------------------------------------------------------------------------
+def cmd_search(args: argparse.Namespace) -> int:
+    if args.max_trials is not None and args.max_trials < 1:
+        raise UsageError(f"--max-trials: must be a positive integer, got {args.max_trials}")
+    if args.parallel is not None and args.parallel < 1:
+        raise UsageError(f"--parallel: must be a positive integer, got {args.parallel}")
+    cfg = load_config(args.space)
+    from sweeper.search import SearchOptions, parse_injections, run_search
+
+    options = SearchOptions(
+        out=args.out or Path("sweeps") / cfg.name,
+        resume=args.resume,
+        max_trials=args.max_trials,
+        parallel=args.parallel,
+        address=args.address,
+        injections=parse_injections(args.inject, simulated=_is_simulated(cfg, args.address)),
+    )
+    return run_search(cfg, options)
+
+
+def _is_simulated(cfg: SweepConfig, address: str | None) -> bool:
+    from sweeper.cluster import will_simulate
+
+    return will_simulate(cfg.cluster, address)
+
+
+# -- report -------------------------------------------------------------------------------------------------------
+def cmd_report(args: argparse.Namespace) -> int:
+    if not (args.dir / "trials.jsonl").is_file():
+        raise UsageError(f"{args.dir}: not a sweep folder (no trials.jsonl)")
+    from sweeper.report import render_report
+
+    path = render_report(args.dir)
+    print(path)
+    return EXIT_OK
+
+
+# -- doctor -------------------------------------------------------------------------------------------------------
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from sweeper.workflow import run_doctor
+
+    cfg = load_config(args.space)
+    report = run_doctor(cfg, address=args.address)
+    from sweeper.views import print_doctor
+
+    print_doctor(report)
+    return EXIT_OK if report.ok else EXIT_FAILED

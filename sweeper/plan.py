@@ -1,0 +1,73 @@
+"""`sweeper plan`: every layout of a space, valid or not and why, with the estimator's prediction.
+
+Instant and offline: imports neither torch, ray nor megatron. Each entry is the contract's JSON element
+``{"layout", "valid", "reasons", "predicted"}``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from sweeper.config import SweepConfig
+from sweeper.estimate import Estimate, estimate
+from sweeper.layout import Layout
+from sweeper.rules import check
+from sweeper.space import enumerate_layouts, matches
+
+_NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None}
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    layout: Layout
+    reasons: list[str]
+    predicted: Estimate | None
+
+    @property
+    def valid(self) -> bool:
+        return not self.reasons
+
+    @property
+    def launchable(self) -> bool:
+        return self.valid and self.predicted is not None and self.predicted.fits
+
+    def to_json(self) -> dict[str, Any]:
+        layout = {k: v for k, v in self.layout.to_dict().items()}
+        predicted = self.predicted.to_json() if self.predicted else dict(_NO_PREDICTION)
+        return {"layout": layout, "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
+
+
+def assess(cfg: SweepConfig, layout: Layout) -> PlanEntry:
+    """Rules, then (for valid layouts) the estimator."""
+    reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
+    predicted = None
+    if not reasons:
+        predicted = estimate(
+            cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
+            headroom=cfg.search.memory_headroom,
+        )
+    return PlanEntry(layout, reasons, predicted)
+
+
+def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[PlanEntry]:
+    """Valid layouts first, those that fit sorted by predicted throughput; then the invalid ones."""
+    entries = [assess(cfg, lo) for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
+    return sorted(entries, key=_order)
+
+
+def _order(entry: PlanEntry) -> tuple[int, float, float]:
+    if not entry.valid:
+        return (3, 0.0, 0.0)
+    p = entry.predicted
+    assert p is not None
+    if not p.fits:
+        return (2, p.memory_gib, 0.0)
+    return (1, -(p.tokens_per_s or 0.0), p.memory_gib)
+
+
+def invalid_reasons(entries: list[PlanEntry]) -> list[tuple[str, int]]:
+    """Distinct reasons with how many layouts each rejects, most common first."""
+    counts = Counter(reason for e in entries for reason in e.reasons)
+    return counts.most_common()

@@ -1,0 +1,357 @@
+"""Megatron's layout validity rules, checked before launch: one place, every rule with its reason.
+
+Each rule is a function ``(ctx) -> str | None`` returning the reason a layout is invalid in the user's terms,
+quoting Megatron-Core 0.16's own wording where it has one (the source is named beside each rule). ``check``
+returns every reason that applies, so ``plan`` can group invalid layouts by cause. Rules only depend on the
+model, the layout, the cluster and the sequence length; what a backend cannot run (e.g. CP on CPU) is not a
+rule: the trial reports it as "unsupported".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sweeper.config import ClusterConfig
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    model: ModelSpec
+    layout: Layout
+    cluster: ClusterConfig
+    seq_length: int
+
+
+Rule = Callable[[RuleContext], "str | None"]
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    RULES.append(fn)
+    return fn
+
+
+def check(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int) -> list[str]:
+    """Every reason Megatron (or the cluster) would reject this layout; empty when it is valid."""
+    ctx = RuleContext(model, layout, cluster, seq_length)
+    return [reason for fn in RULES if (reason := fn(ctx))]
+
+
+# -- sizes (parallel_state.initialize_model_parallel) ------------------------------------------------------------
+@rule
+def world_divides_model_parallel(c: RuleContext) -> str | None:
+    lo = c.layout
+    if lo.world_size % lo.model_parallel:
+        return (
+            f"world size ({lo.world_size}) is not divisible by tensor_model_parallel_size ({lo.tp}) x "
+            f"pipeline_model_parallel_size ({lo.pp}) x context_parallel_size ({lo.cp})"
+        )
+    return None
+
+
+@rule
+def world_divides_expert_parallel(c: RuleContext) -> str | None:
+    lo = c.layout
+    if lo.world_size % (lo.etp * lo.ep * lo.pp):
+        return (
+            f"world size ({lo.world_size}) is not divisible by expert_tensor_parallel_size ({lo.etp}) x "
+            f"expert_model_parallel_size ({lo.ep}) x pipeline_model_parallel_size ({lo.pp}) (MoE parallel folding)"
+        )
+    return None
+
+
+@rule
+def within_cluster(c: RuleContext) -> str | None:
+    if c.layout.world_size > c.cluster.total_gpus:
+        return f"needs {c.layout.world_size} GPUs but the cluster has {c.cluster.total_gpus}"
+    return None
+
+
+# -- topology ----------------------------------------------------------------------------------------------------
+@rule
+def tp_inside_node(c: RuleContext) -> str | None:
+    tp, per_node = c.layout.tp, c.cluster.gpus_per_node
+    if tp > per_node or (c.layout.world_size > per_node and per_node % tp):
+        return (
+            f"a tensor-parallel group of {tp} GPUs cannot stay inside one node of {per_node} GPUs "
+            "(TP traffic is the heaviest; across nodes it would run over the inter-node network)"
+        )
+    return None
+
+
+@rule
+def multi_node_trial_fills_nodes(c: RuleContext) -> str | None:
+    w, per_node = c.layout.world_size, c.cluster.gpus_per_node
+    if w > per_node and w % per_node:
+        return f"a {w}-GPU trial spans nodes but is not a whole number of {per_node}-GPU nodes"
+    return None
+
+
+# -- virtual pipeline ----------------------------------------------------------------------------------------------
+@rule
+def vpp_needs_pp(c: RuleContext) -> str | None:
+    if c.layout.vpp > 1 and c.layout.pp == 1:
+        return "virtual pipeline (interleaved schedule) needs pipeline_model_parallel_size > 1"
+    return None
+
+
+@rule
+def vpp_not_hybrid(c: RuleContext) -> str | None:
+    if c.layout.vpp > 1 and c.model.is_hybrid:
+        return "hybrid Mamba models do not support the interleaved (virtual pipeline) schedule in megatron-core 0.16"
+    return None
+
+
+@rule
+def interleaved_microbatches(c: RuleContext) -> str | None:
+    lo = c.layout
+    m = lo.num_microbatches
+    if lo.vpp > 1 and lo.pp > 1 and m and (m < lo.pp or m % lo.pp):
+        return (
+            f"interleaved schedule needs the number of micro-batches ({m}) to be >= and a multiple of "
+            f"pipeline_model_parallel_size ({lo.pp}) (pipeline_parallel/schedules.py)"
+        )
+    return None
+
+
+# -- sequence parallel ---------------------------------------------------------------------------------------------
+@rule
+def sp_needs_tp(c: RuleContext) -> str | None:
+    if c.layout.sp and c.layout.tp == 1:
+        return "Cannot use sequence parallelism without tensor parallelism"
+    return None
+
+
+@rule
+def moe_tp_needs_sp(c: RuleContext) -> str | None:
+    if c.model.is_moe and c.layout.tp > 1 and not c.layout.sp:
+        return (
+            "MoE with tensor parallelism needs sequence parallelism: megatron raises 'During training, performance "
+            "may degrade if MoE and tensor parallelism are enabled without also enabling sequence parallelism.'"
+        )
+    return None
+
+
+@rule
+def sp_sequence_divisible(c: RuleContext) -> str | None:
+    lo = c.layout
+    if lo.sp and c.seq_length % (lo.tp * lo.cp):
+        return f"sequence parallel needs seq_length ({c.seq_length}) divisible by TP x CP ({lo.tp * lo.cp})"
+    return None
+
+
+# -- attention heads (transformer_config.py __post_init__) ---------------------------------------------------------
+@rule
+def heads_divisible_by_tp(c: RuleContext) -> str | None:
+    heads, tp = c.model.num_attention_heads, c.layout.tp
+    if c.model.has_attention and heads % tp:
+        return f"num_attention_heads ({heads}) must be a multiple of tensor_model_parallel_size ({tp})."
+    return None
+
+
+@rule
+def query_groups_vs_tp(c: RuleContext) -> str | None:
+    groups, tp = c.model.query_groups, c.layout.tp
+    if c.model.has_attention and not c.model.multi_latent_attention and groups % tp and tp % groups:
+        return f"num_query_groups ({groups}) must be a multiple or divisor of tensor_model_parallel_size ({tp})."
+    return None
+
+
+# -- Mamba (ssm/mamba_mixer.py) -----------------------------------------------------------------------------------
+@rule
+def mamba_heads_and_groups(c: RuleContext) -> str | None:
+    m, tp, cp = c.model, c.layout.tp, c.layout.cp
+    if not m.count("mamba"):
+        return None
+    heads, groups = m.mamba_heads, m.mamba_num_groups
+    if heads % groups:
+        return f"Mamba heads ({heads}) must be a multiple of Mamba groups ({groups})"
+    if heads % tp:
+        return f"Mamba heads ({heads}) must be divisible by tensor_model_parallel_size ({tp})"
+    if groups % tp:
+        return f"Mamba groups ({groups}) must be divisible by tensor_model_parallel_size ({tp})"
+    if cp > 1 and (heads // tp) % cp:
+        return f"Mamba heads per TP rank ({heads // tp}) must be divisible by context_parallel_size ({cp})"
+    return None
+
+
+# -- pipeline split (transformer_block.py, transformer_config.py "Uneven PP") -------------------------------------
+@rule
+def pipeline_split(c: RuleContext) -> str | None:
+    lo, layers = c.layout, c.model.num_layers
+    if lo.pp == 1:
+        return None
+    if layers < lo.pp:
+        return f"num_layers ({layers}) is smaller than pipeline_model_parallel_size ({lo.pp})"
+    if lo.first_stage_layers is None and lo.last_stage_layers is None:
+        if layers % lo.pp == 0:
+            per_stage = layers // lo.pp
+            if per_stage % lo.vpp:
+                return (
+                    f"layers per pipeline rank ({per_stage}) must be divisible by the virtual pipeline size ({lo.vpp})"
+                )
+            return None
+        if c.model.is_hybrid:
+            return (
+                f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({lo.pp}); megatron-core "
+                "0.16 would silently drop layers of a hybrid Mamba model (integer division), so sweeper refuses it"
+            )
+        if uneven_split(layers, lo.pp, lo.vpp) is None:
+            return (
+                f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({lo.pp}) and no uneven "
+                f"first/last-stage split fits" + (f" with virtual pipeline size {lo.vpp}" if lo.vpp > 1 else "")
+            )
+        return f"num_layers ({layers}) needs an uneven pipeline split; call rules.with_pipeline_split first"
+    first, last = lo.first_stage_layers or 0, lo.last_stage_layers or 0
+    middle_stages = lo.pp - (lo.first_stage_layers is not None) - (lo.last_stage_layers is not None)
+    middle = layers - first - last
+    if c.model.is_hybrid:
+        return "megatron-core 0.16 hybrid Mamba models do not take uneven first/last pipeline stages"
+    if middle < 0 or bool(middle) != bool(middle_stages) or (middle_stages and middle % middle_stages):
+        return f"uneven split {first}/{middle}/{last} does not fit {layers} layers on {lo.pp} pipeline stages"
+    return None
+
+
+@lru_cache(maxsize=4096)
+def uneven_split(layers: int, pp: int, vpp: int = 1) -> tuple[int, int] | None:
+    """Megatron's num_layers_in_first/last_pipeline_stage for layers that do not divide by PP: the most balanced
+    split with the first stage getting the extra layer (the last stage also holds the output layer and logits),
+    every count a multiple of VPP. 27 layers on PP=2 gives (14, 13)."""
+    best: tuple[int, int, int, int] | None = None  # (imbalance, last - first, first, last)
+    for first in range(1, layers):
+        for last in range(1, layers - first + 1):
+            middle_layers, middle_stages = layers - first - last, pp - 2
+            if (middle_layers > 0) != (middle_stages > 0) or middle_layers < 0:
+                continue
+            per_middle = middle_layers // middle_stages if middle_stages else None
+            if middle_stages and middle_layers % middle_stages:
+                continue
+            counts = [first, last] + ([per_middle] if per_middle is not None else [])
+            if any(n % vpp or n == 0 for n in counts):
+                continue
+            key = (max(counts) - min(counts), last - first, first, last)
+            if best is None or key < best:
+                best = key
+    return None if best is None else (best[2], best[3])
+
+
+def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
+    """The layout with Megatron's uneven first/last stage sizes filled in when the layers do not divide by PP."""
+    from dataclasses import replace
+
+    if layout.pp == 1 or model.num_layers % layout.pp == 0 or model.is_hybrid:
+        return layout
+    split = uneven_split(model.num_layers, layout.pp, layout.vpp)
+    if split is None:
+        return layout
+    return replace(layout, first_stage_layers=split[0], last_stage_layers=split[1])
+
+
+# -- MoE (moe_layer.py, transformer_config.py) --------------------------------------------------------------------
+@rule
+def ep_needs_experts(c: RuleContext) -> str | None:
+    if c.layout.ep > 1 and not c.model.is_moe:
+        return "num_moe_experts must be non None to use expert-parallel."
+    return None
+
+
+@rule
+def etp_needs_experts(c: RuleContext) -> str | None:
+    if c.layout.etp > 1 and not c.model.is_moe:
+        return "expert_tensor_parallel_size > 1 only applies to MoE models (this model has no experts)"
+    return None
+
+
+@rule
+def experts_divisible_by_ep(c: RuleContext) -> str | None:
+    experts, ep = c.model.num_moe_experts, c.layout.ep
+    if experts is not None and experts % ep:
+        return f"num_moe_experts ({experts}) must be divisible by expert_model_parallel_size ({ep}) (moe_layer.py)"
+    return None
+
+
+@rule
+def expert_bias_needs_etp1(c: RuleContext) -> str | None:
+    if c.model.is_moe and c.model.add_bias_linear and c.layout.etp != 1:
+        return "Bias in Moe is only supported when ETP==1"
+    return None
+
+
+@rule
+def topk1_needs_pre_softmax(c: RuleContext) -> str | None:
+    m = c.model
+    if m.is_moe and m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
+        return "Please use --moe-router-pre-softmax when topk is 1."
+    return None
+
+
+@rule
+def experts_divisible_by_router_groups(c: RuleContext) -> str | None:
+    m = c.model
+    if m.is_moe and m.moe_router_num_groups and m.num_moe_experts % m.moe_router_num_groups:  # type: ignore[operator]
+        return f"num_moe_experts ({m.num_moe_experts}) must be divisible by moe_router_num_groups"
+    return None
+
+
+# -- context parallel ----------------------------------------------------------------------------------------------
+@rule
+def cp_sequence_divisible(c: RuleContext) -> str | None:
+    cp = c.layout.cp
+    if cp > 1 and c.seq_length % (2 * cp):
+        return f"context parallel needs seq_length ({c.seq_length}) divisible by 2 x CP ({2 * cp})"
+    return None
+
+
+@rule
+def fp8_mla_cp(c: RuleContext) -> str | None:
+    if c.layout.cp > 1 and c.model.multi_latent_attention and c.layout.is_fp8:
+        return "FP8 multi-latent attention with context parallel is not supported by Transformer Engine"
+    return None
+
+
+# -- batch ---------------------------------------------------------------------------------------------------------
+@rule
+def global_batch_divisible(c: RuleContext) -> str | None:
+    lo = c.layout
+    if lo.dp and lo.gbs % (lo.mbs * lo.dp):
+        return (
+            f"global_batch_size ({lo.gbs}) is not divisible by micro_batch_size ({lo.mbs}) x "
+            f"data_parallel_size ({lo.dp})"
+        )
+    return None
+
+
+# -- precision (Transformer Engine recipes) ------------------------------------------------------------------------
+@rule
+def fp8_hardware(c: RuleContext) -> str | None:
+    cc = c.cluster.capability
+    if c.layout.precision == "fp8" and cc < (8, 9):
+        return f"FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); the cluster is {c.cluster.compute_capability}"
+    if c.layout.precision == "mxfp8" and cc[0] != 10:
+        return (
+            f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on "
+            f"{c.cluster.compute_capability}"
+        )
+    return None
+
+
+@rule
+def fp8_gemm_shapes(c: RuleContext) -> str | None:
+    lo, m = c.layout, c.model
+    if not lo.is_fp8:
+        return None
+    align = 32 if lo.precision == "mxfp8" else 16
+    dims = {"hidden_size": m.hidden_size, "ffn_hidden_size / TP": m.ffn_hidden_size // lo.tp}
+    if m.is_moe:
+        dims["moe_ffn_hidden_size / ETP"] = m.expert_ffn_hidden_size // lo.etp
+    for name, value in dims.items():
+        if value % align:
+            return f"{lo.precision} GEMMs need {name} ({value}) divisible by {align}"
+    tokens = c.seq_length * lo.mbs // (lo.tp if lo.sp else 1) // lo.cp
+    if tokens % 8:
+        return f"{lo.precision} GEMMs need tokens per micro-batch per rank ({tokens}) divisible by 8"
+    return None

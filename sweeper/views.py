@@ -1,0 +1,95 @@
+"""Terminal views (rich) of plans, trial results and doctor reports. Presentation only: no decisions here."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from sweeper.config import SweepConfig
+    from sweeper.layout import Layout
+    from sweeper.plan import PlanEntry
+    from sweeper.results import TrialResult
+
+console = Console()
+
+
+def _num(value: float | None, fmt: str = "{:.1f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> None:
+    from sweeper.plan import invalid_reasons
+
+    valid = [e for e in entries if e.valid]
+    fits = [e for e in valid if e.predicted and e.predicted.fits]
+    c = cfg.cluster
+    console.print(
+        f"[bold]{cfg.name}[/]: {cfg.model.name} on {c.nodes} x {c.gpus_per_node} GPUs "
+        f"({c.gpu_memory_gib:g} GiB, cc {c.compute_capability}); {len(entries)} layouts: "
+        f"[green]{len(fits)} fit[/], {len(valid) - len(fits)} valid but predicted over "
+        f"{(1 - cfg.search.memory_headroom) * 100:.0f}% memory, [red]{len(entries) - len(valid)} invalid[/]"
+    )
+    table = Table(title="valid layouts (fastest predicted first)", show_lines=False)
+    for col in ("layout", "GPUs", "DP", "EDP", "mem GiB", "fits", "step s", "tokens/s"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    shown = valid if limit <= 0 else valid[:limit]
+    for e in shown:
+        p = e.predicted
+        table.add_row(
+            e.layout.short(), str(e.layout.world_size), str(e.layout.dp), str(e.layout.edp),
+            _num(p.memory_gib if p else None), ("[green]yes[/]" if p and p.fits else "[red]no[/]"),
+            _num(p.step_time_s if p else None, "{:.3f}"), _num(p.tokens_per_s if p else None, "{:,.0f}"),
+        )
+    if valid:
+        console.print(table)
+    if len(shown) < len(valid):
+        console.print(f"... {len(valid) - len(shown)} more valid layouts (--limit 0 shows all, --json lists them)")
+    reasons = invalid_reasons(entries)
+    if reasons:
+        why = Table(title="invalid layouts by reason")
+        why.add_column("layouts", justify="right")
+        why.add_column("reason")
+        for reason, count in reasons:
+            why.add_row(str(count), reason)
+        console.print(why)
+
+
+def print_trial(cfg: SweepConfig, layout: Layout, result: TrialResult) -> None:
+    colour = {"passed": "green", "failed": "red", "pruned": "yellow"}[result.status]
+    console.print(f"[bold]{layout.short()}[/] on {result.backend}: [{colour}]{result.status}[/]"
+                  + (f" ({result.failure_kind}: {result.error})" if result.failure_kind else ""))
+    m = result.metrics
+    memory = "host RSS" if result.memory_kind == "host" else "device reserved"
+    table = Table(show_header=False)
+    rows: list[tuple[str, Any]] = [
+        ("tokens/s", _num(m.tokens_per_s, "{:,.1f}")),
+        ("step time s", _num(m.step_time_s, "{:.3f}")),
+        ("TFLOP/s per GPU", _num(m.tflops_per_gpu, "{:.3f}")),
+        (f"peak memory GiB ({memory})", _num(m.peak_memory_gib, "{:.2f}")),
+        ("loss first -> last", f"{_num(m.loss_first, '{:.4f}')} -> {_num(m.loss_last, '{:.4f}')}"),
+        ("checks", ", ".join(f"{k}={v}" for k, v in vars(result.checks).items())),
+        ("ranks on nodes", " ".join(result.rank_nodes)),
+        ("checkpoint", result.checkpoint or "-"),
+        ("trial folder", result.trial_dir or "-"),
+    ]
+    for note in result.notes:
+        rows.append(("note", note))
+    for key, value in rows:
+        table.add_row(key, str(value))
+    console.print(table)
+
+
+def print_doctor(report: Any) -> None:
+    table = Table(title="doctor: every node before any trial")
+    columns, rows = report.rows()
+    for col in columns:
+        table.add_column(col)
+    for row in rows:
+        table.add_row(*[str(v) for v in row])
+    console.print(table)
+    for problem in report.problems:
+        console.print(f"[red]problem[/]: {problem}")
+    console.print("[green]all nodes agree[/]" if report.ok else "[red]nodes disagree or paths are missing[/]")
