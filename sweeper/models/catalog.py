@@ -67,6 +67,8 @@ PRESETS: dict[str, ModelSpec] = {
             moe_shared_expert_intermediate_size=2 * 1408,
             moe_first_k_dense=1,
             multi_latent_attention=True,
+            # kv_a_layernorm (HF) = Megatron's MLA kv_layernorm, built only with qk_layernorm=True.
+            qk_layernorm=True,
             q_lora_rank=None,
             kv_lora_rank=512,
             qk_head_dim=128,
