@@ -1,0 +1,186 @@
+"""Build the Megatron pieces of a smoke run from sweeper's values: TransformerConfig, GPTModel chunks, DDP, optimizer.
+
+ModelSpec field names follow TransformerConfig, so most fields pass straight through; the layout supplies the
+parallel sizes, precision, recompute and the uneven pipeline split. On the CPU backend the model uses Megatron's
+local (pure torch) layer spec, CPU initialisation and the allgather MoE token dispatcher; on a GPU with
+Transformer Engine it uses the TE layer spec. With virtual pipeline stages one model chunk is built per stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+
+from sweeper.backends.megatron.flops import padded_vocab_size
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def transformer_engine_available() -> bool:
+    """True when Transformer Engine imports (the GPU layer spec needs it)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
+        return False
+    return True
+
+
+def use_transformer_engine(cuda: bool, te_available: bool) -> bool:
+    """The TE layer spec on a GPU with TE; Megatron's local torch spec otherwise (always on the CPU)."""
+    return cuda and te_available
+
+
+def params_dtype(layout: Layout) -> torch.dtype:
+    # FP8 runs keep BF16 parameters; Transformer Engine casts GEMM inputs to FP8.
+    return _DTYPES.get(layout.precision, torch.bfloat16)
+
+
+def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool) -> TransformerConfig:
+    """Megatron's TransformerConfig; its __post_init__ asserts the layout rules (heads % TP, ...)."""
+    dtype = params_dtype(layout)
+    moe: dict[str, Any] = {}
+    if spec.is_moe:
+        moe = dict(
+            num_moe_experts=spec.num_moe_experts,
+            moe_router_topk=spec.moe_router_topk,
+            moe_ffn_hidden_size=spec.expert_ffn_hidden_size,
+            moe_shared_expert_intermediate_size=spec.moe_shared_expert_intermediate_size,
+            # DeepSeek's first-k-dense layers: 0 = dense MLP, 1 = MoE, one entry per layer.
+            moe_layer_freq=[0] * spec.moe_first_k_dense + [1] * (spec.num_layers - spec.moe_first_k_dense),
+            moe_router_pre_softmax=spec.moe_router_pre_softmax,
+            moe_router_num_groups=spec.moe_router_num_groups,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=1e-2,
+            # The alltoall dispatcher fails under gloo; allgather is Megatron's other general dispatcher.
+            moe_token_dispatcher_type="alltoall" if cuda else "allgather",
+            moe_grouped_gemm=te,
+        )
+    recompute: dict[str, Any] = {}
+    if layout.recompute == "selective":
+        recompute = dict(recompute_granularity="selective")
+    elif layout.recompute == "full":
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    fp8: dict[str, Any] = {}
+    if layout.precision == "fp8":
+        fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
+    elif layout.precision == "mxfp8":
+        fp8 = dict(fp8="e4m3", fp8_recipe="mxfp8")
+    return TransformerConfig(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.query_groups,
+        kv_channels=spec.head_dim,
+        gated_linear_unit=spec.gated_linear_unit,
+        activation_func=F.silu if spec.gated_linear_unit else F.gelu,
+        normalization=spec.normalization,
+        add_bias_linear=spec.add_bias_linear,
+        add_qkv_bias=spec.add_qkv_bias,
+        qk_layernorm=spec.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        use_cpu_initialization=not cuda,
+        **moe,
+        **recompute,
+        **fp8,
+    )
+
+
+@dataclass
+class Built:
+    config: TransformerConfig
+    model: list[DistributedDataParallel]  # one chunk per virtual pipeline stage (one without VPP)
+    optimizer: MegatronOptimizer
+    vocab_size: int  # padded
+
+
+def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -> Built:
+    """Config, model chunks wrapped in Megatron DDP, and Megatron's (distributed) Adam optimizer."""
+    from megatron.core import tensor_parallel
+
+    config = transformer_config(spec, layout, cuda=cuda, te=te)
+    # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    vocab = padded_vocab_size(spec.vocab_size, layout.tp)
+    vpp = layout.vpp if layout.vpp > 1 else None
+    chunks: list[GPTModel] = []
+    for vp_stage in range(layout.vpp) if vpp else [None]:
+        block_spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=te, normalization=spec.normalization, vp_stage=vp_stage
+        )
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec,
+            vocab_size=vocab,
+            max_sequence_length=spec.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            share_embeddings_and_output_weights=not spec.untie_embeddings_and_output_weights,
+            position_embedding_type=spec.position_embedding_type,
+            vp_stage=vp_stage,
+        )
+        if cuda:
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=layout.precision != "fp32",
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=layout.distributed_optimizer,
+    )
+    model = [
+        # Megatron-LM buckets only the first chunk's gradients; later chunks reduce as one bucket each.
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    for chunk in model:
+        chunk.broadcast_params()  # identical replicas across data-parallel ranks, whatever the initialisation
+    config.finalize_model_grads_func = finalize_model_grads
+
+    dtype = params_dtype(layout)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-4,
+            weight_decay=0.01,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            clip_grad=1.0,
+            bf16=dtype is torch.bfloat16,
+            fp16=dtype is torch.float16,
+            params_dtype=dtype,
+            initial_loss_scale=2.0**16,
+            use_distributed_optimizer=layout.distributed_optimizer,
+        ),
+        model,
+    )
+    if dtype is torch.float16:
+        config.grad_scale_func = optimizer.scale_loss
+    return Built(config=config, model=model, optimizer=optimizer, vocab_size=vocab)

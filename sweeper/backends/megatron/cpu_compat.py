@@ -1,0 +1,168 @@
+"""Run megatron-core on a CPU-only torch build by redirecting its hard-coded CUDA calls to the CPU.
+
+megatron-core 0.16 assumes a GPU in ~190 places (``torch.cuda.current_device()`` as allocation device,
+CUDA RNG states, streams and events, ``param.type() == 'torch.cuda.FloatTensor'``). Rather than patching each
+call site, ``install()`` makes a few generic redirections (see /work/shared/design/MEGATRON_ON_CPU.md): a
+``TorchFunctionMode`` that turns every CUDA device argument into the CPU, an RNG tracker that keeps CPU generator
+states, and no-op stand-ins for the stream/event API. It is a no-op when CUDA is available, and idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_installed = False
+_mode_threads: set[int] = set()
+_lock = threading.Lock()
+_CPU = torch.device("cpu")
+
+
+def install() -> bool:
+    """Install the redirections (once per process, the device mode once per thread); True when active."""
+    global _installed
+    if torch.cuda.is_available():
+        return False
+    with _lock:
+        if not _installed:
+            _patch_torch_cuda()
+            _patch_megatron()
+            _installed = True
+        # Torch function modes are thread-local; entered for the life of the thread that runs the smoke run.
+        if threading.get_ident() not in _mode_threads:
+            _CudaToCpuMode().__enter__()
+            _mode_threads.add(threading.get_ident())
+    return True
+
+
+def _is_cuda(device: Any) -> bool:
+    # An int device means "CUDA device N" to torch factories (megatron passes torch.cuda.current_device()).
+    if isinstance(device, bool):
+        return False
+    if isinstance(device, int):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+_CUDA_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to the CPU in every torch call (the mechanism torch.set_default_device uses)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            # .cuda() of a tensor already "on the device" returns the tensor itself, as CUDA torch does.
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].dtype in _CUDA_TYPE_NAMES:
+            # The (distributed) optimizer dispatches on 'torch.cuda.*Tensor' names; report CPU tensors that way.
+            return _CUDA_TYPE_NAMES[args[0].dtype]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = _CPU
+        if func in (torch.Tensor.to, torch.Tensor.pin_memory) and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        if func is torch.Tensor.pin_memory:
+            # Pinned memory needs a CUDA build; pageable memory is the CPU equivalent.
+            return args[0]
+        kwargs.pop("pin_memory", None)
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    """Stands in for torch.cuda.Stream/Event: on the CPU everything is already ordered and synchronous."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __enter__(self) -> _NoOpStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def wait_stream(self, *args: Any) -> None: ...
+
+    def wait_event(self, *args: Any) -> None: ...
+
+    def wait(self, *args: Any) -> None: ...
+
+    def synchronize(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, *args: Any) -> None: ...
+
+    def record_event(self, event: Any = None) -> _NoOpStream:
+        # MoE code keeps the returned event and waits on it later, so an object must come back.
+        return event if event is not None else _NoOpStream()
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+def _patch_torch_cuda() -> None:
+    # Megatron allocates on torch.cuda.current_device(); device 0 is then rewritten to the CPU by the mode.
+    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    torch.cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
+    torch.cuda.Event = _NoOpStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+
+
+def _patch_megatron() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    # Without Transformer Engine the router references an undefined name (NameError); None selects the torch path.
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    # "CUDA" RNG state on a CPU build is the CPU generator's state: tracker forks and activation recompute
+    # (CheckpointFunction) save/restore it through these two functions.
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mrandom.CudaRNGStatesTracker = _make_cpu_tracker(mrandom.CudaRNGStatesTracker)
+    # A tracker created before install (e.g. by an import) would be the CUDA one; force the next one to be ours.
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _make_cpu_tracker(base: type) -> type:
+    class CpuRNGStatesTracker(base):  # type: ignore[misc,valid-type]
+        """Megatron's RNG tracker (same state names, same fork semantics) holding CPU generator states."""
+
+        def add(self, name: str, seed: int) -> None:
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"cuda rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
+            if name not in self.states_:
+                raise Exception(f"cuda rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker

@@ -1,0 +1,93 @@
+"""Failure classification: turn whatever a rank raised into (failure_kind, one-line root cause).
+
+The kinds are sweeper.results.FAILURE_KINDS. The smoke run raises the typed errors below for conditions it
+detects itself; everything else (Megatron assertions, torch and gloo/NCCL errors) is classified by type, by
+message and by the phase of the run it happened in (an assertion while building the model means Megatron
+rejected the layout; the same in a collective means communication broke).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+Phase = Literal["setup", "init", "build", "steps", "checkpoint_save", "checkpoint_load", "report"]
+
+
+class SmokeFailure(Exception):
+    """A failure the smoke run detected itself; ``kind`` is a FAILURE_KINDS entry."""
+
+    kind = "infra"
+
+
+class UnsupportedError(SmokeFailure):
+    kind = "unsupported"
+
+
+class NonFiniteError(SmokeFailure):
+    kind = "nan"
+
+
+class SimulatedOOMError(SmokeFailure):
+    """The rank's resident memory exceeded the simulated GPU memory (CPU backend)."""
+
+    kind = "oom"
+
+
+class CheckpointError(SmokeFailure):
+    kind = "checkpoint_error"
+
+
+_OOM_MARKERS = ("out of memory", "cannot allocate memory", "std::bad_alloc")
+_COMM_MARKERS = (
+    "gloo", "nccl", "connection closed by peer", "connection reset", "connection refused", "broken pipe",
+    "timed out", "timeout", "socket", "rendezvous", "processgroup", "tcpstore", "address already in use",
+)
+_SHAPE_MARKERS = ("shape", "size mismatch", "must be a multiple", "must be divisible", "divisible by")
+
+
+def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
+    """(failure_kind, one-line error) for an exception raised in ``phase`` of the smoke run."""
+    message = one_line(exc)
+    if isinstance(exc, SmokeFailure):
+        return exc.kind, message
+    low = message.lower()
+    if isinstance(exc, MemoryError) or _is_torch_oom(exc) or any(m in low for m in _OOM_MARKERS):
+        return "oom", message
+    if phase in ("checkpoint_save", "checkpoint_load"):
+        return "checkpoint_error", f"checkpoint {phase.removeprefix('checkpoint_')} failed: {message}"
+    if _is_dist_error(exc) or any(m in low for m in _COMM_MARKERS):
+        return "comm_error", message
+    if phase == "init":
+        return "comm_error", message
+    if phase == "build" and isinstance(exc, (AssertionError, ValueError, RuntimeError, TypeError, IndexError)):
+        # Megatron validates layouts with asserts and ValueErrors while building config and model.
+        return "invalid_layout", message
+    if phase == "steps" and any(m in low for m in _SHAPE_MARKERS):
+        return "invalid_layout", message
+    return "infra", f"{type(exc).__name__}: {message}" if not message.startswith(type(exc).__name__) else message
+
+
+def one_line(exc: BaseException) -> str:
+    """The exception's first meaningful line, prefixed with its type when the message is empty; capped length."""
+    text = str(exc).strip()
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    first = lines[0] if lines else type(exc).__name__
+    if isinstance(exc, AssertionError) and not lines:
+        first = "AssertionError (Megatron gave no message)"
+    return first if len(first) <= 400 else first[:397] + "..."
+
+
+def _is_torch_oom(exc: BaseException) -> bool:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return False
+    return isinstance(exc, torch.OutOfMemoryError)
+
+
+def _is_dist_error(exc: BaseException) -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(exc, getattr(dist, "DistError", ()))

@@ -1,0 +1,91 @@
+"""Peak memory of a rank, and the CPU backend's simulated GPU memory limit ("OOM" on a host without GPUs).
+
+On a GPU the figure is torch's peak reserved device memory. On the CPU it is this process's peak resident set
+(host memory). A ``MemoryWatchdog`` samples the resident set in a thread; when it exceeds the simulated limit
+it raises ``SimulatedOOMError`` in the rank's smoke-run thread (delivered at the next Python bytecode, like a real
+allocation failure), so the rank stops where it is and still returns its report. If the smoke-run thread cannot
+be interrupted (blocked inside a C call such as a collective) within ``grace_s``, the process exits with
+code 12 after logging the figure: the rank must not keep running past its memory.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import resource
+import threading
+import time
+
+import psutil
+import torch
+
+from sweeper.backends.megatron.failures import SimulatedOOMError
+
+GIB = 1024**3
+_log = logging.getLogger(__name__)
+
+
+def peak_memory_bytes(cuda: bool) -> int:
+    if cuda:
+        return int(torch.cuda.max_memory_reserved())
+    # ru_maxrss is in KiB on Linux: the process's peak resident set since it started.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MemoryWatchdog:
+    """Samples RSS every ``interval_s``; past ``limit_bytes`` interrupts ``target`` thread with SimulatedOOMError."""
+
+    def __init__(self, limit_bytes: int, interval_s: float = 0.02, grace_s: float = 30.0) -> None:
+        self.limit_bytes = limit_bytes
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.exceeded_bytes: int | None = None
+        # The thread running the smoke run (a Ray actor may call it off the process's smoke-run thread).
+        self._target = threading.get_ident()
+        self._stop = threading.Event()
+        self._handled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sweeper-memory-watchdog", daemon=True)
+        self._process = psutil.Process()
+
+    def __enter__(self) -> MemoryWatchdog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Disarm (the report is being written): no exception and no exit from here on."""
+        self._handled.set()
+        self._stop.set()
+
+    def error(self) -> SimulatedOOMError:
+        used = (self.exceeded_bytes or 0) / GIB
+        return SimulatedOOMError(
+            f"resident host memory {used:.2f} GiB exceeded the simulated GPU memory of "
+            f"{self.limit_bytes / GIB:.2f} GiB"
+        )
+
+    def check(self) -> None:
+        """Safe point for the smoke-run thread: raise if the limit was exceeded (in case the async raise was lost)."""
+        if self.exceeded_bytes is not None:
+            raise self.error()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            rss = self._process.memory_info().rss
+            if rss <= self.limit_bytes:
+                continue
+            self.exceeded_bytes = rss
+            _log.error("memory watchdog: %s", self.error())
+            # Raise in the smoke-run thread at its next bytecode: the rank stops now, run_rank's handler reports it.
+            if not self._handled.is_set():
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self._target), ctypes.py_object(SimulatedOOMError)
+                )
+            if not self._handled.wait(self.grace_s):
+                _log.error("memory watchdog: smoke-run thread did not stop within %.0f s; exiting", self.grace_s)
+                logging.shutdown()
+                os._exit(12)
+            return

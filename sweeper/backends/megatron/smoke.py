@@ -1,0 +1,270 @@
+"""The smoke run of one rank: init → build → N steps → checks → save → reload → report.
+
+``run_rank`` is called in a rank's process after the runner has set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
+and LOCAL_RANK. It never raises: every failure becomes a RankReport with ok=False, a failure kind and a
+one-line root cause; the traceback goes to ``<trial_dir>/rank_<r>.log``. Megatron is imported only after the
+request has been checked against what this backend supports, so an unsupported layout costs milliseconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.megatron import cpu_compat
+from sweeper.backends.megatron.failures import Phase, SimulatedOOMError, UnsupportedError, classify
+from sweeper.backends.megatron.flops import flops_per_global_batch
+from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
+from sweeper.backends.megatron.support import backend_name, unsupported_reason
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+INJECT_STEP = 2  # fault injection fires at the second training step (steps count from 1)
+_log = logging.getLogger("sweeper.smoke")
+
+
+def run_rank(request: SmokeRequest) -> RankReport:
+    """Run this rank's part of the smoke trial and report what it proved. Never raises."""
+    rank = int(os.environ.get("RANK", "0"))
+    cuda = torch.cuda.is_available()
+    report = RankReport(
+        rank=rank,
+        node_id=os.environ.get("SWEEPER_NODE_ID") or socket.gethostname(),
+        backend=backend_name(cuda),
+        ok=False,
+        memory_kind="device" if cuda else "host",
+        checks={"process_group": False, "model_built": False, "forward_backward": False, "finite": False,
+                "checkpoint_saved": False, "checkpoint_reloaded": None, "equivalence_rel_err": None},
+    )
+    handler = _open_rank_log(request.trial_dir, rank)
+    watchdog: MemoryWatchdog | None = None
+    progress = _Progress()
+    try:
+        try:
+            spec = ModelSpec.model_validate(request.model)
+            layout = Layout.from_dict(request.layout)
+            te = False
+            if cuda:
+                from sweeper.backends.megatron.build import transformer_engine_available
+
+                te = transformer_engine_available()
+            reason = unsupported_reason(spec, layout, cuda=cuda, te=te)
+            if reason:
+                raise UnsupportedError(reason)
+            if request.memory_limit_gib is not None and not cuda:
+                watchdog = MemoryWatchdog(int(request.memory_limit_gib * GIB)).__enter__()
+
+            _smoke(request, spec, layout, cuda, te, report, watchdog, progress)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
+    except BaseException as exc:  # noqa: BLE001 - the contract: every failure becomes a report
+        kind, error = classify(exc, progress.phase)
+        if isinstance(exc, SimulatedOOMError) and watchdog is not None and watchdog.exceeded_bytes:
+            error = str(watchdog.error())
+        report.ok, report.failure_kind, report.error = False, kind, error
+        _log.error("rank %d failed in %s: [%s] %s", rank, progress.phase, kind, error, exc_info=exc)
+    finally:
+        report.peak_memory_bytes = peak_memory_bytes(cuda)
+        _teardown()
+        _close_rank_log(handler)
+    return report
+
+
+@dataclass
+class _Progress:
+    """The phase the run is in, to classify an exception raised anywhere inside it."""
+
+    phase: Phase = "setup"
+
+    def enter(self, phase: Phase) -> None:
+        self.phase = phase
+        _log.info("phase: %s", phase)
+
+
+def _smoke(
+    request: SmokeRequest,
+    spec: ModelSpec,
+    layout: Layout,
+    cuda: bool,
+    te: bool,
+    report: RankReport,
+    watchdog: MemoryWatchdog | None,
+    progress: _Progress,
+) -> None:
+    enter = progress.enter
+
+    def safe_point() -> None:
+        if watchdog is not None:
+            watchdog.check()
+
+    # -- init: process group and Megatron's parallel groups ------------------------------------------------------
+    enter("init")
+    start = time.perf_counter()
+    cpu_compat.install()
+    from megatron.core import parallel_state
+
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=request.timeout_s))
+    world = torch.distributed.get_world_size()
+    if world != layout.world_size:
+        raise RuntimeError(f"WORLD_SIZE is {world} but the layout needs {layout.world_size} ranks")
+    enter("build")  # Megatron validates the parallel sizes here: a failure is the layout's
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        distributed_timeout_minutes=request.timeout_s / 60,
+    )
+    report.checks["process_group"] = True
+    report.timings_s["init"] = time.perf_counter() - start
+    safe_point()
+
+    # -- build: config, model chunks, DDP, optimizer -----------------------------------------------------------------
+    from sweeper.backends.megatron.build import build
+    from sweeper.backends.megatron.steps import micro_batches, train_step
+
+    start = time.perf_counter()
+    if layout.num_microbatches == 0:
+        raise ValueError(
+            f"global_batch_size ({layout.gbs}) must be divisible by micro_batch_size ({layout.mbs}) x "
+            f"data-parallel size ({layout.dp})"
+        )
+    built = build(spec, layout, cuda=cuda, te=te, seed=request.seed)
+    report.checks["model_built"] = True
+    report.timings_s["build"] = time.perf_counter() - start
+    report.tokens_per_step = layout.gbs * request.seq_length
+    report.flops_per_step = flops_per_global_batch(spec, request.seq_length, layout.gbs, built.vocab_size)
+    safe_point()
+
+    # -- steps ---------------------------------------------------------------------------------------------------------
+    enter("steps")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    is_injected = request.inject is not None and report.rank == request.inject_rank
+    steps_start = time.perf_counter()
+    from sweeper.backends.megatron import checkpoint as ckpt
+
+    for step in range(1, request.steps + 1):
+        if is_injected and step == INJECT_STEP:
+            _inject(request, report)
+        batches = micro_batches(
+            seed=request.seed, step=step, layout=layout, seq_length=request.seq_length,
+            vocab_size=spec.vocab_size, device=device,
+        )
+        start = time.perf_counter()
+        result = train_step(
+            built, layout, batches, request.seq_length,
+            poison=is_injected and request.inject == "nan" and step == INJECT_STEP,
+        )
+        if cuda:
+            torch.cuda.synchronize()
+        report.step_times_s.append(time.perf_counter() - start)
+        report.losses.append(result.loss)
+        report.grad_norms.append(result.grad_norm)
+        report.checks["forward_backward"] = True
+        if result.skipped:
+            report.notes.append(f"step {step}: optimizer step skipped by the FP16 loss scaler")
+        _log.info("step %d loss %.5f grad_norm %.5f time %.3fs", step, result.loss, result.grad_norm,
+                  report.step_times_s[-1])
+        safe_point()
+        if request.checkpoint and request.checkpoint_every and step % request.checkpoint_every == 0 \
+                and step != request.steps:
+            enter("checkpoint_save")
+            _timed(report, "checkpoint_save", lambda: ckpt.save(built, ckpt.checkpoint_path(request.trial_dir, step)))
+            enter("steps")
+    report.timings_s["steps"] = time.perf_counter() - steps_start
+    report.checks["finite"] = all(math.isfinite(x) for x in report.losses)
+
+    # -- checkpoint: save, reload into the same model, compare bitwise -------------------------------------------
+    if request.checkpoint:
+        directory = ckpt.checkpoint_path(request.trial_dir, request.steps)
+        saved = ckpt.snapshot(built)
+        enter("checkpoint_save")
+        _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
+        report.checks["checkpoint_saved"] = True
+        report.checkpoint_dir = str(directory)
+        safe_point()
+        enter("checkpoint_load")
+        _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
+        report.checks["checkpoint_reloaded"] = True
+
+    # -- equivalence gate -----------------------------------------------------------------------------------------------
+    if request.reference_checkpoint:
+        report.equivalence = _equivalence_gate_todo(request)
+
+    enter("report")
+    torch.distributed.barrier()  # nobody tears the process group down while a peer still uses it
+    report.ok = True
+
+
+def _equivalence_gate_todo(request: SmokeRequest) -> None:
+    """TODO(equivalence gate, separate issue): load ``request.reference_checkpoint`` resharded into this layout,
+    compute loss and grad norm on the fixed reference batch, and return them. Not implemented: returns None so
+    that no equivalence is ever claimed."""
+    _log.warning("equivalence gate not implemented; reference checkpoint %s ignored", request.reference_checkpoint)
+    return None
+
+
+def _inject(request: SmokeRequest, report: RankReport) -> None:
+    if request.inject == "hang":
+        _log.warning("fault injection: rank %d hangs at step %d", report.rank, INJECT_STEP)
+        while True:
+            time.sleep(1.0)
+    if request.inject == "crash":
+        _log.warning("fault injection: rank %d exits with code 17 at step %d", report.rank, INJECT_STEP)
+        logging.shutdown()
+        os._exit(17)
+    if request.inject == "nan":
+        _log.warning("fault injection: rank %d poisons its output with NaN at step %d", report.rank, INJECT_STEP)
+
+
+def _timed(report: RankReport, key: str, action) -> None:  # type: ignore[no-untyped-def]
+    start = time.perf_counter()
+    action()
+    report.timings_s[key] = report.timings_s.get(key, 0.0) + time.perf_counter() - start
+
+
+def _open_rank_log(trial_dir: str, rank: int) -> logging.Handler | None:
+    """Send this process's logging (sweeper's and Megatron's) to <trial_dir>/rank_<r>.log."""
+    try:
+        Path(trial_dir).mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(Path(trial_dir) / f"rank_{rank}.log")
+    except OSError:
+        return None
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    if root.level > logging.INFO or root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    return handler
+
+
+def _close_rank_log(handler: logging.Handler | None) -> None:
+    if handler is not None:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def _teardown() -> None:
+    """Release Megatron's groups and the process group so the process can run another trial."""
+    try:
+        if torch.distributed.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown after a failure must not mask the report
+        _log.warning("teardown failed", exc_info=True)

@@ -1,0 +1,110 @@
+"""One training step of the smoke run: synthetic batches, Megatron's pipeline schedule, optimizer step.
+
+Batches are random token sequences, deterministic in (seed, step, data-parallel rank, micro-batch): every
+data-parallel replica sees its own micro-batches while the TP/CP/PP ranks of one replica see the same ones, as
+Megatron's data loader arranges. The loss is averaged over micro-batches on the last pipeline stage, then over
+data-parallel replicas and shared with every rank, so all ranks report the same loss and stop together on NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from sweeper.backends.megatron.build import Built
+from sweeper.backends.megatron.failures import NonFiniteError
+from sweeper.layout import Layout
+
+
+@dataclass(frozen=True)
+class Batch:
+    tokens: torch.Tensor  # [mbs, seq]
+    labels: torch.Tensor  # [mbs, seq]
+    position_ids: torch.Tensor  # [mbs, seq]
+
+
+def micro_batches(
+    *, seed: int, step: int, layout: Layout, seq_length: int, vocab_size: int, device: torch.device
+) -> list[Batch]:
+    """This rank's micro-batches of one step (identical on the TP/CP/PP ranks of one data-parallel replica)."""
+    dp_rank = parallel_state.get_data_parallel_rank()
+    out = []
+    for index in range(layout.num_microbatches):
+        gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + dp_rank) * 10_007 + index)
+        seqs = torch.randint(0, vocab_size, (layout.mbs, seq_length + 1), generator=gen)
+        positions = torch.arange(seq_length).unsqueeze(0).expand(layout.mbs, -1)
+        out.append(Batch(seqs[:, :-1].to(device), seqs[:, 1:].contiguous().to(device), positions.to(device)))
+    return out
+
+
+def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    # Megatron's legacy two-value form: the schedule divides by the number of micro-batches.
+    loss = output.float().mean()
+    # A copy: the schedule scales the returned loss in place (/= num_microbatches).
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _forward_step(poison: bool, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
+    batch = next(data_iterator)
+    # attention_mask None: the local and TE attention apply the causal mask themselves.
+    output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
+    if poison:
+        # Fault injection: a real NaN in this stage's output (loss on the last stage, activations elsewhere)
+        # that flows through the rest of the computation to the loss and gradient norm checks.
+        output = output * float("nan")
+    return output, _loss_func
+
+
+@dataclass(frozen=True)
+class StepResult:
+    loss: float
+    grad_norm: float
+    skipped: bool  # FP16 loss scaler skipped the update (overflow); not a failure by itself
+
+
+def train_step(
+    built: Built, layout: Layout, batches: list[Batch], seq_length: int, *, poison: bool = False
+) -> StepResult:
+    """Forward + backward over every micro-batch, gradient sync, optimizer step; raises NonFiniteError."""
+    for chunk in built.model:
+        chunk.zero_grad_buffer()
+    built.optimizer.zero_grad()
+    # The interleaved schedule wants one iterator per model chunk; each chunk consumes the same micro-batches.
+    iterators: Any = [iter(batches) for _ in built.model] if len(built.model) > 1 else iter(batches)
+    losses = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, poison),
+        data_iterator=iterators,
+        model=built.model if len(built.model) > 1 else built.model[0],
+        num_microbatches=layout.num_microbatches,
+        seq_length=seq_length,
+        micro_batch_size=layout.mbs,
+        forward_only=False,
+    )
+    loss = _shared_loss(losses)
+    success, grad_norm, _ = built.optimizer.step()
+    norm = float(grad_norm) if grad_norm is not None else math.nan
+    if not math.isfinite(loss):
+        raise NonFiniteError(f"loss is {loss} (not finite)")
+    if grad_norm is not None and not math.isfinite(norm):
+        raise NonFiniteError(f"gradient norm is {norm} (not finite); loss was {loss:.4f}")
+    return StepResult(loss=loss, grad_norm=norm, skipped=not success)
+
+
+def _shared_loss(losses: list[dict[str, torch.Tensor]]) -> float:
+    """Mean loss over micro-batches and data-parallel replicas, identical on every rank (NaN anywhere wins)."""
+    is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+    local = torch.stack([d["lm loss"].float() for d in losses]).mean() if is_last and losses else torch.zeros(())
+    # [sum of losses on last-stage ranks, number of last-stage ranks] over the whole world: the TP/CP copies of a
+    # replica's loss are identical, so this is the data-parallel mean.
+    pair = torch.stack([local.reshape(()), torch.tensor(1.0 if is_last else 0.0)])
+    if torch.cuda.is_available():
+        pair = pair.cuda()
+    torch.distributed.all_reduce(pair)
+    return float(pair[0] / pair[1])

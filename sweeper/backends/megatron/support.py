@@ -1,0 +1,41 @@
+"""What this backend can run, decided before anything heavy starts (no megatron import, no process group).
+
+A layout or model feature the backend cannot execute is "unsupported on this backend", never a layout failure:
+the same layout may pass on a GPU cluster with Transformer Engine. Reasons name the feature and the backend.
+"""
+
+from __future__ import annotations
+
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+
+def backend_name(cuda: bool) -> str:
+    return "megatron-core-gpu" if cuda else "megatron-core-cpu"
+
+
+def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool) -> str | None:
+    """The first feature of (spec, layout) this backend cannot run, as a one-line reason; None when all can."""
+    backend = backend_name(cuda)
+
+    def no(feature: str, why: str) -> str:
+        return f"{feature} unsupported on this backend ({backend}): {why}"
+
+    # Model kinds this backend does not build at all (it builds Megatron's GPTModel with standard attention).
+    if spec.is_hybrid:
+        return no("hybrid Mamba model (hybrid_layer_pattern)", "needs MambaModel and the mamba_ssm/causal-conv1d "
+                  "GPU kernels" if not cuda else "MambaModel is not built by this backend yet")
+    if spec.multi_latent_attention:
+        return no("multi_latent_attention (MLA)", "needs Transformer Engine attention on GPU" if not cuda
+                  else "MLATransformerConfig is not built by this backend yet")
+    if layout.is_fp8:
+        if not cuda or not te:
+            return no(f"precision {layout.precision}", "FP8 GEMMs need Transformer Engine on a GPU")
+    if layout.cp > 1 and not te:
+        return no(f"context parallel (cp={layout.cp})",
+                  "Megatron's local DotProductAttention asserts 'Context parallelism is only supported by "
+                  "TEDotProductAttention'")
+    if layout.sp and not te:
+        return no("sequence parallel (sp=true)", "torch LayerNorm asserts 'sequence parallel not supported by "
+                  "torch LayerNorm' (needs Transformer Engine norms)")
+    return None

@@ -1,0 +1,62 @@
+"""Test helper: run the megatron backend's ``run_rank`` in W real processes without Ray.
+
+Each rank is a fresh ``spawn`` process with the torch.distributed rendezvous environment set, as the Ray runner
+sets it; reports come back through a queue. A rank that dies or never answers within the timeout is reported as
+None (and killed), so a test can assert on crashes and hangs without hanging itself.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+from typing import Any
+
+from sweeper.backends.base import RankReport, SmokeRequest
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, request: SmokeRequest, out: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        # Two CPU cores shared by up to four ranks: one intra-op thread each avoids oversubscription.
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+
+    torch.set_num_threads(1)
+    from sweeper.backends.megatron import run_rank
+
+    out.put(run_rank(request))
+
+
+def run_ranks(request: SmokeRequest, world: int, timeout_s: float = 240.0) -> list[RankReport | None]:
+    """Run ``world`` ranks of ``request``; the i-th entry is rank i's report, None if it died or hung."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, request, out), daemon=False) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    reports: dict[int, RankReport] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(reports) < world and time.monotonic() < deadline:
+        try:
+            report = out.get(timeout=0.5)
+            reports[report.rank] = report
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and out.empty():
+                break
+    for proc in procs:
+        proc.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [reports.get(r) for r in range(world)]
