@@ -1,0 +1,438 @@
+"""`sweeper search`: the sweep loop. Optuna proposes, the scheduler launches trials on free GPUs, MLflow records.
+
+The driver thread owns every decision and every write (trials.jsonl, Optuna, MLflow); trials run in worker
+threads that only block on Ray. One loop: fill free capacity with proposals (pruning what the rules reject or
+the estimator predicts will not fit, without launching), wait for a trial to end, record it, repeat until the
+budget is spent; then confirm the top candidates and export the winner. Infrastructure failures (a node lost,
+an actor killed) are not the layout's fault: the same layout is re-queued as a new attempt of the same trial.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import re
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from sweeper.cli import EXIT_FAILED, EXIT_OK, UsageError
+from sweeper.config import SweepConfig
+from sweeper.layout import Layout
+from sweeper.plan import PlanEntry, assess
+from sweeper.results import TrialResult
+from sweeper.selection import best_layout_document, candidates, choose, is_stable, objective_value
+from sweeper.study import LayoutStudy
+from sweeper.sweepdir import SweepDir
+
+console = Console(stderr=True)
+INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
+MAX_INFRA_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class Injection:
+    kind: str
+    trial: int  # the N-th launched trial (1-based)
+
+
+@dataclass
+class SearchOptions:
+    out: Path
+    resume: bool = False
+    max_trials: int | None = None
+    parallel: int | None = None
+    address: str | None = None
+    injections: list[Injection] = field(default_factory=list)
+
+
+def parse_injections(specs: list[str], simulated: bool) -> list[Injection]:
+    out = []
+    for spec in specs:
+        match = re.fullmatch(r"([a-z-]+)@trial=(\d+)", spec.strip())
+        if not match or match.group(1) not in INJECT_KINDS or int(match.group(2)) < 1:
+            raise UsageError(f"--inject: '{spec}' is not one of {', '.join(k + '@trial=N' for k in INJECT_KINDS)}")
+        out.append(Injection(match.group(1), int(match.group(2))))
+    if out and not simulated:
+        raise UsageError("--inject: fault injection only runs on simulated clusters (cluster.simulate)")
+    return out
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class Running:
+    number: int
+    attempt: int
+    phase: str
+    layout: Layout
+    proposal: Any  # optuna Trial (None for confirmation runs)
+    predicted: dict[str, Any] | None
+    run_id: str | None
+    started_at: str
+    nodes: list[str]
+    started: float = field(default_factory=time.monotonic)
+
+
+class Sweep:
+    """One sweep: state lives here, the loop is ``run``."""
+
+    def __init__(self, cfg: SweepConfig, options: SearchOptions, handle: Any, tracker: Any) -> None:
+        self.cfg, self.options, self.handle, self.tracker = cfg, options, handle, tracker
+        self.dir = SweepDir(options.out)
+        self.max_trials = options.max_trials or cfg.search.max_trials
+        self.records = self.dir.read_trials()
+        self.stop = threading.Event()
+        self.pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="trial")
+        self.futures: dict[cf.Future[TrialResult], Running] = {}
+        self.cancels: dict[int, threading.Event] = {}
+        self.retry: list[Running] = []
+        self.launched = sum(1 for r in self.records if r["result"]["status"] != "pruned")
+        self.decided = {_key(r["layout"]) for r in self.records if r["result"]["failure_kind"] != "infra"}
+        self.next_number = 1 + max((r["number"] for r in self.records), default=0)
+        self.busy_gpu_s = 0.0
+        self.t0 = time.monotonic()
+        plan = [assess(cfg, lo) for lo in _layouts(cfg)]
+        self.launchable = [e for e in plan if e.launchable]
+        self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
+        self.study = LayoutStudy(cfg, self.dir.journal, self.exhaustive, cfg.search.seed)
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        self._seed_queue()
+        while not self.stop.is_set():
+            self._fill()
+            if not self.futures:
+                break
+            self._wait_one()
+        if self.stop.is_set():
+            self._cancel_all()
+            return self._finish("interrupted")
+        self._defer_waiting()
+        self._confirm()
+        return self._finish("finished")
+
+    def _seed_queue(self) -> None:
+        if self.options.resume:
+            self.study.fail_running()
+            for run_id in self.tracker.close_orphans():
+                console.print(f"resume: MLflow run {run_id} of a trial running at the crash marked KILLED")
+        for text in self.cfg.search.seeds:
+            from sweeper.space import layout_from_string
+
+            self.study.enqueue(layout_from_string(self.cfg, text))
+        if self.exhaustive:
+            for entry in self.launchable:  # fastest predicted first
+                if _key(entry.layout.to_dict()) not in self.decided:
+                    self.study.enqueue(entry.layout)
+
+    def _budget_left(self) -> bool:
+        if self.launched >= self.max_trials:
+            return False
+        wall = self.cfg.search.wall_time_s
+        if wall is not None and time.monotonic() - self.t0 > wall:
+            return False
+        hours = self.cfg.search.gpu_hours
+        return hours is None or self.busy_gpu_s / 3600 < hours
+
+    def _fill(self) -> None:
+        asks = 0
+        while not self.stop.is_set() and len(self.futures) < self._parallel_cap():
+            if self.retry:
+                run = self.retry[0]
+                nodes = self.handle.reserve(run.layout.world_size)
+                if nodes is None:
+                    return  # wait for capacity (a lost node may come back, or running trials end)
+                self.retry.pop(0)
+                self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, nodes)
+                continue
+            if not self._budget_left() or asks > 50 * self.max_trials:
+                return
+            if self.exhaustive and not self.study.study.get_trials(deepcopy=False, states=(_waiting(),)):
+                return  # every launchable layout has been proposed
+            proposal = self.study.ask()
+            asks += 1
+            layout = proposal.layout
+            if _key(layout.to_dict()) in self.decided or self._is_running(layout):
+                self.study.study.tell(proposal.trial, state=_pruned_state())  # never launched twice
+                continue
+            entry = assess(self.cfg, layout)
+            reason = self._refusal(entry)
+            if reason is not None:
+                self._record_pruned(entry, reason, proposal.trial)
+                continue
+            nodes = self.handle.reserve(layout.world_size)
+            if nodes is None:
+                if layout.world_size > self.handle.capacity_total():
+                    self._record_pruned(entry, (f"needs {layout.world_size} GPUs; only "
+                                               f"{self.handle.capacity_total()} are alive", "infra"), proposal.trial)
+                    continue
+                # Hold this proposal until GPUs free up, so large trials are not starved by small ones.
+                self.retry.insert(0, Running(self.next_number, 0, "explore", layout, proposal.trial,
+                                             _predicted(entry), None, "", []))
+                self.next_number += 1
+                return
+            self._launch(layout, self.next_number, 1, "explore", proposal.trial, _predicted(entry), nodes)
+            self.next_number += 1
+
+    def _refusal(self, entry: PlanEntry) -> tuple[str, str] | None:
+        if entry.reasons:
+            return "; ".join(entry.reasons), "invalid_layout"
+        if entry.predicted is not None and not entry.predicted.fits:
+            limit = (1 - self.cfg.search.memory_headroom) * self.cfg.cluster.gpu_memory_gib
+            return (f"predicted {entry.predicted.memory_gib:.1f} GiB per GPU exceeds {limit:.1f} GiB "
+                    f"({100 * (1 - self.cfg.search.memory_headroom):.0f}% of {self.cfg.cluster.gpu_memory_gib:g})"), "oom"
+        unsupported = self.handle.unsupported(self.cfg.model, entry.layout)
+        if unsupported:
+            return unsupported, "unsupported"
+        return None
+
+    def _parallel_cap(self) -> int:
+        cap = self.options.parallel or (self.cfg.search.parallel if self.cfg.search.parallel != "auto" else 0)
+        return cap or 1_000_000
+
+    def _is_running(self, layout: Layout) -> bool:
+        return any(r.layout == layout for r in self.futures.values()) or any(r.layout == layout for r in self.retry)
+
+    def _launch(self, layout: Layout, number: int, attempt: int, phase: str, proposal: Any,
+                predicted: dict[str, Any] | None, nodes: list[str]) -> None:
+        if phase == "explore" and attempt == 1:
+            self.launched += 1
+        inject = self._injection_for(self.launched if phase == "explore" and attempt == 1 else -1)
+        run_id = self.tracker.start_trial(number, attempt, layout, phase, predicted)
+        run = Running(number, attempt, phase, layout, proposal, predicted, run_id, _now(), nodes)
+        cancel = threading.Event()
+        trial_dir = self.dir.trial_dir(number, attempt, phase)
+        steps = (self.cfg.search.confirm_steps or 2 * self.cfg.training.steps) if phase == "confirm" else None
+        future = self.pool.submit(self.handle.run_trial, self.cfg, layout, trial_dir, nodes=nodes, inject=inject,
+                                  cancel=cancel, steps=steps)
+        self.futures[future] = run
+        self.cancels[id(future)] = cancel
+        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(nodes)}"
+                      + (f" [magenta](inject {inject})[/]" if inject else ""))
+
+    def _injection_for(self, nth: int) -> str | None:
+        for inj in self.options.injections:
+            if inj.trial == nth:
+                if inj.kind in ("node-loss", "node-join"):
+                    return inj.kind  # the trial runner's handle performs these while the trial runs
+                return {"kill-rank": "crash"}.get(inj.kind, inj.kind)
+        return None
+
+    def _wait_one(self) -> None:
+        done, _ = cf.wait(list(self.futures), timeout=5.0, return_when=cf.FIRST_COMPLETED)
+        for future in done:
+            run = self.futures.pop(future)
+            self.cancels.pop(id(future), None)
+            self.handle.release(run.nodes, run.layout.world_size)
+            self.busy_gpu_s += (time.monotonic() - run.started) * run.layout.world_size
+            try:
+                result = future.result()
+            except Exception as exc:  # noqa: BLE001 - a runner bug must not lose the sweep; record it as infra
+                result = TrialResult(status="failed", failure_kind="infra", error=f"trial runner error: {exc}")
+            self._record(run, result)
+
+    # -- recording -----------------------------------------------------------------------------------------------
+    def _record(self, run: Running, result: TrialResult) -> None:
+        killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
+        self.tracker.finish_trial(run.run_id, result, killed=killed)
+        record = {
+            "number": run.number, "layout": run.layout.to_dict(), "result": result.to_json(),
+            "predicted": run.predicted, "started_at": run.started_at, "ended_at": _now(),
+            "attempt": run.attempt, "mlflow_run_id": run.run_id, "phase": run.phase,
+        }
+        self.dir.append_trial(record)
+        self.records.append(record)
+        colour = "green" if result.passed else "red"
+        console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} "
+                      + (f"{result.failure_kind}: {result.error}" if result.failure_kind else
+                         f"{result.metrics.tokens_per_s or 0:,.0f} tokens/s, peak {result.metrics.peak_memory_gib or 0:.2f} GiB"))
+        if run.phase == "confirm":
+            return
+        if result.failure_kind == "infra" and not self.stop.is_set():
+            if run.attempt < MAX_INFRA_ATTEMPTS:
+                self.retry.append(run)
+                return
+        if self.stop.is_set() and killed:
+            return  # the layout said nothing: left open, re-run on --resume
+        self.decided.add(_key(run.layout.to_dict()))
+        value = objective_value(result, self.cfg) if is_stable(result, self.cfg) else 0.0
+        infeasible = result.failure_kind in ("oom", "invalid_layout", "unsupported") or (
+            result.passed and not is_stable(result, self.cfg))
+        self.study.tell(run.proposal, None if result.failure_kind == "infra" else value, infeasible)
+
+    def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
+                       number: int | None = None) -> None:
+        text, kind = reason
+        result = TrialResult.pruned(text, kind=kind)  # type: ignore[arg-type]
+        record = {
+            "number": number or self.next_number, "layout": entry.layout.to_dict(), "result": result.to_json(),
+            "predicted": _predicted(entry), "started_at": None, "ended_at": _now(), "attempt": 0,
+            "mlflow_run_id": None, "phase": "explore",
+        }
+        if number is None:
+            self.next_number += 1
+        self.dir.append_trial(record)
+        self.records.append(record)
+        self.decided.add(_key(entry.layout.to_dict()))
+        self.study.tell(trial, 0.0, infeasible=kind != "infra")
+
+    def _defer_waiting(self) -> None:
+        """Layouts still waiting for GPUs when nothing else runs (e.g. nodes were lost): recorded, not dropped."""
+        for run in self.retry:
+            alive = self.handle.capacity_total()
+            text = f"deferred: needs {run.layout.world_size} GPUs, {alive} alive when the sweep ended"
+            entry = assess(self.cfg, run.layout)
+            self._record_pruned(entry, (text, "infra"), run.proposal, number=run.number)
+        self.retry.clear()
+
+    # -- confirmation, cancellation, finish ---------------------------------------------------------------------
+    def _confirm(self) -> None:
+        top = candidates(self.records, self.cfg)[: self.cfg.search.confirm_top]
+        todo = [c for c in top if not c.confirmations]
+        for cand in todo:
+            while not self.stop.is_set():
+                nodes = self.handle.reserve(cand.layout.world_size)
+                if nodes is not None:
+                    self._launch(cand.layout, cand.number, 1, "confirm", None, cand.explore.get("predicted"), nodes)
+                    break
+                self._wait_one()
+        while self.futures and not self.stop.is_set():
+            self._wait_one()
+
+    def _cancel_all(self) -> None:
+        for event in self.cancels.values():
+            event.set()
+        deadline = time.monotonic() + 120
+        while self.futures and time.monotonic() < deadline:
+            self._wait_one()
+        for run in self.futures.values():
+            self.tracker.kill_trial(run.run_id)
+
+    def _finish(self, status: str) -> int:
+        winner = choose(candidates(self.records, self.cfg), self.cfg)
+        if winner is not None:
+            self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri))
+        elapsed = time.monotonic() - self.t0
+        gpus = self.handle.capacity_total() or 1
+        meta = self.dir.read_meta()
+        meta.update(
+            status=status, ended_at=_now(), best=None if winner is None else {
+                "number": winner.number, "layout": winner.layout.short(),
+                self.cfg.search.objective: winner.median(self.cfg.search.objective)},
+            scheduling_efficiency=self.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None,
+        )
+        self.dir.write_meta(meta)
+        from sweeper.report import render_report
+
+        report = render_report(self.dir.root)
+        self.tracker.finish_sweep("KILLED" if status == "interrupted" else "FINISHED",
+                                  {"status": status, "best": meta["best"]["layout"] if winner else "none"})
+        console.print(f"report: {report}")
+        if winner is None:
+            console.print("[red]no stable layout passed[/] (see the report for why)")
+            return EXIT_FAILED
+        console.print(f"[green]best stable layout[/]: {winner.layout.short()} -> {self.dir.best}")
+        return EXIT_FAILED if status == "interrupted" else EXIT_OK
+
+
+def _layouts(cfg: SweepConfig) -> list[Layout]:
+    from sweeper.space import enumerate_layouts
+
+    return enumerate_layouts(cfg)
+
+
+def _key(layout: dict[str, Any]) -> tuple[Any, ...]:
+    return tuple(sorted((k, v) for k, v in layout.items() if k not in ("dp", "edp")))
+
+
+def _predicted(entry: PlanEntry) -> dict[str, Any] | None:
+    return entry.predicted.to_json() if entry.predicted else None
+
+
+def _pruned_state() -> Any:
+    from optuna.trial import TrialState
+
+    return TrialState.PRUNED
+
+
+def _waiting() -> Any:
+    from optuna.trial import TrialState
+
+    return TrialState.WAITING
+
+
+def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
+    """The `search` command: exit 0 with a stable layout, 1 without one, 2 on bad input (raised as UsageError)."""
+    sweep_dir = SweepDir(options.out)
+    if sweep_dir.exists() and not options.resume:
+        raise UsageError(f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
+    if options.resume and not sweep_dir.exists():
+        raise UsageError(f"--resume: {options.out} holds no sweep to resume")
+    from sweeper.tracking import Tracker
+    from sweeper.workflow import open_cluster
+
+    tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first
+    sweep_dir.create()
+    meta = sweep_dir.read_meta()
+    with open_cluster(cfg, options.address, injections=options.injections) as handle:
+        doctor = handle.doctor(cfg)
+        if not doctor.ok:
+            console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems))
+            return EXIT_FAILED
+        parent = tracker.start_sweep(
+            cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name},
+            resume_run_id=meta.get("mlflow", {}).get("parent_run_id") if options.resume else None,
+        )
+        meta.update(
+            name=cfg.name, model=cfg.model.model_dump(), cluster=cfg.cluster.model_dump(),
+            memory_headroom=cfg.search.memory_headroom, objective=cfg.search.objective, status="running",
+            started_at=meta.get("started_at") or _now(), memory_kind="host" if handle.simulated else "device",
+            mlflow={"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name, "parent_run_id": parent},
+        )
+        sweep_dir.write_meta(meta)
+        sweep = Sweep(cfg, options, handle, tracker)
+        previous = _install_signal_handlers(sweep.stop)
+        try:
+            return sweep.run()
+        finally:
+            _restore_signal_handlers(previous)
+            sweep.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:
+    s, c = cfg.space, cfg.cluster
+    return {
+        "model": cfg.model.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
+        "gpu_memory_gib": c.gpu_memory_gib, "compute_capability": c.compute_capability,
+        "seq_length": cfg.training.seq_length, "global_batch_size": cfg.training.global_batch_size,
+        "steps": cfg.training.steps, "space": f"gpus={cfg.world_sizes} tp={s.tp} pp={s.pp} vpp={s.vpp} cp={s.cp} "
+        f"ep={s.ep} etp={s.etp} sp={s.sp} mbs={s.mbs} precision={s.precision} recompute={s.recompute}",
+        "max_trials": cfg.search.max_trials, "objective": cfg.search.objective,
+        "memory_headroom": cfg.search.memory_headroom,
+    }
+
+
+def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for trials to wind down
+        console.print(f"[yellow]{signal.Signals(signum).name}: stopping launches, cancelling running trials[/]")
+        stop.set()
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -1,0 +1,105 @@
+"""Choosing the best *stable* layout and exporting it in the forms a user pastes into a pretraining launch.
+
+Stable = passed every check and used at most (1 - memory_headroom) of GPU memory. Candidates are ranked on
+the objective; confirmation runs re-run the top ones with more steps, and the winner is the candidate that
+passed all its confirmations with the best median throughput.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from sweeper.config import SweepConfig
+from sweeper.layout import Layout
+from sweeper.results import TrialResult
+
+
+@dataclass
+class Candidate:
+    number: int
+    layout: Layout
+    explore: dict[str, Any]  # the exploration record
+    confirmations: list[dict[str, Any]] = field(default_factory=list)
+
+    def values(self, objective: str) -> list[float]:
+        records = [self.explore] + self.confirmations
+        return [float(r["result"]["metrics"][objective] or 0.0) for r in records]
+
+    def median(self, objective: str) -> float:
+        return statistics.median(self.values(objective))
+
+    @property
+    def confirmed(self) -> bool:
+        return all(r["result"]["status"] == "passed" for r in self.confirmations)
+
+
+def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
+    if not result.passed:
+        return False
+    peak = result.metrics.peak_memory_gib
+    return peak is not None and peak <= (1.0 - cfg.search.memory_headroom) * cfg.cluster.gpu_memory_gib
+
+
+def objective_value(result: TrialResult, cfg: SweepConfig) -> float:
+    return float(getattr(result.metrics, cfg.search.objective) or 0.0)
+
+
+def candidates(records: list[dict[str, Any]], cfg: SweepConfig) -> list[Candidate]:
+    """Stable explored trials, best first, with their confirmation records attached."""
+    explore: dict[int, Candidate] = {}
+    confirms: dict[int, list[dict[str, Any]]] = {}
+    for rec in records:
+        result = TrialResult.from_json(rec["result"])
+        if rec.get("phase", "explore") == "confirm":
+            confirms.setdefault(rec["number"], []).append(rec)
+        elif is_stable(result, cfg):
+            explore[rec["number"]] = Candidate(rec["number"], Layout.from_dict(rec["layout"]), rec)
+    for number, recs in confirms.items():
+        if number in explore:
+            explore[number].confirmations = recs
+    return sorted(explore.values(), key=lambda c: -objective_value(TrialResult.from_json(c.explore["result"]), cfg))
+
+
+def choose(cands: list[Candidate], cfg: SweepConfig) -> Candidate | None:
+    """The winner among candidates: all confirmations passed (and stable), best median objective."""
+    ok = [
+        c for c in cands
+        if c.confirmed and all(is_stable(TrialResult.from_json(r["result"]), cfg) for r in c.confirmations)
+    ]
+    return max(ok, key=lambda c: c.median(cfg.search.objective), default=None)
+
+
+def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | None) -> dict[str, Any]:
+    result = TrialResult.from_json(winner.explore["result"])
+    predicted = winner.explore.get("predicted") or {}
+    layout = winner.layout
+    measured = {k: v for k, v in vars(result.metrics).items()}
+    return {
+        "name": cfg.name,
+        "model": cfg.model.name,
+        "trial": winner.number,
+        "layout": layout.to_dict(),
+        "layout_string": layout.to_string(),
+        "megatron_args": layout.megatron_args(),
+        "megatron_bridge_overrides": layout.bridge_overrides(),
+        "measured": measured,
+        "measured_median_over_runs": {
+            cfg.search.objective: winner.median(cfg.search.objective),
+            "runs": 1 + len(winner.confirmations),
+        },
+        "memory": {
+            "predicted_gib": predicted.get("memory_gib"),
+            "measured_gib": result.metrics.peak_memory_gib,
+            "measured_kind": "host RSS (CPU backend)" if result.memory_kind == "host" else "device reserved",
+            "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
+            "headroom": cfg.search.memory_headroom,
+        },
+        "backend": result.backend,
+        "mlflow": {
+            "tracking_uri": mlflow_uri,
+            "run_id": winner.explore.get("mlflow_run_id"),
+            "confirmation_run_ids": [r.get("mlflow_run_id") for r in winner.confirmations],
+        },
+    }

@@ -1,0 +1,167 @@
+"""Unit tests of the sweep loop's bookkeeping (scheduling, pruning, retries, resume, selection).
+
+The trial host below is a STAND-IN, not a trial: it returns synthetic TrialResults instantly so these tests can
+check the loop's decisions in milliseconds. Real trials (Ray + megatron-core) are tested in test_search_e2e.py.
+MLflow is real (a file store in tmp_path).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import yaml
+
+from sweeper.config import SweepConfig, load_config
+from sweeper.layout import Layout
+from sweeper.results import TrialChecks, TrialMetrics, TrialResult
+from sweeper.search import SearchOptions, Sweep
+from sweeper.sweepdir import SweepDir
+from sweeper.tracking import Tracker
+
+SPACE = {
+    "name": "loop",
+    "model": "tiny-moe",
+    "cluster": {"nodes": 2, "gpus_per_node": 2, "gpu_memory_gib": 4, "compute_capability": "9.0"},
+    "training": {"seq_length": 64, "global_batch_size": 8, "steps": 4},
+    "space": {"gpus": [2, 4], "tp": [1], "pp": [1, 2], "ep": [1, 2], "mbs": [1, 2]},
+    "search": {"max_trials": 20, "confirm_top": 1},
+}
+
+
+class StandInHost:
+    """Synthetic trial host for loop tests (stand-in: no Ray, no Megatron). Throughput rises with PP*EP*MBS."""
+
+    simulated = True
+    backend_name = "stand-in"
+
+    def __init__(self, nodes: int = 2, gpus: int = 2, fail: dict[str, str] | None = None) -> None:
+        self.free = {f"n{i}": gpus for i in range(nodes)}
+        self.gpus = gpus
+        self.fail = fail or {}
+        self.calls: list[tuple[Layout, str | None]] = []
+        self.concurrent = 0
+        self.max_concurrent = 0
+        self.lock = threading.Lock()
+
+    def capacity_total(self) -> int:
+        return sum(self.gpus for _ in self.free)
+
+    def reserve(self, world: int) -> list[str] | None:
+        with self.lock:
+            need = max(1, world // self.gpus)
+            per = min(world, self.gpus)
+            nodes = [n for n, f in self.free.items() if f >= per][:need]
+            if len(nodes) < need:
+                return None
+            for n in nodes:
+                self.free[n] -= per
+            return nodes
+
+    def release(self, nodes: list[str], world: int) -> None:
+        with self.lock:
+            for n in nodes:
+                self.free[n] += min(world, self.gpus)
+
+    def unsupported(self, model: Any, layout: Layout) -> str | None:
+        return None
+
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
+        with self.lock:
+            self.calls.append((layout, kw.get("inject")))
+            self.concurrent += 1
+            self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        try:
+            kind = self.fail.get(layout.short())
+            if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
+                return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
+            if kind in ("oom", "nan"):
+                return TrialResult(status="failed", failure_kind=kind, error=f"{kind} (stand-in)")
+            speed = 100.0 * layout.pp * layout.ep * layout.mbs * layout.world_size
+            return TrialResult(
+                status="passed", metrics=TrialMetrics(tokens_per_s=speed, step_time_s=1.0, peak_memory_gib=1.0,
+                                                      loss_first=5.0, loss_last=4.0),
+                checks=TrialChecks(True, True, True, True, True, True), backend="stand-in", memory_kind="host",
+            )
+        finally:
+            with self.lock:
+                self.concurrent -= 1
+
+
+@pytest.fixture()
+def cfg(tmp_path: Path) -> SweepConfig:
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(SPACE))
+    return load_config(path)
+
+
+def _sweep(cfg: SweepConfig, tmp_path: Path, host: StandInHost, resume: bool = False, **kw: Any) -> Sweep:
+    out = tmp_path / "sweep"
+    SweepDir(out).create()
+    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", cfg.name)
+    tracker.start_sweep(cfg.name, {}, {}, resume_run_id=None)
+    return Sweep(cfg, SearchOptions(out=out, resume=resume, **kw), host, tracker)
+
+
+def test_exhaustive_sweep_runs_each_launchable_layout_once_and_picks_fastest(cfg: SweepConfig, tmp_path: Path) -> None:
+    host = StandInHost()
+    sweep = _sweep(cfg, tmp_path, host)
+    assert sweep.exhaustive
+    assert sweep.run() == 0
+    explore = [lo for lo, _ in host.calls]
+    launched = [r for r in sweep.records if r["result"]["status"] != "pruned" and r["phase"] == "explore"]
+    assert len(launched) == len({json.dumps(r["layout"], sort_keys=True) for r in launched})  # no layout twice
+    assert len(explore) == len(launched) + 1  # + one confirmation run
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    fastest = max(launched, key=lambda r: r["result"]["metrics"]["tokens_per_s"])
+    assert best["trial"] == fastest["number"]
+    assert "--pipeline-model-parallel-size=2" in best["megatron_args"]
+    assert host.max_concurrent >= 2  # 2-GPU trials ran side by side on the 2 x 2 cluster
+
+
+def test_rule_rejected_layouts_are_pruned_never_launched(cfg: SweepConfig, tmp_path: Path) -> None:
+    host = StandInHost()
+    sweep = _sweep(cfg, tmp_path, host)
+    sweep.run()
+    launched = {lo for lo, _ in host.calls}
+    from sweeper.rules import check
+
+    for lo in launched:
+        assert check(cfg.model, lo, cfg.cluster, cfg.training.seq_length) == []
+
+
+def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Path) -> None:
+    target = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    host = StandInHost(fail={target: "infra-once"})
+    sweep = _sweep(cfg, tmp_path, host)
+    sweep.run()
+    rows = [r for r in sweep.records if Layout.from_dict(r["layout"]).short() == target and r["phase"] == "explore"]
+    assert [r["attempt"] for r in rows] == [1, 2]
+    assert rows[0]["result"]["failure_kind"] == "infra" and rows[1]["result"]["status"] == "passed"
+    assert rows[0]["number"] == rows[1]["number"]
+
+
+def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path) -> None:
+    fastest = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    host = StandInHost(fail={fastest: "oom"})
+    sweep = _sweep(cfg, tmp_path, host)
+    assert sweep.run() == 0
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    assert Layout.from_dict(best["layout"]).short() != fastest
+
+
+def test_resume_does_not_rerun_finished_trials(cfg: SweepConfig, tmp_path: Path) -> None:
+    host = StandInHost()
+    first = _sweep(cfg, tmp_path, host, max_trials=3)
+    first.run()
+    done = {json.dumps(r["layout"], sort_keys=True) for r in first.records if r["phase"] == "explore"}
+    host2 = StandInHost()
+    second = _sweep(cfg, tmp_path, host2, resume=True)
+    second.run()
+    rerun = [lo for lo, _ in host2.calls if json.dumps(lo.to_dict(), sort_keys=True) in done]
+    # only the confirmation of an already-finished candidate may touch a finished layout again
+    assert len(rerun) <= 1
