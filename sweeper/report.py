@@ -1,0 +1,383 @@
+"""The sweep report: one self-contained HTML page rendered only from what a sweep recorded in its directory.
+
+``render_report(sweep_dir)`` reads ``trials.jsonl`` (one line per trial attempt, ARCHITECTURE.md contract) and
+``sweep.json`` (sweep metadata; may be missing), classifies every attempt (passed and within the memory headroom,
+passed but over it, failed, pruned), and writes ``report.html`` atomically so that a browser or a concurrent
+``sweeper report`` never sees half a file. A sweep that crashed mid-write leaves a torn last line; it is skipped and
+the report says how many lines it could not read. Figures come from ``sweeper.report_figures``; plotly.js is inlined
+once so the page opens offline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from sweeper import report_figures as figures
+from sweeper.layout import Layout, LayoutError
+from sweeper.report_figures import esc, kind_counts, num
+from sweeper.results import TrialChecks, TrialMetrics, TrialResult
+
+TRIALS_FILE = "trials.jsonl"
+SWEEP_FILE = "sweep.json"
+REPORT_FILE = "report.html"
+BEST_LAYOUT_FILE = "best_layout.yaml"
+
+
+@dataclass
+class TrialRow:
+    """One line of trials.jsonl, with the report's category of it."""
+
+    number: int
+    attempt: int
+    phase: str
+    layout: Layout | None  # None when the recorded layout cannot be rebuilt (the raw dict is still shown)
+    layout_raw: dict[str, Any]
+    result: TrialResult
+    predicted_memory_gib: float | None
+    mlflow_run_id: str | None
+    started_at: str | None
+    ended_at: str | None
+    category: str = "pruned"  # passed | not stable | failed | pruned (set by _classify)
+
+    @property
+    def name(self) -> str:
+        if self.layout is not None:
+            return self.layout.short()
+        return ",".join(f"{k}={v}" for k, v in self.layout_raw.items() if v is not None) or "?"
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.result.metrics.tokens_per_s
+
+    @property
+    def peak_memory_gib(self) -> float | None:
+        return self.result.metrics.peak_memory_gib
+
+    @property
+    def duration_s(self) -> float | None:
+        try:
+            start, end = datetime.fromisoformat(self.started_at or ""), datetime.fromisoformat(self.ended_at or "")
+            return (end - start).total_seconds()
+        except (ValueError, TypeError):  # missing or naive-vs-aware timestamps: show no duration
+            return None
+
+
+@dataclass
+class SweepInfo:
+    """sweep.json, or what is known without it (``recorded`` False)."""
+
+    recorded: bool
+    name: str | None = None
+    model: dict[str, Any] | None = None
+    cluster: dict[str, Any] | None = None
+    memory_headroom: float | None = None
+    objective: str | None = None
+    status: str | None = None
+    best: dict[str, Any] | None = None
+    memory_kind: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    mlflow: dict[str, Any] | None = None
+
+    @property
+    def memory_limit_gib(self) -> float | None:
+        """The stability limit: (1 - memory_headroom) of one GPU's memory, when both were recorded."""
+        gpu = (self.cluster or {}).get("gpu_memory_gib")
+        if not isinstance(gpu, (int, float)) or self.memory_headroom is None:
+            return None
+        return (1.0 - self.memory_headroom) * float(gpu)
+
+
+def _known(cls: type, data: Any) -> dict[str, Any]:
+    # A newer writer may add metric/check keys; keep the ones this version knows instead of dropping the line.
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in (data or {}).items() if k in names}
+
+
+def _parse_row(data: dict[str, Any]) -> TrialRow:
+    raw_result = dict(data["result"])
+    raw_result["metrics"] = _known(TrialMetrics, raw_result.get("metrics"))
+    raw_result["checks"] = _known(TrialChecks, raw_result.get("checks"))
+    layout_raw = dict(data.get("layout") or {})
+    try:
+        layout: Layout | None = Layout.from_dict(layout_raw)
+    except (LayoutError, TypeError):
+        layout = None
+    predicted = data.get("predicted") or {}
+    return TrialRow(
+        number=int(data["number"]),
+        attempt=int(data.get("attempt") or 1),
+        phase=str(data.get("phase") or "explore"),
+        layout=layout,
+        layout_raw=layout_raw,
+        result=TrialResult.from_json(raw_result),
+        predicted_memory_gib=predicted.get("memory_gib"),
+        mlflow_run_id=data.get("mlflow_run_id"),
+        started_at=data.get("started_at"),
+        ended_at=data.get("ended_at"),
+    )
+
+
+def load_trials(path: Path) -> tuple[list[TrialRow], int]:
+    """The readable rows of trials.jsonl and the number of lines skipped (a torn last line after a crash)."""
+    rows: list[TrialRow] = []
+    skipped = 0
+    if not path.exists():
+        return rows, skipped
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(_parse_row(json.loads(line)))
+            except (ValueError, TypeError, KeyError, AttributeError):
+                skipped += 1
+    return rows, skipped
+
+
+def load_sweep(path: Path) -> SweepInfo:
+    """sweep.json as a SweepInfo; a missing or unreadable file gives ``SweepInfo(recorded=False)``."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return SweepInfo(recorded=False)
+    if not isinstance(data, dict):
+        return SweepInfo(recorded=False)
+    names = {f.name for f in fields(SweepInfo)} - {"recorded"}
+    info = SweepInfo(recorded=True, **{k: v for k, v in data.items() if k in names})
+    # A hand-edited or older sweep.json may hold a preset name instead of a spec; keep the report readable.
+    if isinstance(info.model, str):
+        info.model = {"name": info.model}
+    for key in ("model", "cluster", "best", "mlflow"):
+        if not isinstance(getattr(info, key), dict):
+            setattr(info, key, None)
+    if isinstance(info.memory_headroom, bool) or not isinstance(info.memory_headroom, (int, float)):
+        info.memory_headroom = None
+    return info
+
+
+def _classify(rows: list[TrialRow], limit_gib: float | None) -> None:
+    for row in rows:
+        if row.result.status == "passed":
+            peak = row.peak_memory_gib
+            over = limit_gib is not None and peak is not None and peak > limit_gib
+            row.category = "not stable" if over else "passed"
+        else:
+            row.category = row.result.status if row.result.status in ("failed", "pruned") else "failed"
+
+
+def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
+    """Stable explore-phase attempts that no other is better than on both throughput (max) and memory (min)."""
+    candidates = [
+        r for r in rows
+        if r.category == "passed" and r.phase != "confirm" and r.tokens_per_s is not None
+        and r.peak_memory_gib is not None
+    ]
+    candidates.sort(key=lambda r: (r.peak_memory_gib, -(r.tokens_per_s or 0.0)))
+    front: list[TrialRow] = []
+    for row in candidates:
+        if not front or (row.tokens_per_s or 0.0) > (front[-1].tokens_per_s or 0.0):
+            front.append(row)
+    return front
+
+
+def _memory_kind(info: SweepInfo, rows: list[TrialRow]) -> str | None:
+    if info.memory_kind in ("device", "host"):
+        return info.memory_kind
+    kinds = {r.result.memory_kind for r in rows if r.result.memory_kind}
+    if "host" in kinds or any(r.result.backend.endswith("-cpu") for r in rows):
+        return "host"
+    return "device" if "device" in kinds else None
+
+
+# -- sections -----------------------------------------------------------------------------------------------------
+def _memory_label(kind: str | None) -> str:
+    if kind == "host":
+        return "peak host RSS per rank (GiB, max over ranks; CPU backend)"
+    if kind == "device":
+        return "peak reserved GPU memory (GiB, max over ranks)"
+    return "peak memory (GiB, max over ranks)"
+
+
+def _why_no_stable(rows: list[TrialRow]) -> str:
+    """One sentence on why nothing was selectable, from the counts alone."""
+    launched = [r for r in rows if r.category != "pruned"]
+    if not rows:
+        return "No trial was recorded."
+    if not launched:
+        return f"All {len(rows)} recorded layouts were pruned before launch (see the pruned reasons below)."
+    over = sum(r.category == "not stable" for r in launched)
+    failed = kind_counts(launched, "failed")
+    parts = [f"{len(launched)} launched attempts, none passed within the memory headroom"]
+    if over:
+        parts.append(f"{over} passed but used more memory than the headroom allows")
+    if failed:
+        kind, count = failed.most_common(1)[0]
+        parts.append(f"most common failure: {kind} ({count})")
+    return "; ".join(parts) + "."
+
+
+def _best_section(info: SweepInfo, rows: list[TrialRow], sweep_dir: Path) -> str:
+    best = info.best or {}
+    best_number = best.get("number")
+    link = (f'<a href="{BEST_LAYOUT_FILE}">{BEST_LAYOUT_FILE}</a>' if (sweep_dir / BEST_LAYOUT_FILE).exists()
+            else f"{BEST_LAYOUT_FILE} (not written)")
+    if best_number is None:
+        fastest = max((r for r in rows if r.category == "passed" and r.tokens_per_s is not None),
+                      key=lambda r: r.tokens_per_s or 0.0, default=None)
+        if not info.recorded:
+            head = f"<p>{SWEEP_FILE} is missing, so the sweep's own selection is unknown.</p>"
+        elif info.status == "running":
+            head = "<p>The sweep is still running; no layout selected yet.</p>"
+        else:
+            head = f'<p class="bad">No stable layout was selected. {esc(_why_no_stable(rows))}</p>'
+        if fastest is not None:
+            head += (f"<p>Fastest stable attempt recorded: <b>{esc(fastest.name)}</b> (trial {fastest.number}), "
+                     f"{num(fastest.tokens_per_s, '{:,.0f}')} tokens/s, "
+                     f"{num(fastest.peak_memory_gib, '{:.2f}')} GiB peak.</p>")
+        return head
+    same = [r for r in rows if r.number == best_number]
+    passed = [r for r in same if r.category in ("passed", "not stable")]
+    # The sweep chooses on the median of the confirmation runs, so show that figure when it did not record one.
+    basis = [r for r in passed if r.phase == "confirm"] or passed
+    tokens = best.get("tokens_per_s")
+    if not isinstance(tokens, (int, float)):
+        measured = [r.tokens_per_s for r in basis if r.tokens_per_s is not None]
+        tokens = statistics.median(measured) if measured else None
+    peak = best.get("peak_memory_gib")
+    if not isinstance(peak, (int, float)):
+        peaks = [r.peak_memory_gib for r in basis if r.peak_memory_gib is not None]
+        peak = max(peaks) if peaks else None
+    layout = next((r.layout for r in same if r.layout is not None), None)
+    if layout is None and isinstance(best.get("layout"), dict):
+        try:
+            layout = Layout.from_dict(best["layout"])
+        except (LayoutError, TypeError):
+            layout = None
+    name = layout.short() if layout is not None else f"trial {best_number}"
+    confirm = [r for r in same if r.phase == "confirm"]
+    confirm_note = (f", confirmed by {sum(r.category == 'passed' for r in confirm)}/{len(confirm)} runs"
+                    if confirm else "")
+    flags = f"<pre>{esc(' '.join(layout.megatron_args()))}</pre>" if layout is not None else ""
+    return (
+        f'<p class="good">Best stable layout: <b>{esc(name)}</b> (trial {esc(best_number)}{confirm_note}) — '
+        f"{num(tokens, '{:,.0f}')} tokens/s, {num(peak, '{:.2f}')} GiB peak memory.</p>"
+        f"<p>Full Megatron flags and Megatron-Bridge overrides: {link}. Layout flags:</p>{flags}"
+    )
+
+
+def _header(info: SweepInfo, rows: list[TrialRow], skipped: int, memory_kind: str | None, sweep_dir: Path) -> str:
+    model = info.model or {}
+    model_bits = [f"{k}={model[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "num_moe_experts",
+                                              "moe_router_topk") if model.get(k) is not None]
+    cluster = info.cluster or {}
+    cluster_text = (f"{cluster.get('nodes', '?')} × {cluster.get('gpus_per_node', '?')} GPUs, "
+                    f"{cluster.get('gpu_memory_gib', '?')} GiB each" if cluster else "not recorded")
+    limit = info.memory_limit_gib
+    headroom = (f"{limit:.1f} GiB = (1 − {info.memory_headroom:g}) × {cluster.get('gpu_memory_gib')} GiB"
+                if limit is not None else "not recorded")
+    mlflow = info.mlflow or {}
+    facts = [
+        ("Model", f"{esc(model.get('name', 'not recorded'))} <span class='dim'>{esc(' '.join(model_bits))}</span>"),
+        ("Cluster", esc(cluster_text)),
+        ("Status", esc(info.status or "not recorded")),
+        ("Objective", esc(info.objective or "not recorded")),
+        ("Memory limit (stability)", esc(headroom)),
+        ("Started / ended", f"{esc(info.started_at or '–')} / {esc(info.ended_at or '–')}"),
+        ("MLflow", esc(" · ".join(f"{k}: {mlflow[k]}" for k in ("tracking_uri", "experiment", "parent_run_id")
+                                 if mlflow.get(k))) or "not recorded"),
+    ]
+    notes = []
+    if not info.recorded:
+        notes.append(f"{SWEEP_FILE} was not found or could not be read: model, cluster, status and the memory "
+                     "limit are unknown, so no attempt is marked 'not stable'.")
+    if memory_kind == "host":
+        notes.append("Memory is host RSS: these trials ran on the CPU backend, where there is no device memory, so "
+                     "every 'peak memory' below is the ranks' peak resident host memory, not GPU memory. The "
+                     "headroom line compares it with the configured GPU memory only as a rough guide.")
+    if skipped:
+        notes.append(f"{skipped} line(s) of {TRIALS_FILE} could not be read and were skipped (a torn last line is "
+                     "what a sweep that crashed mid-write leaves).")
+    notes_html = "".join(f'<p class="caveat">{esc(n)}</p>' for n in notes)
+    dl = "".join(f"<dt>{esc(k)}</dt><dd>{v}</dd>" for k, v in facts)
+    title = esc(info.name or sweep_dir.name)
+    return (f"<h1>Sweep report: {title}</h1>{notes_html}<dl>{dl}</dl>"
+            f"<h2 id='best'>Best layout</h2>{_best_section(info, rows, sweep_dir)}"
+            f"<h2 id='counts'>Counts</h2>{figures.counts_table(rows)}")
+
+
+def build_html(sweep_dir: Path) -> str:
+    """The report page for ``sweep_dir`` as one string (plotly.js included once)."""
+    info = load_sweep(sweep_dir / SWEEP_FILE)
+    rows, skipped = load_trials(sweep_dir / TRIALS_FILE)
+    limit = info.memory_limit_gib
+    _classify(rows, limit)
+    memory_kind = _memory_kind(info, rows)
+    memory_label = _memory_label(memory_kind)
+    front = pareto_front(rows)
+    limit_label = (f"headroom limit {limit:.1f} GiB" if limit is not None else "")
+    fig_html = figures.FigureHtml()
+
+    scatter = figures.throughput_vs_memory(rows, front, limit, limit_label, memory_label)
+    pareto_body = [[str(r.number), esc(r.name), num(r.tokens_per_s, "{:,.0f}"), num(r.peak_memory_gib, "{:.2f}")]
+                   for r in front]
+    pareto_html = (figures.html_table(["trial", "layout", "tokens/s", "peak mem (GiB)"], pareto_body) if front
+                   else '<p class="note">No stable trial with measured throughput and memory.</p>')
+    accuracy_fig, median_error = figures.predicted_vs_measured(rows, memory_label)
+    accuracy_text = (f"<p>Median absolute error of the memory prediction: <b>{median_error:.1f}%</b> over passed "
+                     f"attempts.</p>" if median_error is not None else "")
+
+    sections = [
+        _header(info, rows, skipped, memory_kind, sweep_dir),
+        "<h2 id='throughput-memory'>Throughput vs peak memory</h2>",
+        fig_html.div(scatter, "No launched attempt recorded a peak memory."),
+        "<h2 id='pareto'>Pareto front (max throughput, min memory, stable only)</h2>", pareto_html,
+        "<h2 id='memory-accuracy'>Predicted vs measured peak memory</h2>", accuracy_text,
+        fig_html.div(accuracy_fig, "No passed attempt has both a predicted and a measured peak memory."),
+        "<h2 id='failures'>Failures and pruned layouts</h2>",
+        fig_html.div(figures.failures_and_pruned(kind_counts(rows, "failed"), kind_counts(rows, "pruned")),
+                     "No failed or pruned attempt."),
+        figures.pruned_reasons_table(rows),
+        "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
+        fig_html.div(figures.axis_effects(rows), "No axis took more than one value among passed trials."),
+        f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows),
+        f"<p class='note'>Rendered {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {TRIALS_FILE}"
+        f" and {SWEEP_FILE}.</p>",
+    ]
+    title = esc(f"sweeper report: {info.name or sweep_dir.name}")
+    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
+            f"<style>{figures.CSS}</style></head><body>{''.join(sections)}</body></html>")
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    """Write via a temp file in the same folder + fsync + os.replace, so readers see the old or the new page."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a report is meant to be shared
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def render_report(sweep_dir: Path) -> Path:
+    """Render ``sweep_dir/report.html`` from the sweep's recorded files and return its path.
+
+    Raises FileNotFoundError when ``sweep_dir`` holds neither trials.jsonl nor sweep.json (not a sweep directory).
+    """
+    sweep_dir = Path(sweep_dir)
+    if not (sweep_dir / TRIALS_FILE).exists() and not (sweep_dir / SWEEP_FILE).exists():
+        raise FileNotFoundError(f"{sweep_dir}: no {TRIALS_FILE} or {SWEEP_FILE}; not a sweep directory")
+    return _write_atomic(sweep_dir / REPORT_FILE, build_html(sweep_dir))
