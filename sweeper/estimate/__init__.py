@@ -1,1 +1,11 @@
-"""Pre-flight estimates of per-GPU memory and step time for a Layout (plain Python, no torch)."""
+"""Pre-flight estimates of per-GPU memory and step time for a Layout (plain Python, no torch).
+
+``estimate(model, layout, cluster, seq_length)`` is the library call; ``Calibration`` refines it from measured
+trials. Nothing here imports torch, ray or megatron: ``plan`` must stay instant.
+"""
+
+from sweeper.estimate.calibration import Calibration
+from sweeper.estimate.constants import EstimatorConstants
+from sweeper.estimate.estimator import Estimate, estimate
+
+__all__ = ["Calibration", "Estimate", "EstimatorConstants", "estimate"]

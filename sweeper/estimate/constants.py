@@ -1,19 +1,50 @@
-"""Named, documented constants of the estimator that a user may override in the YAML's ``estimate:`` section."""
+"""Named, documented constants of the estimator that a user may override in the YAML's ``estimate:`` section.
+
+Each value is a physical or empirical fact about Megatron-Core on NVIDIA GPUs that the analytic model cannot
+derive; defaults are stated with the reason they have that value, so an override is an informed choice.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 
 class EstimatorConstants(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    # -- memory outside torch's caching allocator (not in max_memory_reserved, but it occupies the GPU) ----------
     # CUDA context + cuBLAS/cuDNN workspaces + kernels loaded by Megatron/TE; not visible to torch's allocator
     # but part of what nvidia-smi shows. ~0.5-1 GiB on Hopper/Blackwell.
     cuda_context_gib: float = Field(0.75, ge=0)
     # NCCL communicator buffers per process group the rank belongs to.
     nccl_buffer_gib_per_group: float = Field(0.06, ge=0)
+
+    # -- memory inside torch's allocator ---------------------------------------------------------------------------
     # torch reserved / allocated: the caching allocator keeps freed blocks; ~1.1-1.2 in long Megatron runs.
-    allocator_fragmentation: float = Field(1.15, ge=1.0)
+    allocator_fragmentation: PositiveFloat = 1.15
+    # Bytes per element of the last stage's logits path for one micro-batch: the fp32 copy that
+    # vocab_parallel_cross_entropy makes and keeps as the softmax for backward (4) plus the bf16 logits /
+    # bf16 logits-gradient that live next to it (2).
+    logits_bytes_per_element: float = Field(6.0, ge=0)
+    # Extra bytes per linear-layer weight under FP8/MXFP8: Transformer Engine caches the quantised weight
+    # (1 byte) and its transpose/column-wise copy (1 byte) across micro-batches.
+    fp8_weight_cache_bytes_per_param: float = Field(2.0, ge=0)
+    # Transient copies of the routed tokens a MoE all-to-all dispatcher holds while one layer runs
+    # (permuted send buffer + received buffer), in units of (routed tokens x hidden x 2 bytes).
+    moe_dispatch_buffer_copies: float = Field(2.0, ge=0)
+    # Megatron's Mamba mixer trains with the fused memory-efficient path (use_mamba_mem_eff_path=True), which
+    # recomputes the convolution and scan internals in backward; its chunk size sets the SSD scan cost.
+    mamba_chunk_size: int = Field(128, ge=1)
+
+    # -- step time -------------------------------------------------------------------------------------------------
     # Fraction of the GPU's dense BF16 peak a well-tuned Megatron run reaches (model FLOPs utilisation).
     achievable_mfu: float = Field(0.40, gt=0, le=1)
+    # Fraction of the FP8 peak reached by FP8 GEMMs (lower than BF16's: casts and amax bookkeeping).
+    achievable_mfu_fp8: float = Field(0.30, gt=0, le=1)
+    # Fraction of the link bandwidth a NCCL collective actually achieves (bus bandwidth / link bandwidth).
+    comm_efficiency: float = Field(0.70, gt=0, le=1)
+    # Fraction of context-parallel KV exchange hidden behind attention compute (TE overlaps the ring steps).
+    cp_comm_overlap: float = Field(0.5, ge=0, le=1)
+    # Fraction of data-parallel gradient reduce / parameter gather hidden behind backward/forward
+    # (0 = Megatron-Core's default DDP config; ~0.8 with --overlap-grad-reduce --overlap-param-gather).
+    dp_comm_overlap: float = Field(0.0, ge=0, le=1)

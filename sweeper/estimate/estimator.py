@@ -1,0 +1,162 @@
+"""``estimate``: predicted peak per-GPU memory and step time of one Layout, the library call ``plan`` uses.
+
+Memory is evaluated for one rank of every pipeline stage (TP/CP/EP ranks of a stage are symmetric) and the worst
+is reported. ``memory_gib`` is what torch's caching allocator would reserve at the peak (the contract's
+``peak_memory_gib`` is ``max_memory_reserved``): allocated bytes (model state + in-flight activations + the
+last stage's logits + per-layer transients) times the fragmentation factor. ``fits`` also charges the memory
+that lives outside torch's allocator (CUDA context, NCCL buffers), because the GPU must hold it too.
+
+Layouts whose sizes do not divide (dp == 0, layers not splitting over stages, heads not splitting over TP)
+raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layouts the rules accept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from sweeper.estimate.constants import EstimatorConstants
+from sweeper.estimate.devices import device_for
+from sweeper.estimate.memory import (
+    GIB,
+    ActivationShape,
+    in_flight_microbatches,
+    model_state_bytes,
+    stage_activations,
+    stage_params,
+)
+from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from sweeper.config import ClusterConfig
+    from sweeper.estimate.calibration import Calibration
+
+
+@dataclass(frozen=True)
+class Estimate:
+    memory_gib: float  # predicted peak per-GPU reserved memory, max over ranks
+    fits: bool  # memory_gib + non-torch overhead <= (1 - headroom) * gpu_memory_gib
+    step_time_s: float | None
+    tokens_per_s: float | None
+    breakdown: dict[str, float] = field(default_factory=dict)  # GiB per component on the worst rank
+
+    def to_json(self) -> dict[str, float | bool | None]:
+        return {
+            "memory_gib": round(self.memory_gib, 3),
+            "fits": self.fits,
+            "step_time_s": None if self.step_time_s is None else round(self.step_time_s, 4),
+            "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
+        }
+
+
+def _nccl_groups(layout: Layout) -> int:
+    """Process groups with more than one rank that this rank communicates in (world group included)."""
+    sizes = (layout.tp, layout.pp, layout.cp, layout.dp * layout.cp, layout.ep, layout.etp, layout.edp)
+    return 1 + sum(1 for s in sizes if s > 1)
+
+
+@lru_cache(maxsize=8192)
+def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float) -> Links:
+    intra, inter = intra_gbs * 1e9 * efficiency, inter_gbs * 1e9 * efficiency
+
+    def bw(span: int) -> float:
+        return group_bandwidth(span, gpus_per_node, intra, inter)
+
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    return Links(
+        tp=bw(tp),
+        cp=bw(tp * cp),
+        dp=bw(tp * cp * dp),
+        pp=bw(layout.world_size),
+        etp=bw(layout.etp),
+        ep=bw(layout.etp * layout.ep),
+        edp=bw(layout.etp * layout.ep * layout.edp),
+    )
+
+
+def estimate(
+    model: ModelSpec,
+    layout: Layout,
+    cluster: ClusterConfig,
+    seq_length: int,
+    constants: EstimatorConstants = EstimatorConstants(),
+    headroom: float = 0.10,
+    calibration: Calibration | None = None,
+) -> Estimate:
+    """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster``."""
+    lo = layout
+    if lo.dp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
+    if lo.edp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
+    if seq_length % lo.cp:
+        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
+    microbatches = lo.num_microbatches or max(1, lo.gbs // max(1, lo.mbs * lo.dp))
+    ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
+    vpp = lo.vpp if lo.pp > 1 else 1
+
+    params = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, lo.first_stage_layers, lo.last_stage_layers)
+    shape = ActivationShape(
+        tokens=lo.mbs * seq_length // lo.cp, mbs=lo.mbs, tp=lo.tp, sp=lo.sp and lo.tp > 1, cp=lo.cp,
+        ep=ep, etp=etp, precision=lo.precision, recompute=lo.recompute,
+    )
+    acts = stage_activations(model, shape, lo.pp, vpp, lo.first_stage_layers, lo.last_stage_layers, constants)
+
+    act_factor = calibration.activation_factor if calibration else 1.0
+    non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
+    if calibration:
+        non_torch += calibration.overhead_gib
+
+    worst: dict[str, float] = {}
+    worst_reserved = -1.0
+    for rank, (p, a) in enumerate(zip(params, acts)):
+        state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants)
+        in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
+        parts = {
+            "weights": state.weights / GIB,
+            "grads": state.grads / GIB,
+            "optimizer": state.optimizer / GIB,
+            "fp8_weights": state.fp8_weights / GIB,
+            "activations": act_factor * a.per_microbatch * in_flight / GIB,
+            "transient": act_factor * a.transient / GIB,
+            "logits": act_factor * a.logits / GIB,
+        }
+        allocated = sum(parts.values())
+        reserved = allocated * constants.allocator_fragmentation
+        if reserved > worst_reserved:
+            worst_reserved = reserved
+            worst = {
+                **parts,
+                "fragmentation": reserved - allocated,
+                "non_torch": non_torch,
+                "pipeline_rank": float(rank),
+                "in_flight_microbatches": in_flight,
+            }
+
+    device = device_for(cluster.gpu_kind, cluster.compute_capability)
+    links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
+                   constants.comm_efficiency)
+    inputs = TimeInputs(
+        seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
+        dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
+        distributed_optimizer=lo.distributed_optimizer, first=lo.first_stage_layers, last=lo.last_stage_layers,
+    )
+    seconds = _step_time_cached(model, inputs, device, links, tuple(p.dense for p in params),
+                                tuple(p.expert for p in params), constants)
+    if calibration:
+        seconds *= calibration.step_time_factor
+    tokens = lo.gbs * seq_length
+    fits = worst_reserved + non_torch <= (1.0 - headroom) * cluster.gpu_memory_gib
+    return Estimate(
+        memory_gib=worst_reserved,
+        fits=fits,
+        step_time_s=seconds,
+        tokens_per_s=tokens / seconds if seconds > 0 else None,
+        breakdown=worst,
+    )
+
+
+_step_time_cached = lru_cache(maxsize=65536)(step_time)

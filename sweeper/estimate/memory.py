@@ -1,0 +1,311 @@
+"""Per-rank memory: parameters placed by the pipeline split, model-state bytes and activations per micro-batch.
+
+Parameters are exact (``sweeper.models.params`` mirrors Megatron-Core's modules). Model state follows
+Megatron's mixed-precision recipe: BF16/FP16 weights in the DDP parameter buffer, FP32 main gradients in the DDP
+grad buffer (``accumulate_allreduce_grads_in_fp32`` is forced on with BF16), FP32 master weights and two Adam
+moments in the optimizer, sharded by the distributed optimizer over DP*CP (dense) and EDP (experts).
+
+Activations count the tensors autograd keeps per micro-batch and block (the accounting of Korthikanti et al.,
+"Reducing Activation Recomputation in Large Transformer Models", adapted to flash attention, GQA/MLA, MoE token
+replication and Megatron's fused Mamba path), with the TP/SP/CP divisors that apply to each tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sweeper.estimate.constants import EstimatorConstants
+from sweeper.estimate.pipeline import stage_layer_kinds
+from sweeper.models.params import (
+    ShardParams,
+    block_params,
+    embedding_params,
+    output_params,
+    padded_vocab_size,
+)
+from sweeper.models.spec import Block, ModelSpec
+
+GIB = float(1 << 30)
+BF16_BYTES = 2
+FP32_BYTES = 4
+# Adam keeps two FP32 moments per parameter; mixed precision adds an FP32 master copy.
+ADAM_MOMENT_BYTES = 2 * FP32_BYTES
+# Flash attention keeps one FP32 log-sum-exp per head and token for its backward.
+FLASH_LSE_BYTES = FP32_BYTES
+# The router keeps FP32 logits and FP32 probabilities per token and expert.
+ROUTER_BYTES_PER_SCORE = 2 * FP32_BYTES
+
+
+# -- parameters per pipeline rank --------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StageParams:
+    """Parameters one rank of a pipeline stage holds (summed over its virtual stages)."""
+
+    layers: ShardParams
+    embedding: int  # word (+ position) embedding, first stage only
+    output: int  # final norm + output layer (or the tied copy), last stage only
+
+    @property
+    def dense(self) -> int:
+        return self.layers.dense + self.embedding + self.output
+
+    @property
+    def expert(self) -> int:
+        return self.layers.expert
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.expert
+
+
+@lru_cache(maxsize=4096)
+def stage_params(
+    spec: ModelSpec,
+    tp: int,
+    pp: int,
+    vpp: int = 1,
+    ep: int = 1,
+    etp: int = 1,
+    first: int | None = None,
+    last: int | None = None,
+    local_spec: bool = False,
+) -> tuple[StageParams, ...]:
+    """Parameters of one rank of each pipeline stage (all TP/EP ranks of a stage hold the same count)."""
+    out = []
+    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last)):
+        layers = ShardParams()
+        for kind, n in kinds:
+            for block in kind:
+                layers = layers + block_params(spec, block, tp, ep, etp, local_spec).scaled(n)
+        out.append(
+            StageParams(
+                layers=layers,
+                embedding=embedding_params(spec, tp) if rank == 0 else 0,
+                output=output_params(spec, tp, pp) if rank == pp - 1 else 0,
+            )
+        )
+    return tuple(out)
+
+
+# -- model state ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class StateBytes:
+    weights: float
+    grads: float
+    optimizer: float
+    fp8_weights: float
+
+
+def weight_bytes_per_param(precision: str) -> int:
+    return FP32_BYTES if precision == "fp32" else BF16_BYTES
+
+
+def grad_bytes_per_param(precision: str) -> int:
+    """Megatron-LM forces FP32 gradient accumulation with BF16 (and FP8, which trains on BF16 weights);
+    FP16 keeps FP16 gradients unless --accumulate-allreduce-grads-in-fp32 is given."""
+    return BF16_BYTES if precision == "fp16" else FP32_BYTES
+
+
+def optimizer_bytes_per_param(precision: str) -> int:
+    """Adam moments, plus the FP32 master weights whenever the model weights are not FP32 already."""
+    return ADAM_MOMENT_BYTES + (0 if precision == "fp32" else FP32_BYTES)
+
+
+def model_state_bytes(
+    params: StageParams,
+    precision: str,
+    distributed_optimizer: bool,
+    dense_shards: int,
+    expert_shards: int,
+    constants: EstimatorConstants,
+) -> StateBytes:
+    """Bytes of weights, grads and optimizer state on one rank. ``dense_shards`` is DP*CP and ``expert_shards``
+    is EDP: the groups the distributed optimizer shards over (ignored without it)."""
+    total = params.total
+    opt = optimizer_bytes_per_param(precision)
+    if distributed_optimizer:
+        optimizer = opt * (params.dense / dense_shards + params.expert / expert_shards)
+    else:
+        optimizer = opt * total
+    fp8 = 0.0
+    if precision in ("fp8", "mxfp8"):
+        # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.
+        fp8 = constants.fp8_weight_cache_bytes_per_param * params.layers.total
+    return StateBytes(
+        weights=weight_bytes_per_param(precision) * total,
+        grads=grad_bytes_per_param(precision) * total,
+        optimizer=optimizer,
+        fp8_weights=fp8,
+    )
+
+
+# -- activations ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ActivationShape:
+    """Everything activation sizes depend on besides the model."""
+
+    tokens: int  # micro-batch tokens on this CP rank: mbs * seq / CP
+    mbs: int
+    tp: int
+    sp: bool
+    cp: int
+    ep: int
+    etp: int
+    precision: str
+    recompute: str
+
+    @property
+    def seq_div(self) -> int:
+        """Divisor of tensors outside the TP region: sharded by SP, replicated without it."""
+        return self.tp if self.sp else 1
+
+    @property
+    def act_bytes(self) -> int:
+        return FP32_BYTES if self.precision == "fp32" else BF16_BYTES
+
+    @property
+    def linear_input_bytes(self) -> float:
+        """Tensors kept only as a linear layer's input are kept quantised (1 byte) by TE under FP8."""
+        return 1.0 if self.precision in ("fp8", "mxfp8") else float(self.act_bytes)
+
+
+def _norm_and_linear_input(spec: ModelSpec, s: ActivationShape) -> float:
+    """A block's input (kept for the norm's backward) and the norm's output (kept for the first linear)."""
+    return s.tokens * spec.hidden_size * (s.act_bytes + s.linear_input_bytes) / s.seq_div
+
+
+def attention_activation(spec: ModelSpec, s: ActivationShape) -> float:
+    t, a, tp = s.tokens, spec.num_attention_heads, s.tp
+    b = s.act_bytes
+    out = _norm_and_linear_input(spec, s)
+    if spec.multi_latent_attention:
+        q_head = spec.qk_head_dim + spec.qk_pos_emb_head_dim
+        # Latents are computed whole on every TP rank (TE keeps the down projections unsplit): kv latent
+        # (norm input) and its normalised copy (up-projection input); the same for the query latent.
+        latent = spec.kv_lora_rank + spec.qk_pos_emb_head_dim
+        out += t * (b * latent + s.linear_input_bytes * spec.kv_lora_rank)
+        if spec.q_lora_rank is not None:
+            out += t * (b + s.linear_input_bytes) * spec.q_lora_rank
+        # kv up-projection output (V is a view of it), the assembled Q and K with RoPE, attention output.
+        out += t * b * a * ((spec.qk_head_dim + spec.v_head_dim) + 2 * q_head + spec.v_head_dim) / tp
+    else:
+        d, g = spec.head_dim, spec.query_groups
+        # Q, K, V as flash attention keeps them, and its output (also the projection's input).
+        out += t * b * (a * d + 2 * g * d + a * d) / tp
+    if s.recompute == "none":
+        out += t * a * FLASH_LSE_BYTES / tp  # selective recompute re-runs the attention core instead
+    return out
+
+
+def _mlp_activation(spec: ModelSpec, s: ActivationShape, ffn: float, tokens: float, parts: int) -> float:
+    """fc1 output (the activation's input) and the activation's output (fc2's input)."""
+    fc1 = ffn * (2 if spec.gated_linear_unit else 1)
+    return tokens * (s.act_bytes * fc1 + s.linear_input_bytes * ffn) / parts
+
+
+def mlp_activation(spec: ModelSpec, s: ActivationShape) -> float:
+    return _norm_and_linear_input(spec, s) + _mlp_activation(spec, s, spec.ffn_hidden_size, s.tokens, s.tp)
+
+
+def routed_tokens(spec: ModelSpec, s: ActivationShape) -> float:
+    """Token copies this rank's experts process per micro-batch: its own (SP-sharded) tokens times top-k,
+    exchanged evenly across EP and gathered across the ETP group."""
+    return s.tokens / s.seq_div * spec.moe_router_topk * s.etp
+
+
+def moe_activation(spec: ModelSpec, s: ActivationShape) -> float:
+    assert spec.num_moe_experts is not None
+    h = spec.hidden_size
+    out = _norm_and_linear_input(spec, s)
+    out += s.tokens / s.seq_div * spec.num_moe_experts * ROUTER_BYTES_PER_SCORE
+    routed = routed_tokens(spec, s)
+    # Permuted expert input, expert MLP internals, expert output kept for the combine's probability gradient.
+    out += routed * h * (s.linear_input_bytes + s.act_bytes)
+    out += _mlp_activation(spec, s, spec.expert_ffn_hidden_size, routed, s.etp)
+    if spec.moe_shared_expert_intermediate_size:
+        out += _mlp_activation(spec, s, spec.moe_shared_expert_intermediate_size, s.tokens, s.tp)
+    return out
+
+
+def mamba_activation(spec: ModelSpec, s: ActivationShape) -> float:
+    """Megatron's fused Mamba path keeps the in_proj output (z, x, B, C, dt), the scan output before the gated
+    norm and the norm's output (out_proj input); convolution and chunk states are recomputed in backward."""
+    heads, groups, state = spec.mamba_heads, spec.mamba_num_groups, spec.mamba_state_dim
+    d_inner = heads * spec.mamba_head_dim
+    out = _norm_and_linear_input(spec, s)
+    out += s.tokens * s.act_bytes * (2 * d_inner + 2 * groups * state + heads) / s.tp
+    out += s.tokens * (s.act_bytes + s.linear_input_bytes) * d_inner / s.tp
+    return out
+
+
+_BLOCK_ACTIVATION = {
+    "attention": attention_activation,
+    "mlp": mlp_activation,
+    "moe": moe_activation,
+    "mamba": mamba_activation,
+}
+
+
+def block_activation(spec: ModelSpec, block: Block, s: ActivationShape) -> float:
+    """Bytes one block keeps for backward per micro-batch, without recomputation of the whole layer."""
+    return _BLOCK_ACTIVATION[block](spec, s)
+
+
+def layer_input_bytes(spec: ModelSpec, s: ActivationShape) -> float:
+    """What full recomputation keeps per layer: the layer's input (the recompute checkpoint)."""
+    return s.tokens * spec.hidden_size * s.act_bytes / s.seq_div
+
+
+@dataclass(frozen=True)
+class StageActivations:
+    per_microbatch: float  # bytes kept per micro-batch by all of this rank's layers (all virtual stages)
+    transient: float  # bytes alive for one layer at a time (full-recompute working set, MoE dispatch buffers)
+    logits: float  # last stage: one micro-batch's logits/loss path and the output layer's input
+
+
+@lru_cache(maxsize=65536)
+def stage_activations(
+    spec: ModelSpec,
+    s: ActivationShape,
+    pp: int,
+    vpp: int,
+    first: int | None,
+    last: int | None,
+    constants: EstimatorConstants,
+) -> tuple[StageActivations, ...]:
+    blocks = {b: block_activation(spec, b, s) for b in {b for kind in spec.layer_blocks for b in kind}}
+    kept_per_layer = layer_input_bytes(spec, s)
+    dispatch = 0.0
+    if spec.is_moe:
+        dispatch = constants.moe_dispatch_buffer_copies * routed_tokens(spec, s) * spec.hidden_size * s.act_bytes
+    out = []
+    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last)):
+        per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
+        if s.recompute == "full":
+            kept = sum(n for _, n in kinds) * kept_per_layer
+            transient = max((a for a, _ in per_kind), default=0.0)  # one layer rebuilt during its backward
+        else:
+            kept = sum(a * n for a, n in per_kind)
+            transient = 0.0
+        if any("moe" in kind for kind, _ in kinds):
+            transient += dispatch
+        logits = 0.0
+        if rank == pp - 1:
+            logits = s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
+            # Final norm input and output (the output layer's input, gathered over SP for the vocab GEMM).
+            logits += s.tokens * spec.hidden_size * s.act_bytes * (1 / s.seq_div + 1)
+        out.append(StageActivations(kept, transient, logits))
+    return tuple(out)
+
+
+def in_flight_microbatches(rank: int, pp: int, vpp: int, num_microbatches: int) -> float:
+    """Micro-batches whose activations a pipeline rank holds at its peak, in units of the rank's whole share
+    of layers. 1F1B: rank i holds PP - i. Interleaved: Megatron warms up (PP - i - 1) * 2 + (VPP - 1) * PP
+    virtual-stage chunks before its first backward, so it holds that many + 1 chunks of 1/VPP of its layers."""
+    if pp == 1:
+        return 1.0
+    if vpp == 1:
+        return float(min(pp - rank, num_microbatches))
+    chunks = min((pp - rank - 1) * 2 + (vpp - 1) * pp + 1, num_microbatches * vpp)
+    return chunks / vpp

@@ -1,0 +1,204 @@
+"""Step time: FLOPs by Megatron's per-architecture formulas, device peak x MFU, communication priced per link.
+
+Good enough to *rank* layouts (the sweep measures the real numbers): compute per micro-batch of the slowest
+pipeline stage, plus the tensor/context/expert-parallel traffic on the critical path, times the pipeline
+schedule's length (M + (PP-1)/VPP micro-batch slots), plus pipeline point-to-point and the once-per-step
+data-parallel gradient reduce / parameter gather. A process group counts as intra-node when its ranks fit
+inside one node in Megatron's rank order (tp -> cp -> ep/dp -> pp; expert side etp -> ep -> edp -> pp).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sweeper.estimate.constants import EstimatorConstants
+from sweeper.estimate.devices import Device
+from sweeper.estimate.pipeline import stage_layer_kinds
+from sweeper.models.params import padded_vocab_size
+from sweeper.models.spec import Block, ModelSpec
+
+GB = 1e9
+TFLOP = 1e12
+# Causal attention computes half of the score matrix (Megatron's FLOPs formula applies the same factor).
+CAUSAL_FRACTION = 0.5
+# SSD scan FLOPs per token and (state x inner) element: the recurrent form's state update, output and
+# decay products (the count Megatron's hybrid FLOPs formula uses).
+MAMBA_SCAN_FLOPS_PER_STATE = 7
+# Forward + backward = 3 forward passes (backward computes input and weight gradients).
+FWD_BWD_FACTOR = 3
+# Tensor-parallel collectives per block and micro-batch: forward all-gather + reduce-scatter (SP) or one
+# all-reduce (= 2 ring passes), and the same again in backward.
+TP_RING_PASSES_PER_BLOCK = 4
+# Expert all-to-alls per MoE block and micro-batch: dispatch + combine, forward and backward.
+EP_ALL_TO_ALLS_PER_BLOCK = 4
+
+
+@dataclass(frozen=True)
+class BlockFlops:
+    gemm: float  # forward FLOPs per token in GEMMs (run at the FP8 rate under FP8)
+    other: float  # forward FLOPs per token in attention cores / scans (BF16 rate)
+
+
+def block_flops(spec: ModelSpec, block: Block, seq_length: int, chunk_size: int = 128) -> BlockFlops:
+    """Forward FLOPs per token of one block (2 x multiply-adds)."""
+    h = spec.hidden_size
+    if block == "attention":
+        a = spec.num_attention_heads
+        if spec.multi_latent_attention:
+            q_head = spec.qk_head_dim + spec.qk_pos_emb_head_dim
+            q = h * a * q_head if spec.q_lora_rank is None else h * spec.q_lora_rank + spec.q_lora_rank * a * q_head
+            kv = h * (spec.kv_lora_rank + spec.qk_pos_emb_head_dim)
+            kv += spec.kv_lora_rank * a * (spec.qk_head_dim + spec.v_head_dim)
+            gemm = 2 * (q + kv + a * spec.v_head_dim * h)
+            core = 2 * seq_length * a * (q_head + spec.v_head_dim) * CAUSAL_FRACTION
+        else:
+            d, g = spec.head_dim, spec.query_groups
+            gemm = 2 * h * (a * d + 2 * g * d) + 2 * a * d * h
+            core = 2 * 2 * seq_length * a * d * CAUSAL_FRACTION
+        return BlockFlops(gemm, core)
+    mlp_factor = 3 if spec.gated_linear_unit else 2
+    if block == "mlp":
+        return BlockFlops(2 * h * spec.ffn_hidden_size * mlp_factor, 0.0)
+    if block == "moe":
+        assert spec.num_moe_experts is not None
+        gemm = 2 * h * spec.num_moe_experts  # router
+        gemm += spec.moe_router_topk * 2 * h * spec.expert_ffn_hidden_size * mlp_factor
+        if spec.moe_shared_expert_intermediate_size:
+            gemm += 2 * h * spec.moe_shared_expert_intermediate_size * mlp_factor
+        return BlockFlops(gemm, 0.0)
+    heads, groups, state = spec.mamba_heads, spec.mamba_num_groups, spec.mamba_state_dim
+    d_inner = heads * spec.mamba_head_dim
+    gemm = 2 * h * (2 * d_inner + 2 * groups * state + heads) + 2 * d_inner * h
+    scan = MAMBA_SCAN_FLOPS_PER_STATE * state * d_inner + 2 * min(chunk_size, seq_length) * d_inner
+    return BlockFlops(gemm, scan)
+
+
+def model_flops_per_token(spec: ModelSpec, seq_length: int) -> float:
+    """Forward + backward FLOPs per token of the whole model (Megatron's TFLOP/s/GPU numerator / tokens)."""
+    total = 0.0
+    for blocks in spec.layer_blocks:
+        for b in blocks:
+            f = block_flops(spec, b, seq_length)
+            total += f.gemm + f.other
+    total += 2 * spec.hidden_size * padded_vocab_size(spec)
+    return FWD_BWD_FACTOR * total
+
+
+@dataclass(frozen=True)
+class Links:
+    """Achieved bandwidth (bytes/s) of each process group of a layout."""
+
+    tp: float
+    cp: float
+    dp: float
+    pp: float
+    ep: float
+    etp: float
+    edp: float
+
+
+def group_bandwidth(span: int, gpus_per_node: int, intra: float, inter: float) -> float:
+    """A group whose consecutive-rank span fits in a node talks over the intra-node link."""
+    return intra if span <= gpus_per_node else inter
+
+
+def ring(size_bytes: float, group: int, bandwidth: float) -> float:
+    """Seconds of one ring reduce-scatter or all-gather (or all-to-all) of ``size_bytes`` over ``group``."""
+    if group <= 1:
+        return 0.0
+    return (group - 1) / group * size_bytes / bandwidth
+
+
+@dataclass(frozen=True)
+class TimeInputs:
+    seq_length: int
+    mbs: int
+    num_microbatches: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    ep: int
+    etp: int
+    edp: int
+    sp: bool
+    precision: str
+    recompute: str
+    distributed_optimizer: bool
+    first: int | None
+    last: int | None
+
+
+def step_time(
+    spec: ModelSpec,
+    x: TimeInputs,
+    device: Device,
+    links: Links,
+    stage_dense_params: tuple[int, ...],
+    stage_expert_params: tuple[int, ...],
+    constants: EstimatorConstants,
+) -> float:
+    """Seconds per optimizer step (all micro-batches of the global batch)."""
+    tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
+    fp8 = x.precision in ("fp8", "mxfp8") and device.fp8_tflops is not None
+    bf16_rate = device.bf16_tflops * TFLOP * constants.achievable_mfu
+    gemm_rate = device.fp8_tflops * TFLOP * constants.achievable_mfu_fp8 if fp8 and device.fp8_tflops else bf16_rate
+    act_bytes = 4 if x.precision == "fp32" else 2
+    tp_bytes = tokens * spec.hidden_size * act_bytes  # one block's hidden state, gathered/scattered over TP
+    routed = tokens / (x.tp if x.sp else 1) * spec.moe_router_topk * spec.hidden_size * act_bytes
+
+    # Recomputation repeats forward work: the whole layer (full) or the attention core (selective).
+    fwd_passes = FWD_BWD_FACTOR + (1 if x.recompute == "full" else 0)
+    core_passes = FWD_BWD_FACTOR + (1 if x.recompute in ("full", "selective") else 0)
+
+    # Per block kind: compute seconds (before the TP split) and exposed communication seconds per micro-batch.
+    per_block: dict[str, tuple[float, float]] = {}
+    for b in {b for kind in spec.layer_blocks for b in kind}:
+        f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
+        # A CP rank attends its tokens to the whole sequence: the core scales with its tokens only.
+        compute = tokens * (f.gemm * fwd_passes / gemm_rate + f.other * core_passes / bf16_rate)
+        comm = 0.0
+        if b != "moe" or spec.moe_shared_expert_intermediate_size:
+            comm += TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp)
+        if b == "attention" and x.cp > 1:
+            if spec.multi_latent_attention:
+                width = spec.num_attention_heads * (spec.qk_head_dim + spec.qk_pos_emb_head_dim + spec.v_head_dim)
+            else:
+                width = 2 * spec.query_groups * spec.head_dim
+            kv = tokens * width * act_bytes / x.tp
+            # Ring attention passes every KV block around the CP group; backward also returns dKV.
+            comm += 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
+        if b == "moe":
+            comm += EP_ALL_TO_ALLS_PER_BLOCK * ring(routed, x.ep, links.ep)
+            comm += TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp)
+        per_block[b] = (compute, comm)
+
+    slowest = 0.0
+    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, x.first, x.last)):
+        compute = sum(n * per_block[b][0] for kind, n in kinds for b in kind)
+        comm = sum(n * per_block[b][1] for kind, n in kinds for b in kind)
+        if rank == x.pp - 1:
+            logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp)
+            compute += tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
+        slowest = max(slowest, compute / x.tp + comm)
+
+    pipeline_slots = x.num_microbatches + (x.pp - 1) / x.vpp
+    total = slowest * pipeline_slots
+    if x.pp > 1:
+        p2p = tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1)
+        total += 2 * x.num_microbatches * x.vpp * p2p / links.pp  # forward activations + backward gradients
+
+    grad_bytes = 2 if x.precision == "fp16" else 4
+    param_bytes = 4 if x.precision == "fp32" else 2
+    dense = max(stage_dense_params)
+    expert = max(stage_expert_params)
+    dense_group, dense_link = x.dp * x.cp, links.dp
+    if x.distributed_optimizer:  # reduce-scatter grads + all-gather updated params
+        dp_time = ring(dense * grad_bytes, dense_group, dense_link) + ring(dense * param_bytes, dense_group, dense_link)
+        dp_time += ring(expert * grad_bytes, x.edp, links.edp) + ring(expert * param_bytes, x.edp, links.edp)
+    else:  # all-reduce = reduce-scatter + all-gather of the grads
+        dp_time = 2 * ring(dense * grad_bytes, dense_group, dense_link) + 2 * ring(expert * grad_bytes, x.edp, links.edp)
+    total += dp_time * (1 - constants.dp_comm_overlap)
+    return total
