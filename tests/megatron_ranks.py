@@ -1,7 +1,9 @@
 """Test helper: run the megatron backend's ``run_rank`` in W real processes without Ray.
 
-Each rank is a fresh ``spawn`` process with the torch.distributed rendezvous environment set, as the Ray runner
-sets it; reports come back through a queue. A rank that dies or never answers within the timeout is reported as
+Each rank is a fresh process with the torch.distributed rendezvous environment set, as the Ray runner sets it;
+reports come back through a queue. Ranks start from a ``forkserver`` that has imported torch and megatron once
+(importing them costs ~9 s of CPU per process, which dominated these tests on two cores); every rank still
+initialises its own process group, CPU compatibility layer and model after the fork. A rank that dies or never answers within the timeout is reported as
 None (and killed), so a test can assert on crashes and hangs without hanging itself.
 """
 
@@ -37,9 +39,24 @@ def _rank_main(rank: int, world: int, port: int, request: SmokeRequest, out: Any
     out.put(run_rank(request))
 
 
+_PRELOAD = [
+    "torch",
+    "megatron.core",
+    "sweeper.backends.megatron.build",
+    "sweeper.backends.megatron.steps",
+    "sweeper.backends.megatron.checkpoint",
+]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(request: SmokeRequest, world: int, timeout_s: float = 240.0) -> list[RankReport | None]:
     """Run ``world`` ranks of ``request``; the i-th entry is rank i's report, None if it died or hung."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, request, out), daemon=False) for r in range(world)]

@@ -10,6 +10,7 @@ Only model weights are saved (no optimizer state): the smoke run proves the shar
 from __future__ import annotations
 
 import os
+import queue
 from pathlib import Path
 
 import torch
@@ -30,7 +31,19 @@ def _sharded_state_dict(built: Built) -> dict:
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
 
 
+def _use_in_process_results_queue() -> None:
+    """Megatron's torch_dist writer collects write results through a queue that it creates, on first use, from a
+    *spawned* multiprocessing Manager: a server process per rank, ~5 s to start, and a main module that must be
+    import-safe. That queue only crosses a process boundary for asynchronous saves; this save is synchronous (the
+    writer runs in this process), so an in-process queue serves the same purpose."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "missing") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save(built: Built, directory: Path) -> None:
+    _use_in_process_results_queue()
     if torch.distributed.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     # Every rank writes its shards into the directory rank 0 created.

@@ -41,7 +41,7 @@ def install() -> bool:
 
 
 def _is_cuda(device: Any) -> bool:
-    # An int device means "CUDA device N" to torch factories (megatron passes torch.cuda.current_device()).
+    # An int device means "CUDA device N" to torch factories.
     if isinstance(device, bool):
         return False
     if isinstance(device, int):
@@ -114,8 +114,10 @@ class _NoOpStream:
 
 
 def _patch_torch_cuda() -> None:
-    # Megatron allocates on torch.cuda.current_device(); device 0 is then rewritten to the CPU by the mode.
-    torch.cuda.current_device = lambda: 0  # type: ignore[assignment]
+    # Megatron allocates on torch.cuda.current_device(). Returning the CPU device (not an index) matters: custom
+    # autograd functions allocate this way in backward, which runs while the device mode is suspended (a mode is
+    # popped while its own __torch_function__ runs, and torch.autograd.backward is such a call).
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
     torch.cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
     torch.cuda.Event = _NoOpStream  # type: ignore[assignment,misc]
     torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
