@@ -279,6 +279,57 @@ def test_nemotron_space_is_estimated_fast() -> None:
     assert time.perf_counter() - start < 1.0
 
 
+# -- calibration -------------------------------------------------------------------------------------------------
+def _sample(lo: Layout, true_factor: float, true_offset: float, true_step: float):
+    from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, Sample
+
+    e = estimate(LLAMA, lo, H100, 4096)
+    frag = EstimatorConstants().allocator_fragmentation
+    state = sum(e.breakdown[k] for k in STATE_KEYS)
+    dynamic = sum(e.breakdown[k] for k in DYNAMIC_KEYS)
+    measured = frag * (state + true_factor * dynamic) + true_offset
+    return Sample(e.breakdown, frag, e.step_time_s, measured, true_step * (e.step_time_s or 0))
+
+
+def test_fit_recovers_known_factors_and_reports_error() -> None:
+    from sweeper.estimate.calibration import fit
+
+    layouts = [Layout(8, tp=t, sp=t > 1, mbs=m, gbs=64) for t in (1, 2, 4) for m in (1, 2)]
+    report = fit([_sample(lo, 0.7, 1.5, 1.3) for lo in layouts])
+    cal = report.calibration
+    assert cal.activation_factor == pytest.approx(0.7, rel=1e-6)
+    assert cal.overhead_gib == pytest.approx(1.5, abs=1e-6)
+    assert cal.step_time_factor == pytest.approx(1.3)
+    assert report.memory_error_before and report.memory_error_before > 0.01
+    assert report.memory_error_after == pytest.approx(0.0, abs=1e-9)
+    assert report.step_error_after == pytest.approx(0.0, abs=1e-9)
+    assert len(report.lines()) == 3
+    # The calibrated estimate reproduces a measurement it was fitted on.
+    lo = layouts[3]
+    calibrated = estimate(LLAMA, lo, H100, 4096, calibration=cal)
+    assert calibrated.memory_gib == pytest.approx(_sample(lo, 0.7, 1.5, 1.3).measured_peak_gib)
+
+
+def test_fit_with_one_sample_fits_the_factor_only() -> None:
+    from sweeper.estimate.calibration import fit
+
+    cal = fit([_sample(Layout(8, tp=2, sp=True, gbs=64), 1.2, 0.0, 1.0)]).calibration
+    assert cal.activation_factor == pytest.approx(1.2) and cal.overhead_gib == 0.0
+
+
+def test_calibration_roundtrip(tmp_path: Path) -> None:
+    from sweeper.estimate.calibration import calibration_key, load, save
+
+    path = tmp_path / "calibration.json"
+    key = calibration_key("2x8-rtx-pro-6000", "nemotron-3-nano-30b-a3b")
+    assert load(path, key) is None
+    cal = Calibration(activation_factor=0.9, overhead_gib=0.4, step_time_factor=1.7, samples=5)
+    save(path, key, cal)
+    save(path, "other/model", Calibration())
+    assert load(path, key) == cal
+    assert load(path, "missing/model") is None
+
+
 # -- the probe (runs in a subprocess: python tests/test_estimate.py CASES_JSON) ------------------------------------
 def _stub_core_attention(spec: Any) -> None:
     # megatron-core 0.16's local DotProductAttention does not accept MLA's k_channels/v_channels (MLA expects

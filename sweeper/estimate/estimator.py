@@ -107,8 +107,6 @@ def estimate(
 
     act_factor = calibration.activation_factor if calibration else 1.0
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
-    if calibration:
-        non_torch += calibration.overhead_gib
 
     worst: dict[str, float] = {}
     worst_reserved = -1.0
@@ -126,6 +124,8 @@ def estimate(
         }
         allocated = sum(parts.values())
         reserved = allocated * constants.allocator_fragmentation
+        if calibration:
+            reserved += calibration.overhead_gib  # fitted against measured max_memory_reserved
         if reserved > worst_reserved:
             worst_reserved = reserved
             worst = {
