@@ -330,6 +330,12 @@ def test_calibration_roundtrip(tmp_path: Path) -> None:
     assert load(path, "missing/model") is None
 
 
+def test_accuracy_benchmark_runs_on_the_published_cases() -> None:
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "estimate_accuracy.py")], capture_output=True,
+                         text=True, cwd=ROOT, check=True).stdout
+    assert "model-state median abs error" in out
+
+
 # -- the probe (runs in a subprocess: python tests/test_estimate.py CASES_JSON) ------------------------------------
 def _stub_core_attention(spec: Any) -> None:
     # megatron-core 0.16's local DotProductAttention does not accept MLA's k_channels/v_channels (MLA expects

@@ -22,6 +22,9 @@ class EstimatorConstants(BaseModel):
     # -- memory inside torch's allocator ---------------------------------------------------------------------------
     # torch reserved / allocated: the caching allocator keeps freed blocks; ~1.1-1.2 in long Megatron runs.
     allocator_fragmentation: PositiveFloat = 1.15
+    # Bytes of each of Adam's two moments per parameter: 4 (FP32, Megatron's default); 2 with
+    # --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16.
+    adam_moment_bytes: float = Field(4.0, gt=0)
     # Bytes per element of the last stage's logits path for one micro-batch: the fp32 copy that
     # vocab_parallel_cross_entropy makes and keeps as the softmax for backward (4) plus the bf16 logits /
     # bf16 logits-gradient that live next to it (2).

@@ -29,8 +29,6 @@ from sweeper.models.spec import Block, ModelSpec
 GIB = float(1 << 30)
 BF16_BYTES = 2
 FP32_BYTES = 4
-# Adam keeps two FP32 moments per parameter; mixed precision adds an FP32 master copy.
-ADAM_MOMENT_BYTES = 2 * FP32_BYTES
 # Flash attention keeps one FP32 log-sum-exp per head and token for its backward.
 FLASH_LSE_BYTES = FP32_BYTES
 # The router keeps FP32 logits and FP32 probabilities per token and expert.
@@ -107,9 +105,9 @@ def grad_bytes_per_param(precision: str) -> int:
     return BF16_BYTES if precision == "fp16" else FP32_BYTES
 
 
-def optimizer_bytes_per_param(precision: str) -> int:
-    """Adam moments, plus the FP32 master weights whenever the model weights are not FP32 already."""
-    return ADAM_MOMENT_BYTES + (0 if precision == "fp32" else FP32_BYTES)
+def optimizer_bytes_per_param(precision: str, moment_bytes: float = FP32_BYTES) -> float:
+    """Adam's two moments, plus the FP32 master weights whenever the model weights are not FP32 already."""
+    return 2 * moment_bytes + (0 if precision == "fp32" else FP32_BYTES)
 
 
 def model_state_bytes(
@@ -123,7 +121,7 @@ def model_state_bytes(
     """Bytes of weights, grads and optimizer state on one rank. ``dense_shards`` is DP*CP and ``expert_shards``
     is EDP: the groups the distributed optimizer shards over (ignored without it)."""
     total = params.total
-    opt = optimizer_bytes_per_param(precision)
+    opt = optimizer_bytes_per_param(precision, constants.adam_moment_bytes)
     if distributed_optimizer:
         optimizer = opt * (params.dense / dense_shards + params.expert / expert_shards)
     else:
