@@ -19,6 +19,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from sweeper.backends.megatron.flops import padded_vocab_size
 from sweeper.layout import Layout
@@ -106,6 +107,10 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         bf16=dtype is torch.bfloat16,
         fp16=dtype is torch.float16,
         use_cpu_initialization=not cuda,
+        # Megatron-LM's default: pipeline outputs are pseudo-freed and backward calls the C++ autograd engine
+        # directly. On the CPU this also keeps backward inside the device mode (torch.autograd.backward would
+        # run it from within the mode's own handler, where the mode is suspended).
+        deallocate_pipeline_outputs=True,
         **moe,
         **recompute,
         **fp8,
@@ -130,7 +135,7 @@ def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
     vocab = padded_vocab_size(spec.vocab_size, layout.tp)
     vpp = layout.vpp if layout.vpp > 1 else None
-    chunks: list[GPTModel] = []
+    chunks: list[torch.nn.Module] = []
     for vp_stage in range(layout.vpp) if vpp else [None]:
         block_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization=spec.normalization, vp_stage=vp_stage
@@ -148,6 +153,9 @@ def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -
         )
         if cuda:
             chunk.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            # As Megatron-LM does: the whole chunk (norms included) in half precision, fp32 loss on the last stage.
+            chunk = Float16Module(config, chunk)
         chunks.append(chunk)
 
     ddp_config = DistributedDataParallelConfig(

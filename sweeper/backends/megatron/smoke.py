@@ -135,7 +135,7 @@ def _smoke(
 
     # -- build: config, model chunks, DDP, optimizer -----------------------------------------------------------------
     from sweeper.backends.megatron.build import build
-    from sweeper.backends.megatron.steps import micro_batches, train_step
+    from sweeper.backends.megatron.steps import check_finite, micro_batches, train_step
 
     start = time.perf_counter()
     if layout.num_microbatches == 0:
@@ -175,10 +175,11 @@ def _smoke(
         report.losses.append(result.loss)
         report.grad_norms.append(result.grad_norm)
         report.checks["forward_backward"] = True
-        if result.skipped:
-            report.notes.append(f"step {step}: optimizer step skipped by the FP16 loss scaler")
         _log.info("step %d loss %.5f grad_norm %.5f time %.3fs", step, result.loss, result.grad_norm,
                   report.step_times_s[-1])
+        if result.skipped:
+            report.notes.append(f"step {step}: optimizer step skipped by the FP16 loss scaler")
+        check_finite(step, result)
         safe_point()
         if request.checkpoint and request.checkpoint_every and step % request.checkpoint_every == 0 \
                 and step != request.steps:

@@ -72,7 +72,7 @@ class StepResult:
 def train_step(
     built: Built, layout: Layout, batches: list[Batch], seq_length: int, *, poison: bool = False
 ) -> StepResult:
-    """Forward + backward over every micro-batch, gradient sync, optimizer step; raises NonFiniteError."""
+    """Forward + backward over every micro-batch, gradient sync, optimizer step (see check_finite)."""
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
@@ -90,11 +90,16 @@ def train_step(
     loss = _shared_loss(losses)
     success, grad_norm, _ = built.optimizer.step()
     norm = float(grad_norm) if grad_norm is not None else math.nan
-    if not math.isfinite(loss):
-        raise NonFiniteError(f"loss is {loss} (not finite)")
-    if grad_norm is not None and not math.isfinite(norm):
-        raise NonFiniteError(f"gradient norm is {norm} (not finite); loss was {loss:.4f}")
     return StepResult(loss=loss, grad_norm=norm, skipped=not success)
+
+
+def check_finite(step: int, result: StepResult) -> None:
+    """Raise NonFiniteError when the step's loss or gradient norm is NaN/Inf (same verdict on every rank)."""
+    if not math.isfinite(result.loss):
+        raise NonFiniteError(f"loss is {result.loss} (not finite) at step {step}")
+    # A step the FP16 loss scaler skipped has no gradient norm; that is the scaler working, not a NaN.
+    if not result.skipped and not math.isfinite(result.grad_norm):
+        raise NonFiniteError(f"gradient norm is {result.grad_norm} (not finite) at step {step}; loss {result.loss:.4f}")
 
 
 def _shared_loss(losses: list[dict[str, torch.Tensor]]) -> float:
