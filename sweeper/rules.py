@@ -148,7 +148,8 @@ def sp_sequence_divisible(c: RuleContext) -> str | None:
 @rule
 def heads_divisible_by_tp(c: RuleContext) -> str | None:
     heads, tp = c.model.num_attention_heads, c.layout.tp
-    if c.model.has_attention and heads % tp:
+    # TransformerConfig checks this for every model, even a hybrid one without attention layers.
+    if heads % tp:
         return f"num_attention_heads ({heads}) must be a multiple of tensor_model_parallel_size ({tp})."
     return None
 
@@ -156,8 +157,29 @@ def heads_divisible_by_tp(c: RuleContext) -> str | None:
 @rule
 def query_groups_vs_tp(c: RuleContext) -> str | None:
     groups, tp = c.model.query_groups, c.layout.tp
-    if c.model.has_attention and not c.model.multi_latent_attention and groups % tp and tp % groups:
+    if not c.model.multi_latent_attention and groups % tp and tp % groups:
         return f"num_query_groups ({groups}) must be a multiple or divisor of tensor_model_parallel_size ({tp})."
+    return None
+
+
+@rule
+def linear_widths_divisible(c: RuleContext) -> str | None:
+    """Tensor-parallel linears split their width with megatron.core.utils.divide, asserted at model build."""
+    m, lo = c.model, c.layout
+    widths: list[tuple[str, int, str, int]] = []  # (what, width, parallel size name, size)
+    if m.has_attention and not m.multi_latent_attention:
+        qkv = (m.num_attention_heads + 2 * m.query_groups) * m.head_dim
+        widths.append(("the fused QKV projection width", qkv, "tensor_model_parallel_size", lo.tp))
+    if m.count("mlp"):
+        widths.append(("ffn_hidden_size", m.ffn_hidden_size, "tensor_model_parallel_size", lo.tp))
+    if m.is_moe:
+        widths.append(("moe_ffn_hidden_size", m.expert_ffn_hidden_size, "expert_tensor_parallel_size", lo.etp))
+        if m.moe_shared_expert_intermediate_size:
+            shared = m.moe_shared_expert_intermediate_size
+            widths.append(("moe_shared_expert_intermediate_size", shared, "tensor_model_parallel_size", lo.tp))
+    for what, width, name, size in widths:
+        if width % size:
+            return f"{what} ({width}) is not divisible by {name} ({size}) (tensor-parallel linear layers)"
     return None
 
 
@@ -206,13 +228,24 @@ def pipeline_split(c: RuleContext) -> str | None:
                 f"first/last-stage split fits" + (f" with virtual pipeline size {lo.vpp}" if lo.vpp > 1 else "")
             )
         return f"num_layers ({layers}) needs an uneven pipeline split; call rules.with_pipeline_split first"
-    first, last = lo.first_stage_layers or 0, lo.last_stage_layers or 0
-    middle_stages = lo.pp - (lo.first_stage_layers is not None) - (lo.last_stage_layers is not None)
-    middle = layers - first - last
-    if c.model.is_hybrid:
-        return "megatron-core 0.16 hybrid Mamba models do not take uneven first/last pipeline stages"
+    first, last = lo.first_stage_layers, lo.last_stage_layers
+    for stage, count in (("first", first), ("last", last)):
+        if count is not None and count <= 0:
+            return f"num_layers_in_{stage}_pipeline_stage must be larger than 0"
+        if count is not None and count % lo.vpp:
+            return (
+                f"number of layers at {stage} stage ({count}) must be divisible by virtual pipeline parallel "
+                f"degree ({lo.vpp})"
+            )
+    middle_stages = lo.pp - (first is not None) - (last is not None)
+    middle = layers - (first or 0) - (last or 0)
     if middle < 0 or bool(middle) != bool(middle_stages) or (middle_stages and middle % middle_stages):
-        return f"uneven split {first}/{middle}/{last} does not fit {layers} layers on {lo.pp} pipeline stages"
+        return f"uneven split {first or 0}/{middle}/{last or 0} does not fit {layers} layers on {lo.pp} pipeline stages"
+    if middle_stages and (middle // middle_stages) % lo.vpp:
+        return (
+            f"number of layers on each middle pipeline rank ({middle // middle_stages}) must be divisible by "
+            f"virtual pipeline parallel degree ({lo.vpp})"
+        )
     return None
 
 
@@ -243,7 +276,7 @@ def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
     """The layout with Megatron's uneven first/last stage sizes filled in when the layers do not divide by PP."""
     from dataclasses import replace
 
-    if layout.pp == 1 or model.num_layers % layout.pp == 0 or model.is_hybrid:
+    if layout.pp == 1 or model.num_layers % layout.pp == 0:
         return layout
     split = uneven_split(model.num_layers, layout.pp, layout.vpp)
     if split is None:

@@ -1,0 +1,450 @@
+"""Cross-check: ``sweeper.rules`` accepts exactly the layouts megatron-core 0.16.1 accepts.
+
+Hypothesis draws tiny models (heads, query groups, hidden, FFN, layers, experts, top-k, router groups, bias,
+hybrid Mamba patterns) and layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, MBS/GBS, sequence
+length). For each, Megatron is asked in its own code, under a fake process group of that world size on CPU:
+
+1. ``TransformerConfig(...)`` with the same fields (``__post_init__``: heads/query groups vs TP, SP without TP,
+   EP without experts, uneven-split arithmetic, top-k 1 without pre-softmax, router groups, bias with ETP>1);
+2. ``parallel_state.initialize_model_parallel(...)`` (world size vs TP*PP*CP and ETP*EP*PP, VPP without PP);
+3. ``get_num_layers_to_build`` for every pipeline rank and virtual stage (transformer_block.py: even split,
+   layers per rank vs VPP) -- or, for hybrid models, ``MambaStack._select_layers_for_pipeline_parallel`` for
+   every rank (no VPP; a split that leaves layers out is counted as a rejection, see below), and the attention,
+   MLP and MoE blocks of the pattern built standalone from the local spec;
+4. the model itself on rank 0: ``GPTModel`` with ``get_gpt_layer_local_spec`` and ``use_cpu_initialization``
+   (linear layers divide FFN by TP, experts by EP, expert FFN by ETP), and for MoE one training-mode forward of
+   the ``MoELayer`` to reach its "MoE and tensor parallelism without sequence parallelism" check;
+5. the data-side helpers: ``get_batch_on_this_cp_rank`` (sequence into 2*CP chunks), the sequence-parallel
+   scatter (sequence per CP rank divided by TP), ``ConstantNumMicroBatchesCalculator`` (GBS % (MBS*DP)).
+
+Local patches, each because of CPU-only torch without Transformer Engine/Apex, none about layout validity:
+the model is built with ``sequence_parallel`` switched off (the torch LayerNorm fallback refuses SP; TE's does
+not) and switched back on for the MoE forward; the token dispatcher is ``allgather`` (``alltoall`` creates a CUDA
+stream); the model is built with context_parallel_size 1 (only TEDotProductAttention supports CP); gloo groups are not created (the fake backend cannot stand in for gloo); the vocabulary is padded to a
+multiple of 128*TP as Megatron-LM's front end does. An error raised *after* the MoE layer's SP check (the CPU
+forward hits CUDA) means the check passed.
+
+Documented Megatron gaps / interpretations (the rules are deliberately not "fixed" to match these):
+- Hybrid Mamba models with layers not divisible by PP and no first/last split: megatron-core 0.16.1's
+  ``MambaStack`` divides with ``//`` and builds fewer layers without an error. Likewise an explicit uneven split
+  whose first + last exceed the layers, with a middle that "divides" (e.g. -2 over 2 stages), passes
+  ``TransformerConfig`` and builds a wrong layer count (or a negative count on a middle stage). The test counts
+  "Megatron would silently build a layer count other than num_layers" as a rejection, which is what sweeper refuses.
+- ``moe_router_num_groups`` without ``moe_router_group_topk`` is not checked by Megatron; ModelSpec has no
+  group-topk field and means group-limited routing whenever router groups are set, so the test passes
+  ``moe_router_group_topk=1`` with them.
+- Mamba mixer rules (heads/groups vs TP and CP) are asserted in ``ssm/mamba_mixer.py``, which needs
+  ``mamba_ssm``/``causal_conv1d`` (CUDA only), so they are excluded here and unit-tested in test_rules.py;
+  hybrid models are drawn with Mamba sizes that divide every TP/CP so those rules stay silent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import warnings
+from dataclasses import dataclass, replace
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("megatron.core")
+torch = pytest.importorskip("torch")
+from hypothesis import HealthCheck, event, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from sweeper import rules  # noqa: E402
+from sweeper.config import ClusterConfig  # noqa: E402
+from sweeper.layout import Layout  # noqa: E402
+from sweeper.models.spec import ModelSpec  # noqa: E402
+
+warnings.filterwarnings("ignore")
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
+from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
+from megatron.core.num_microbatches_calculator import ConstantNumMicroBatchesCalculator  # noqa: E402
+from megatron.core.ssm.mamba_block import MambaStack  # noqa: E402
+from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_region  # noqa: E402
+from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
+from megatron.core.transformer.spec_utils import build_module  # noqa: E402
+from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
+from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
+from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+# Rules that are not Megatron checks, so the cross-check leaves them out (each is unit-tested in test_rules.py).
+EXCLUDED: dict[str, str] = {
+    "within_cluster": "cluster size: Megatron only sees the world it is launched with",
+    "tp_inside_node": "topology: Megatron builds TP groups across nodes without complaint (just slowly)",
+    "multi_node_trial_fills_nodes": "topology: how sweeper places a trial on nodes",
+    "etp_needs_experts": "sweeper's own stricter choice: Megatron silently ignores ETP>1 on a dense model",
+    "interleaved_microbatches": (
+        "checked inside forward_backward_pipelining_with_interleaving after a CUDA allocation, which cannot be "
+        "reached on a CPU-only torch; the arithmetic (M >= PP and M % PP == 0 with the default "
+        "microbatch_group_size_per_vp_stage = PP) is unit-tested"
+    ),
+    "mamba_heads_and_groups": "ssm/mamba_mixer.py needs mamba_ssm (CUDA); unit-tested",
+    "fp8_mla_cp": "Transformer Engine (GPU) check",
+    "fp8_hardware": "hardware: compute capability of the cluster",
+    "fp8_gemm_shapes": "Transformer Engine FP8 GEMM alignment (GPU)",
+}
+COMPARED = [fn for fn in rules.RULES if fn.__name__ not in EXCLUDED]
+BIG_CLUSTER = ClusterConfig(nodes=64, gpus_per_node=8)
+
+
+def test_every_rule_is_compared_or_excluded() -> None:
+    names = {fn.__name__ for fn in rules.RULES}
+    assert set(EXCLUDED) <= names, f"stale exclusions: {set(EXCLUDED) - names}"
+    assert len(COMPARED) >= 15
+
+
+@dataclass(frozen=True)
+class Case:
+    model: ModelSpec
+    layout: Layout
+    seq_length: int
+
+
+def sweeper_reasons(case: Case) -> list[str]:
+    ctx = rules.RuleContext(case.model, case.layout, BIG_CLUSTER, case.seq_length)
+    return [reason for fn in COMPARED if (reason := fn(ctx))]
+
+
+# -- the Megatron side -------------------------------------------------------------------------------------------
+class Rejected(Exception):
+    """Megatron refused the case (the message says where)."""
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int):
+    torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+
+
+def _stage(where: str, fn, *args, **kwargs):
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, AssertionError, RuntimeError, ZeroDivisionError) as exc:
+        raise Rejected(f"{where}: {type(exc).__name__}: {exc}") from exc
+
+
+def transformer_config(case: Case) -> TransformerConfig:
+    m, lo = case.model, case.layout
+    kwargs = dict(
+        num_layers=m.num_layers,
+        hidden_size=m.hidden_size,
+        ffn_hidden_size=m.ffn_hidden_size,
+        num_attention_heads=m.num_attention_heads,
+        num_query_groups=m.num_query_groups,
+        kv_channels=m.kv_channels,
+        add_bias_linear=m.add_bias_linear,
+        gated_linear_unit=m.gated_linear_unit,
+        tensor_model_parallel_size=lo.tp,
+        pipeline_model_parallel_size=lo.pp,
+        virtual_pipeline_model_parallel_size=lo.vpp if lo.vpp > 1 else None,
+        context_parallel_size=lo.cp,
+        expert_model_parallel_size=lo.ep,
+        expert_tensor_parallel_size=lo.etp,
+        sequence_parallel=lo.sp,
+        num_layers_in_first_pipeline_stage=lo.first_stage_layers,
+        num_layers_in_last_pipeline_stage=lo.last_stage_layers,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if m.is_moe:
+        kwargs.update(
+            num_moe_experts=m.num_moe_experts,
+            moe_router_topk=m.moe_router_topk,
+            moe_ffn_hidden_size=m.expert_ffn_hidden_size,
+            moe_router_pre_softmax=m.moe_router_pre_softmax,
+            moe_token_dispatcher_type="allgather",
+        )
+        if m.moe_router_num_groups:
+            kwargs.update(moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=1)
+    return _stage("TransformerConfig", TransformerConfig, **kwargs)
+
+
+def megatron_verdict(case: Case) -> str | None:
+    """None when megatron-core accepts the case, else where and why it refused."""
+    m, lo = case.model, case.layout
+    try:
+        config = transformer_config(case)
+        with fake_world(lo.world_size):
+            _stage(
+                "initialize_model_parallel",
+                ps.initialize_model_parallel,
+                tensor_model_parallel_size=lo.tp,
+                pipeline_model_parallel_size=lo.pp,
+                virtual_pipeline_model_parallel_size=lo.vpp if lo.vpp > 1 else None,
+                context_parallel_size=lo.cp,
+                expert_model_parallel_size=lo.ep,
+                expert_tensor_parallel_size=lo.etp,
+                create_gloo_process_groups=False,
+            )
+            if m.is_hybrid:
+                _hybrid_layers(config, m)
+                moe = _stage("hybrid blocks", _build_hybrid_blocks, config, m, lo)
+                if moe is not None:
+                    _moe_forward(config, moe, lo.sp)
+            else:
+                _gpt_layers(config, lo)
+                model = _stage("GPTModel", _build_gpt, config, m, lo)
+                moe = next((mod for mod in model.modules() if isinstance(mod, MoELayer)), None)
+                if moe is not None:
+                    _moe_forward(config, moe, lo.sp)
+            _data_side(case)
+    except Rejected as exc:
+        return str(exc)
+    return None
+
+
+def _gpt_layers(config: TransformerConfig, lo: Layout) -> None:
+    counts = [
+        _stage("get_num_layers_to_build", get_num_layers_to_build, config, vp_stage=vp_stage, pp_rank=rank)
+        for rank in range(lo.pp)
+        for vp_stage in (range(lo.vpp) if lo.vpp > 1 else [None])
+    ]
+    if min(counts) < 0 or sum(counts) != config.num_layers:
+        raise Rejected(f"get_num_layers_to_build: would silently build {counts} layers for {config.num_layers}")
+
+
+def _hybrid_layers(config: TransformerConfig, m: ModelSpec) -> None:
+    pattern = list(m.hybrid_layer_pattern or "")
+    pp = config.pipeline_model_parallel_size
+    if pp == 1:
+        return
+    built: list[str] = []
+    for rank in range(pp):
+        stack = SimpleNamespace(config=config, pp_group=SimpleNamespace(rank=lambda r=rank: r, size=lambda: pp))
+        _, selected = _stage("MambaStack", MambaStack._select_layers_for_pipeline_parallel, stack, pattern)
+        built += selected
+    if len(built) != len(pattern):
+        raise Rejected(f"MambaStack: would silently build {len(built)} of {len(pattern)} layers")
+
+
+def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
+    spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=False)
+    vocab = math.ceil(m.vocab_size / (128 * lo.tp)) * 128 * lo.tp
+    # The local (non-TE) spec cannot do SP (torch LayerNorm) or CP (DotProductAttention): both are Transformer
+    # Engine features, so the model is built without them; their layout rules are checked by the config,
+    # parallel_state and the data-side helpers.
+    config.sequence_parallel, config.context_parallel_size = False, 1
+    try:
+        return GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=case_max_seq,
+            pre_process=True,
+            post_process=lo.pp == 1,
+            vp_stage=0 if lo.vpp > 1 else None,
+        )
+    finally:
+        config.sequence_parallel, config.context_parallel_size = lo.sp, lo.cp
+
+
+def _build_hybrid_blocks(config: TransformerConfig, m: ModelSpec, lo: Layout) -> MoELayer | None:
+    """The attention, MLP and MoE blocks a hybrid pattern uses, built the way MambaStack builds them (the Mamba
+    mixer itself needs mamba_ssm); returns the MoE layer for the forward check."""
+    dense = get_gpt_layer_local_spec().submodules
+    moe_spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=False).submodules
+    pattern = m.hybrid_layer_pattern or ""
+    config.sequence_parallel, config.context_parallel_size = False, 1  # as in _build_gpt
+    try:
+        if "*" in pattern:
+            build_module(dense.self_attention, config=config, layer_number=1)
+        if "-" in pattern:
+            build_module(dense.mlp, config=config)
+        return build_module(moe_spec.mlp, config=config) if "E" in pattern else None
+    finally:
+        config.sequence_parallel, config.context_parallel_size = lo.sp, lo.cp
+
+
+def _moe_forward(config: TransformerConfig, moe: MoELayer, sp: bool) -> None:
+    moe.train()
+    try:
+        moe(torch.zeros(4, 1, config.hidden_size))
+    except ValueError as exc:
+        if "MoE and tensor parallelism" in str(exc):
+            raise Rejected(f"MoELayer.forward: {exc}") from exc
+    except Exception:
+        pass  # past the SP check: the rest of a CPU forward hits CUDA-only code
+
+
+def _data_side(case: Case) -> None:
+    lo, seq = case.layout, case.seq_length
+    tokens = torch.zeros(1, seq)
+    if lo.cp > 1:
+        tokens = _stage("get_batch_on_this_cp_rank", get_batch_on_this_cp_rank, {"tokens": tokens})["tokens"]
+    if lo.sp:
+        hidden = torch.zeros(tokens.shape[1], 1, 1)
+        _stage("scatter_to_sequence_parallel_region", scatter_to_sequence_parallel_region, hidden, ps.get_tensor_model_parallel_group())
+    _stage("ConstantNumMicroBatchesCalculator", ConstantNumMicroBatchesCalculator, lo.gbs, lo.mbs, lo.dp, False, 0)
+
+
+case_max_seq = 256
+
+
+# -- drawing cases -----------------------------------------------------------------------------------------------
+@st.composite
+def moe_fields(draw) -> dict:
+    if not draw(st.booleans()):
+        return {}
+    experts = draw(st.sampled_from([2, 3, 4, 6, 8]))
+    topk = draw(st.integers(1, min(experts, 2)))
+    fields = dict(
+        num_moe_experts=experts,
+        moe_router_topk=topk,
+        moe_router_pre_softmax=draw(st.booleans()),
+        moe_ffn_hidden_size=draw(st.sampled_from([16, 24, 32])),
+    )
+    if draw(st.integers(0, 4)) == 0:
+        fields["moe_router_num_groups"] = draw(st.sampled_from([2, 3]))
+    return fields
+
+
+@st.composite
+def gpt_models(draw) -> ModelSpec:
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
+    groups = draw(st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0]))
+    return ModelSpec(
+        num_layers=draw(st.integers(1, 9)),
+        hidden_size=draw(st.sampled_from([16, 24, 32, 48])),
+        ffn_hidden_size=draw(st.sampled_from([24, 32, 48, 64])),
+        num_attention_heads=heads,
+        num_query_groups=groups,
+        kv_channels=8,
+        vocab_size=100,
+        add_bias_linear=draw(st.integers(0, 3)) == 0,
+        **draw(moe_fields()),
+    )
+
+
+@st.composite
+def hybrid_models(draw) -> ModelSpec:
+    moe = draw(moe_fields())
+    symbols = "M*-E" if moe else "M*-"
+    pattern = "".join(draw(st.lists(st.sampled_from(symbols), min_size=1, max_size=9)))
+    if moe and "E" not in pattern:
+        pattern += "E"
+    heads = draw(st.sampled_from([1, 2, 4, 6, 8]))
+    return ModelSpec(
+        num_layers=len(pattern),
+        hybrid_layer_pattern=pattern,
+        hidden_size=32,
+        ffn_hidden_size=draw(st.sampled_from([24, 32, 64])),
+        num_attention_heads=heads,
+        num_query_groups=draw(st.sampled_from([g for g in range(1, heads + 1) if heads % g == 0])),
+        kv_channels=8,
+        vocab_size=100,
+        mamba_num_heads=16,  # divides every TP*CP drawn: the (excluded) mixer rules stay silent
+        mamba_num_groups=8,
+        **moe,
+    )
+
+
+@st.composite
+def cases(draw, models) -> Case:
+    model = draw(models)
+    # Mostly sizes a user would try (so that many cases get past the config), sometimes odd ones.
+    tp = draw(st.sampled_from([1, 2, 2, 4, 4, 8, 3]))
+    pp = draw(st.sampled_from([1, 1, 2, 3, 4]))
+    vpp = draw(st.sampled_from([1, 1, 1, 2, 3]))
+    cp = draw(st.sampled_from([1, 1, 2]))
+    ep = draw(st.sampled_from([1, 2, 3, 4] if model.is_moe else [1, 1, 1, 1, 2]))
+    etp = draw(st.sampled_from([1, 1, 2] if model.is_moe else [1, 1, 1, 1, 2]))
+    if draw(st.integers(0, 5)) == 0:
+        world = draw(st.integers(1, 48))  # anything: sometimes indivisible
+    else:
+        world = tp * pp * cp * draw(st.sampled_from([1, 2, 3, 4]))
+    if world > 64:
+        world = tp * pp * cp
+    layout = Layout(
+        world_size=world, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp,
+        sp=draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else tp > 1,
+        mbs=draw(st.sampled_from([1, 2])), gbs=draw(st.sampled_from([8, 12, 16, 24, 48])),
+    )
+    if pp > 1 and draw(st.integers(0, 3)) == 0:
+        # An explicit (possibly wrong) uneven split, as a --layout or a Bridge recipe could give.
+        first = draw(st.none() | st.integers(1, model.num_layers))
+        last = draw(st.none() | st.integers(1, model.num_layers))
+        layout = replace(layout, first_stage_layers=first, last_stage_layers=last)
+    else:
+        layout = rules.with_pipeline_split(layout, model)
+    return Case(model, layout, draw(st.sampled_from([16, 24, 32, 48, 64, 96])))
+
+
+# SWEEPER_XCHECK_SCALE=10 runs ten times more examples (a deeper hunt, minutes).
+SCALE = int(os.environ.get("SWEEPER_XCHECK_SCALE", "1"))
+
+
+def _agree(case: Case) -> None:
+    ours = sweeper_reasons(case)
+    theirs = megatron_verdict(case)
+    event("megatron: valid" if theirs is None else f"megatron rejects in {theirs.split(':')[0]}")
+    assert (not ours) == (theirs is None), (
+        f"\nmodel={case.model.model_dump(exclude_defaults=True)}\nlayout={case.layout!r}\n"
+        f"seq_length={case.seq_length}\nsweeper: {ours or 'valid'}\nmegatron: {theirs or 'valid'}"
+    )
+
+
+@settings(max_examples=250 * SCALE, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(gpt_models()))
+def test_gpt_layouts_agree_with_megatron(case: Case) -> None:
+    _agree(case)
+
+
+@settings(max_examples=120 * SCALE, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(hybrid_models()))
+def test_hybrid_layouts_agree_with_megatron(case: Case) -> None:
+    _agree(case)
+
+
+# Hand-picked cases that must stay covered whatever hypothesis draws.
+def _dense(**kw) -> ModelSpec:
+    base = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                kv_channels=8, vocab_size=100)
+    return ModelSpec(**{**base, **kw})
+
+
+def _L(**kw) -> Layout:
+    return Layout(**{"gbs": 48, **kw})
+
+
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+EXAMPLES = [
+    (Case(_dense(), _L(world_size=8, tp=2, pp=2), 64), True),
+    (Case(_dense(num_attention_heads=6, num_query_groups=6), _L(world_size=4, tp=4), 64), False),
+    (Case(_dense(), _L(world_size=6, tp=4), 64), False),
+    (Case(_dense(), _L(world_size=2, sp=True), 64), False),
+    (Case(_dense(num_layers=5), _L(world_size=2, pp=2), 64), False),  # even split asserted at build
+    (Case(_dense(num_layers=5), rules.with_pipeline_split(_L(world_size=2, pp=2), _dense(num_layers=5)), 64), True),
+    (Case(_dense(), _L(world_size=2, pp=2, vpp=4), 64), False),
+    (Case(_dense(), _L(world_size=4, ep=2), 64), False),
+    (Case(_dense(**MOE), _L(world_size=8, tp=2, ep=2, sp=True), 64), True),
+    (Case(_dense(**MOE), _L(world_size=8, tp=2, ep=2, sp=False), 64), False),  # MoE forward check
+    (Case(_dense(**MOE), _L(world_size=3, ep=3), 64), False),  # experts % EP: bare assert in moe_layer
+    (Case(_dense(**{**MOE, "moe_router_topk": 1}), _L(world_size=1), 64), False),
+    (Case(_dense(), _L(world_size=2, cp=2), 6), False),
+    (Case(_dense(), _L(world_size=2, gbs=3), 64), False),
+]
+
+
+@pytest.mark.parametrize(("case", "valid"), EXAMPLES)
+def test_known_cases(case: Case, valid: bool) -> None:
+    assert (megatron_verdict(case) is None) == valid, megatron_verdict(case)
+    assert (not sweeper_reasons(case)) == valid, sweeper_reasons(case)
