@@ -1,0 +1,282 @@
+"""One focused test per rule in sweeper.rules: a layout it accepts, a layout it rejects, and the reason's wording.
+
+The table below is keyed by rule name; ``test_every_rule_has_cases`` fails when a rule is added without cases.
+Each case calls the rule function alone, so a case shows that exact rule's verdict, not another rule's.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from sweeper import rules
+from sweeper.config import ClusterConfig
+from sweeper.layout import Layout
+from sweeper.models.catalog import preset
+from sweeper.models.spec import ModelSpec
+
+DENSE = ModelSpec(
+    num_layers=8, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4, vocab_size=1000
+)
+MOE = DENSE.model_copy(update=dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=512))
+HYBRID = ModelSpec(
+    num_layers=8, hidden_size=256, ffn_hidden_size=512, num_attention_heads=8, num_query_groups=2, vocab_size=1000,
+    hybrid_layer_pattern="M*M-MEME", num_moe_experts=8, moe_router_topk=2, mamba_num_heads=16, mamba_num_groups=4,
+)
+MLA = DENSE.model_copy(update=dict(multi_latent_attention=True, num_query_groups=None))
+H100x2 = ClusterConfig(nodes=2, gpus_per_node=8, compute_capability="9.0")
+SEQ = 4096
+
+
+def L(world_size: int = 16, **kw: object) -> Layout:  # noqa: N802  (reads like the Layout it builds)
+    return Layout(world_size=world_size, **{"gbs": 64, **kw})  # type: ignore[arg-type]
+
+
+# (model, layout, cluster, seq_length, expected): expected None = the rule accepts; else a piece of the reason.
+Case = tuple[ModelSpec, Layout, ClusterConfig, int, "str | None"]
+CASES: dict[str, list[Case]] = {
+    "world_divides_model_parallel": [
+        (DENSE, L(16, tp=2, pp=2, cp=2), H100x2, SEQ, None),
+        (DENSE, L(12, tp=8), H100x2, SEQ,
+         "world size (12) is not divisible by tensor_model_parallel_size (8) x pipeline_model_parallel_size (1) x "
+         "context_parallel_size (1)"),
+    ],
+    "world_divides_expert_parallel": [
+        (MOE, L(16, ep=8, etp=2), H100x2, SEQ, None),
+        (MOE, L(12, tp=2, ep=8), H100x2, SEQ, "world size (12) is not divisible by expert_tensor_parallel_size (1) x "
+         "expert_model_parallel_size (8) x pipeline_model_parallel_size (1) (MoE parallel folding)"),
+    ],
+    "within_cluster": [
+        (DENSE, L(16), H100x2, SEQ, None),
+        (DENSE, L(32), H100x2, SEQ, "needs 32 GPUs but the cluster has 16"),
+    ],
+    "tp_inside_node": [
+        (DENSE, L(16, tp=8), H100x2, SEQ, None),
+        (DENSE, L(16, tp=8), ClusterConfig(nodes=4, gpus_per_node=4), SEQ,
+         "a tensor-parallel group of 8 GPUs cannot stay inside one node of 4 GPUs"),
+        # 6-GPU groups on 8-GPU nodes: the second group would straddle two nodes.
+        (DENSE.model_copy(update=dict(num_attention_heads=6, num_query_groups=6)), L(12, tp=6), H100x2, SEQ,
+         "cannot stay inside one node of 8 GPUs"),
+        # ...but inside a single node any TP that fits is fine.
+        (DENSE.model_copy(update=dict(num_attention_heads=6, num_query_groups=6)), L(6, tp=6), H100x2, SEQ, None),
+    ],
+    "multi_node_trial_fills_nodes": [
+        (DENSE, L(16), H100x2, SEQ, None),
+        (DENSE, L(4), H100x2, SEQ, None),
+        (DENSE, L(12), ClusterConfig(nodes=2, gpus_per_node=8), SEQ,
+         "a 12-GPU trial spans nodes but is not a whole number of 8-GPU nodes"),
+    ],
+    "vpp_needs_pp": [
+        (DENSE, L(16, pp=2, vpp=2), H100x2, SEQ, None),
+        (DENSE, L(16, vpp=2), H100x2, SEQ, "virtual pipeline (interleaved schedule) needs pipeline_model_parallel_size > 1"),
+    ],
+    "vpp_not_hybrid": [
+        (HYBRID, L(16, pp=2), H100x2, SEQ, None),
+        (HYBRID, L(16, pp=2, vpp=2), H100x2, SEQ, "hybrid Mamba models do not support the interleaved"),
+    ],
+    "interleaved_microbatches": [
+        (DENSE, L(16, pp=2, vpp=2, gbs=32), H100x2, SEQ, None),  # dp 8 -> 4 micro-batches, a multiple of 2
+        (DENSE, L(16, pp=4, vpp=2, gbs=8), H100x2, SEQ,  # dp 4 -> 2 micro-batches < PP 4
+         "interleaved schedule needs the number of micro-batches (2) to be >= and a multiple of "
+         "pipeline_model_parallel_size (4)"),
+        (DENSE, L(16, pp=4, vpp=2, gbs=24), H100x2, SEQ, "(6)"),  # 6 >= 4 but not a multiple
+        (DENSE, L(16, pp=4, gbs=8), H100x2, SEQ, None),  # the non-interleaved schedule does not care
+    ],
+    "sp_needs_tp": [
+        (DENSE, L(16, tp=2, sp=True), H100x2, SEQ, None),
+        (DENSE, L(16, sp=True), H100x2, SEQ, "Cannot use sequence parallelism without tensor parallelism"),
+    ],
+    "moe_tp_needs_sp": [
+        (MOE, L(16, tp=2, sp=True), H100x2, SEQ, None),
+        (DENSE, L(16, tp=2, sp=False), H100x2, SEQ, None),
+        (MOE, L(16, tp=2, sp=False), H100x2, SEQ, "MoE with tensor parallelism needs sequence parallelism"),
+    ],
+    "sp_sequence_divisible": [
+        (DENSE, L(16, tp=4, cp=2, sp=True), H100x2, 4096, None),
+        (DENSE, L(16, tp=4, cp=2, sp=True), H100x2, 4100,
+         "sequence parallel needs seq_length (4100) divisible by TP x CP (8)"),
+    ],
+    "heads_divisible_by_tp": [
+        (DENSE, L(16, tp=8), H100x2, SEQ, None),
+        (DENSE.model_copy(update=dict(num_attention_heads=12, num_query_groups=12)), L(16, tp=8), H100x2, SEQ,
+         "num_attention_heads (12) must be a multiple of tensor_model_parallel_size (8)."),
+        # Megatron's TransformerConfig checks heads for every model, even a hybrid one without attention layers.
+        (HYBRID.model_copy(update=dict(hybrid_layer_pattern="MMMMMMMM", num_attention_heads=6, num_moe_experts=None)),
+         L(16, tp=4), H100x2, SEQ, "num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4)."),
+    ],
+    "query_groups_vs_tp": [
+        (DENSE, L(16, tp=8), H100x2, SEQ, None),  # 4 groups divide TP 8
+        (DENSE, L(16, tp=2), H100x2, SEQ, None),  # 4 groups are a multiple of TP 2
+        (DENSE.model_copy(update=dict(num_attention_heads=24, num_query_groups=6)), L(16, tp=4), H100x2, SEQ,
+         "num_query_groups (6) must be a multiple or divisor of tensor_model_parallel_size (4)."),
+        (MLA, L(16, tp=8), H100x2, SEQ, None),
+    ],
+    "linear_widths_divisible": [
+        (MOE, L(16, tp=8, etp=8, ep=2), H100x2, SEQ, None),
+        (DENSE.model_copy(update=dict(ffn_hidden_size=1020)), L(16, tp=8), H100x2, SEQ,
+         "ffn_hidden_size (1020) is not divisible by tensor_model_parallel_size (8)"),
+        (MOE.model_copy(update=dict(moe_ffn_hidden_size=300)), L(16, etp=8), H100x2, SEQ,
+         "moe_ffn_hidden_size (300) is not divisible by expert_tensor_parallel_size (8)"),
+        # Fewer query groups than TP: the fused QKV width (3 + 2 x 1) x 20 = 100 must still split 3 ways.
+        (DENSE.model_copy(update=dict(num_attention_heads=3, num_query_groups=1, kv_channels=20)), L(16, tp=3),
+         ClusterConfig(nodes=1, gpus_per_node=16), SEQ,
+         "the fused QKV projection width (100) is not divisible by tensor_model_parallel_size (3)"),
+    ],
+    "mamba_heads_and_groups": [
+        (HYBRID, L(16, tp=4, cp=2), H100x2, SEQ, None),  # 16 heads / TP 4 = 4, divisible by CP 2
+        (HYBRID, L(16, tp=8), H100x2, SEQ, "Mamba groups (4) must be divisible by tensor_model_parallel_size (8)"),
+        (HYBRID.model_copy(update=dict(mamba_num_heads=24)), L(16, tp=16), ClusterConfig(nodes=1, gpus_per_node=16),
+         SEQ, "Mamba heads (24) must be divisible by tensor_model_parallel_size (16)"),
+        (HYBRID.model_copy(update=dict(mamba_num_heads=6)), L(16), H100x2, SEQ,
+         "Mamba heads (6) must be a multiple of Mamba groups (4)"),
+        (HYBRID, L(16, tp=4, cp=8), ClusterConfig(nodes=4, gpus_per_node=8), SEQ,
+         "Mamba heads per TP rank (4) must be divisible by context_parallel_size (8)"),
+        (DENSE, L(16, tp=8), H100x2, SEQ, None),  # no Mamba layers: nothing to check
+    ],
+    "pipeline_split": [
+        (DENSE, L(16, pp=4), H100x2, SEQ, None),
+        (DENSE, L(16, pp=2, vpp=2), H100x2, SEQ, None),
+        (DENSE, L(16, pp=2, vpp=3), H100x2, SEQ,
+         "layers per pipeline rank (4) must be divisible by the virtual pipeline size (3)"),
+        (DENSE, L(16, pp=16), H100x2, SEQ, "num_layers (8) is smaller than pipeline_model_parallel_size (16)"),
+        (preset("deepseek-v2-lite"), L(16, pp=2), H100x2, SEQ, "needs an uneven pipeline split"),
+        (preset("deepseek-v2-lite"), L(16, pp=2, first_stage_layers=14, last_stage_layers=13), H100x2, SEQ, None),
+        (preset("deepseek-v2-lite"), L(16, pp=4, vpp=2), H100x2, SEQ, "no uneven first/last-stage split fits with "
+         "virtual pipeline size 2"),
+        (preset("deepseek-v2-lite"), L(16, pp=4, first_stage_layers=7, last_stage_layers=7), H100x2, SEQ,
+         "uneven split 7/13/7 does not fit 27 layers on 4 pipeline stages"),
+        (preset("deepseek-v2-lite"), L(16, pp=2, vpp=3, first_stage_layers=14, last_stage_layers=13), H100x2, SEQ,
+         "number of layers at first stage (14) must be divisible by virtual pipeline parallel degree (3)"),
+        (DENSE.model_copy(update=dict(num_layers=10)), L(16, pp=4, vpp=2, first_stage_layers=2, last_stage_layers=2),
+         H100x2, SEQ, "number of layers on each middle pipeline rank (3) must be divisible by virtual pipeline"),
+        (DENSE, L(16, pp=2, first_stage_layers=0, last_stage_layers=8), H100x2, SEQ,
+         "num_layers_in_first_pipeline_stage must be larger than 0"),
+        # Hybrid: Megatron's MambaStack splits 8 layers on 3 stages with integer division (drops 2): refused...
+        (HYBRID, L(12, pp=3), H100x2, SEQ, "would silently drop layers of a hybrid Mamba model"),
+        # ...but it honours an explicit first/last split, which rules.with_pipeline_split fills in.
+        (HYBRID, rules.with_pipeline_split(L(12, pp=3), HYBRID), H100x2, SEQ, None),
+    ],
+    "ep_needs_experts": [
+        (MOE, L(16, ep=8), H100x2, SEQ, None),
+        (DENSE, L(16, ep=2), H100x2, SEQ, "num_moe_experts must be non None to use expert-parallel."),
+    ],
+    "etp_needs_experts": [
+        (MOE, L(16, etp=2), H100x2, SEQ, None),
+        (DENSE, L(16, etp=2), H100x2, SEQ, "expert_tensor_parallel_size > 1 only applies to MoE models"),
+    ],
+    "experts_divisible_by_ep": [
+        (MOE, L(16, ep=8), H100x2, SEQ, None),
+        (MOE.model_copy(update=dict(num_moe_experts=6)), L(16, ep=4), H100x2, SEQ,
+         "num_moe_experts (6) must be divisible by expert_model_parallel_size (4) (moe_layer.py)"),
+    ],
+    "expert_bias_needs_etp1": [
+        (MOE.model_copy(update=dict(add_bias_linear=True)), L(16, etp=1), H100x2, SEQ, None),
+        (MOE.model_copy(update=dict(add_bias_linear=True)), L(16, etp=2), H100x2, SEQ,
+         "Bias in Moe is only supported when ETP==1"),
+        (MOE, L(16, etp=2), H100x2, SEQ, None),
+    ],
+    "topk1_needs_pre_softmax": [
+        (MOE.model_copy(update=dict(moe_router_topk=1, moe_router_pre_softmax=True)), L(16), H100x2, SEQ, None),
+        (MOE.model_copy(update=dict(moe_router_topk=1)), L(16), H100x2, SEQ,
+         "Please use --moe-router-pre-softmax when topk is 1."),
+    ],
+    "experts_divisible_by_router_groups": [
+        (MOE.model_copy(update=dict(moe_router_num_groups=4)), L(16), H100x2, SEQ, None),
+        (MOE.model_copy(update=dict(moe_router_num_groups=3)), L(16), H100x2, SEQ,
+         "num_moe_experts (8) must be divisible by moe_router_num_groups"),
+    ],
+    "cp_sequence_divisible": [
+        (DENSE, L(16, cp=4), H100x2, 4096, None),
+        (DENSE, L(16, cp=4), H100x2, 4100, "context parallel needs seq_length (4100) divisible by 2 x CP (8)"),
+    ],
+    "fp8_mla_cp": [
+        (MLA, L(16, cp=2, precision="bf16"), H100x2, SEQ, None),
+        (DENSE, L(16, cp=2, precision="fp8"), H100x2, SEQ, None),
+        (MLA, L(16, cp=2, precision="fp8"), H100x2, SEQ,
+         "FP8 multi-latent attention with context parallel is not supported by Transformer Engine"),
+    ],
+    "global_batch_divisible": [
+        (DENSE, L(16, tp=2, mbs=2, gbs=64), H100x2, SEQ, None),  # dp 8 x mbs 2 = 16 divides 64
+        (DENSE, L(16, mbs=3, gbs=64), H100x2, SEQ,
+         "global_batch_size (64) is not divisible by micro_batch_size (3) x data_parallel_size (16)"),
+        (DENSE, L(16, cp=2, gbs=8), H100x2, SEQ, None),  # DP excludes CP: 8 ranks of data
+    ],
+    "fp8_hardware": [
+        # compute capability -> FP8 (delayed) and MXFP8 verdicts
+        (DENSE, L(16, precision="fp8"), ClusterConfig(nodes=2, compute_capability="8.9"), SEQ, None),
+        (DENSE, L(16, precision="fp8"), ClusterConfig(nodes=2, compute_capability="8.6"), SEQ,
+         "FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); the cluster is 8.6"),
+        (DENSE, L(16, precision="mxfp8"), ClusterConfig(nodes=2, compute_capability="9.0"), SEQ,
+         "MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on 9.0"),
+        (DENSE, L(16, precision="mxfp8"), ClusterConfig(nodes=2, compute_capability="10.0"), SEQ, None),
+        (DENSE, L(16, precision="mxfp8"), ClusterConfig(nodes=2, compute_capability="12.0"), SEQ,
+         "Transformer Engine rejects it on 12.0"),
+        (DENSE, L(16, precision="bf16"), ClusterConfig(nodes=2, compute_capability="8.0"), SEQ, None),
+    ],
+    "fp8_gemm_shapes": [
+        (DENSE, L(16, tp=2, sp=True, precision="fp8"), H100x2, SEQ, None),
+        (DENSE, L(16, tp=8, precision="bf16"), H100x2, 4095, None),  # not FP8: no alignment needed
+        (DENSE.model_copy(update=dict(hidden_size=264)), L(16, precision="fp8"), H100x2, SEQ,
+         "fp8 GEMMs need hidden_size (264) divisible by 16"),
+        (DENSE.model_copy(update=dict(ffn_hidden_size=1040)), L(16, precision="fp8"), H100x2, SEQ, None),  # 1040%16=0
+        (DENSE.model_copy(update=dict(ffn_hidden_size=1040)), L(16, precision="mxfp8"),
+         ClusterConfig(nodes=2, compute_capability="10.0"), SEQ, "mxfp8 GEMMs need ffn_hidden_size / TP (1040)"),
+        (MOE.model_copy(update=dict(moe_ffn_hidden_size=520)), L(16, precision="fp8"), H100x2, SEQ,
+         "fp8 GEMMs need moe_ffn_hidden_size / ETP (520) divisible by 16"),
+        (DENSE, L(16, precision="fp8"), H100x2, 4092, "fp8 GEMMs need tokens per micro-batch per rank (4092)"),
+    ],
+}
+
+RULE_NAMES = [fn.__name__ for fn in rules.RULES]
+PARAMS = [
+    pytest.param(name, *case, id=f"{name}-{i}-{'ok' if case[-1] is None else 'bad'}")
+    for name, cases in CASES.items()
+    for i, case in enumerate(cases)
+]
+
+
+def test_every_rule_has_cases() -> None:
+    assert sorted(CASES) == sorted(RULE_NAMES)
+    for name, cases in CASES.items():
+        verdicts = {expected is None for *_, expected in cases}
+        assert verdicts == {True, False}, f"{name} needs a valid and an invalid case"
+
+
+@pytest.mark.parametrize(("name", "model", "layout", "cluster", "seq_length", "expected"), PARAMS)
+def test_rule(name: str, model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int,
+              expected: str | None) -> None:
+    fn = getattr(rules, name)
+    reason = fn(rules.RuleContext(model, layout, cluster, seq_length))
+    if expected is None:
+        assert reason is None, reason
+    else:
+        assert reason is not None and expected in reason, reason
+        assert reason in rules.check(model, layout, cluster, seq_length)  # check() reports it too
+
+
+def test_check_collects_every_reason_and_nothing_for_a_valid_layout() -> None:
+    assert rules.check(DENSE, L(16, tp=2, pp=2, sp=True), H100x2, SEQ) == []
+    reasons = rules.check(DENSE, L(16, sp=True, ep=2, mbs=3), H100x2, SEQ)
+    assert any("without tensor parallelism" in r for r in reasons)
+    assert any("expert-parallel" in r for r in reasons)
+    assert any("global_batch_size" in r for r in reasons)
+
+
+@pytest.mark.parametrize(
+    ("capability", "precision", "valid"),
+    [("9.0", "mxfp8", False), ("12.0", "mxfp8", False), ("10.0", "mxfp8", True), ("10.3", "mxfp8", True),
+     ("8.6", "fp8", False), ("8.9", "fp8", True), ("9.0", "fp8", True), ("12.0", "fp8", True)],
+)
+def test_precision_gating_by_compute_capability(capability: str, precision: str, valid: bool) -> None:
+    cluster = ClusterConfig(nodes=2, gpus_per_node=8, compute_capability=capability)
+    reasons = rules.check(DENSE, L(16, tp=2, sp=True, precision=precision), cluster, SEQ)
+    assert (reasons == []) == valid, reasons
+
+
+def test_presets_have_valid_layouts_on_their_spaces() -> None:
+    """Sanity: the catalog's real models are not rejected wholesale by a too strict rule."""
+    cluster = ClusterConfig(nodes=2, gpus_per_node=8, compute_capability="12.0")
+    nemotron = preset("nemotron-3-nano-30b-a3b")
+    assert rules.check(nemotron, L(16, tp=2, pp=2, ep=8, sp=True, precision="fp8"), cluster, SEQ) == []
+    v2 = preset("deepseek-v2-lite")
+    lo = rules.with_pipeline_split(L(16, tp=1, pp=2, ep=8), v2)
+    assert rules.check(v2, lo, H100x2, SEQ) == []
