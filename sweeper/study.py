@@ -17,18 +17,15 @@ from typing import Any
 import optuna
 from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
-from optuna.trial import FrozenTrial, TrialState
+from optuna.trial import TrialState
 
 from sweeper.config import SweepConfig
 from sweeper.layout import Layout
 from sweeper.rules import with_pipeline_split
 
 AXES = ("gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "mbs", "precision", "recompute", "distributed_optimizer")
-CONSTRAINT_ATTR = "constraint"  # > 0: infeasible (rule, predicted or measured OOM); <= 0: feasible
-
-
-def _constraints(trial: FrozenTrial) -> list[float]:
-    return [float(trial.user_attrs.get(CONSTRAINT_ATTR, 0.0))]
+# Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.
+CONSTRAINT = "infeasible"
 
 
 @dataclass
@@ -48,8 +45,7 @@ class LayoutStudy:
             sampler = optuna.samplers.RandomSampler(seed=seed)
         else:
             sampler = optuna.samplers.TPESampler(
-                seed=seed, multivariate=True, group=True, constant_liar=True, constraints_func=_constraints,
-                n_startup_trials=5,
+                seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=5
             )
         self.study = optuna.create_study(
             study_name=cfg.name, storage=storage, sampler=sampler, direction="maximize", load_if_exists=True
@@ -89,7 +85,7 @@ class LayoutStudy:
 
     def tell(self, trial: optuna.trial.Trial, value: float | None, infeasible: bool) -> None:
         """value None = the attempt said nothing about the layout (infra failure): the Optuna trial is FAIL."""
-        trial.set_user_attr(CONSTRAINT_ATTR, 1.0 if infeasible else 0.0)
+        trial.set_constraint(CONSTRAINT, 1.0 if infeasible else 0.0)
         if value is None:
             self.study.tell(trial, state=TrialState.FAIL)
         else:

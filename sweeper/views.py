@@ -33,14 +33,15 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
         f"{(1 - cfg.search.memory_headroom) * 100:.0f}% memory, [red]{len(entries) - len(valid)} invalid[/]"
     )
     table = Table(title="valid layouts (fastest predicted first)", show_lines=False)
-    for col in ("layout", "GPUs", "DP", "EDP", "mem GiB", "fits", "step s", "tokens/s"):
-        table.add_column(col, justify="left" if col == "layout" else "right")
+    table.add_column("layout", overflow="fold")
+    for col in ("GPUs", "DP", "EDP", "mem GiB", "fits", "step s", "tokens/s"):
+        table.add_column(col, justify="right")
     shown = valid if limit <= 0 else valid[:limit]
     for e in shown:
         p = e.predicted
         table.add_row(
             e.layout.short(), str(e.layout.world_size), str(e.layout.dp), str(e.layout.edp),
-            _num(p.memory_gib if p else None), ("[green]yes[/]" if p and p.fits else "[red]no[/]"),
+            _num(p.memory_gib if p else None, "{:.2f}"), ("[green]yes[/]" if p and p.fits else "[red]no[/]"),
             _num(p.step_time_s if p else None, "{:.3f}"), _num(p.tokens_per_s if p else None, "{:,.0f}"),
         )
     if valid:
