@@ -1,0 +1,64 @@
+"""How long `python -m sweeper plan SPACE --json` takes, interpreter start-up included, against the 2 s budget.
+
+Runs each search space as a fresh subprocess several times (the user's experience: a cold command) and prints
+the median wall time, the number of layouts (and how many are valid), and the ratio to the budget.
+``--check`` exits 1 when a median is over budget, so CI can run it as a gate.
+
+    python benchmarks/plan_speed.py [--runs 5] [--check] [SPACE.yaml ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_SPACES = [ROOT / "search_spaces" / "nemotron.yaml", ROOT / "search_spaces" / "deepseek_v2_lite.yaml"]
+BUDGET_S = 2.0
+
+
+def time_plan(space: Path, runs: int) -> tuple[float, list[float], list[dict]]:
+    walls: list[float] = []
+    entries: list[dict] = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        proc = subprocess.run(
+            [sys.executable, "-m", "sweeper", "plan", str(space), "--json"],
+            cwd=ROOT, capture_output=True, text=True, check=False,
+        )
+        walls.append(time.perf_counter() - start)
+        if proc.returncode != 0:
+            raise SystemExit(f"{space.name}: plan exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
+        entries = json.loads(proc.stdout)
+    return statistics.median(walls), walls, entries
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("spaces", nargs="*", type=Path, default=DEFAULT_SPACES)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a median exceeds the budget")
+    args = parser.parse_args()
+
+    over = False
+    print(f"{'space':<24} {'median s':>9} {'min s':>7} {'max s':>7} {'layouts':>8} {'valid':>6} {'x budget':>9}")
+    for space in args.spaces:
+        median, walls, entries = time_plan(space, args.runs)
+        valid = sum(1 for e in entries if e["valid"])
+        ratio = median / BUDGET_S
+        over |= ratio > 1
+        print(
+            f"{space.name:<24} {median:>9.2f} {min(walls):>7.2f} {max(walls):>7.2f} {len(entries):>8} {valid:>6} "
+            f"{ratio:>8.2f}x"
+        )
+    print(f"budget: {BUDGET_S:.1f} s per plan, interpreter start-up included ({args.runs} runs each, median)")
+    return 1 if (over and args.check) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
