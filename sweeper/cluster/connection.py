@@ -1,0 +1,253 @@
+"""Connecting the driver to Ray, and what the cluster holds: nodes, GPUs per node, GPU kind and memory.
+
+``connect(cluster_cfg, address_override)`` is the one way in. It picks one of four modes:
+
+- simulated: ``simulate: true``, or ``simulate: auto`` with no CUDA device visible and no address given
+  (``address: auto`` and no ``--address``): a :class:`SimulatedCluster` of ``nodes x gpus_per_node`` virtual GPUs;
+- local: ``address: local``: a fresh single-node Ray instance on this machine;
+- auto: ``address: auto``: the Ray cluster already running here (``ray start``), else a fresh local one;
+- remote: any other address (``10.0.0.1:6379``, ``ray://...``).
+
+The handle it yields lists nodes with short stable labels (``sim-0`` on the simulated cluster, the node's IP on
+real ones, ``IP:port`` when several raylets share an IP) which trial results use as ``rank_nodes``. GPU kind and
+memory come from the nodes themselves on real clusters (a tiny task per node running ``nvidia-smi``, falling back
+to torch) and from the configuration on the simulated one, labelled ``simulated``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from sweeper.cluster.simulated import DEFAULT_RECORD_DIR, NODE_LABEL_KEY, SimulatedCluster
+from sweeper.config import ClusterConfig
+
+Mode = Literal["simulated", "local", "auto", "remote"]
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be reached or does not match what the configuration asks for."""
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    kind: str  # e.g. "NVIDIA H100 80GB HBM3", or "simulated h100"
+    memory_gib: float
+    compute_capability: str | None
+    source: Literal["simulated", "nvidia-smi", "torch", "unknown"]
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str  # Ray's hex node id
+    label: str  # short and stable: sim-0 | 10.0.0.5 | 10.0.0.5:41234
+    ip: str
+    gpus: int  # total GPUs Ray schedules on this node
+    cpus: float
+    is_head: bool
+
+
+@dataclass
+class ClusterHandle:
+    """A connected Ray cluster. Everything sweeper asks Ray about the cluster goes through here."""
+
+    mode: Mode
+    address: str
+    cluster_cfg: ClusterConfig
+    simulated: SimulatedCluster | None = None
+    _gpu_cache: dict[str, GpuInfo] = field(default_factory=dict, repr=False)
+
+    @property
+    def is_simulated(self) -> bool:
+        return self.simulated is not None
+
+    def nodes(self, *, gpu_only: bool = True) -> list[NodeInfo]:
+        """Alive nodes (only those offering GPUs unless ``gpu_only=False``), in a stable order (by label)."""
+        raw = [n for n in ray.nodes() if n.get("Alive")]
+        ips = [n["NodeManagerAddress"] for n in raw]
+        out = []
+        for n in raw:
+            resources = n.get("Resources", {})
+            if gpu_only and resources.get("GPU", 0) <= 0:
+                continue
+            out.append(
+                NodeInfo(
+                    node_id=n["NodeID"],
+                    label=_label(n, shared_ip=ips.count(n["NodeManagerAddress"]) > 1),
+                    ip=n["NodeManagerAddress"],
+                    gpus=int(resources.get("GPU", 0)),
+                    cpus=float(resources.get("CPU", 0)),
+                    is_head="node:__internal_head__" in resources,
+                )
+            )
+        return sorted(out, key=lambda node: _natural(node.label))
+
+    def label_of(self, node_id: str) -> str:
+        """The short label of a node id (dead nodes included, so a failed trial still names where it ran)."""
+        raw = ray.nodes()
+        ips = [n["NodeManagerAddress"] for n in raw if n.get("Alive")]
+        for n in raw:
+            if n["NodeID"] == node_id:
+                return _label(n, shared_ip=ips.count(n["NodeManagerAddress"]) > 1)
+        return node_id[:8]
+
+    def gpus_per_node(self) -> dict[str, int]:
+        return {node.label: node.gpus for node in self.nodes()}
+
+    def free_gpus_per_node(self) -> dict[str, int]:
+        """GPUs not reserved by any placement group or actor right now, per node label."""
+        # Ray has no public per-node "available" view; the GCS accessor behind ray.available_resources() does.
+        available = ray._private.state.available_resources_per_node()  # noqa: SLF001
+        return {node.label: int(available.get(node.node_id, {}).get("GPU", 0)) for node in self.nodes()}
+
+    def gpu_info(self) -> dict[str, GpuInfo]:
+        """GPU kind and memory per node label: from the config on a simulated cluster, from the node otherwise."""
+        nodes = self.nodes()
+        if self.is_simulated:
+            cfg = self.cluster_cfg
+            kind = f"simulated {cfg.gpu_kind or 'gpu'} (cc {cfg.compute_capability})"
+            return {
+                n.label: GpuInfo(kind, float(cfg.gpu_memory_gib), cfg.compute_capability, "simulated") for n in nodes
+            }
+        missing = [n for n in nodes if n.node_id not in self._gpu_cache]
+        if missing:
+            refs = [_probe_gpu.options(scheduling_strategy=_pin(n.node_id)).remote() for n in missing]
+            for node, info in zip(missing, ray.get(refs, timeout=120)):
+                self._gpu_cache[node.node_id] = info
+        return {n.label: self._gpu_cache[n.node_id] for n in nodes}
+
+
+@contextlib.contextmanager
+def connect(
+    cluster_cfg: ClusterConfig,
+    address_override: str | None = None,
+    *,
+    record_dir: Path | None = DEFAULT_RECORD_DIR,
+) -> Iterator[ClusterHandle]:
+    """Connect (or start a cluster) per the config; on exit disconnect and stop whatever was started here.
+
+    On a user's own cluster nothing but the driver's connection is closed on exit.
+    """
+    mode = choose_mode(cluster_cfg, address_override)
+    if ray.is_initialized():
+        raise ClusterError("this process is already connected to Ray; connect() owns the connection")
+    simulated: SimulatedCluster | None = None
+    try:
+        if mode == "simulated":
+            simulated = SimulatedCluster(cluster_cfg.nodes, cluster_cfg.gpus_per_node, record_dir=record_dir).start()
+            address = simulated.address
+            ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        elif mode == "local":
+            address = "local"
+            ray.init(address="local", logging_level="WARNING")
+        elif mode == "auto":
+            try:
+                ray.init(address="auto", logging_level="WARNING")
+                address = "auto"
+            except ConnectionError:
+                address = "local"
+                ray.init(address="local", logging_level="WARNING")
+        else:
+            address = address_override or cluster_cfg.address
+            try:
+                ray.init(address=address, logging_level="WARNING")
+            except ConnectionError as exc:
+                raise ClusterError(f"cluster.address: cannot reach Ray at {address!r}: {exc}") from None
+        yield ClusterHandle(mode=mode, address=address, cluster_cfg=cluster_cfg, simulated=simulated)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if simulated is not None:
+            simulated.shutdown()
+
+
+def choose_mode(cluster_cfg: ClusterConfig, address_override: str | None = None) -> Mode:
+    """Which kind of cluster ``connect`` will use; raises ClusterError on contradictory settings."""
+    address = address_override or cluster_cfg.address
+    explicit_address = address_override is not None or cluster_cfg.address != "auto"
+    simulate = cluster_cfg.simulate
+    if simulate == "auto":
+        simulate = not explicit_address and not cuda_visible()
+    if simulate:
+        if explicit_address and address != "auto":
+            raise ClusterError(
+                f"cluster.simulate: true cannot be combined with address {address!r} (a simulated cluster is started here)"
+            )
+        return "simulated"
+    if address == "local":
+        return "local"
+    if address == "auto":
+        return "auto"
+    return "remote"
+
+
+def cuda_visible() -> bool:
+    """Whether this machine has a CUDA device, without initialising CUDA in the driver (nvidia-smi first)."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
+            return out.returncode == 0 and "GPU" in out.stdout
+        except (OSError, subprocess.SubprocessError):
+            return False
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+# -- node-level probes (run as Ray tasks pinned to one node) ---------------------------------------------------------
+def _pin(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe_gpu() -> GpuInfo:
+    """GPU kind/memory/capability of the node it runs on. Reserves no GPU, so nvidia-smi sees all of them."""
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        try:
+            out = subprocess.run(
+                [smi, "--query-gpu=name,memory.total,compute_cap", "--format=csv,noheader,nounits"],
+                capture_output=True, text=True, timeout=30,
+            )
+            first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+            if first:
+                name, mem_mib, cap = (part.strip() for part in first.split(","))
+                return GpuInfo(name, round(float(mem_mib) / 1024, 1), cap, "nvidia-smi")
+        except (OSError, subprocess.SubprocessError, ValueError):
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            return GpuInfo(props.name, round(props.total_memory / 2**30, 1), f"{props.major}.{props.minor}", "torch")
+    except Exception:  # noqa: BLE001 - a probe reports what it can
+        pass
+    return GpuInfo("unknown", 0.0, None, "unknown")
+
+
+def _label(node: dict, *, shared_ip: bool) -> str:
+    labels = node.get("Labels") or {}
+    if NODE_LABEL_KEY in labels:
+        return labels[NODE_LABEL_KEY]
+    ip = node["NodeManagerAddress"]
+    return f"{ip}:{node['NodeManagerPort']}" if shared_ip else ip
+
+
+def _natural(label: str) -> tuple:
+    # sim-2 before sim-10; IPs in numeric order.
+    import re
+
+    return tuple(int(p) if p.isdigit() else p for p in re.split(r"(\d+)", label))

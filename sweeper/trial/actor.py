@@ -1,0 +1,109 @@
+"""RankActor: the Ray actor that hosts one torch.distributed rank of a trial.
+
+One actor per GPU, scheduled into its placement-group bundle by the runner. It first describes where it landed
+(node, IP, the GPU ids Ray gave it, and for rank 0 a free port for the rendezvous), then runs the backend's
+``run_rank`` in its own process with the rendezvous environment set. It never restarts (``max_restarts=0``): a
+rank that dies is a failed attempt for the runner to report, not something to paper over.
+
+The backend is named as ``"module:function"`` so tests can substitute their own; the driver's ``sys.path`` is
+appended to the worker's so modules importable in the driver (tests, a checkout that is not installed) import
+in the rank too.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import ray
+
+from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.trial.aggregate import classify_exception
+
+
+@dataclass(frozen=True)
+class RankSlot:
+    """Where a rank actor landed."""
+
+    rank: int
+    node_id: str
+    ip: str
+    gpu_ids: tuple[str, ...]  # Ray's GPU ids for this actor (physical ids on GPU nodes, virtual on simulated ones)
+    pid: int
+    port: int | None  # a free TCP port on this node, asked of rank 0 only
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class RankActor:
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+        self.world_size = world_size
+
+    def describe(self, want_port: bool) -> RankSlot:
+        ip = ray.util.get_node_ip_address()
+        return RankSlot(
+            rank=self.rank,
+            node_id=ray.get_runtime_context().get_node_id(),
+            ip=ip,
+            gpu_ids=tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])),
+            pid=os.getpid(),
+            port=_free_port(ip) if want_port else None,
+        )
+
+    def run(self, backend: str, request: SmokeRequest, env: dict[str, str], driver_sys_path: list[str]) -> RankReport:
+        os.environ.update(env)
+        for entry in driver_sys_path:
+            if entry not in sys.path and os.path.isdir(entry):
+                sys.path.append(entry)
+        node = env.get("SWEEPER_NODE_ID", "")
+        try:
+            fn = load_backend(backend)
+            report = fn(request)
+        except BaseException as exc:  # noqa: BLE001 - a backend must not raise; if it does, report, don't crash
+            _write_traceback(request.trial_dir, self.rank)
+            return RankReport(
+                rank=self.rank,
+                node_id=node,
+                backend="unknown",
+                ok=False,
+                failure_kind=classify_exception(exc),
+                error=f"backend raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "),
+            )
+        if not isinstance(report, RankReport):
+            return RankReport(rank=self.rank, node_id=node, backend="unknown", ok=False, failure_kind="infra",
+                              error=f"backend {backend} returned {type(report).__name__}, not a RankReport")
+        if not report.node_id:
+            report.node_id = node
+        return report
+
+
+def load_backend(spec: str) -> Callable[[SmokeRequest], RankReport]:
+    """Resolve ``"package.module:function"``."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"backend must be 'module:function', got {spec!r}")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _free_port(ip: str) -> int:
+    # The port is released before torch binds it; another process could take it in between, which is rare on a
+    # node whose GPUs this trial has reserved, and fails the trial as comm_error rather than hanging.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((ip, 0))
+        return int(sock.getsockname()[1])
+
+
+def _write_traceback(trial_dir: str, rank: int) -> None:
+    try:
+        path = Path(trial_dir) / f"rank{rank}.runner-error.txt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(traceback.format_exc())
+    except OSError:
+        pass

@@ -1,0 +1,187 @@
+"""From per-rank outcomes to one TrialResult: root cause, metrics, checks (pure; no Ray, no torch).
+
+A multi-rank failure is a cascade: rank 3 runs out of memory, its peers then fail in a collective (comm_error) or
+are killed by the trial timeout. The result must name the first *real* failure, so outcomes are ranked by how
+much they explain: a rank's own failure (oom, nan, invalid_layout, checkpoint_error, ...) over a rank that died
+(infra) over collateral communication errors over timeouts; ties go to the earliest arrival.
+
+Metrics follow the contract: the step time is the median over post-warm-up steps of the slowest rank's time for
+that step (a step ends when the last rank ends it); tokens/s and TFLOP/s per GPU derive from it; peak memory is
+the maximum over ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, fields
+
+from sweeper.backends.base import RankReport
+from sweeper.results import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
+
+# Lower explains more. Kinds not listed (a rank's own failure) rank 0.
+_COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}
+_GIB = 1024**3
+
+
+@dataclass
+class RankOutcome:
+    """What the driver learnt about one rank: its report, or how it died, or nothing (killed when aborting)."""
+
+    rank: int
+    node: str  # short node label
+    report: RankReport | None = None
+    died: str | None = None  # the actor or its node died: Ray's reason, one line
+    arrived: float = float("inf")  # driver clock when the outcome arrived (orders the cascade)
+
+    @property
+    def failure_kind(self) -> str | None:
+        if self.died is not None:
+            return "infra"
+        if self.report is not None and not self.report.ok:
+            kind = self.report.failure_kind
+            return kind if kind in FAILURE_KINDS else "infra"
+        return None
+
+    @property
+    def failed(self) -> bool:
+        return self.failure_kind is not None
+
+
+def is_collateral(kind: str | None) -> bool:
+    """Whether a failure kind is usually a consequence of another rank's failure (keep looking for the cause)."""
+    return kind in _COLLATERAL_RANK
+
+
+def root_cause(outcomes: list[RankOutcome]) -> RankOutcome | None:
+    failed = [o for o in outcomes if o.failed]
+    if not failed:
+        return None
+    return min(failed, key=lambda o: (_COLLATERAL_RANK.get(o.failure_kind or "", 0), o.arrived, o.rank))
+
+
+def describe(outcome: RankOutcome) -> str:
+    """One line naming the rank, its node and what went wrong."""
+    where = f"rank {outcome.rank} ({outcome.node})"
+    if outcome.died is not None:
+        return f"{where}: {outcome.died}"
+    report = outcome.report
+    assert report is not None
+    return f"{where}: {report.error or report.failure_kind or 'failed without a message'}"
+
+
+def aggregate(
+    outcomes: list[RankOutcome],
+    *,
+    world_size: int,
+    warmup_steps: int,
+    trial_dir: str | None,
+    timeout_error: str | None = None,
+    abort_error: tuple[str, str] | None = None,
+    notes: list[str] | None = None,
+) -> TrialResult:
+    """Fold rank outcomes into the contract's TrialResult.
+
+    ``timeout_error``: the trial hit its wall-time limit (failure kind timeout unless a rank already failed for
+    a real reason). ``abort_error``: (kind, message) for a trial stopped by the driver before any rank could fail
+    (placement timeout, cancellation, rank actors that never started).
+    """
+    reports = [o.report for o in sorted(outcomes, key=lambda o: o.rank) if o.report is not None]
+    cause = root_cause(outcomes)
+    all_notes = list(notes or [])
+    for report in reports:
+        all_notes += [n for n in report.notes if n not in all_notes]
+
+    status: str = "passed"
+    kind: str | None = None
+    error: str | None = None
+    # A hung trial's peers may report comm errors; the hang (timeout) explains them, a dead rank does not.
+    if cause is not None and not (timeout_error and cause.failure_kind in ("comm_error", "timeout")):
+        status, kind, error = "failed", cause.failure_kind, describe(cause)
+    elif timeout_error:
+        status, kind, error = "failed", "timeout", timeout_error
+    elif abort_error is not None:
+        status, (kind, error) = "failed", abort_error
+    elif len(reports) < world_size:
+        missing = sorted(set(range(world_size)) - {r.rank for r in reports})
+        status, kind, error = "failed", "infra", f"no report from ranks {missing}"
+
+    memory_kinds = {r.memory_kind for r in reports}
+    return TrialResult(
+        status=status,  # type: ignore[arg-type]
+        failure_kind=kind,  # type: ignore[arg-type]
+        error=error,
+        metrics=_metrics(reports, world_size, warmup_steps),
+        checks=_checks(reports, world_size),
+        checkpoint=_checkpoint(reports, world_size),
+        rank_nodes=[o.node for o in sorted(outcomes, key=lambda o: o.rank)],
+        backend=reports[0].backend if reports else "none",
+        memory_kind=("device" if "device" in memory_kinds else "host") if reports else None,
+        losses=_losses(reports),
+        notes=all_notes,
+        trial_dir=trial_dir,
+    )
+
+
+def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int) -> TrialMetrics:
+    metrics = TrialMetrics()
+    timed = [r.step_times_s for r in reports if r.step_times_s]
+    if timed:
+        steps = min(len(t) for t in timed)
+        # Ranks time the same steps; the slowest rank bounds each step. Warm-up steps are excluded when any remain.
+        start = warmup_steps if steps > warmup_steps else 0
+        per_step = [max(t[i] for t in timed) for i in range(start, steps)]
+        if per_step:
+            metrics.step_time_s = statistics.median(per_step)
+    tokens = max((r.tokens_per_step for r in reports), default=0)
+    flops = max((r.flops_per_step for r in reports), default=0.0)
+    if metrics.step_time_s and metrics.step_time_s > 0:
+        if tokens:
+            metrics.tokens_per_s = tokens / metrics.step_time_s
+        if flops:
+            metrics.tflops_per_gpu = flops / metrics.step_time_s / 1e12 / world_size
+    peaks = [r.peak_memory_bytes for r in reports if r.peak_memory_bytes]
+    if peaks:
+        metrics.peak_memory_gib = max(peaks) / _GIB
+    losses = _losses(reports)
+    if losses:
+        metrics.loss_first, metrics.loss_last = losses[0], losses[-1]
+    return metrics
+
+
+def _losses(reports: list[RankReport]) -> list[float]:
+    # Only last-pipeline-stage ranks compute the loss; they agree with each other, so the first one with a
+    # loss history is the trial's.
+    return next((list(r.losses) for r in reports if r.losses), [])
+
+
+def _checks(reports: list[RankReport], world_size: int) -> TrialChecks:
+    checks = TrialChecks()
+    complete = len(reports) == world_size
+    for f in fields(TrialChecks):
+        values = [r.checks.get(f.name) for r in reports]
+        if f.name == "checkpoint_reloaded":
+            attempted = [v for v in values if v is not None]
+            value: object = (all(attempted) and complete) if attempted else None
+        elif f.name == "equivalence_rel_err":
+            errs = [float(v) for v in values if v is not None]
+            value = max(errs) if errs else None
+        else:
+            value = complete and all(bool(v) for v in values)
+        setattr(checks, f.name, value)
+    return checks
+
+
+def _checkpoint(reports: list[RankReport], world_size: int) -> str | None:
+    if len(reports) < world_size or not all(r.checks.get("checkpoint_saved") for r in reports):
+        return None
+    return next((r.checkpoint_dir for r in reports if r.checkpoint_dir), None)
+
+
+def classify_exception(exc: BaseException) -> str:
+    """Failure kind of an exception that escaped a backend (which should never raise; this is the safety net)."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"OutOfMemoryError", "MemoryError"}:
+        return "oom"
+    if names & {"DistBackendError", "DistNetworkError", "DistStoreError", "DistError"}:
+        return "comm_error"
+    return "infra"

@@ -1,0 +1,156 @@
+"""Pre-flight node check: is every node ready to run this sweep's trials, and do they agree?
+
+Multi-node failures that otherwise surface as hangs or missing-file crashes minutes into a run (a worker with
+another torch, a dataset copied to one node only, a full disk) are found before any trial: a small task pinned to
+each alive GPU node reports its Python / torch / megatron-core / Transformer Engine versions, GPUs, free disk where
+trials write, and whether the configured data and tokenizer paths exist there. Versions come from package
+metadata, so nothing heavy is imported on the nodes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from sweeper.cluster.connection import ClusterHandle
+from sweeper.config import SweepConfig
+
+ABSENT = "absent"
+_VERSION_KEYS = ("python", "torch", "megatron_core", "transformer_engine")
+
+
+@dataclass
+class NodeCheck:
+    label: str
+    node_id: str
+    python: str = ABSENT
+    torch: str = ABSENT
+    megatron_core: str = ABSENT
+    transformer_engine: str = ABSENT
+    gpu_kind: str = "unknown"
+    gpu_count: int = 0
+    gpu_memory_gib: float = 0.0
+    gpu_source: str = "unknown"  # simulated | nvidia-smi | torch | unknown
+    free_disk_gib: float | None = None
+    disk_path: str = ""
+    paths: dict[str, bool] = field(default_factory=dict)  # configured path -> exists on this node
+    error: str | None = None  # the probe itself failed on this node
+
+
+@dataclass
+class DoctorReport:
+    nodes: list[NodeCheck]
+    problems: list[str]  # each one line; empty means every node agrees and every path exists everywhere
+    expected_nodes: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def rows(self) -> list[dict[str, str]]:
+        """One row per node for a table; a version that differs from the majority is marked with '!'."""
+        majority = {key: _majority([getattr(n, key) for n in self.nodes]) for key in _VERSION_KEYS + ("gpu_kind",)}
+        out = []
+        for node in self.nodes:
+            row = {"node": node.label}
+            for key in _VERSION_KEYS + ("gpu_kind",):
+                value = str(getattr(node, key))
+                row[key] = value if value == majority[key] else f"{value} !"
+            row["gpus"] = f"{node.gpu_count} x {node.gpu_memory_gib:g} GiB" + (
+                " (simulated)" if node.gpu_source == "simulated" else "")
+            row["free_disk"] = "?" if node.free_disk_gib is None else f"{node.free_disk_gib:.0f} GiB"
+            missing = [p for p, exists in node.paths.items() if not exists]
+            row["paths"] = "ok" if not missing else "missing: " + ", ".join(missing)
+            if node.error:
+                row["paths"] = f"probe failed: {node.error}"
+            out.append(row)
+        return out
+
+
+def doctor(cfg: SweepConfig, handle: ClusterHandle, trial_root: Path | None = None, timeout_s: float = 120.0) -> DoctorReport:
+    """Check every alive GPU node; ``trial_root`` is where trials will write (default: the current directory)."""
+    root = str(Path(trial_root or Path.cwd()).resolve())
+    paths = list(cfg.training.data_paths) + ([cfg.training.tokenizer_path] if cfg.training.tokenizer_path else [])
+    nodes = handle.nodes()
+    gpu_info = handle.gpu_info()
+    refs = [
+        _probe_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n.node_id, soft=False)).remote(
+            root, paths
+        )
+        for n in nodes
+    ]
+    checks: list[NodeCheck] = []
+    for node, ref in zip(nodes, refs):
+        check = NodeCheck(label=node.label, node_id=node.node_id, gpu_count=node.gpus)
+        try:
+            facts = ray.get(ref, timeout=timeout_s)
+            for key, value in facts.items():
+                setattr(check, key, value)
+        except Exception as exc:  # noqa: BLE001 - a node that cannot run the probe is itself a finding
+            check.error = " ".join(str(exc).split())[:200]
+        info = gpu_info.get(node.label)
+        if info is not None:
+            check.gpu_kind, check.gpu_memory_gib, check.gpu_source = info.kind, info.memory_gib, info.source
+        checks.append(check)
+    return DoctorReport(nodes=checks, problems=_problems(checks, cfg), expected_nodes=cfg.cluster.nodes)
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _probe_node(disk_path: str, paths: list[str]) -> dict:
+    """Runs on one node: versions from package metadata, free disk, which configured paths exist."""
+    facts: dict = {"python": platform.python_version()}
+    for key, dists in (
+        ("torch", ("torch",)),
+        ("megatron_core", ("megatron-core", "megatron_core")),
+        ("transformer_engine", ("transformer-engine", "transformer_engine", "transformer-engine-cu12")),
+    ):
+        facts[key] = ABSENT
+        for dist in dists:
+            try:
+                facts[key] = importlib.metadata.version(dist)
+                break
+            except importlib.metadata.PackageNotFoundError:
+                continue
+    existing = Path(disk_path)
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent  # trials create the folder; measure the filesystem it will live on
+    facts["disk_path"] = disk_path
+    facts["free_disk_gib"] = round(shutil.disk_usage(existing).free / 2**30, 1)
+    facts["paths"] = {p: Path(p).exists() for p in paths}
+    return facts
+
+
+def _problems(checks: list[NodeCheck], cfg: SweepConfig) -> list[str]:
+    problems: list[str] = []
+    if not checks:
+        return ["no alive node offers GPUs"]
+    for node in checks:
+        if node.error:
+            problems.append(f"{node.label}: probe failed: {node.error}")
+    probed = [n for n in checks if not n.error]
+    for key in _VERSION_KEYS + ("gpu_kind",):
+        values = {getattr(n, key) for n in probed}
+        if len(values) > 1:
+            per_node = ", ".join(f"{n.label}={getattr(n, key)}" for n in probed)
+            problems.append(f"{key} differs between nodes: {per_node}")
+    for node in probed:
+        for path, exists in node.paths.items():
+            if not exists:
+                problems.append(f"{node.label}: {path} does not exist")
+        if node.gpu_count < cfg.cluster.gpus_per_node:
+            problems.append(f"{node.label}: {node.gpu_count} GPUs, cluster.gpus_per_node says {cfg.cluster.gpus_per_node}")
+        if node.megatron_core == ABSENT:
+            problems.append(f"{node.label}: megatron-core is not installed")
+    if len(checks) < cfg.cluster.nodes:
+        problems.append(f"{len(checks)} GPU node(s) alive, cluster.nodes says {cfg.cluster.nodes}")
+    return problems
+
+
+def _majority(values: list) -> object:
+    return max(set(values), key=values.count) if values else None

@@ -1,0 +1,316 @@
+"""run_trial: one smoke trial of one layout, as one Ray actor per rank on one placement group.
+
+Top to bottom: reserve the GPUs (one placement group, TP groups inside a node) → start one RankActor per rank in
+its bundle → ask rank 0 for a rendezvous address and port → every rank runs the backend → gather reports with
+``ray.wait`` until all are in, one fails, one dies, or the trial's wall-time limit passes → kill every rank at
+once and remove the placement group → fold the outcomes into a TrialResult and write ``<trial_dir>/result.json``.
+
+Why kill everything on the first failure: a surviving rank would otherwise sit in a collective until the
+process-group timeout, holding the trial's GPUs. Why a short grace period after a *collateral* failure (comm
+error, dead rank): the rank that really failed often reports a moment later, and the result must name it.
+
+Trial directories: every rank writes its log and its checkpoint shards under ``trial_dir``. On the simulated
+cluster all nodes share this machine's filesystem. On a real cluster each node writes its own ranks' files under
+the same absolute path on its local disk (a shared filesystem makes it one directory); only the driver writes
+``result.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+
+from sweeper.backends.base import SmokeRequest
+from sweeper.cluster.connection import ClusterHandle
+from sweeper.cluster.placement import PlacementError, PlacementTimeout, TrialPlacement, trial_placement
+from sweeper.config import SweepConfig
+from sweeper.layout import Layout
+from sweeper.results import TrialResult
+from sweeper.trial.actor import RankActor, RankSlot
+from sweeper.trial.aggregate import RankOutcome, aggregate, describe, is_collateral
+
+DEFAULT_BACKEND = "sweeper.backends.megatron:run_rank"
+BACKEND_INJECTS = ("nan", "hang", "crash")  # done inside a rank by the backend
+RUNNER_INJECTS = ("node-loss",)  # done by the runner (simulated clusters only)
+COLLATERAL_GRACE_S = 5.0  # after a comm error or a dead rank, how long to wait for the rank that caused it
+CPUS_PER_RANK = 1.0
+
+
+@dataclass(frozen=True)
+class RunningTrial:
+    """Passed to ``on_running`` once every rank is running: which node hosts each rank."""
+
+    trial_id: str
+    rank_nodes: list[str]  # node label per rank
+    rank_node_ids: list[str]  # Ray node id per rank
+
+
+def run_trial(
+    cfg: SweepConfig,
+    layout: Layout,
+    handle: ClusterHandle,
+    trial_dir: Path,
+    *,
+    backend: str = DEFAULT_BACKEND,
+    inject: str | None = None,
+    inject_rank: int = 0,
+    timeout_s: float | None = None,
+    on_running: Callable[[RunningTrial], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> TrialResult:
+    """Run one smoke trial; never raises for a trial failure (the TrialResult says what failed and why).
+
+    ``timeout_s`` bounds the whole trial, placement included (default ``cfg.training.trial_timeout_s``).
+    ``inject``: ``nan`` / ``hang`` / ``crash`` (done by the backend in ``inject_rank``) or ``node-loss`` (the
+    runner kills the simulated node hosting ``inject_rank`` once all ranks run). ``cancel``: set it from another
+    thread to stop the trial (Ctrl-C of a sweep); the ranks are killed and the result is ``infra``/cancelled.
+    KeyboardInterrupt in this thread also kills the ranks and removes the group before propagating.
+    """
+    if inject is not None and inject not in BACKEND_INJECTS + RUNNER_INJECTS:
+        raise ValueError(f"inject must be one of {', '.join(BACKEND_INJECTS + RUNNER_INJECTS)}, got {inject!r}")
+    if inject in RUNNER_INJECTS and not handle.is_simulated:
+        raise ValueError(f"inject {inject!r} is only possible on a simulated cluster")
+    limit = float(timeout_s if timeout_s is not None else cfg.training.trial_timeout_s)
+    deadline = time.monotonic() + limit
+    trial_dir = Path(trial_dir).resolve()
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    trial_id = f"{trial_dir.name}-{uuid.uuid4().hex[:6]}"
+    request = _request(cfg, layout, handle, trial_dir, limit, inject if inject in BACKEND_INJECTS else None, inject_rank)
+
+    try:
+        with trial_placement(
+            handle,
+            layout.world_size,
+            cfg.cluster.gpus_per_node,
+            timeout_s=limit,
+            keep_together=_keep_together(layout, cfg.cluster.gpus_per_node),
+            cpus_per_rank=CPUS_PER_RANK,
+            name=f"sweeper-{trial_id}",
+        ) as placement:
+            result = _run_ranks(
+                request, layout.world_size, placement, handle, trial_id, backend, deadline, limit,
+                node_loss_rank=inject_rank if inject == "node-loss" else None,
+                on_running=on_running, cancel=cancel,
+            )
+    except PlacementTimeout as exc:
+        result = TrialResult(status="failed", failure_kind="infra", error=str(exc), notes=["placement_timeout"])
+    except PlacementError as exc:
+        result = TrialResult(status="failed", failure_kind="invalid_layout", error=f"placement: {exc}")
+    result.trial_dir = str(trial_dir)
+    _write_json(trial_dir / "result.json", result.to_json())
+    return result
+
+
+def _keep_together(layout: Layout, gpus_per_node: int) -> int:
+    # TP groups must share a node; CP groups too when they fit (Megatron orders ranks tp, cp, dp, pp).
+    return layout.tp * layout.cp if layout.tp * layout.cp <= gpus_per_node else layout.tp
+
+
+def _request(
+    cfg: SweepConfig, layout: Layout, handle: ClusterHandle, trial_dir: Path, limit: float,
+    inject: str | None, inject_rank: int,
+) -> SmokeRequest:
+    t = cfg.training
+    return SmokeRequest(
+        model=cfg.model.model_dump(),
+        layout=layout.to_dict(),
+        seq_length=t.seq_length,
+        steps=t.steps,
+        warmup_steps=t.warmup_steps,
+        checkpoint=t.checkpoint,
+        checkpoint_every=t.checkpoint_every,
+        trial_dir=str(trial_dir),
+        # The runner's wall-time limit is what stops a hung trial, so the process-group timeout never fires first
+        # and turns a hang into a misleading comm error.
+        timeout_s=limit,
+        memory_limit_gib=float(cfg.cluster.gpu_memory_gib) if handle.is_simulated else None,
+        inject=inject,  # type: ignore[arg-type]
+        inject_rank=inject_rank,
+    )
+
+
+def _run_ranks(
+    request: SmokeRequest,
+    world_size: int,
+    placement: TrialPlacement,
+    handle: ClusterHandle,
+    trial_id: str,
+    backend: str,
+    deadline: float,
+    limit: float,
+    *,
+    node_loss_rank: int | None,
+    on_running: Callable[[RunningTrial], None] | None,
+    cancel: threading.Event | None,
+) -> TrialResult:
+    actors = [
+        RankActor.options(
+            num_gpus=1,
+            num_cpus=CPUS_PER_RANK,
+            scheduling_strategy=placement.strategy(rank),
+            name=f"sweeper-{trial_id}-rank{rank}",
+        ).remote(rank, world_size)
+        for rank in range(world_size)
+    ]
+    outcomes = [RankOutcome(rank=r, node="?") for r in range(world_size)]
+    timeout_error: str | None = None
+    abort_error: tuple[str, str] | None = None
+    notes = [f"placement {placement.plan.num_bundles}x{placement.plan.ranks_per_bundle} GPUs "
+             f"{placement.plan.strategy}, reserved in {placement.wait_s:.1f}s"]
+    try:
+        slots = _describe(actors, deadline)
+        if isinstance(slots, str):
+            kind = "timeout" if slots.startswith("timeout") else "infra"
+            abort_error = (kind, slots)
+        else:
+            labels = {nid: handle.label_of(nid) for nid in {s.node_id for s in slots}}
+            for slot, outcome in zip(slots, outcomes):
+                outcome.node = labels[slot.node_id]
+            envs = _rank_envs(slots, labels, trial_id)
+            sys_path = [os.getcwd()] + [p for p in sys.path if p]
+            pending = {actors[r].run.remote(backend, request, envs[r], sys_path): r for r in range(world_size)}
+            running = RunningTrial(trial_id, [o.node for o in outcomes], [s.node_id for s in slots])
+            if on_running is not None:
+                on_running(running)
+            if node_loss_rank is not None and handle.simulated is not None:
+                handle.simulated.remove_node(slots[node_loss_rank].node_id)
+                notes.append(f"injected: node-loss of {outcomes[node_loss_rank].node} (rank {node_loss_rank})")
+            stop = _gather(pending, outcomes, handle, deadline, cancel)
+            if stop == "timeout":
+                still = sorted(r for r in range(world_size) if outcomes[r].report is None and outcomes[r].died is None)
+                timeout_error = (f"timeout: trial still running after {limit:.0f}s (training.trial_timeout_s); "
+                                 f"ranks {still} had not finished")
+            elif stop == "cancelled":
+                abort_error = ("infra", "cancelled: the trial was stopped before it finished")
+                notes.append("cancelled")
+    finally:
+        # Every rank at once; removing the placement group (by the caller's context manager) follows and
+        # would kill them too, but an explicit kill does not depend on that.
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+    return aggregate(
+        outcomes,
+        world_size=world_size,
+        warmup_steps=request.warmup_steps,
+        trial_dir=request.trial_dir,
+        timeout_error=timeout_error,
+        abort_error=abort_error,
+        notes=notes,
+    )
+
+
+def _describe(actors: list, deadline: float) -> list[RankSlot] | str:
+    """Where each rank landed, or a one-line reason why the ranks could not start."""
+    refs = [actor.describe.remote(rank == 0) for rank, actor in enumerate(actors)]
+    try:
+        return ray.get(refs, timeout=max(deadline - time.monotonic(), 0.001))
+    except GetTimeoutError:
+        return "timeout: rank actors did not start before the trial's wall-time limit"
+    except RayActorError as exc:
+        return f"rank actor failed to start: {_one_line(exc)}"
+    except RayError as exc:
+        return f"rank actor failed to start: {_one_line(exc)}"
+
+
+def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> list[dict[str, str]]:
+    """torch.distributed rendezvous variables per rank, plus a node-wide CUDA_VISIBLE_DEVICES.
+
+    Ray gives each actor only its own GPU; like torchrun, every rank of a node sees all the trial's GPUs on that
+    node (NCCL's intra-node peer-to-peer needs it) and LOCAL_RANK indexes its own one among them.
+    """
+    master = slots[0]
+    assert master.port is not None
+    node_gpus: dict[str, list[str]] = {}
+    node_ranks: dict[str, list[int]] = {}
+    for slot in slots:
+        node_gpus.setdefault(slot.node_id, []).extend(slot.gpu_ids)
+        node_ranks.setdefault(slot.node_id, []).append(slot.rank)
+    envs = []
+    for slot in slots:
+        gpus = sorted(set(node_gpus[slot.node_id]), key=lambda g: (len(g), g))
+        ranks = node_ranks[slot.node_id]
+        local_rank = gpus.index(slot.gpu_ids[0]) if slot.gpu_ids else ranks.index(slot.rank)
+        env = {
+            "MASTER_ADDR": master.ip,
+            "MASTER_PORT": str(master.port),
+            "RANK": str(slot.rank),
+            "WORLD_SIZE": str(len(slots)),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(len(ranks)),
+            "SWEEPER_NODE_ID": labels[slot.node_id],
+            "SWEEPER_TRIAL_ID": trial_id,
+        }
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        envs.append(env)
+    return envs
+
+
+def _gather(
+    pending: dict,
+    outcomes: list[RankOutcome],
+    handle: ClusterHandle,
+    deadline: float,
+    cancel: threading.Event | None,
+) -> str:
+    """Collect rank outcomes until done; returns why it stopped: done | failed | timeout | cancelled."""
+    first_failure: float | None = None
+    while pending:
+        now = time.monotonic()
+        if cancel is not None and cancel.is_set():
+            return "cancelled"
+        if now >= deadline:
+            return "timeout"
+        if first_failure is not None:
+            real = any(o.failed and not is_collateral(o.failure_kind) for o in outcomes)
+            if real or now >= first_failure + COLLATERAL_GRACE_S:
+                return "failed"
+        wait_s = min(deadline - now, 0.5)
+        if first_failure is not None:
+            wait_s = min(wait_s, first_failure + COLLATERAL_GRACE_S - now)
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(wait_s, 0.001))
+        for ref in ready:
+            outcome = outcomes[pending.pop(ref)]
+            outcome.arrived = time.monotonic()
+            try:
+                outcome.report = ray.get(ref)
+            except RayActorError as exc:
+                outcome.died = _death_reason(exc, outcome, handle)
+            except RayTaskError as exc:  # the actor method itself raised (not the backend): a runner bug
+                outcome.died = f"rank actor raised: {_one_line(exc)}"
+            except RayError as exc:
+                outcome.died = f"rank lost: {_one_line(exc)}"
+            if outcome.failed and first_failure is None:
+                first_failure = outcome.arrived
+    return "failed" if first_failure is not None else "done"
+
+
+def _death_reason(exc: RayActorError, outcome: RankOutcome, handle: ClusterHandle) -> str:
+    alive = {n.label for n in handle.nodes()}
+    if outcome.node not in alive:
+        return f"node {outcome.node} lost while the rank ran (infra)"
+    return f"rank process died: {_one_line(exc)}"
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
+
+
+__all__ = ["DEFAULT_BACKEND", "RunningTrial", "run_trial", "describe"]
