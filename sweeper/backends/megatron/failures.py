@@ -8,6 +8,7 @@ rejected the layout; the same in a collective means communication broke).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 Phase = Literal["setup", "init", "build", "steps", "checkpoint_save", "checkpoint_load", "report"]
@@ -67,11 +68,18 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
     return "infra", f"{type(exc).__name__}: {message}" if not message.startswith(type(exc).__name__) else message
 
 
+# gloo/c10d messages start with the C++ source location and end with generic advice; neither is the cause.
+_SOURCE_LOCATION = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h|hpp):\d+\]\s*")
+_BOILERPLATE = (" This is typically caused by", " Exception raised from")
+
+
 def one_line(exc: BaseException) -> str:
-    """The exception's first meaningful line, prefixed with its type when the message is empty; capped length."""
+    """The exception's first meaningful line, without C++ source locations and boilerplate; capped length."""
     text = str(exc).strip()
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    first = lines[0] if lines else type(exc).__name__
+    first = _SOURCE_LOCATION.sub("", lines[0]) if lines else type(exc).__name__
+    for marker in _BOILERPLATE:
+        first = first.split(marker)[0]
     if isinstance(exc, AssertionError) and not lines:
         first = "AssertionError (Megatron gave no message)"
     return first if len(first) <= 400 else first[:397] + "..."

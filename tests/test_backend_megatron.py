@@ -1,0 +1,307 @@
+"""The megatron-core backend: real ranks on gloo/CPU (e2e) plus unit tests of its pure parts.
+
+The e2e cases run ``run_rank`` in W real processes (tests/megatron_ranks.py, no Ray) on tiny models for a few
+steps and check what every rank reports: same loss on all ranks, finite values, checkpoint written and read
+back bitwise, and the failure kind plus a one-line reason when a layout cannot run.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.megatron.failures import CheckpointError, NonFiniteError, SimulatedOOMError, classify, one_line
+from sweeper.backends.megatron.flops import flops_per_global_batch, padded_vocab_size
+from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.layout import Layout
+from sweeper.models.catalog import preset
+from sweeper.models.spec import ModelSpec
+from sweeper.results import FAILURE_KINDS
+
+# --------------------------------------------------------------------------------------------------------------
+# helpers
+
+
+def _request(tmp_path: Path, layout: Layout, model: ModelSpec | str = "tiny-gpt", **kw: object) -> SmokeRequest:
+    spec = preset(model) if isinstance(model, str) else model
+    base: dict = dict(
+        model=spec.model_dump(), layout=layout.to_dict(), seq_length=32, steps=3, warmup_steps=1,
+        checkpoint=False, checkpoint_every=None, trial_dir=str(tmp_path / "trial"), seed=1234, timeout_s=90.0,
+    )
+    base.update(kw)
+    return SmokeRequest(**base)
+
+
+def _run_raw(request: SmokeRequest, world: int, timeout_s: float = 240.0) -> list[RankReport | None]:
+    sys.path.insert(0, str(Path(__file__).parent))  # the rank-spawning helper lives next to this file
+    from megatron_ranks import run_ranks
+
+    return run_ranks(request, world, timeout_s=timeout_s)
+
+
+def _run(request: SmokeRequest, world: int) -> list[RankReport]:
+    reports = _run_raw(request, world)
+    assert all(r is not None for r in reports), f"a rank died or hung: {reports}"
+    return reports  # type: ignore[return-value]
+
+
+def _assert_passed(reports: list[RankReport], steps: int = 3) -> None:
+    for r in reports:
+        assert r.ok, f"rank {r.rank}: [{r.failure_kind}] {r.error}"
+        assert r.backend == "megatron-core-cpu" and r.memory_kind == "host"
+        assert r.checks["process_group"] and r.checks["model_built"]
+        assert r.checks["forward_backward"] and r.checks["finite"]
+        assert len(r.losses) == len(r.grad_norms) == len(r.step_times_s) == steps
+        assert all(math.isfinite(x) for x in r.losses + r.grad_norms)
+        assert r.peak_memory_bytes > 100 * 2**20
+        assert r.flops_per_step > 0 and r.tokens_per_step > 0
+        assert {"init", "build", "steps"} <= set(r.timings_s)
+    # Every rank reports the same loss and gradient norm per step (shared from the last stage / global norm).
+    assert all(r.losses == reports[0].losses for r in reports)
+    assert all(r.grad_norms == pytest.approx(reports[0].grad_norms, rel=1e-5) for r in reports)
+    # Random tokens over a 256-token vocabulary: the loss of a freshly initialised model is about ln(256).
+    assert reports[0].losses[0] == pytest.approx(math.log(256), abs=0.3)
+
+
+def _assert_failed(reports: list[RankReport], kind: str) -> None:
+    for r in reports:
+        assert not r.ok
+        assert r.failure_kind == kind, f"rank {r.rank}: [{r.failure_kind}] {r.error}"
+        assert r.error and "\n" not in r.error
+
+
+# --------------------------------------------------------------------------------------------------------------
+# e2e: real megatron-core ranks on gloo
+
+
+@pytest.mark.e2e
+def test_dense_tp2(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2)), 2)
+    _assert_passed(reports)
+    assert reports[0].tokens_per_step == 2 * 32
+    assert (tmp_path / "trial" / "rank_0.log").read_text().count("step ") >= 3
+
+
+@pytest.mark.e2e
+def test_pp2(tmp_path: Path) -> None:
+    _assert_passed(_run(_request(tmp_path, Layout(world_size=2, pp=2, gbs=4)), 2))
+
+
+@pytest.mark.e2e
+def test_dp2_same_numbers_with_and_without_distributed_optimizer(tmp_path: Path) -> None:
+    runs = {}
+    for distributed_optimizer in (True, False):
+        layout = Layout(world_size=2, gbs=4, distributed_optimizer=distributed_optimizer)
+        runs[distributed_optimizer] = _run(_request(tmp_path / str(distributed_optimizer), layout), 2)
+        _assert_passed(runs[distributed_optimizer])
+    # Same data and initialisation: sharding the optimizer state must not change the training numbers.
+    assert runs[True][0].losses == pytest.approx(runs[False][0].losses, rel=1e-4)
+    assert runs[True][0].grad_norms == pytest.approx(runs[False][0].grad_norms, rel=1e-3)
+
+
+@pytest.mark.e2e
+def test_moe_ep2(tmp_path: Path) -> None:
+    _assert_passed(_run(_request(tmp_path, Layout(world_size=2, ep=2, gbs=4), "tiny-moe"), 2))
+
+
+@pytest.mark.e2e
+def test_tp2_pp2_four_ranks_with_checkpoint(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=4, tp=2, pp=2, gbs=4), checkpoint=True), 4)
+    _assert_passed(reports)
+    assert all(r.checks["checkpoint_saved"] and r.checks["checkpoint_reloaded"] for r in reports)
+
+
+@pytest.mark.e2e
+def test_vpp2_on_pp2(tmp_path: Path) -> None:
+    _assert_passed(_run(_request(tmp_path, Layout(world_size=2, pp=2, vpp=2, gbs=4)), 2))
+
+
+@pytest.mark.e2e
+def test_uneven_pipeline_split(tmp_path: Path) -> None:
+    five_layers = preset("tiny-gpt").model_copy(update={"num_layers": 5})
+    layout = Layout(world_size=2, pp=2, gbs=4, first_stage_layers=3, last_stage_layers=2)
+    _assert_passed(_run(_request(tmp_path, layout, five_layers), 2))
+
+
+@pytest.mark.e2e
+def test_checkpoint_saved_every_n_and_reloaded_bitwise(tmp_path: Path) -> None:
+    request = _request(tmp_path, Layout(world_size=2, tp=2, gbs=2, recompute="full"), steps=4,
+                       checkpoint=True, checkpoint_every=2)
+    reports = _run(request, 2)
+    _assert_passed(reports, steps=4)
+    for r in reports:
+        assert r.checks["checkpoint_saved"] is True and r.checks["checkpoint_reloaded"] is True
+        assert r.checkpoint_dir == str(tmp_path / "trial" / "checkpoint" / "iter_0000004")
+        assert {"checkpoint_save", "checkpoint_load"} <= set(r.timings_s)
+    for step in (2, 4):
+        directory = tmp_path / "trial" / "checkpoint" / f"iter_{step:07d}"
+        assert (directory / "metadata.json").exists() and list(directory.glob("*.distcp"))
+
+
+@pytest.mark.e2e
+def test_megatron_rejects_heads_not_divisible_by_tp(tmp_path: Path) -> None:
+    six_heads = preset("tiny-gpt").model_copy(update={"hidden_size": 96, "num_attention_heads": 6})
+    reports = _run(_request(tmp_path, Layout(world_size=4, tp=4, gbs=4), six_heads), 4)
+    _assert_failed(reports, "invalid_layout")
+    assert "num_attention_heads (6)" in reports[0].error and "tensor_model_parallel_size (4)" in reports[0].error
+    assert all(r.checks["process_group"] and not r.checks["model_built"] for r in reports)
+
+
+@pytest.mark.e2e
+def test_injected_nan_is_caught_on_every_rank(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=2, pp=2, gbs=4), inject="nan", inject_rank=0), 2)
+    _assert_failed(reports, "nan")
+    for r in reports:
+        assert math.isfinite(r.losses[0]) and math.isnan(r.losses[1]) and len(r.losses) == 2
+        assert "step 2" in r.error
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("inject", ["crash", "hang"])
+def test_injected_crash_or_hang_surfaces_as_comm_error_on_the_peer(tmp_path: Path, inject: str) -> None:
+    # The process-group timeout bounds how long the healthy rank waits for the hung one.
+    request = _request(tmp_path, Layout(world_size=2, pp=2, gbs=4), inject=inject, inject_rank=0, timeout_s=5.0)
+    reports = _run_raw(request, 2, timeout_s=20.0)
+    assert reports[0] is None  # exited with code 17 / blocked forever (killed by the helper)
+    peer = reports[1]
+    assert peer is not None and not peer.ok and peer.failure_kind == "comm_error", peer
+    assert len(peer.losses) == 1 and "\n" not in peer.error and not peer.error.startswith("[")
+
+
+@pytest.mark.e2e
+def test_sequence_parallel_is_unsupported_before_anything_heavy(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, sp=True, gbs=2)), 2)
+    _assert_failed(reports, "unsupported")
+    assert "unsupported on this backend (megatron-core-cpu)" in reports[0].error
+    assert not reports[0].checks["process_group"] and "init" not in reports[0].timings_s
+
+
+@pytest.mark.e2e
+def test_memory_limit_stops_the_rank_as_oom(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2), memory_limit_gib=0.05), 2)
+    _assert_failed(reports, "oom")
+    assert "exceeded the simulated GPU memory of 0.05 GiB" in reports[0].error
+    assert reports[0].peak_memory_bytes > 0.05 * 2**30
+
+
+# --------------------------------------------------------------------------------------------------------------
+# unit: failure classification
+
+
+def test_classification_of_megatron_layout_assertions() -> None:
+    exc = AssertionError("num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).")
+    assert classify(exc, "build") == ("invalid_layout", str(exc))
+
+
+def test_classification_of_oom_comm_nan_checkpoint() -> None:
+    import torch
+
+    assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "steps")[0] == "oom"
+    assert classify(RuntimeError("CUDA out of memory. Tried to allocate 20 MiB"), "build")[0] == "oom"
+    assert classify(SimulatedOOMError("resident host memory 3 GiB exceeded"), "steps")[0] == "oom"
+    gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:2")
+    assert classify(gloo, "steps") == ("comm_error", "Connection closed by peer [10.0.0.2]:2")
+    assert classify(RuntimeError("Timed out waiting 90000ms for recv operation"), "steps")[0] == "comm_error"
+    assert classify(torch.distributed.DistBackendError("NCCL error in: ..."), "steps")[0] == "comm_error"
+    assert classify(NonFiniteError("loss is nan"), "steps") == ("nan", "loss is nan")
+    kind, error = classify(OSError("No space left on device"), "checkpoint_save")
+    assert kind == "checkpoint_error" and "save" in error
+    assert classify(CheckpointError("differs"), "checkpoint_load")[0] == "checkpoint_error"
+    assert classify(KeyError("x"), "steps")[0] == "infra"
+    assert all(classify(e, "steps")[0] in FAILURE_KINDS for e in (ValueError("a"), MemoryError(), gloo))
+
+
+def test_error_is_one_line() -> None:
+    assert one_line(RuntimeError("first line\n  traceback noise\nmore")) == "first line"
+    assert one_line(AssertionError()) == "AssertionError (Megatron gave no message)"
+    gloo = RuntimeError("[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:1: "
+                        "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF!")
+    assert one_line(gloo) == "Read error [127.0.0.1]:1: Connection reset by peer."
+    assert len(one_line(RuntimeError("x" * 5000))) <= 400
+
+
+# --------------------------------------------------------------------------------------------------------------
+# unit: what the CPU backend supports
+
+
+@pytest.mark.parametrize(
+    ("model", "layout", "needle"),
+    [
+        ("tiny-gpt", Layout(world_size=2, tp=2, sp=True), "sequence parallel"),
+        ("tiny-gpt", Layout(world_size=2, cp=2), "context parallel (cp=2)"),
+        ("tiny-gpt", Layout(world_size=1, precision="fp8"), "precision fp8"),
+        ("tiny-gpt", Layout(world_size=1, precision="mxfp8"), "precision mxfp8"),
+        ("deepseek-v2-lite", Layout(world_size=1), "multi_latent_attention"),
+        ("nemotron-3-nano-30b-a3b", Layout(world_size=1), "hybrid Mamba"),
+    ],
+)
+def test_cpu_backend_reports_unsupported_features(model: str, layout: Layout, needle: str) -> None:
+    reason = unsupported_reason(preset(model), layout, cuda=False, te=False)
+    assert reason is not None and needle in reason and "unsupported on this backend (megatron-core-cpu)" in reason
+
+
+def test_cpu_backend_runs_plain_layouts() -> None:
+    for precision in ("fp32", "fp16", "bf16"):
+        layout = Layout(world_size=8, tp=2, pp=2, ep=2, precision=precision, recompute="full")
+        assert unsupported_reason(preset("tiny-moe"), layout, cuda=False, te=False) is None
+
+
+def test_gpu_with_transformer_engine_runs_sp_cp_fp8() -> None:
+    layout = Layout(world_size=8, tp=2, cp=2, sp=True, precision="fp8")
+    assert unsupported_reason(preset("tiny-gpt"), layout, cuda=True, te=True) is None
+
+
+def test_layer_spec_choice() -> None:
+    from sweeper.backends.megatron.build import use_transformer_engine
+
+    assert use_transformer_engine(cuda=True, te_available=True)
+    assert not use_transformer_engine(cuda=False, te_available=True)
+    assert not use_transformer_engine(cuda=True, te_available=False)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# unit: FLOPs
+
+
+def test_flops_dense_gqa_by_hand() -> None:
+    spec = ModelSpec(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                     vocab_size=256)
+    s, b, v = 32, 4, 256
+    qkv = 64 * (64 + 2 * 32)  # q 4 heads x 16, k and v 2 groups x 16
+    out = 64 * 64
+    attn = s * 64  # QK^T and AV over half the causal sequence each
+    mlp = 3 * 64 * 256  # SwiGLU: gate, up, down
+    per_token = 2 * (qkv + out + attn + mlp) + 64 * v
+    assert flops_per_global_batch(spec, s, b, v) == 6 * b * s * per_token
+
+
+def test_flops_match_megatron_closed_form() -> None:
+    """Megatron-LM's expression: 12·s·b·L·h² [(1 + g/n + s/(2h))·(n·d/h) + ffn/h·glu] + 6·s·b·h·V (dense)."""
+    spec = preset("llama3-8b")
+    s, b = 4096, 8
+    h, n, g, d, L = spec.hidden_size, spec.num_attention_heads, spec.query_groups, spec.head_dim, spec.num_layers
+    v = padded_vocab_size(spec.vocab_size, tp=1)
+    megatron = 12 * s * b * L * h * h * ((1 + g / n + s / h / 2) * (n * d / h) + spec.ffn_hidden_size / h * 1.5) \
+        + 6 * s * b * h * v
+    assert flops_per_global_batch(spec, s, b, v) == pytest.approx(megatron, rel=1e-12)
+
+
+def test_flops_moe_counts_routed_topk_shared_and_first_dense() -> None:
+    base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=128)
+    dense = ModelSpec(**base)
+    moe = ModelSpec(**base, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
+                    moe_shared_expert_intermediate_size=64, moe_first_k_dense=1)
+    s, b = 16, 2
+    mlp_dense, mlp_moe = 3 * 64 * 256, 3 * 64 * (2 * 32 + 64)
+    assert flops_per_global_batch(dense, s, b, 128) - flops_per_global_batch(moe, s, b, 128) == \
+        pytest.approx(6 * s * b * 3 * (mlp_dense - mlp_moe))
+
+
+def test_padded_vocab() -> None:
+    assert padded_vocab_size(256, tp=2) == 256
+    assert padded_vocab_size(128256, tp=8) == 129024
+    assert padded_vocab_size(100, tp=1) == 128
