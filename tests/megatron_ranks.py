@@ -49,6 +49,9 @@ _PRELOAD = [
 
 
 def _context() -> Any:
+    # SWEEPER_TEST_START_METHOD=spawn starts every rank from scratch, exactly like a fresh Ray actor process.
+    if os.environ.get("SWEEPER_TEST_START_METHOD") == "spawn":
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx

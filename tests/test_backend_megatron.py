@@ -197,6 +197,14 @@ def test_classification_of_megatron_layout_assertions() -> None:
     assert classify(exc, "build") == ("invalid_layout", str(exc))
 
 
+def test_classification_of_rules_megatron_checks_at_first_forward() -> None:
+    exc = ValueError("During training, performance may degrade if MoE and tensor parallelism are enabled without "
+                     "also enabling sequence parallelism.")
+    assert classify(exc, "steps")[0] == "invalid_layout"
+    assert classify(RuntimeError("shape '[4, 32, 2, 16]' is invalid for input of size 4000"), "steps")[0] == \
+        "invalid_layout"
+
+
 def test_classification_of_oom_comm_nan_checkpoint() -> None:
     import torch
 

@@ -5,6 +5,12 @@ CUDA RNG states, streams and events, ``param.type() == 'torch.cuda.FloatTensor'`
 call site, ``install()`` makes a few generic redirections (see /work/shared/design/MEGATRON_ON_CPU.md): a
 ``TorchFunctionMode`` that turns every CUDA device argument into the CPU, an RNG tracker that keeps CPU generator
 states, and no-op stand-ins for the stream/event API. It is a no-op when CUDA is available, and idempotent.
+
+How each CUDA assumption listed in MEGATRON_ON_CPU.md is met: allocations on ``torch.cuda.current_device()``
+(GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
+``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
+``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
+``te_general_gemm`` is defined as None; the MoE allgather dispatcher is chosen in ``build.py``.
 """
 
 from __future__ import annotations

@@ -63,7 +63,8 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
     if phase == "build" and isinstance(exc, (AssertionError, ValueError, RuntimeError, TypeError, IndexError)):
         # Megatron validates layouts with asserts and ValueErrors while building config and model.
         return "invalid_layout", message
-    if phase == "steps" and any(m in low for m in _SHAPE_MARKERS):
+    if phase == "steps" and (isinstance(exc, (AssertionError, ValueError)) or any(m in low for m in _SHAPE_MARKERS)):
+        # Some layout rules are only checked at the first forward (e.g. MoE with TP>1 needs sequence parallel).
         return "invalid_layout", message
     return "infra", f"{type(exc).__name__}: {message}" if not message.startswith(type(exc).__name__) else message
 

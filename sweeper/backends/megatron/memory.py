@@ -48,9 +48,12 @@ class MemoryWatchdog:
         self._thread = threading.Thread(target=self._run, name="sweeper-memory-watchdog", daemon=True)
         self._process = psutil.Process()
 
-    def __enter__(self) -> MemoryWatchdog:
+    def start(self) -> MemoryWatchdog:
         self._thread.start()
         return self
+
+    def __enter__(self) -> MemoryWatchdog:
+        return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -61,7 +61,7 @@ def run_rank(request: SmokeRequest) -> RankReport:
             if reason:
                 raise UnsupportedError(reason)
             if request.memory_limit_gib is not None and not cuda:
-                watchdog = MemoryWatchdog(int(request.memory_limit_gib * GIB)).__enter__()
+                watchdog = MemoryWatchdog(int(request.memory_limit_gib * GIB)).start()
 
             _smoke(request, spec, layout, cuda, te, report, watchdog, progress)
         finally:
@@ -114,7 +114,8 @@ def _smoke(
     from megatron.core import parallel_state
 
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # A runner that gives each rank one visible GPU (Ray sets CUDA_VISIBLE_DEVICES) still passes LOCAL_RANK.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=request.timeout_s))
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
