@@ -99,6 +99,13 @@ class ClusterHandle:
                 return _label(n, shared_ip=ips.count(n["NodeManagerAddress"]) > 1)
         return node_id[:8]
 
+    def node_alive(self, node_id: str) -> bool:
+        """Whether a node is still part of the cluster. On the simulated cluster the answer is immediate; Ray's
+        own view of a killed node turns dead only after its health checks time out."""
+        if self.simulated is not None and self.simulated.node_for(node_id) is None:
+            return False
+        return any(n["NodeID"] == node_id and n.get("Alive") for n in ray.nodes())
+
     def gpus_per_node(self) -> dict[str, int]:
         return {node.label: node.gpus for node in self.nodes()}
 

@@ -185,7 +185,8 @@ def _run_ranks(
             if node_loss_rank is not None and handle.simulated is not None:
                 handle.simulated.remove_node(slots[node_loss_rank].node_id)
                 notes.append(f"injected: node-loss of {outcomes[node_loss_rank].node} (rank {node_loss_rank})")
-            stop = _gather(pending, outcomes, handle, deadline, cancel)
+            stop = _gather(pending, outcomes, deadline, cancel)
+            _name_lost_nodes(outcomes, slots, handle)
             if stop == "timeout":
                 still = sorted(r for r in range(world_size) if outcomes[r].report is None and outcomes[r].died is None)
                 timeout_error = (f"timeout: trial still running after {limit:.0f}s (training.trial_timeout_s); "
@@ -259,7 +260,6 @@ def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> 
 def _gather(
     pending: dict,
     outcomes: list[RankOutcome],
-    handle: ClusterHandle,
     deadline: float,
     cancel: threading.Event | None,
 ) -> str:
@@ -285,7 +285,7 @@ def _gather(
             try:
                 outcome.report = ray.get(ref)
             except RayActorError as exc:
-                outcome.died = _death_reason(exc, outcome, handle)
+                outcome.died = f"rank process died: {_one_line(exc)}"
             except RayTaskError as exc:  # the actor method itself raised (not the backend): a runner bug
                 outcome.died = f"rank actor raised: {_one_line(exc)}"
             except RayError as exc:
@@ -295,11 +295,12 @@ def _gather(
     return "failed" if first_failure is not None else "done"
 
 
-def _death_reason(exc: RayActorError, outcome: RankOutcome, handle: ClusterHandle) -> str:
-    alive = {n.label for n in handle.nodes()}
-    if outcome.node not in alive:
-        return f"node {outcome.node} lost while the rank ran (infra)"
-    return f"rank process died: {_one_line(exc)}"
+def _name_lost_nodes(outcomes: list[RankOutcome], slots: list[RankSlot], handle: ClusterHandle) -> None:
+    """A rank that died with its node is a node loss; say so (Ray reports both as an unreachable actor)."""
+    dead = {slot.node_id for slot, o in zip(slots, outcomes) if o.died is not None and not handle.node_alive(slot.node_id)}
+    for slot, outcome in zip(slots, outcomes):
+        if outcome.died is not None and slot.node_id in dead:
+            outcome.died = f"node {outcome.node} lost while the rank ran ({outcome.died})"
 
 
 def _one_line(exc: BaseException) -> str:

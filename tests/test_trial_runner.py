@@ -1,0 +1,293 @@
+"""sweeper.trial: result aggregation (pure), then run_trial on a real simulated 2-node x 2-GPU Ray cluster.
+
+The runner's mechanics (placement, rendezvous, gather, kill-all, timeout, root cause) are tested with
+``standin_backend`` below: a STAND-IN for the Megatron backend, used only to exercise the runner. Its ranks do a
+real gloo process group and all_reduce through the rendezvous the runner set up, and misbehave on request
+(raise, hang, die, report a failure); its script comes from the model name ("standin-cascade", "standin-slow"). The last test runs the real megatron-core backend.
+
+Every Ray test checks afterwards that no placement group and no trial actor is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.config import ClusterConfig, SweepConfig, TrainingConfig
+from sweeper.layout import Layout
+from sweeper.models.catalog import preset
+from sweeper.trial.aggregate import RankOutcome, aggregate, root_cause
+
+STANDIN = f"{__name__}:standin_backend"
+
+
+# -- the stand-in backend (runs inside the rank actors) -------------------------------------------------------------
+def standin_backend(request: SmokeRequest) -> RankReport:
+    """STAND-IN for sweeper.backends.megatron.run_rank, only to test the runner's mechanics.
+
+    Modes via ``request.inject`` on ``request.inject_rank``: "crash" → the rank process exits at once;
+    "hang" → the rank sleeps forever (its peers block in all_reduce); "nan" → this stand-in raises ValueError
+    (a backend breaking its never-raise contract). A model named "standin-<script>" selects scripted reports.
+    """
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    script = request.model["name"].removeprefix("standin-")
+    me = request.inject is not None and rank == request.inject_rank
+    if me and request.inject == "crash":
+        os._exit(17)
+    if me and request.inject == "nan":
+        raise ValueError("stand-in backend broke its contract")
+    if script == "cascade":
+        # rank 3 reports a real oom late; the others report collateral comm errors first.
+        if rank == 3:
+            time.sleep(1.5)
+            return RankReport(rank=rank, node_id="", backend="standin", ok=False, failure_kind="oom",
+                              error="simulated GPU memory exceeded at step 2")
+        return RankReport(rank=rank, node_id="", backend="standin", ok=False, failure_kind="comm_error",
+                          error="gloo: connection closed by peer")
+    dist.init_process_group("gloo", timeout=timedelta(seconds=request.timeout_s))
+    try:
+        if me and request.inject == "hang":
+            time.sleep(3600)
+        times = []
+        for _ in range(request.steps):
+            start = time.perf_counter()
+            value = torch.ones(1)
+            dist.all_reduce(value)
+            times.append(time.perf_counter() - start + 0.01 * (rank + 1))
+            if script == "slow":
+                time.sleep(0.5)
+        assert value.item() == world
+        return RankReport(
+            rank=rank, node_id="", backend="standin", ok=True,
+            checks={"process_group": True, "model_built": True, "forward_backward": True, "finite": True,
+                    "checkpoint_saved": True, "checkpoint_reloaded": None},
+            step_times_s=times, losses=[5.0, 4.0, 3.0] if rank == world - 1 else [],
+            tokens_per_step=1000, flops_per_step=2e12, peak_memory_bytes=(rank + 1) * 2**30,
+            checkpoint_dir=os.path.join(request.trial_dir, "ckpt"),
+            notes=[f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')} LOCAL_RANK={os.environ['LOCAL_RANK']}"],
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+# -- pure: aggregation ---------------------------------------------------------------------------------------------
+def _ok(rank: int, times: list[float], **kw) -> RankReport:
+    base = dict(checks={"process_group": True, "model_built": True, "forward_backward": True, "finite": True,
+                        "checkpoint_saved": True, "checkpoint_reloaded": None},
+                tokens_per_step=4096, flops_per_step=8e12, peak_memory_bytes=2**30, checkpoint_dir="/c")
+    base.update(kw)
+    return RankReport(rank=rank, node_id="n", backend="megatron-core-cpu", ok=True, step_times_s=times, **base)
+
+
+def test_metrics_are_median_of_slowest_rank_per_step_after_warmup() -> None:
+    outcomes = [
+        RankOutcome(0, "sim-0", _ok(0, [9.0, 1.0, 2.0, 1.0])),
+        RankOutcome(1, "sim-1", _ok(1, [9.0, 3.0, 1.0, 1.0], losses=[4.0, 3.5], peak_memory_bytes=3 * 2**30)),
+    ]
+    result = aggregate(outcomes, world_size=2, warmup_steps=1, trial_dir="/t")
+    assert result.status == "passed" and result.failure_kind is None
+    assert result.metrics.step_time_s == 2.0  # per-step max: [3, 2, 1] -> median 2
+    assert result.metrics.tokens_per_s == 2048
+    assert result.metrics.tflops_per_gpu == pytest.approx(8e12 / 2.0 / 1e12 / 2)
+    assert result.metrics.peak_memory_gib == 3.0
+    assert (result.metrics.loss_first, result.metrics.loss_last) == (4.0, 3.5)
+    assert result.checks.checkpoint_saved and result.checks.checkpoint_reloaded is None
+    assert result.rank_nodes == ["sim-0", "sim-1"] and result.checkpoint == "/c"
+    assert result.memory_kind == "host"
+
+
+def test_root_cause_prefers_a_real_failure_over_earlier_collateral() -> None:
+    comm = RankReport(rank=0, node_id="n", backend="b", ok=False, failure_kind="comm_error", error="peer closed")
+    oom = RankReport(rank=3, node_id="n", backend="b", ok=False, failure_kind="oom", error="out of memory")
+    outcomes = [RankOutcome(0, "a", comm, arrived=1.0), RankOutcome(1, "a", died="rank process died", arrived=1.5),
+                RankOutcome(3, "b", oom, arrived=2.0), RankOutcome(2, "b")]
+    cause = root_cause(outcomes)
+    assert cause is not None and cause.rank == 3
+    result = aggregate(outcomes, world_size=4, warmup_steps=0, trial_dir=None)
+    assert (result.status, result.failure_kind) == ("failed", "oom")
+    assert result.error == "rank 3 (b): out of memory"
+    assert result.checks.process_group is False and result.checkpoint is None
+
+
+def test_timeout_explains_collateral_comm_errors_but_not_a_dead_rank() -> None:
+    comm = RankReport(rank=0, node_id="n", backend="b", ok=False, failure_kind="comm_error", error="timed out")
+    hung = aggregate([RankOutcome(0, "a", comm, arrived=1.0), RankOutcome(1, "a")], world_size=2, warmup_steps=0,
+                     trial_dir=None, timeout_error="timeout: ranks [1]")
+    assert hung.failure_kind == "timeout"
+    dead = aggregate([RankOutcome(0, "a", died="node a lost", arrived=1.0), RankOutcome(1, "a")], world_size=2,
+                     warmup_steps=0, trial_dir=None, timeout_error="timeout: ranks [1]")
+    assert dead.failure_kind == "infra"
+
+
+# -- e2e: run_trial on a simulated 2 x 2 cluster --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def sim(tmp_path_factory: pytest.TempPathFactory):
+    from sweeper.cluster import connect
+
+    cfg = ClusterConfig(nodes=2, gpus_per_node=2, gpu_memory_gib=4, simulate=True)
+    with connect(cfg, record_dir=tmp_path_factory.mktemp("records")) as handle:
+        yield handle
+
+
+def _cfg(model: str = "tiny-gpt", timeout_s: float = 120, standin: str | None = None, **training) -> SweepConfig:
+    spec = preset(model)
+    if standin:
+        spec = spec.model_copy(update={"name": f"standin-{standin}"})  # the stand-in reads its script from the name
+    settings = dict(seq_length=32, global_batch_size=4, steps=3, warmup_steps=1, trial_timeout_s=timeout_s)
+    settings.update(training)
+    cluster = ClusterConfig(nodes=2, gpus_per_node=2, gpu_memory_gib=4, simulate=True)
+    return SweepConfig(name="runner-test", model=spec, cluster=cluster, training=TrainingConfig(**settings))
+
+
+def assert_nothing_left(timeout_s: float = 15.0) -> None:
+    """No placement group still reserved and no rank actor alive (kills and removals are asynchronous)."""
+    import ray
+    from ray.util.state import list_actors
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        actors = [a for a in list_actors(filters=[("state", "!=", "DEAD")], raise_on_missing_output=False)
+                  if a.class_name == "RankActor" or (a.name or "").startswith("sweeper-")]
+        if not groups and not actors:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"left behind: groups={groups} actors={actors}")
+        time.sleep(0.3)
+
+
+def _run(sim, tmp_path: Path, cfg: SweepConfig, layout: Layout, **kw):
+    from sweeper.trial import run_trial
+
+    started = time.monotonic()
+    result = run_trial(cfg, layout, sim, tmp_path / "trial", backend=kw.pop("backend", STANDIN), **kw)
+    return result, time.monotonic() - started
+
+
+@pytest.mark.e2e
+def test_passing_trial_places_tp_pairs_per_node_and_writes_result(sim, tmp_path: Path) -> None:
+    result, _ = _run(sim, tmp_path, _cfg(), Layout(world_size=4, tp=2, gbs=4))
+    assert result.status == "passed", result.error
+    nodes = result.rank_nodes
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3] and nodes[0] != nodes[2], nodes  # TP pairs per node
+    assert sorted(set(nodes)) == ["sim-0", "sim-1"]
+    assert result.backend == "standin"
+    assert result.metrics.tokens_per_s and result.metrics.peak_memory_gib == 4.0
+    assert result.metrics.loss_first == 5.0 and result.metrics.loss_last == 3.0
+    assert result.checkpoint and result.checks.checkpoint_saved and result.checks.checkpoint_reloaded is None
+    # Each node's ranks see both of that node's GPUs and index their own one, as under torchrun.
+    envs = [n for n in result.notes if n.startswith("CUDA_VISIBLE_DEVICES")]
+    assert sorted(envs) == ["CUDA_VISIBLE_DEVICES=0,1 LOCAL_RANK=0", "CUDA_VISIBLE_DEVICES=0,1 LOCAL_RANK=1"]
+    written = json.loads((tmp_path / "trial" / "result.json").read_text())
+    assert written["status"] == "passed" and written["rank_nodes"] == result.rank_nodes
+    assert set(written) >= {"status", "failure_kind", "error", "metrics", "checks", "checkpoint", "rank_nodes",
+                            "backend"}
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_backend_raising_on_one_rank_kills_all_ranks(sim, tmp_path: Path) -> None:
+    # Rank 1 raises before joining the process group, so ranks 0, 2, 3 block in rendezvous until killed.
+    result, elapsed = _run(sim, tmp_path, _cfg(), Layout(world_size=4, tp=2, gbs=4), inject="nan", inject_rank=1)
+    assert (result.status, result.failure_kind) == ("failed", "infra")
+    assert result.error.startswith(f"rank 1 ({result.rank_nodes[1]}): backend raised ValueError: stand-in backend broke its contract")
+    assert (tmp_path / "trial" / "rank1.runner-error.txt").exists()
+    assert elapsed < 60
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_root_cause_is_the_late_oom_not_the_early_comm_errors(sim, tmp_path: Path) -> None:
+    result, _ = _run(sim, tmp_path, _cfg(standin="cascade"), Layout(world_size=4, tp=2, gbs=4))
+    assert (result.status, result.failure_kind) == ("failed", "oom")
+    assert result.error == f"rank 3 ({result.rank_nodes[3]}): simulated GPU memory exceeded at step 2"
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_hung_rank_times_out_whole_trial(sim, tmp_path: Path) -> None:
+    result, elapsed = _run(sim, tmp_path, _cfg(timeout_s=12), Layout(world_size=4, tp=2, gbs=4),
+                           inject="hang", inject_rank=2)
+    assert (result.status, result.failure_kind) == ("failed", "timeout")
+    assert "after 12s (training.trial_timeout_s)" in result.error
+    assert 12 <= elapsed < 12 + 10
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_rank_process_killed_is_infra(sim, tmp_path: Path) -> None:
+    result, elapsed = _run(sim, tmp_path, _cfg(), Layout(world_size=4, tp=2, gbs=4), inject="crash", inject_rank=3)
+    assert (result.status, result.failure_kind) == ("failed", "infra")
+    assert result.error.startswith(f"rank 3 ({result.rank_nodes[3]}): rank process died"), result.error
+    assert elapsed < 60
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_placement_that_cannot_fit_is_reported_not_waited_on(sim, tmp_path: Path) -> None:
+    result, elapsed = _run(sim, tmp_path, _cfg(timeout_s=3), Layout(world_size=6, tp=2, gbs=6))
+    assert (result.status, result.failure_kind) == ("failed", "infra")
+    assert "not reserved within 3s" in result.error and "placement_timeout" in result.notes
+    assert elapsed < 15
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_doctor_on_the_simulated_cluster(sim, tmp_path: Path) -> None:
+    from sweeper.trial import doctor
+
+    present = tmp_path / "tokens.bin"
+    present.write_bytes(b"x")
+    report = doctor(_cfg(data_paths=[str(present)]), sim, trial_root=tmp_path / "sweeps")
+    assert report.ok, report.problems
+    assert [n.label for n in report.nodes] == ["sim-0", "sim-1"]
+    node = report.nodes[0]
+    assert node.megatron_core.startswith("0.16") and node.python.startswith("3.11")
+    assert node.gpu_count == 2 and node.gpu_source == "simulated" and node.free_disk_gib > 0
+    rows = report.rows()
+    assert rows[0]["node"] == "sim-0" and rows[0]["gpus"] == "2 x 4 GiB (simulated)" and rows[0]["paths"] == "ok"
+
+    missing = doctor(_cfg(data_paths=[str(present), "/nonexistent/data.bin"]), sim)
+    assert not missing.ok
+    assert "sim-0: /nonexistent/data.bin does not exist" in missing.problems
+    assert missing.rows()[1]["paths"] == "missing: /nonexistent/data.bin"
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_node_loss_during_a_trial_is_infra(sim, tmp_path: Path) -> None:
+    from sweeper.cluster.simulated import wait_for_node_count
+
+    try:
+        result, elapsed = _run(sim, tmp_path, _cfg(standin="slow", steps=40), Layout(world_size=4, tp=2, gbs=4),
+                               inject="node-loss", inject_rank=0)
+        assert (result.status, result.failure_kind) == ("failed", "infra")
+        assert f"node {result.rank_nodes[0]} lost" in result.error, result.error
+        assert elapsed < 60
+        assert_nothing_left()
+    finally:
+        sim.simulated.add_node()  # give the module's cluster its second node back
+        wait_for_node_count(2)
+
+
+@pytest.mark.e2e
+def test_real_megatron_tiny_gpt_tp2_pp2(sim, tmp_path: Path) -> None:
+    pytest.importorskip("sweeper.backends.megatron")
+    cfg = _cfg(timeout_s=300)
+    result, elapsed = _run(sim, tmp_path, cfg, Layout(world_size=4, tp=2, pp=2, gbs=4),
+                           backend="sweeper.backends.megatron:run_rank")
+    assert result.status == "passed", result.error
+    assert result.backend == "megatron-core-cpu"
+    assert len(set(result.rank_nodes[:2])) == 1 and result.rank_nodes[0] != result.rank_nodes[2]
+    assert result.checks.checkpoint_saved and result.checkpoint
+    assert result.metrics.loss_last is not None and result.metrics.step_time_s
+    assert_nothing_left()
