@@ -12,6 +12,7 @@ from typing import Any
 
 from sweeper.config import SweepConfig
 from sweeper.estimate import Estimate, estimate
+from sweeper.estimate.calibration import Calibration
 from sweeper.layout import Layout
 from sweeper.rules import check
 from sweeper.space import enumerate_layouts, matches
@@ -39,14 +40,14 @@ class PlanEntry:
         return {"layout": layout, "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
 
 
-def assess(cfg: SweepConfig, layout: Layout) -> PlanEntry:
+def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None) -> PlanEntry:
     """Rules, then (for valid layouts) the estimator."""
     reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
     predicted = None
     if not reasons:
         predicted = estimate(
             cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-            headroom=cfg.search.memory_headroom,
+            headroom=cfg.search.memory_headroom, calibration=calibration,
         )
     return PlanEntry(layout, reasons, predicted)
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from rich.console import Console
 
+from sweeper.calibrate import Calibrator
 from sweeper.cli import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.config import SweepConfig
 from sweeper.layout import Layout
@@ -99,7 +100,8 @@ class Sweep:
         self.next_number = 1 + max((r["number"] for r in self.records), default=0)
         self.busy_gpu_s = 0.0
         self.t0 = time.monotonic()
-        plan = [assess(cfg, lo) for lo in _layouts(cfg)]
+        self.calibrator = Calibrator(cfg, options.out)
+        plan = [assess(cfg, lo, self.calibrator.current) for lo in _layouts(cfg)]
         self.launchable = [e for e in plan if e.launchable]
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         self.study = LayoutStudy(cfg, self.dir.journal, self.exhaustive, cfg.search.seed)
@@ -163,7 +165,7 @@ class Sweep:
             if _key(layout.to_dict()) in self.decided or self._is_running(layout):
                 self.study.study.tell(proposal.trial, state=_pruned_state())  # never launched twice
                 continue
-            entry = assess(self.cfg, layout)
+            entry = assess(self.cfg, layout, self.calibrator.current)
             reason = self._refusal(entry)
             if reason is not None:
                 self._record_pruned(entry, reason, proposal.trial)
@@ -254,6 +256,10 @@ class Sweep:
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} "
                       + (f"{result.failure_kind}: {result.error}" if result.failure_kind else
                          f"{result.metrics.tokens_per_s or 0:,.0f} tokens/s, peak {result.metrics.peak_memory_gib or 0:.2f} GiB"))
+        fitted = self.calibrator.add(run.layout, result)
+        if fitted is not None:
+            for line in fitted.lines():
+                console.print(f"[blue]estimator[/] {line}")
         if run.phase == "confirm":
             return
         if result.failure_kind == "infra" and not self.stop.is_set():
@@ -328,6 +334,8 @@ class Sweep:
                 "number": winner.number, "layout": winner.layout.short(),
                 self.cfg.search.objective: winner.median(self.cfg.search.objective)},
             scheduling_efficiency=self.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None,
+            calibration=self.calibrator.report.lines() if self.calibrator.report else
+            ["not calibrated: no trial measured device memory (the CPU backend measures host RSS)"],
         )
         self.dir.write_meta(meta)
         from sweeper.report import render_report

@@ -1,0 +1,54 @@
+"""Feeding measured trials back into the estimator while a sweep runs (estimator issue, item 6).
+
+Only device measurements calibrate: on the CPU backend the measured peak is host RSS of a gloo process, which
+says nothing about GPU memory, so a simulated sweep keeps the uncalibrated estimator and says so. Fitted factors
+are stored per cluster+model in the user's cache (``$SWEEPER_CACHE`` or ``~/.cache/sweeper/calibration.json``)
+and copied into the sweep folder, so the next sweep on the same cluster starts calibrated.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from sweeper.config import SweepConfig
+from sweeper.estimate import estimate
+from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
+from sweeper.layout import Layout
+from sweeper.results import TrialResult
+
+
+def cache_path() -> Path:
+    root = os.environ.get("SWEEPER_CACHE") or Path.home() / ".cache" / "sweeper"
+    return Path(root) / "calibration.json"
+
+
+def key(cfg: SweepConfig) -> str:
+    c = cfg.cluster
+    return calibration_key(f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}", cfg.model.name)
+
+
+class Calibrator:
+    def __init__(self, cfg: SweepConfig, sweep_dir: Path) -> None:
+        self.cfg = cfg
+        self.sweep_file = sweep_dir / "calibration.json"
+        self.samples: list[Sample] = []
+        self.current: Calibration | None = load(cache_path(), key(cfg))
+        self.report: FitReport | None = None
+
+    def add(self, layout: Layout, result: TrialResult) -> FitReport | None:
+        """Refit with one more measured trial; None when the trial cannot calibrate (failed, host memory)."""
+        if not result.passed or result.memory_kind != "device" or result.metrics.peak_memory_gib is None:
+            return None
+        raw = estimate(self.cfg.model, layout, self.cfg.cluster, self.cfg.training.seq_length,
+                       constants=self.cfg.estimate, headroom=self.cfg.search.memory_headroom)
+        self.samples.append(Sample(
+            breakdown=raw.breakdown, fragmentation=self.cfg.estimate.allocator_fragmentation,
+            predicted_step_s=raw.step_time_s, measured_peak_gib=result.metrics.peak_memory_gib,
+            measured_step_s=result.metrics.step_time_s,
+        ))
+        self.report = fit(self.samples)
+        self.current = self.report.calibration
+        save(cache_path(), key(self.cfg), self.current)
+        save(self.sweep_file, key(self.cfg), self.current)
+        return self.report
