@@ -37,7 +37,7 @@ from sweeper.config import SweepConfig
 from sweeper.layout import Layout
 from sweeper.results import TrialResult
 from sweeper.trial.actor import RankActor, RankSlot
-from sweeper.trial.aggregate import RankOutcome, aggregate, describe, is_collateral
+from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
 
 DEFAULT_BACKEND = "sweeper.backends.megatron:run_rank"
 BACKEND_INJECTS = ("nan", "hang", "crash")  # done inside a rank by the backend
@@ -217,9 +217,7 @@ def _describe(actors: list, deadline: float) -> list[RankSlot] | str:
         return ray.get(refs, timeout=max(deadline - time.monotonic(), 0.001))
     except GetTimeoutError:
         return "timeout: rank actors did not start before the trial's wall-time limit"
-    except RayActorError as exc:
-        return f"rank actor failed to start: {_one_line(exc)}"
-    except RayError as exc:
+    except RayError as exc:  # an actor that died starting (e.g. sweeper not importable on that node)
         return f"rank actor failed to start: {_one_line(exc)}"
 
 
@@ -314,4 +312,4 @@ def _write_json(path: Path, data: dict) -> None:
     tmp.replace(path)
 
 
-__all__ = ["DEFAULT_BACKEND", "RunningTrial", "run_trial", "describe"]
+__all__ = ["DEFAULT_BACKEND", "RunningTrial", "run_trial"]
