@@ -1,7 +1,8 @@
 """The model catalog: presets with their published architecture numbers, and ``resolve_model`` for the YAML.
 
 ``model:`` in a search YAML is a preset name, ``{preset: NAME, <field>: override, ...}``, ``{hf_config: path}``
-(a local Hugging Face config.json, no download) or an inline spec with ModelSpec's fields.
+(a local Hugging Face config.json, no download), ``{hf: DIR}`` (a local HF model folder built on GPU through
+Megatron-Bridge; needs the ``gpu`` extra) or an inline spec with ModelSpec's fields.
 """
 
 from __future__ import annotations
@@ -179,11 +180,55 @@ def resolve_model(value: Any, base_dir: Path = Path(".")) -> ModelSpec:
             raise ModelError("unknown key next to hf_config", where=f".{extra[0]}")
         path = Path(str(value["hf_config"]))
         return spec_from_hf_config(path if path.is_absolute() else base_dir / path, name=value.get("name"))
+    if "hf" in value:
+        return _hf_model(value, base_dir)
     if "preset" in value:
         base = preset(str(value["preset"]))
         overrides = {k: v for k, v in value.items() if k != "preset"}
         return _validated({**base.model_dump(exclude_unset=True), "name": base.name, **overrides})
     return _validated(value)
+
+
+def _hf_model(value: dict[str, Any], base_dir: Path) -> ModelSpec:
+    """``model: {hf: DIR}``: a local Hugging Face model folder (or hub-cache folder models--org--name) that the GPU
+    trial builds through Megatron-Bridge (backends/megatron/gpu.py); the ModelSpec for planning comes from its
+    config.json. Local only: nothing is downloaded (HF_HUB_OFFLINE=1)."""
+    import importlib.util
+    import os
+
+    extra = sorted(set(value) - {"hf"})
+    if extra:
+        raise ModelError("unknown key next to hf (the name is the folder)", where=f".{extra[0]}")
+    try:
+        has_bridge = importlib.util.find_spec("megatron.bridge") is not None
+    except (ImportError, ValueError):
+        has_bridge = False
+    if not has_bridge:
+        raise ModelError(
+            "hf needs Megatron-Bridge, which is not installed (pip install -e '.[gpu]' installs megatron-bridge==0.3.1 "
+            "with Transformer Engine); for planning alone use {hf_config: DIR}", where=".hf"
+        )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = Path(str(value["hf"])).expanduser()
+    path = (path if path.is_absolute() else base_dir / path).resolve()
+    if not path.is_dir():
+        raise ModelError(f"{path}: not a local folder (sweeper never downloads: pass a folder holding config.json "
+                         "or a hub-cache folder models--ORG--NAME)", where=".hf")
+    if not (path / "config.json").is_file() and (path / "snapshots").is_dir():
+        # A hub-cache folder: the snapshot refs/main points to, else the only snapshot there is.
+        ref = path / "refs" / "main"
+        snapshots = sorted(p for p in (path / "snapshots").iterdir() if (p / "config.json").is_file())
+        if ref.is_file() and (path / "snapshots" / ref.read_text().strip() / "config.json").is_file():
+            path = path / "snapshots" / ref.read_text().strip()
+        elif len(snapshots) == 1:
+            path = snapshots[0]
+        else:
+            raise ModelError(f"{path}: hub-cache folder with {len(snapshots)} snapshots and no refs/main; pass the "
+                             "snapshot folder itself", where=".hf")
+    from sweeper.models.hf import spec_from_hf_config
+
+    # The name carries the folder to the GPU trial (gpu.HF_NAME_PREFIX): ModelSpec is what travels to the ranks.
+    return spec_from_hf_config(path, name=f"hf:{path}")
 
 
 def preset(name: str) -> ModelSpec:

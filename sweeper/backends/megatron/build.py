@@ -77,7 +77,13 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
     elif layout.precision == "mxfp8":
         fp8 = dict(fp8="e4m3", fp8_recipe="mxfp8")
-    return TransformerConfig(
+    config_class: type[TransformerConfig] = TransformerConfig
+    if te:  # GPU path (gpu.py): this device's FP8 recipe, MLA / Mamba fields, CP through TE; not run on a GPU yet
+        from sweeper.backends.megatron import gpu
+
+        plan = gpu.device_plan(spec, layout)
+        fp8, config_class = plan.config_kwargs, gpu.config_class(plan)
+    return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
         ffn_hidden_size=spec.ffn_hidden_size,
@@ -130,6 +136,11 @@ def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -
     from megatron.core import tensor_parallel
 
     config = transformer_config(spec, layout, cuda=cuda, te=te)
+    model_class: Any = GPTModel
+    if te:  # GPU path (gpu.py): MambaModel, or Megatron-Bridge's own model for model: {hf: DIR}
+        from sweeper.backends.megatron import gpu
+
+        config, model_class = gpu.gpu_model(spec, layout, config)
     # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -140,7 +151,7 @@ def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -
         block_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization=spec.normalization, vp_stage=vp_stage
         )
-        chunk = GPTModel(
+        chunk = model_class(
             config=config,
             transformer_layer_spec=block_spec,
             vocab_size=vocab,

@@ -146,6 +146,10 @@ def _smoke(
         )
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed)
     report.checks["model_built"] = True
+    if te:  # the FP8 recipe chosen for this device, a missing Mamba fast path (gpu.py; not run on a GPU yet)
+        from sweeper.backends.megatron.gpu import device_plan
+
+        report.notes.extend(device_plan(spec, layout).notes)
     report.timings_s["build"] = time.perf_counter() - start
     report.tokens_per_step = layout.gbs * request.seq_length
     report.flops_per_step = flops_per_global_batch(spec, request.seq_length, layout.gbs, built.vocab_size)

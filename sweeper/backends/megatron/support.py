@@ -21,13 +21,19 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     def no(feature: str, why: str) -> str:
         return f"{feature} unsupported on this backend ({backend}): {why}"
 
-    # Model kinds this backend does not build at all (it builds Megatron's GPTModel with standard attention).
-    if spec.is_hybrid:
+    if cuda and te:  # the GPU path (gpu.py) builds MLA and MambaModel; it refuses only what TE/kernels lack
+        from sweeper.backends.megatron.gpu import gpu_unsupported_reason
+
+        gpu_reason = gpu_unsupported_reason(spec, layout)
+        if gpu_reason:
+            return no(*gpu_reason)
+    # Model kinds the backend builds only on a GPU with Transformer Engine.
+    if spec.is_hybrid and not (cuda and te):
         return no("hybrid Mamba model (hybrid_layer_pattern)", "needs MambaModel and the mamba_ssm/causal-conv1d "
-                  "GPU kernels" if not cuda else "MambaModel is not built by this backend yet")
-    if spec.multi_latent_attention:
+                  "GPU kernels" if not cuda else "MambaModel's mamba_stack_spec needs Transformer Engine")
+    if spec.multi_latent_attention and not (cuda and te):
         return no("multi_latent_attention (MLA)", "needs Transformer Engine attention on GPU" if not cuda
-                  else "MLATransformerConfig is not built by this backend yet")
+                  else "MLA's layer spec needs Transformer Engine")
     if layout.is_fp8:
         if not cuda or not te:
             return no(f"precision {layout.precision}", "FP8 GEMMs need Transformer Engine on a GPU")

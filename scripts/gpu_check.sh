@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# Validate sweeper's GPU path (Transformer Engine specs, BF16/FP8/MXFP8, MoE, MLA, hybrid Mamba) on ONE GPU in
+# minutes: one real `python -m sweeper trial --json` per case on a 1 node x 1 GPU search space that carries this
+# GPU's real compute capability and memory, next to `python -m sweeper plan --json --only ...`'s prediction.
+#
+#   scripts/gpu_check.sh            # PYTHON=... to pick the interpreter; SWEEPER_GPU_CHECK_KEEP=1 keeps the trials
+#   scripts/gpu_check.sh --plan-only  # no GPU needed: writes the spaces and runs only `plan` for a pretend device
+#                                     # (GPU_CHECK_DEVICE="CC GIB NGPU TE MAMBA CONV NAME", default an H100-like one)
+#
+# Prints one table (case, status, tokens/s, peak memory measured vs predicted, notes) and exits 1 if any case ran
+# and failed (unsupported or skipped cases do not count), 2 if there is no CUDA device. Idempotent: everything is
+# written to a fresh temporary folder; nothing is downloaded (HF_HUB_OFFLINE=1, synthetic tokens, tiny models).
+# Cases that need more than one GPU (SP needs TP>1, CP>1) run only when a second GPU is visible.
+# Not run on a GPU yet: record its first output in the README.
+set -uo pipefail
+
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+WORK=$(mktemp -d -t sweeper-gpu-check.XXXXXX)
+if [[ -z "${SWEEPER_GPU_CHECK_KEEP:-}" ]]; then trap 'rm -rf "$WORK"' EXIT; else echo "trials kept in $WORK"; fi
+
+PLAN_ONLY=
+[[ ${1:-} == --plan-only ]] && PLAN_ONLY=1
+
+# -- the device: compute capability, memory, count; optional kernels ----------------------------------------------
+if [[ -n $PLAN_ONLY ]]; then
+    DEVICE=${GPU_CHECK_DEVICE:-"9.0 80 1 yes yes yes pretend-device"}
+elif ! DEVICE=$("$PY" - <<'EOF'
+import importlib.util, sys
+import torch
+if not torch.cuda.is_available():
+    sys.exit(1)
+major, minor = torch.cuda.get_device_capability(0)
+props = torch.cuda.get_device_properties(0)
+def has(name):
+    try:
+        __import__(name)
+        return "yes"
+    except Exception:
+        return "no"
+print(f"{major}.{minor} {props.total_memory / 2**30:.0f} {torch.cuda.device_count()} "
+      f"{has('transformer_engine')} {has('mamba_ssm')} {has('causal_conv1d')} {props.name.replace(' ', '_')}")
+EOF
+); then
+    echo "gpu_check: no CUDA device visible to $PY (torch.cuda.is_available() is False)" >&2
+    exit 2
+fi
+read -r CC MEM_GIB NGPU HAS_TE HAS_MAMBA HAS_CONV GPU_NAME <<<"$DEVICE"
+echo "device: $GPU_NAME, compute capability $CC, ${MEM_GIB} GiB, $NGPU visible; transformer_engine=$HAS_TE" \
+     "mamba_ssm=$HAS_MAMBA causal_conv1d=$HAS_CONV"
+[[ $HAS_TE == yes ]] || echo "warning: Transformer Engine does not import: trials use the CPU-path layer specs" >&2
+cc_at_least() { "$PY" -c "import sys; a=tuple(map(int,'$CC'.split('.'))); sys.exit(0 if a >= ($1,$2) else 1)"; }
+
+# -- small models (each a YAML model section) -----------------------------------------------------------------------
+DENSE='{name: gpu-check-dense, num_layers: 4, hidden_size: 1024, ffn_hidden_size: 4096, num_attention_heads: 16,
+  num_query_groups: 4, vocab_size: 32000, max_position_embeddings: 4096}'
+MOE='{name: gpu-check-moe, num_layers: 4, hidden_size: 1024, ffn_hidden_size: 2048, num_attention_heads: 16,
+  num_query_groups: 4, vocab_size: 32000, max_position_embeddings: 4096, num_moe_experts: 8, moe_router_topk: 2,
+  moe_ffn_hidden_size: 1024, moe_shared_expert_intermediate_size: 1024}'
+MLA='{name: gpu-check-mla, num_layers: 4, hidden_size: 1024, ffn_hidden_size: 2816, num_attention_heads: 16,
+  vocab_size: 32000, max_position_embeddings: 4096, num_moe_experts: 8, moe_router_topk: 2, moe_ffn_hidden_size: 512,
+  moe_shared_expert_intermediate_size: 1024, moe_first_k_dense: 1, multi_latent_attention: true, qk_layernorm: true,
+  kv_lora_rank: 256, qk_head_dim: 64, qk_pos_emb_head_dim: 32, v_head_dim: 64}'
+HYBRID='{name: gpu-check-hybrid, num_layers: 8, hidden_size: 1024, ffn_hidden_size: 2048, num_attention_heads: 16,
+  num_query_groups: 2, kv_channels: 64, vocab_size: 32000, max_position_embeddings: 4096, gated_linear_unit: false,
+  position_embedding_type: none, num_moe_experts: 8, moe_router_topk: 2, moe_ffn_hidden_size: 1024,
+  hybrid_layer_pattern: "ME*EM-ME", mamba_num_heads: 32, mamba_head_dim: 64, mamba_num_groups: 8,
+  mamba_state_dim: 64}'
+
+# write_space NAME MODEL PRECISION GPUS -> the YAML's path
+write_space() {
+    local file="$WORK/$1.yaml"
+    cat >"$file" <<EOF
+name: gpu-check-$1
+model: $2
+cluster: {nodes: 1, gpus_per_node: $4, gpu_memory_gib: $MEM_GIB, compute_capability: "$CC", address: local,
+          simulate: false}
+training: {seq_length: 1024, global_batch_size: 8, steps: 6, warmup_steps: 2, checkpoint: true, trial_timeout_s: 600}
+space: {gpus: [$4], tp: [1, 2], sp: [false, true], ep: [1], precision: [$3]}
+search: {max_trials: 1, parallel: 1, confirm_top: 0}
+EOF
+    echo "$file"
+}
+
+ROWS="$WORK/rows.tsv"
+: >"$ROWS"
+skip() { printf '%s\tskipped\t-\t-\t-\t%s\n' "$1" "$2" >>"$ROWS"; }
+
+# run_case NAME MODEL PRECISION LAYOUT [GPUS]
+run_case() {
+    local name=$1 model=$2 precision=$3 layout=$4 gpus=${5:-1} space
+    space=$(write_space "$name" "$model" "$precision" "$gpus")
+    echo "== $name: $layout" >&2
+    "$PY" -m sweeper plan "$space" --json --only "$layout" >"$WORK/$name.plan.json" 2>"$WORK/$name.plan.err"
+    if [[ -n $PLAN_ONLY ]]; then
+        echo '{"status": "planned", "metrics": {}, "notes": []}' >"$WORK/$name.trial.json"
+    else
+        "$PY" -m sweeper trial "$space" --layout "$layout" --json --out "$WORK/$name.trial" \
+            >"$WORK/$name.trial.json" 2>"$WORK/$name.trial.err"
+    fi
+    "$PY" - "$name" "$WORK/$name.trial.json" "$WORK/$name.plan.json" "$WORK/$name.trial.err" >>"$ROWS" <<'EOF'
+import json, sys
+name, trial_path, plan_path, err_path = sys.argv[1:]
+def load(path):
+    try:
+        text = open(path).read().strip().splitlines()
+        return json.loads(text[-1]) if text else None
+    except (OSError, ValueError):
+        return None
+trial, plan = load(trial_path), load(plan_path) or []
+predicted = next((e["predicted"]["memory_gib"] for e in plan if e.get("valid")), None)
+if trial is None:
+    err = (open(err_path).read().strip().splitlines() or ["no output"])[-1]
+    print(f"{name}\tfailed\t-\t-\t{predicted if predicted is not None else '-'}\tno trial JSON: {err[:100]}")
+    sys.exit()
+m = trial.get("metrics") or {}
+status = trial["status"] if trial["status"] != "failed" else f"failed:{trial.get('failure_kind')}"
+tps = f"{m['tokens_per_s']:.0f}" if m.get("tokens_per_s") else "-"
+peak = f"{m['peak_memory_gib']:.2f}" if m.get("peak_memory_gib") else "-"
+pred = f"{predicted:.2f}" if predicted is not None else "invalid: " + "; ".join(
+    (plan[0]["reasons"] if plan else ["no layout matched"]))[:80]
+notes = "; ".join(trial.get("notes") or [])
+if trial.get("error"):
+    notes = (trial["error"] + ("; " + notes if notes else ""))
+print(f"{name}\t{status}\t{tps}\t{peak}\t{pred}\t{notes[:160]}")
+EOF
+}
+
+# -- the cases ---------------------------------------------------------------------------------------------------------
+run_case bf16-dense "$DENSE" bf16 "gpus=1,tp=1,sp=false,precision=bf16"
+if cc_at_least 8 9; then
+    run_case fp8-dense "$DENSE" fp8 "gpus=1,tp=1,sp=false,precision=fp8"
+    # Blockwise (1x128/128x128) scaling is native on Hopper; checked there only.
+    if [[ ${CC%%.*} == 9 ]]; then
+        SWEEPER_FP8_RECIPE=blockwise run_case fp8-blockwise "$DENSE" fp8 "gpus=1,tp=1,sp=false,precision=fp8"
+    else
+        skip fp8-blockwise "blockwise FP8 is checked on Hopper (9.x) only (this GPU: $CC)"
+    fi
+else
+    skip fp8-dense "FP8 needs compute capability >= 8.9 (this GPU: $CC)"
+fi
+if [[ ${CC%%.*} == 10 ]]; then
+    run_case mxfp8-dense "$DENSE" mxfp8 "gpus=1,tp=1,sp=false,precision=mxfp8"
+else
+    skip mxfp8-dense "MXFP8 needs compute capability 10.x (this GPU: $CC)"
+fi
+run_case bf16-moe "$MOE" bf16 "gpus=1,tp=1,sp=false,precision=bf16"
+run_case bf16-mla "$MLA" bf16 "gpus=1,tp=1,sp=false,precision=bf16"
+if [[ $NGPU -ge 2 ]]; then
+    run_case bf16-dense-tp2-sp "$DENSE" bf16 "gpus=2,tp=2,sp=true,precision=bf16" 2
+else
+    skip bf16-dense-tp2-sp "sequence parallel needs TP>1: one GPU visible (the TP1 runs above cover the rest)"
+fi
+if [[ $HAS_MAMBA == yes ]]; then
+    run_case bf16-hybrid "$HYBRID" bf16 "gpus=1,tp=1,sp=false,precision=bf16"
+else
+    skip bf16-hybrid "mamba_ssm not installed (pip install mamba-ssm causal-conv1d)"
+fi
+
+# -- the table ---------------------------------------------------------------------------------------------------------
+echo
+{
+    printf 'case\tstatus\ttokens/s\tpeak GiB (measured)\tpeak GiB (predicted)\tnotes\n'
+    cat "$ROWS"
+} | column -t -s $'\t'
+FAILED=$(awk -F'\t' '$2 ~ /^failed/ && $2 != "failed:unsupported"' "$ROWS" | wc -l)
+echo
+echo "$FAILED case(s) ran and failed; logs: rank_*.log under each trial folder (SWEEPER_GPU_CHECK_KEEP=1 keeps them)"
+[[ $FAILED -eq 0 ]]

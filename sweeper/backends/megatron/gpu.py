@@ -1,0 +1,364 @@
+"""The GPU branch of the megatron backend: Transformer Engine specs, FP8/MXFP8 recipes, MLA, hybrid Mamba, Bridge.
+
+``gpu_plan(spec, layout, capability)`` is the pure heart of it: it maps a ModelSpec, a Layout and the device's
+compute capability to the Megatron model class, the TransformerConfig class and the extra TransformerConfig
+kwargs (precision recipe, MLA and Mamba fields, CP through TE), plus notes the trial reports (the FP8 recipe
+chosen, a missing Mamba fast path). It imports nothing heavy, so it is unit-tested on CPU. The builders below
+it (``gpu_model_class`` for build.py, ``bridge_provider`` for a ``model: {hf: DIR}`` spec) import megatron,
+Transformer Engine, mamba_ssm or Megatron-Bridge only when a GPU rank calls them.
+
+Not run on a GPU yet: everything here past ``gpu_plan`` was written against megatron-core 0.16.1's source and
+Megatron-Bridge 0.3.x's documented API, and is exercised only by scripts/gpu_check.sh on a real device.
+
+FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the recipe is chosen here and noted):
+- fp8 on 8.9 (Ada) and 9.x (Hopper): ``delayed`` scaling, Megatron's long-standing default (format hybrid,
+  amax history 1024 with max), the recipe most FP8 pretraining on Hopper has used.
+- fp8 on 10.x / 12.x (Blackwell): ``tensorwise`` ("current scaling", Float8CurrentScaling), the per-tensor recipe
+  Transformer Engine recommends on Blackwell where delayed scaling's amax history is no longer needed.
+- ``blockwise`` (Float8BlockScaling, DeepSeek-V3 style 1x128/128x128, format e4m3) only when asked for, on ≥ 9.0.
+- mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (LAYOUT_RULES.md: rejected on 12.x too).
+An explicit recipe can be requested with the environment variable SWEEPER_FP8_RECIPE (delayed|tensorwise|blockwise),
+set on every node before the trial's workers start.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sweeper.backends.megatron.failures import UnsupportedError
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+Capability = tuple[int, int]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise")
+FP8_RECIPE_ENV = "SWEEPER_FP8_RECIPE"
+# catalog.resolve_model names a ``model: {hf: DIR}`` spec "hf:<absolute DIR>": the only field of ModelSpec that
+# travels to the rank unchanged, so the GPU trial knows to build Megatron-Bridge's model from that folder.
+HF_NAME_PREFIX = "hf:"
+MAMBA_SLOW_PATH_NOTE = "Mamba fast path missing (no causal-conv1d): slow path"
+
+# DeepSeek-V2/V3 YaRN RoPE (HF rope_scaling of both models); ModelSpec does not carry RoPE scaling, and the
+# smoke run's memory and throughput do not depend on these values. A ``model: {hf: DIR}`` spec gets the exact ones
+# from Megatron-Bridge's provider.
+_DEEPSEEK_YARN: dict[str, Any] = dict(
+    rope_type="yarn", rotary_base=10000, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
+)
+
+
+class GpuPrecisionError(UnsupportedError, ValueError):
+    """A precision or FP8 recipe the device's compute capability cannot run (LAYOUT_RULES.md, precision); the
+    trial reports it as unsupported (the cluster's declared compute capability let it through the rules)."""
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    """What the GPU trial builds; plain values only (names of Megatron classes and functions, kwargs)."""
+
+    model_class: Literal["GPTModel", "MambaModel"]
+    config_class: Literal["TransformerConfig", "MLATransformerConfig"]
+    # The layer spec: for GPTModel Megatron's get_gpt_decoder_block_spec(use_transformer_engine=True), which calls
+    # get_gpt_layer_with_transformer_engine_spec with ``layer_spec_kwargs`` for the dense and the MoE layers;
+    # for MambaModel megatron.core.models.mamba.mamba_layer_specs.mamba_stack_spec (TE modules throughout).
+    layer_spec: str
+    layer_spec_kwargs: dict[str, Any]
+    # Extra TransformerConfig kwargs, disjoint from the ones build.transformer_config passes itself.
+    config_kwargs: dict[str, Any]
+    fp8_recipe: Fp8Recipe | None
+    notes: tuple[str, ...] = field(default=())
+
+
+def capability_text(capability: Capability) -> str:
+    return f"{capability[0]}.{capability[1]}"
+
+
+def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | None = None
+                         ) -> tuple[dict[str, Any], Fp8Recipe | None, str | None]:
+    """(TransformerConfig FP8 kwargs, recipe, note) for ``precision`` on a device of ``capability``.
+
+    BF16/FP16/FP32 need no FP8 kwargs. Raises GpuPrecisionError where the capability cannot run the request."""
+    cc = capability_text(capability)
+    if precision == "mxfp8":
+        if recipe not in (None, "mxfp8"):
+            raise GpuPrecisionError(f"precision mxfp8 has its own recipe; {FP8_RECIPE_ENV}={recipe} does not apply")
+        if capability[0] != 10:
+            raise GpuPrecisionError(
+                f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on {cc}"
+            )
+        return dict(fp8="e4m3", fp8_recipe="mxfp8"), "mxfp8", "precision mxfp8: MXFP8BlockScaling (e4m3)"
+    if precision != "fp8":
+        return {}, None, None
+    if capability < (8, 9):
+        raise GpuPrecisionError(f"FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); this GPU is {cc}")
+    chosen = recipe or ("tensorwise" if capability >= (10, 0) else "delayed")
+    if chosen not in FP8_RECIPES:
+        raise GpuPrecisionError(f"unknown FP8 recipe {chosen!r} (known: {', '.join(FP8_RECIPES)})")
+    if chosen == "blockwise" and capability < (9, 0):
+        raise GpuPrecisionError(f"FP8 blockwise scaling needs compute capability >= 9.0; this GPU is {cc}")
+    if chosen == "delayed":
+        kwargs: dict[str, Any] = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
+                                      fp8_amax_compute_algo="max")
+    elif chosen == "tensorwise":
+        kwargs = dict(fp8="hybrid", fp8_recipe="tensorwise")
+    else:
+        kwargs = dict(fp8="e4m3", fp8_recipe="blockwise")
+    how = "requested" if recipe else f"default for compute capability {cc}"
+    return kwargs, chosen, f"precision fp8: recipe {chosen} ({how}), format {kwargs['fp8']}"  # type: ignore[return-value]
+
+
+def gpu_unsupported_reason(spec: ModelSpec, layout: Layout, *, mamba_ssm: bool | None = None) -> tuple[str, str] | None:
+    """(feature, why) the GPU+TE backend cannot run, or None. support.unsupported_reason formats it."""
+    if spec.is_hybrid:
+        has_mamba = mamba_ssm if mamba_ssm is not None else module_present("mamba_ssm")
+        if not has_mamba:
+            return ("hybrid Mamba model (hybrid_layer_pattern)",
+                    "Megatron's MambaMixer needs the mamba_ssm package (pip install mamba-ssm causal-conv1d)")
+    if spec.multi_latent_attention and layout.cp > 1 and layout.is_fp8:
+        return (f"FP8 multi_latent_attention with context parallel (cp={layout.cp})",
+                "Transformer Engine's MLA context-parallel attention has no FP8 path")
+    return None
+
+
+def gpu_plan(
+    spec: ModelSpec,
+    layout: Layout,
+    capability: Capability,
+    *,
+    fp8_recipe: str | None = None,
+    causal_conv1d: bool = True,
+) -> GpuPlan:
+    """The GPU trial's model class, config class, TE layer spec choice and extra TransformerConfig kwargs.
+
+    Pure: ``capability`` is the device's (torch.cuda.get_device_capability()), ``causal_conv1d`` whether the
+    causal-conv1d kernels import. Raises GpuPrecisionError when the precision cannot run on this capability."""
+    kwargs, recipe, note = fp8_precision_kwargs(layout.precision, capability, fp8_recipe)
+    notes: list[str] = [note] if note else []
+    if layout.cp > 1:
+        # TE's attention does the CP exchange; MLA supports only p2p (or a2a+p2p), so p2p for every model.
+        kwargs["cp_comm_type"] = "p2p"
+    if spec.is_hybrid:
+        kwargs.update(
+            is_hybrid_model=True,
+            mamba_num_heads=spec.mamba_heads,
+            mamba_head_dim=spec.mamba_head_dim,
+            mamba_num_groups=spec.mamba_num_groups,
+            mamba_state_dim=spec.mamba_state_dim,
+        )
+        if not causal_conv1d:
+            # The memory-efficient path is mamba_ssm's fused conv1d+scan, which calls causal-conv1d's kernel; the
+            # other path falls back to torch's Conv1d (Megatron warns it is not tested for training).
+            kwargs["use_mamba_mem_eff_path"] = False
+            notes.append(MAMBA_SLOW_PATH_NOTE)
+        return GpuPlan(
+            model_class="MambaModel",
+            config_class="TransformerConfig",
+            layer_spec="megatron.core.models.mamba.mamba_layer_specs.mamba_stack_spec",
+            layer_spec_kwargs={"hybrid_override_pattern": spec.hybrid_layer_pattern,
+                               "d_conv": spec.mamba_conv_kernel},
+            config_kwargs=kwargs,
+            fp8_recipe=recipe,
+            notes=tuple(notes),
+        )
+    config_class: Literal["TransformerConfig", "MLATransformerConfig"] = "TransformerConfig"
+    if spec.multi_latent_attention:
+        config_class = "MLATransformerConfig"
+        kwargs.update(
+            multi_latent_attention=True,
+            q_lora_rank=spec.q_lora_rank,
+            kv_lora_rank=spec.kv_lora_rank,
+            qk_head_dim=spec.qk_head_dim,
+            qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
+            v_head_dim=spec.v_head_dim,
+            **_DEEPSEEK_YARN,
+        )
+    return GpuPlan(
+        model_class="GPTModel",
+        config_class=config_class,
+        layer_spec="get_gpt_decoder_block_spec(use_transformer_engine=True) -> "
+                   "get_gpt_layer_with_transformer_engine_spec",
+        layer_spec_kwargs=dict(
+            num_experts=spec.num_moe_experts,
+            moe_grouped_gemm=spec.is_moe,
+            qk_layernorm=spec.qk_layernorm,
+            multi_latent_attention=spec.multi_latent_attention,
+        ),
+        config_kwargs=kwargs,
+        fp8_recipe=recipe,
+        notes=tuple(notes),
+    )
+
+
+# -- the device and its optional kernels (cheap; no CUDA call) ---------------------------------------------------
+def module_present(name: str) -> bool:
+    """True when ``name`` can be found on sys.path (find_spec: no import, so no CUDA initialisation)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def module_imports(name: str) -> bool:
+    """True when ``name`` really imports (a CUDA extension built for another torch fails here, not in find_spec)."""
+    try:
+        __import__(name)
+    except Exception:  # noqa: BLE001 - extension modules raise OSError/RuntimeError as well as ImportError
+        return False
+    return True
+
+
+def requested_fp8_recipe() -> str | None:
+    value = os.environ.get(FP8_RECIPE_ENV, "").strip().lower()
+    return value or None
+
+
+def device_plan(spec: ModelSpec, layout: Layout) -> GpuPlan:
+    """gpu_plan for this process's current CUDA device. Not run on a GPU yet."""
+    import torch
+
+    capability = torch.cuda.get_device_capability()
+    return gpu_plan(spec, layout, capability, fp8_recipe=requested_fp8_recipe(),
+                    causal_conv1d=not spec.is_hybrid or module_imports("causal_conv1d"))
+
+
+# -- Megatron-Bridge (model: {hf: DIR}) --------------------------------------------------------------------------
+def bridge_source(spec: ModelSpec) -> Path | None:
+    """The local Hugging Face folder of a ``model: {hf: DIR}`` spec; None for any other spec."""
+    return Path(spec.name[len(HF_NAME_PREFIX):]) if spec.name.startswith(HF_NAME_PREFIX) else None
+
+
+class BridgeMissingError(RuntimeError):
+    pass
+
+
+def bridge_missing_message(what: str) -> str:
+    return (f"{what} needs Megatron-Bridge, which is not installed (pip install -e '.[gpu]' installs "
+            f"megatron-bridge==0.3.1 with Transformer Engine); for planning alone use model: {{hf_config: DIR}}")
+
+
+def bridge_overrides(layout: Layout, plan: GpuPlan) -> dict[str, Any]:
+    """TransformerConfig fields sweeper sets on Bridge's provider: the layout, precision and smoke-run settings.
+
+    The architecture (and everything else) stays Bridge's, so the trial builds exactly Bridge's model."""
+    out: dict[str, Any] = dict(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        sequence_parallel=layout.sp,
+        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        # FP8/MXFP8 keep BF16 parameters, as build.params_dtype does.
+        bf16=layout.precision not in ("fp32", "fp16"),
+        fp16=layout.precision == "fp16",
+        deallocate_pipeline_outputs=True,
+        use_cpu_initialization=False,
+    )
+    if layout.recompute == "selective":
+        out.update(recompute_granularity="selective")
+    elif layout.recompute == "full":
+        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    precision_keys = ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "cp_comm_type",
+                      "use_mamba_mem_eff_path")
+    out.update({k: v for k, v in plan.config_kwargs.items() if k in precision_keys})
+    return out
+
+
+def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan) -> Any:
+    """Megatron-Bridge's model provider for the spec's local HF folder, with the layout applied and finalized.
+
+    The provider is a TransformerConfig subclass: build.py uses it as the config (DDP, optimizer) and calls
+    ``provider.provide(pre_process=, post_process=, vp_stage=)`` per model chunk. No weights are loaded (a smoke run
+    trains from random initialisation) and nothing is downloaded. Not run on a GPU yet."""
+    source = bridge_source(spec)
+    if source is None:
+        raise ValueError(f"model {spec.name!r} was not given as model: {{hf: DIR}}")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    try:
+        from megatron.bridge import AutoBridge
+    except ImportError as exc:
+        raise BridgeMissingError(bridge_missing_message(f"model: {{hf: {source}}}") + f" ({exc})") from None
+    import torch
+
+    provider = AutoBridge.from_hf_pretrained(str(source)).to_megatron_provider(load_weights=False)
+    overrides = bridge_overrides(layout, plan)
+    dtype = torch.bfloat16 if overrides["bf16"] else torch.float16 if overrides["fp16"] else torch.float32
+    overrides.update(params_dtype=dtype, pipeline_dtype=dtype)
+    for name, value in overrides.items():
+        setattr(provider, name, value)
+    finalize = getattr(provider, "finalize", None)
+    if callable(finalize):  # newer Bridge validates here (TransformerConfig.__post_init__ with the layout applied)
+        finalize()
+    return provider
+
+
+# -- model builders for build.py ---------------------------------------------------------------------------------
+def gpu_model(spec: ModelSpec, layout: Layout, config: Any) -> tuple[Any, Callable[..., Any]]:
+    """(config, model class) for build.py on a GPU with TE: Bridge's provider and its ``provide`` for a
+    ``model: {hf: DIR}`` spec; otherwise build.py's config and GPTModel or the MambaModel builder. Not run on a GPU yet."""
+    plan = device_plan(spec, layout)
+    if bridge_source(spec) is not None:
+        provider = bridge_provider(spec, layout, plan)
+        return provider, gpu_model_class(spec, plan, provider)
+    return config, gpu_model_class(spec, plan)
+
+
+def config_class(plan: GpuPlan) -> type:
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    return MLATransformerConfig if plan.config_class == "MLATransformerConfig" else TransformerConfig
+
+
+def gpu_model_class(spec: ModelSpec, plan: GpuPlan, provider: Any = None) -> Callable[..., Any]:
+    """A callable with GPTModel's keyword arguments that builds the GPU model chunk: GPTModel with the TE block
+    spec build.py computed, MambaModel with mamba_stack_spec, or Bridge's ``provider.provide``. Not run on a GPU yet."""
+    if provider is not None:
+        def bridge_chunk(*, pre_process: bool, post_process: bool, vp_stage: int | None, **_: Any) -> Any:
+            return provider.provide(pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+        return bridge_chunk
+    if plan.model_class == "GPTModel":
+        from megatron.core.models.gpt import GPTModel
+
+        return GPTModel
+
+    def mamba_chunk(*, config: Any, vocab_size: int, max_sequence_length: int, pre_process: bool,
+                    post_process: bool, share_embeddings_and_output_weights: bool, position_embedding_type: str,
+                    vp_stage: int | None = None, **_: Any) -> Any:
+        import copy
+
+        from megatron.core.activations import squared_relu
+        from megatron.core.models.mamba import MambaModel
+        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+        if vp_stage is not None:
+            raise ValueError("hybrid Mamba models do not support virtual pipeline stages in megatron-core 0.16")
+        if not spec.gated_linear_unit:
+            config.activation_func = squared_relu  # Nemotron-H's relu2 MLPs (ModelSpec has no activation field)
+        stack = mamba_stack_spec
+        if plan.layer_spec_kwargs.get("d_conv", 4) != 4:
+            stack = copy.deepcopy(mamba_stack_spec)
+            mixer = stack.submodules.mamba_layer.submodules.mixer
+            mixer.params = {**(mixer.params or {}), "d_conv": plan.layer_spec_kwargs["d_conv"]}
+        return MambaModel(
+            config=config,
+            mamba_stack_spec=stack,
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            hybrid_override_pattern=plan.layer_spec_kwargs["hybrid_override_pattern"],
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
+        )
+
+    return mamba_chunk
