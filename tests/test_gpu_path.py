@@ -1,0 +1,339 @@
+"""The GPU branch of the megatron backend, tested without CUDA: the (spec, layout, capability) → config mapping,
+real TransformerConfig / MLATransformerConfig construction with those kwargs, the support matrix GPU vs CPU, the
+Megatron-Bridge import errors and the GPU check script's syntax. What only a GPU can show (TE kernels, FP8 GEMMs,
+MambaModel with mamba_ssm, Bridge's provider) is run by scripts/gpu_check.sh.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+from unittest import mock
+
+import pytest
+
+from sweeper.backends.megatron import gpu
+from sweeper.backends.megatron.failures import UnsupportedError, classify
+from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.layout import Layout
+from sweeper.models.catalog import ModelError, preset, resolve_model
+
+ROOT = Path(__file__).resolve().parents[1]
+HOPPER, ADA, AMPERE, B200, RTX_PRO_6000 = (9, 0), (8, 9), (8, 0), (10, 0), (12, 0)
+
+
+def lo(**kw) -> Layout:
+    kw.setdefault("world_size", kw.get("tp", 1) * kw.get("pp", 1) * kw.get("cp", 1))
+    return Layout(**kw)
+
+
+# -- layer spec choice -------------------------------------------------------------------------------------------------
+def test_dense_gpt_uses_the_transformer_engine_spec():
+    plan = gpu.gpu_plan(preset("llama3-8b"), lo(tp=2, sp=True), HOPPER)
+    assert plan.model_class == "GPTModel" and plan.config_class == "TransformerConfig"
+    assert "get_gpt_layer_with_transformer_engine_spec" in plan.layer_spec
+    assert plan.layer_spec_kwargs == dict(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
+                                          multi_latent_attention=False)
+    assert plan.fp8_recipe is None and plan.notes == ()
+
+
+def test_moe_uses_grouped_gemm_and_qk_norm_in_the_te_spec():
+    plan = gpu.gpu_plan(preset("qwen3-30b-a3b"), lo(ep=1), HOPPER)
+    assert plan.layer_spec_kwargs == dict(num_experts=128, moe_grouped_gemm=True, qk_layernorm=True,
+                                          multi_latent_attention=False)
+
+
+def test_context_parallel_goes_through_te_with_p2p():
+    assert gpu.gpu_plan(preset("tiny-gpt"), lo(cp=2), HOPPER).config_kwargs == {"cp_comm_type": "p2p"}
+    assert "cp_comm_type" not in gpu.gpu_plan(preset("tiny-gpt"), lo(), HOPPER).config_kwargs
+
+
+# -- precision recipes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("capability", "recipe", "fmt"), [
+    (ADA, "delayed", "hybrid"), (HOPPER, "delayed", "hybrid"), ((9, 2), "delayed", "hybrid"),
+    (B200, "tensorwise", "hybrid"), (RTX_PRO_6000, "tensorwise", "hybrid"),
+])
+def test_default_fp8_recipe_per_capability(capability, recipe, fmt):
+    plan = gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), capability)
+    assert plan.fp8_recipe == recipe
+    assert plan.config_kwargs["fp8_recipe"] == recipe and plan.config_kwargs["fp8"] == fmt
+    assert plan.notes == (f"precision fp8: recipe {recipe} (default for compute capability "
+                          f"{capability[0]}.{capability[1]}), format {fmt}",)
+
+
+def test_delayed_scaling_keeps_an_amax_history():
+    kwargs = gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), HOPPER).config_kwargs
+    assert kwargs == dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+
+
+def test_blockwise_on_request_from_hopper_up():
+    plan = gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), HOPPER, fp8_recipe="blockwise")
+    assert plan.config_kwargs == dict(fp8="e4m3", fp8_recipe="blockwise")
+    assert plan.notes == ("precision fp8: recipe blockwise (requested), format e4m3",)
+    with pytest.raises(gpu.GpuPrecisionError, match=r"blockwise scaling needs compute capability >= 9.0; this GPU is 8.9"):
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), ADA, fp8_recipe="blockwise")
+    with pytest.raises(gpu.GpuPrecisionError, match="unknown FP8 recipe 'fancy'"):
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), HOPPER, fp8_recipe="fancy")
+
+
+def test_requested_recipe_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv(gpu.FP8_RECIPE_ENV, " Blockwise ")
+    assert gpu.requested_fp8_recipe() == "blockwise"
+    monkeypatch.delenv(gpu.FP8_RECIPE_ENV)
+    assert gpu.requested_fp8_recipe() is None
+
+
+def test_fp8_refused_below_8_9():
+    with pytest.raises(gpu.GpuPrecisionError, match=r"FP8 needs compute capability >= 8.9 .*this GPU is 8.0"):
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), AMPERE)
+
+
+def test_mxfp8_only_on_10_x():
+    plan = gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), B200)
+    assert plan.config_kwargs == dict(fp8="e4m3", fp8_recipe="mxfp8") and plan.fp8_recipe == "mxfp8"
+    for capability, text in ((HOPPER, "9.0"), (RTX_PRO_6000, "12.0"), (ADA, "8.9")):
+        with pytest.raises(gpu.GpuPrecisionError, match=rf"MXFP8 needs compute capability 10.x .* on {text}"):
+            gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), capability)
+    with pytest.raises(gpu.GpuPrecisionError, match="mxfp8 has its own recipe"):
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), B200, fp8_recipe="delayed")
+
+
+def test_a_precision_the_device_cannot_run_is_reported_unsupported():
+    with pytest.raises(gpu.GpuPrecisionError) as info:
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), HOPPER)
+    assert isinstance(info.value, UnsupportedError)
+    assert classify(info.value, "build")[0] == "unsupported"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
+def test_no_fp8_fields_without_fp8(precision):
+    assert gpu.gpu_plan(preset("tiny-gpt"), lo(precision=precision), AMPERE).config_kwargs == {}
+
+
+# -- MLA and hybrid Mamba ------------------------------------------------------------------------------------------
+def test_mla_fields_from_the_deepseek_v2_lite_preset():
+    plan = gpu.gpu_plan(preset("deepseek-v2-lite"), lo(), HOPPER)
+    assert plan.model_class == "GPTModel" and plan.config_class == "MLATransformerConfig"
+    assert plan.layer_spec_kwargs["multi_latent_attention"] is True
+    assert plan.layer_spec_kwargs["num_experts"] == 64
+    k = plan.config_kwargs
+    assert k["multi_latent_attention"] is True
+    assert k["q_lora_rank"] is None  # V2-Lite compresses no queries
+    assert (k["kv_lora_rank"], k["qk_head_dim"], k["qk_pos_emb_head_dim"], k["v_head_dim"]) == (512, 128, 64, 128)
+    assert (k["rope_type"], k["rotary_base"], k["rotary_scaling_factor"], k["original_max_position_embeddings"]) == \
+        ("yarn", 10000, 40.0, 4096)
+
+
+def test_mamba_fields_and_pattern_from_the_nemotron_preset():
+    spec = preset("nemotron-3-nano-30b-a3b")
+    plan = gpu.gpu_plan(spec, lo(), HOPPER)
+    assert plan.model_class == "MambaModel" and plan.config_class == "TransformerConfig"
+    assert plan.layer_spec.endswith("mamba_layer_specs.mamba_stack_spec")
+    assert plan.layer_spec_kwargs == {"hybrid_override_pattern": spec.hybrid_layer_pattern, "d_conv": 4}
+    assert plan.layer_spec_kwargs["hybrid_override_pattern"].count("M") == 23
+    assert plan.config_kwargs == dict(is_hybrid_model=True, mamba_num_heads=64, mamba_head_dim=64,
+                                      mamba_num_groups=8, mamba_state_dim=128)
+    assert plan.notes == ()
+
+
+def test_missing_causal_conv1d_is_a_note_and_the_slow_path():
+    plan = gpu.gpu_plan(preset("nemotron-3-nano-30b-a3b"), lo(), HOPPER, causal_conv1d=False)
+    assert plan.config_kwargs["use_mamba_mem_eff_path"] is False
+    assert plan.notes == ("Mamba fast path missing (no causal-conv1d): slow path",)
+
+
+# -- the kwargs are real TransformerConfig fields and build.py accepts them ----------------------------------------
+def _build_keywords() -> set[str]:
+    """The keyword names build.transformer_config passes to the config class itself (read from its source)."""
+    tree = ast.parse((ROOT / "sweeper/backends/megatron/build.py").read_text())
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "transformer_config")
+    call = next(n for n in ast.walk(fn) if isinstance(n, ast.Return)).value
+    assert isinstance(call, ast.Call)
+    return {k.arg for k in call.keywords if k.arg}
+
+
+CASES = [
+    ("tiny-gpt", dict(precision="fp8"), B200), ("tiny-gpt", dict(precision="fp8"), HOPPER),
+    ("tiny-gpt", dict(precision="mxfp8"), B200), ("tiny-gpt", dict(cp=2), HOPPER),
+    ("deepseek-v2-lite", dict(cp=2), HOPPER), ("nemotron-3-nano-30b-a3b", dict(precision="fp8"), HOPPER),
+]
+
+
+@pytest.mark.parametrize(("name", "layout", "capability"), CASES)
+def test_plan_kwargs_are_config_fields_and_never_collide_with_build(name, layout, capability):
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    plan = gpu.gpu_plan(preset(name), lo(**layout), capability, causal_conv1d=False)
+    fields = {f.name for f in dataclasses.fields(MLATransformerConfig)}
+    assert set(plan.config_kwargs) <= fields
+    assert not set(plan.config_kwargs) & _build_keywords()
+
+
+@pytest.mark.parametrize(("name", "layout"), [
+    ("tiny-gpt", lo(precision="fp8")), ("tiny-gpt", lo(cp=2)), ("tiny-moe", lo()),
+    ("deepseek-v2-lite", lo()), ("nemotron-3-nano-30b-a3b", lo()),
+])
+def test_build_constructs_the_gpu_config_for_real(name, layout):
+    """build.transformer_config on the TE path, with the device's plan stubbed (no CUDA here): Megatron's own
+    __post_init__ validates the GPU kwargs. (FP8 with MoE needs TE installed for its version check.)"""
+    from sweeper.backends.megatron import build
+
+    spec = preset(name)
+    with mock.patch.object(gpu, "device_plan", lambda s, l: gpu.gpu_plan(s, l, HOPPER, causal_conv1d=False)):
+        config = build.transformer_config(spec, layout, cuda=True, te=True)
+    assert config.use_cpu_initialization is False
+    if spec.multi_latent_attention:
+        assert type(config).__name__ == "MLATransformerConfig"
+        assert config.q_lora_rank is None and config.kv_lora_rank == 512 and config.rope_type == "yarn"
+    if spec.is_hybrid:
+        assert config.is_hybrid_model and config.mamba_num_heads == 64 and config.use_mamba_mem_eff_path is False
+    if layout.precision == "fp8":
+        assert (config.fp8, config.fp8_recipe, config.fp8_amax_history_len) == ("hybrid", "delayed", 1024)
+    if layout.cp > 1:
+        assert config.cp_comm_type == "p2p"
+    if spec.is_moe:
+        assert config.moe_grouped_gemm and config.moe_token_dispatcher_type == "alltoall"
+
+
+# -- support matrix: GPU+TE vs CPU ----------------------------------------------------------------------------------
+def test_support_matrix_gpu_vs_cpu():
+    mla, hybrid = preset("deepseek-v2-lite"), preset("nemotron-3-nano-30b-a3b")
+    assert unsupported_reason(mla, lo(), cuda=True, te=True) is None
+    with mock.patch.object(gpu, "module_present", return_value=True):
+        assert unsupported_reason(hybrid, lo(), cuda=True, te=True) is None
+    assert unsupported_reason(mla, lo(), cuda=False, te=False) == (
+        "multi_latent_attention (MLA) unsupported on this backend (megatron-core-cpu): needs Transformer Engine "
+        "attention on GPU")
+    assert unsupported_reason(hybrid, lo(), cuda=False, te=False) == (
+        "hybrid Mamba model (hybrid_layer_pattern) unsupported on this backend (megatron-core-cpu): needs MambaModel "
+        "and the mamba_ssm/causal-conv1d GPU kernels")
+    assert unsupported_reason(mla, lo(), cuda=True, te=False) == (
+        "multi_latent_attention (MLA) unsupported on this backend (megatron-core-gpu): MLA's layer spec needs "
+        "Transformer Engine")
+    assert "mamba_stack_spec needs Transformer Engine" in unsupported_reason(hybrid, lo(), cuda=True, te=False)
+    assert unsupported_reason(preset("tiny-gpt"), lo(precision="fp8"), cuda=True, te=True) is None
+    assert "FP8 GEMMs need Transformer Engine" in unsupported_reason(preset("tiny-gpt"), lo(precision="fp8"),
+                                                                     cuda=False, te=False)
+
+
+def test_gpu_refuses_hybrid_without_mamba_ssm_and_fp8_mla_with_cp():
+    with mock.patch.object(gpu, "module_present", return_value=False):
+        reason = unsupported_reason(preset("nemotron-3-nano-30b-a3b"), lo(), cuda=True, te=True)
+    assert reason == ("hybrid Mamba model (hybrid_layer_pattern) unsupported on this backend (megatron-core-gpu): "
+                      "Megatron's MambaMixer needs the mamba_ssm package (pip install mamba-ssm causal-conv1d)")
+    reason = unsupported_reason(preset("deepseek-v2-lite"), lo(cp=2, precision="fp8"), cuda=True, te=True)
+    assert reason == ("FP8 multi_latent_attention with context parallel (cp=2) unsupported on this backend "
+                      "(megatron-core-gpu): Transformer Engine's MLA context-parallel attention has no FP8 path")
+    assert unsupported_reason(preset("deepseek-v2-lite"), lo(cp=2), cuda=True, te=True) is None
+
+
+# -- Megatron-Bridge -------------------------------------------------------------------------------------------------
+def _hf_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "tiny-llama"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(dict(
+        model_type="llama", num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256)))
+    return folder
+
+
+def _bridge_installed(installed: bool):
+    real = gpu.importlib.util.find_spec
+
+    def find_spec(name, *args):
+        if name == "megatron.bridge":
+            return object() if installed else None
+        return real(name, *args)
+
+    return mock.patch("importlib.util.find_spec", find_spec)
+
+
+def test_hf_key_without_bridge_is_a_clear_error(tmp_path):
+    with _bridge_installed(False), pytest.raises(ModelError) as info:
+        resolve_model({"hf": str(_hf_dir(tmp_path))})
+    assert str(info.value) == (
+        "hf needs Megatron-Bridge, which is not installed (pip install -e '.[gpu]' installs megatron-bridge==0.3.1 "
+        "with Transformer Engine); for planning alone use {hf_config: DIR}")
+    assert info.value.where == ".hf"
+
+
+def test_hf_key_with_bridge_reads_the_local_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    folder = _hf_dir(tmp_path)
+    with _bridge_installed(True):
+        spec = resolve_model({"hf": "tiny-llama"}, base_dir=tmp_path)
+    assert spec.name == f"hf:{folder}" and spec.num_layers == 2 and spec.num_query_groups == 2
+    assert gpu.bridge_source(spec) == folder
+    assert gpu.bridge_source(preset("tiny-gpt")) is None
+    import os
+
+    assert os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_hf_key_takes_a_hub_cache_folder(tmp_path):
+    cache = tmp_path / "models--org--tiny"
+    snapshot = cache / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((_hf_dir(tmp_path) / "config.json").read_text())
+    (cache / "refs").mkdir()
+    (cache / "refs" / "main").write_text("abc123\n")
+    with _bridge_installed(True):
+        assert resolve_model({"hf": str(cache)}).name == f"hf:{snapshot}"
+
+
+def test_hf_key_never_downloads_and_takes_no_other_keys(tmp_path):
+    with _bridge_installed(True):
+        with pytest.raises(ModelError, match="not a local folder .*sweeper never downloads"):
+            resolve_model({"hf": "meta-llama/Meta-Llama-3-8B"}, base_dir=tmp_path)
+        with pytest.raises(ModelError) as info:
+            resolve_model({"hf": str(tmp_path), "num_layers": 2})
+    assert info.value.where == ".num_layers"
+
+
+def test_bridge_provider_without_bridge_installed_is_a_clear_error(tmp_path):
+    with _bridge_installed(True):
+        spec = resolve_model({"hf": str(_hf_dir(tmp_path))})
+    with mock.patch.dict("sys.modules", {"megatron.bridge": None}), pytest.raises(gpu.BridgeMissingError) as info:
+        gpu.bridge_provider(spec, lo(), gpu.gpu_plan(spec, lo(), HOPPER))
+    assert str(info.value).startswith(f"model: {{hf: {tmp_path / 'tiny-llama'}}} needs Megatron-Bridge, which is "
+                                      "not installed (pip install -e '.[gpu]'")
+
+
+def test_bridge_overrides_are_transformer_config_fields():
+    from megatron.core.transformer import TransformerConfig
+
+    layout = lo(tp=2, pp=2, cp=2, sp=True, precision="fp8", recompute="full", first_stage_layers=3,
+                last_stage_layers=1)
+    overrides = gpu.bridge_overrides(layout, gpu.gpu_plan(preset("tiny-gpt"), layout, B200))
+    assert set(overrides) <= {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert overrides["tensor_model_parallel_size"] == 2 and overrides["sequence_parallel"] is True
+    assert overrides["virtual_pipeline_model_parallel_size"] is None
+    assert (overrides["fp8"], overrides["fp8_recipe"], overrides["cp_comm_type"]) == ("hybrid", "tensorwise", "p2p")
+    assert overrides["bf16"] is True and overrides["fp16"] is False
+    assert overrides["recompute_granularity"] == "full"
+    assert (overrides["num_layers_in_first_pipeline_stage"], overrides["num_layers_in_last_pipeline_stage"]) == (3, 1)
+
+
+# -- the GPU check script --------------------------------------------------------------------------------------------
+def test_gpu_check_script_parses():
+    subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_check.sh")], check=True)
+
+
+def test_gpu_check_plan_only_writes_valid_spaces(tmp_path):
+    """--plan-only: every case's space loads and its layout is valid for a pretend B200 with two GPUs."""
+    import sys
+
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "GPU_CHECK_DEVICE": "10.0 180 2 yes yes no B200",
+           "TMPDIR": str(tmp_path)}
+    out = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--plan-only"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith(("bf16", "fp8", "mxfp8"))}
+    assert set(rows) == {"bf16-dense", "fp8-dense", "fp8-blockwise", "mxfp8-dense", "bf16-moe", "bf16-mla",
+                         "bf16-dense-tp2-sp", "bf16-hybrid"}
+    assert "skipped" in rows["fp8-blockwise"]  # Hopper only
+    for name in set(rows) - {"fp8-blockwise"}:
+        assert " planned " in rows[name] and "invalid" not in rows[name], rows[name]
