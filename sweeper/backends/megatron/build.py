@@ -21,6 +21,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_mega
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
 from sweeper.backends.megatron.flops import padded_vocab_size
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
@@ -131,8 +132,13 @@ class Built:
     vocab_size: int  # padded
 
 
-def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -> Built:
-    """Config, model chunks wrapped in Megatron DDP, and Megatron's (distributed) Adam optimizer."""
+def build(
+    spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int, vocab_size: int | None = None
+) -> Built:
+    """Config, model chunks wrapped in Megatron DDP, and Megatron's (distributed) Adam optimizer.
+
+    ``vocab_size``: the padded vocabulary to build with instead of Megatron's default (a multiple of 128 x TP);
+    the equivalence gate passes the reference's, which must match the checkpoint's shapes."""
     from megatron.core import tensor_parallel
 
     config = transformer_config(spec, layout, cuda=cuda, te=te)
@@ -144,13 +150,16 @@ def build(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int) -
     # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    vocab = padded_vocab_size(spec.vocab_size, layout.tp)
+    vocab = vocab_size or padded_vocab_size(spec.vocab_size, layout.tp)
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(layout.vpp) if vpp else [None]:
         block_spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=te, normalization=spec.normalization, vp_stage=vp_stage
         )
+        if not te:
+            # CP attention and SP norms of our own where Megatron's local modules refuse them (cpu_spec.py).
+            block_spec = adapt_local_block_spec(block_spec, config)
         chunk = model_class(
             config=config,
             transformer_layer_spec=block_spec,

@@ -45,14 +45,32 @@ def micro_batches(
 
 
 def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    # Megatron's legacy two-value form: the schedule divides by the number of micro-batches.
-    loss = output.float().mean()
-    # A copy: the schedule scales the returned loss in place (/= num_microbatches).
-    return loss, {"lm loss": loss.detach().clone()}
+    # Megatron's legacy two-value form: the schedule divides by the number of micro-batches and multiplies by the
+    # CP size (DDP then averages gradients over DP x CP), so a CP rank returns its share of the sequence mean:
+    # its tokens' mean / CP (equal token counts per CP rank).
+    cp_size = parallel_state.get_context_parallel_world_size()
+    loss = output.float().mean() / cp_size
+    # A copy: the schedule scales the returned loss in place. Reported: the whole sequence's mean, on every CP rank.
+    reported = loss.detach().clone()
+    if cp_size > 1:
+        torch.distributed.all_reduce(reported, group=parallel_state.get_context_parallel_group())
+    return loss, {"lm loss": reported}
+
+
+def _on_this_cp_rank(batch: Batch) -> Batch:
+    """The CP rank's part of the sequence: 2*CP chunks, rank i keeps chunks i and 2*CP-1-i (Megatron's order)."""
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    parts = get_batch_on_this_cp_rank(
+        {"tokens": batch.tokens, "labels": batch.labels, "position_ids": batch.position_ids}
+    )
+    return Batch(parts["tokens"], parts["labels"], parts["position_ids"])
 
 
 def _forward_step(poison: bool, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
-    batch = next(data_iterator)
+    batch = _on_this_cp_rank(next(data_iterator))
     # attention_mask None: the local and TE attention apply the causal mask themselves.
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
     if poison:
@@ -73,6 +91,17 @@ def train_step(
     built: Built, layout: Layout, batches: list[Batch], seq_length: int, *, poison: bool = False
 ) -> StepResult:
     """Forward + backward over every micro-batch, gradient sync, optimizer step (see check_finite)."""
+    loss = forward_backward(built, batches, seq_length, layout.mbs, poison=poison)
+    success, grad_norm, _ = built.optimizer.step()
+    norm = float(grad_norm) if grad_norm is not None else math.nan
+    return StepResult(loss=loss, grad_norm=norm, skipped=not success)
+
+
+def forward_backward(
+    built: Built, batches: list[Batch], seq_length: int, micro_batch_size: int, *, poison: bool = False
+) -> float:
+    """Zeroed gradients, then forward + backward over ``batches`` and gradient sync (no optimizer step): the
+    main gradients are ready for the optimizer. Returns the shared loss (see _shared_loss)."""
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
@@ -82,15 +111,12 @@ def train_step(
         forward_step_func=partial(_forward_step, poison),
         data_iterator=iterators,
         model=built.model if len(built.model) > 1 else built.model[0],
-        num_microbatches=layout.num_microbatches,
+        num_microbatches=len(batches),
         seq_length=seq_length,
-        micro_batch_size=layout.mbs,
+        micro_batch_size=micro_batch_size,
         forward_only=False,
     )
-    loss = _shared_loss(losses)
-    success, grad_norm, _ = built.optimizer.step()
-    norm = float(grad_norm) if grad_norm is not None else math.nan
-    return StepResult(loss=loss, grad_norm=norm, skipped=not success)
+    return _shared_loss(losses)
 
 
 def check_finite(step: int, result: StepResult) -> None:
@@ -107,7 +133,7 @@ def _shared_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
     local = torch.stack([d["lm loss"].float() for d in losses]).mean() if is_last and losses else torch.zeros(())
     # [sum of losses on last-stage ranks, number of last-stage ranks] over the whole world: the TP/CP copies of a
-    # replica's loss are identical, so this is the data-parallel mean.
+    # replica's loss are identical (CP ranks report the whole sequence's), so this is the data-parallel mean.
     pair = torch.stack([local.reshape(()), torch.tensor(1.0 if is_last else 0.0)])
     if torch.cuda.is_available():
         pair = pair.cuda()

@@ -2,6 +2,7 @@
 
 A layout or model feature the backend cannot execute is "unsupported on this backend", never a layout failure:
 the same layout may pass on a GPU cluster with Transformer Engine. Reasons name the feature and the backend.
+Context and sequence parallelism run without Transformer Engine too (sweeper's own local CP attention and SP norms).
 """
 
 from __future__ import annotations
@@ -37,11 +38,6 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     if layout.is_fp8:
         if not cuda or not te:
             return no(f"precision {layout.precision}", "FP8 GEMMs need Transformer Engine on a GPU")
-    if layout.cp > 1 and not te:
-        return no(f"context parallel (cp={layout.cp})",
-                  "Megatron's local DotProductAttention asserts 'Context parallelism is only supported by "
-                  "TEDotProductAttention'")
-    if layout.sp and not te:
-        return no("sequence parallel (sp=true)", "torch LayerNorm asserts 'sequence parallel not supported by "
-                  "torch LayerNorm' (needs Transformer Engine norms)")
+    # Without Transformer Engine, CP runs through cpu_attention.py (K/V all-gather, load-balanced causal mask)
+    # and SP through cpu_norm.py (norm weights marked sequence_parallel); both are exercised on gloo.
     return None

@@ -1,0 +1,47 @@
+"""Adapt Megatron's local (pure torch) GPT block spec so that context and sequence parallelism run without TE.
+
+The local spec's ``DotProductAttention`` refuses CP and its ``WrappedTorchNorm`` refuses SP. ``adapt_local_block_spec``
+returns a copy of the block spec in which, only where the layout needs it, core attention becomes
+``ContextParallelDotProductAttention`` (cp > 1) and every torch norm becomes ``SequenceParallelTorchNorm``
+(sequence_parallel). Everything else — and the whole spec when CP is 1 and SP off — stays Megatron's own.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from typing import Any
+
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention
+from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
+
+
+def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
+    """The block spec with CP attention and SP norms swapped in where the config needs them (a copy)."""
+    swaps: dict[type, type] = {}
+    if config.context_parallel_size > 1:
+        swaps[DotProductAttention] = ContextParallelDotProductAttention
+    if config.sequence_parallel:
+        swaps[WrappedTorchNorm] = SequenceParallelTorchNorm
+    if not swaps:
+        return block_spec
+    # A copy: Megatron's spec builders may hand out shared spec objects (one MoE layer spec for every layer).
+    return _swap(copy.deepcopy(block_spec), swaps)
+
+
+def _swap(node: Any, swaps: dict[type, type]) -> Any:
+    if isinstance(node, type):
+        return swaps.get(node, node)
+    if isinstance(node, list):
+        return [_swap(item, swaps) for item in node]
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for field in dataclasses.fields(node):
+            value = getattr(node, field.name)
+            swapped = _swap(value, swaps)
+            if swapped is not value:
+                setattr(node, field.name, swapped)
+    return node
