@@ -9,7 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-Inject = Literal["nan", "hang", "crash"]
+# "swap_shards" (equivalence gate tests): after the reference is loaded, every tensor-parallel group rotates its
+# shards of the first decoder layer's fc1 weight (collective, so inject_rank is ignored): a wrong layout.
+Inject = Literal["nan", "hang", "crash", "swap_shards"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class SmokeRequest:
     # CPU only: the simulated GPU's memory; a rank whose resident memory exceeds it stops with failure kind oom.
     memory_limit_gib: float | None = None
     reference_checkpoint: str | None = None  # equivalence gate: load this checkpoint, compare loss on a fixed batch
+    # True: instead of loading reference_checkpoint, create it (initial weights + reference.json with the loss and
+    # gradient norm on the fixed batch); see sweeper/backends/megatron/equivalence.py for the protocol.
+    make_reference: bool = False
     inject: Inject | None = None  # fault injection for tests (simulated clusters only)
     inject_rank: int = 0
 

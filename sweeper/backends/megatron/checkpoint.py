@@ -52,6 +52,15 @@ def save(built: Built, directory: Path) -> None:
     dist_checkpointing.save(_sharded_state_dict(built), str(directory), sharded_strategy=("torch_dist", 1))
 
 
+def load(built: Built, directory: Path) -> None:
+    """Load the checkpoint's weights into the model chunks. The checkpoint may come from another layout: each rank
+    asks for its shards of the global tensors (Megatron's resharding across TP/PP/VPP/EP/ETP)."""
+    loaded = dist_checkpointing.load(_sharded_state_dict(built), str(directory), sharded_strategy=("torch_dist", 1))
+    for i, ddp in enumerate(built.model):
+        key = "model" if len(built.model) == 1 else f"model{i}"
+        ddp.module.load_state_dict(loaded[key], strict=True)
+
+
 def _named_params(built: Built) -> dict[str, torch.Tensor]:
     return {
         f"chunk{i}.{name}": param
@@ -69,10 +78,7 @@ def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Ten
     with torch.no_grad():
         for param in _named_params(built).values():
             param.fill_(float("nan"))
-    loaded = dist_checkpointing.load(_sharded_state_dict(built), str(directory), sharded_strategy=("torch_dist", 1))
-    for i, ddp in enumerate(built.model):
-        key = "model" if len(built.model) == 1 else f"model{i}"
-        ddp.module.load_state_dict(loaded[key], strict=True)
+    load(built, directory)
     current = _named_params(built)
     bad = [name for name, value in saved.items() if not _bit_equal(value, current[name])]
     if bad:

@@ -1,4 +1,4 @@
-"""The smoke run of one rank: init → build → N steps → checks → save → reload → report.
+"""The smoke run of one rank: init → build → equivalence gate → N steps → checks → save → reload → report.
 
 ``run_rank`` is called in a rank's process after the runner has set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 and LOCAL_RANK. It never raises: every failure becomes a RankReport with ok=False, a failure kind and a
@@ -135,6 +135,7 @@ def _smoke(
     safe_point()
 
     # -- build: config, model chunks, DDP, optimizer -----------------------------------------------------------------
+    from sweeper.backends.megatron import equivalence
     from sweeper.backends.megatron.build import build
     from sweeper.backends.megatron.steps import check_finite, micro_batches, train_step
 
@@ -144,7 +145,8 @@ def _smoke(
             f"global_batch_size ({layout.gbs}) must be divisible by micro_batch_size ({layout.mbs}) x "
             f"data-parallel size ({layout.dp})"
         )
-    built = build(spec, layout, cuda=cuda, te=te, seed=request.seed)
+    gate = equivalence.plan(request, spec, layout)  # reads the reference: the build takes its vocabulary size
+    built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None)
     report.checks["model_built"] = True
     if te:  # the FP8 recipe chosen for this device, a missing Mamba fast path (gpu.py; not run on a GPU yet)
         from sweeper.backends.megatron.gpu import device_plan
@@ -155,9 +157,16 @@ def _smoke(
     report.flops_per_step = flops_per_global_batch(spec, request.seq_length, layout.gbs, built.vocab_size)
     safe_point()
 
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+    # -- equivalence gate: on the freshly built model, before the steps change its weights -----------------------
+    if gate is not None:
+        _timed(report, "equivalence",
+               lambda: equivalence.run(gate, request, spec, layout, built, report, device, enter))
+        safe_point()
+
     # -- steps ---------------------------------------------------------------------------------------------------------
     enter("steps")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     is_injected = request.inject is not None and report.rank == request.inject_rank
     steps_start = time.perf_counter()
     from sweeper.backends.megatron import checkpoint as ckpt
@@ -207,21 +216,9 @@ def _smoke(
         _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
         report.checks["checkpoint_reloaded"] = True
 
-    # -- equivalence gate -----------------------------------------------------------------------------------------------
-    if request.reference_checkpoint:
-        report.equivalence = _equivalence_gate_todo(request)
-
     enter("report")
     torch.distributed.barrier()  # nobody tears the process group down while a peer still uses it
     report.ok = True
-
-
-def _equivalence_gate_todo(request: SmokeRequest) -> None:
-    """TODO(equivalence gate, separate issue): load ``request.reference_checkpoint`` resharded into this layout,
-    compute loss and grad norm on the fixed reference batch, and return them. Not implemented: returns None so
-    that no equivalence is ever claimed."""
-    _log.warning("equivalence gate not implemented; reference checkpoint %s ignored", request.reference_checkpoint)
-    return None
 
 
 def _inject(request: SmokeRequest, report: RankReport) -> None:

@@ -1,0 +1,347 @@
+"""The layout equivalence gate: proof that a layout computes the same model as the sweep's reference layout.
+
+A sweep makes one *reference* (``SmokeRequest.make_reference=True``, in the simplest layout that fits): a torch_dist
+checkpoint of the model's weights at ``reference_checkpoint``, with ``reference.json`` inside it holding the loss
+and the gradient norm of one forward/backward on a fixed batch. Every trial then gets ``reference_checkpoint`` set:
+right after its model is built (before its training steps change the weights) it loads the reference into its own
+layout (Megatron's resharding across TP/PP/VPP/EP/ETP/DP), runs forward/backward on the same fixed batch, and
+compares. The relative error max(|loss - ref| / |ref|, |norm - ref| / |ref|) is ``checks.equivalence_rel_err``;
+beyond the precision's tolerance the trial fails with kind ``equivalence``. The trial's training steps then start
+from the reference weights (the optimizer's main copies are reloaded).
+
+The reference's weights are not the bare initialisation: at Megatron's std 0.02 a small model's logits are ~0 and
+its loss is ln(vocab) whatever the weights, and a randomly initialised network with permuted weights is
+statistically the same network, so a layout that scrambles a shard moves the loss and the gradient norm by ~1e-3
+only (measured on tiny-gpt), no more than the FP32 tolerance. The reference therefore rescales the seeded
+initialisation to unit gain and takes a few Adam steps on the fixed batch: its weights now encode that batch
+(tiny-gpt: loss 7.3 -> 1.4) and any layout that computes another function loses it (the same fault: relative
+error ~4), while the gradients stay O(1) so that rounding noise stays small.
+
+Making the comparison layout-independent:
+- The fixed batch is ``sequences`` token sequences (the reference layout's global batch size) drawn from the
+  reference's seed. Each data-parallel rank takes its contiguous slice, one sequence per micro-batch: every
+  micro-batch is the same single sequence in every layout, so per-micro-batch terms (the MoE load-balancing loss)
+  are identical, and the mean loss over micro-batches and DP replicas is the mean over the whole batch.
+- The gradient norm is Megatron's (the optimizer's ``prepare_grads`` + ``get_grad_norm``, no step): the norm of
+  the main gradients after DP/EP synchronisation, summed over TP/PP/EP without counting replicated or shared
+  parameters twice, FP16 loss scale removed.
+- Megatron pads the vocabulary to a multiple of 128 x TP, so checkpoints of different TP have different embedding
+  shapes. The reference pads to a multiple of ``REFERENCE_VOCAB_MULTIPLE`` (128 x 8: divisible by every
+  power-of-two TP up to 8, and by more when the reference's own TP is larger) and every trial builds its model
+  with the reference's padded vocabulary (the padding rows are never indexed by tokens; they only add a little
+  output-layer work).
+A trial whose layout cannot take the reference batch (vocabulary not divisible by its TP, sequences not by its DP,
+interleaved pipeline with fewer micro-batches than PP, sequence not divisible by 2 x CP) is not the layout's fault:
+the gate is skipped with a note and ``equivalence_rel_err`` stays None.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Literal
+
+import torch
+
+from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.megatron.failures import SmokeFailure
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+
+REFERENCE_FILE = "reference.json"
+FORMAT = 1
+REFERENCE_VOCAB_MULTIPLE = 128 * 8
+# The reference's weights: Megatron's seeded initialisation at unit gain, then FIT_STEPS Adam steps on the fixed
+# batch at lr FIT_LR_PER_STD x the unit-gain weight std (a few percent of a weight per step), see _fit.
+FIT_STEPS = 5
+FIT_LR_PER_STD = 0.025
+
+# Largest relative error (loss and gradient norm) a layout may show against the reference, by precision. Layouts
+# differ only in summation order (TP partial sums, DP averaging, EP token order), so the error is rounding noise
+# of the compute precision, amplified a little through depth; the trial uses the looser of its own precision's
+# and the reference's.
+TOLERANCE: dict[str, float] = {
+    # 24-bit mantissa (unit roundoff 6e-8): measured rel errors on CPU are ~1e-7..1e-6 (tests/test_equivalence.py);
+    # 1e-3 is the project's requirement and leaves three orders of magnitude of margin.
+    "fp32": 1e-3,
+    # 11-bit mantissa (roundoff 4.9e-4) with FP32 main grads and loss; a reordered sum moves a few ulps.
+    "fp16": 5e-3,
+    # 8-bit mantissa (roundoff 3.9e-3): every GEMM output and activation is rounded to BF16, so a reordered sum
+    # moves the result by ~1e-2 relative per op before averaging over tokens; against an FP32 reference the BF16
+    # weights themselves differ by up to 2e-3 relative. The loss and norm (means over many tokens) stay well
+    # inside 2e-2 (measured on CPU: see tests/test_equivalence.py); a wrong shard moves them far more.
+    "bf16": 2e-2,
+    # FP8 GEMM inputs (e4m3: 3-bit mantissa, roundoff 6e-2, per-tensor scaled; MXFP8: per-32-element block
+    # scales); with delayed scaling the gate's first iteration runs on the initial scales. Averaging over the
+    # batch brings the loss/norm error well below the element roundoff; 5e-2 still separates a wrong layout,
+    # whose error is O(1e-1) or more on the gradient norm.
+    "fp8": 5e-2,
+    "mxfp8": 5e-2,
+}
+
+_log = logging.getLogger("sweeper.equivalence")
+
+
+class EquivalenceError(SmokeFailure):
+    """The layout's loss or gradient norm on the reference batch differs from the reference's beyond tolerance."""
+
+    kind = "equivalence"
+
+
+class ReferenceError(SmokeFailure):
+    """The reference cannot be made or read (missing, other model, unusable layout): the sweep's setup, not the
+    trial's layout."""
+
+    kind = "infra"
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The content of reference.json."""
+
+    format: int
+    model: dict  # ModelSpec.model_dump() of the reference's model
+    layout: dict  # the reference's Layout.to_dict()
+    precision: str
+    seed: int  # draws the fixed batch (and the initial weights)
+    sequences: int  # the fixed batch: this many sequences ...
+    seq_length: int  # ... of this many tokens
+    vocab_size: int  # padded vocabulary of the checkpoint; trials build with it
+    loss: float
+    grad_norm: float
+    loss_before_fit: float  # the unit-gain initial weights' loss on the batch (about ln(vocab)); for the record
+
+
+
+def reference_vocab_size(vocab_size: int, reference_tp: int) -> int:
+    """The reference's padded vocabulary: a multiple of 128 x 8 and of Megatron's own 128 x TP."""
+    multiple = math.lcm(REFERENCE_VOCAB_MULTIPLE, 128 * reference_tp)
+    return -(-vocab_size // multiple) * multiple
+
+
+def tolerance(precision: str, reference_precision: str) -> float:
+    return max(TOLERANCE.get(precision, TOLERANCE["fp8"]), TOLERANCE.get(reference_precision, TOLERANCE["fp8"]))
+
+
+def rel_err(value: float, reference: float) -> float:
+    if not math.isfinite(value):
+        return math.inf
+    return abs(value - reference) / max(abs(reference), 1e-12)
+
+
+def read_reference(directory: str | Path) -> Reference:
+    path = Path(directory) / REFERENCE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ReferenceError(f"equivalence reference {path} does not exist (make it first: make_reference=True)") \
+            from None
+    except (OSError, ValueError) as exc:
+        raise ReferenceError(f"equivalence reference {path} is unreadable: {exc}") from exc
+    if data.get("format") != FORMAT:
+        raise ReferenceError(f"equivalence reference {path} has format {data.get('format')}, expected {FORMAT}")
+    return Reference(**{k: data[k] for k in Reference.__dataclass_fields__})
+
+
+@dataclass
+class Plan:
+    """What the gate does in this run, decided before the model is built (the build needs the vocabulary)."""
+
+    mode: Literal["make", "check"]
+    directory: Path
+    vocab_size: int | None  # padded vocabulary to build with; None: the default
+    reference: Reference | None = None  # check mode
+    skip_reason: str | None = None  # check mode: the layout cannot take the reference batch
+
+
+def plan(request: SmokeRequest, spec: ModelSpec, layout: Layout) -> Plan | None:
+    """None when the request asks nothing of the gate."""
+    if not request.reference_checkpoint:
+        if request.make_reference:
+            raise ReferenceError("make_reference needs reference_checkpoint: the directory to write the reference to")
+        return None
+    directory = Path(request.reference_checkpoint)
+    if request.make_reference:
+        if layout.gbs % layout.dp:
+            raise ReferenceError(f"reference layout: gbs={layout.gbs} is not divisible by dp={layout.dp}")
+        return Plan("make", directory, reference_vocab_size(spec.vocab_size, layout.tp))
+    ref = read_reference(directory)
+    if ModelSpec.model_validate(ref.model) != spec:
+        raise ReferenceError(
+            f"equivalence reference {directory} was made for model {ref.model.get('name')!r} with other settings "
+            f"than this trial's model {spec.name!r}"
+        )
+    per_dp = ref.sequences // layout.dp
+    skip = None
+    if ref.vocab_size % layout.tp:
+        skip = f"the reference's padded vocabulary {ref.vocab_size} is not divisible by tp={layout.tp}"
+    elif ref.sequences % layout.dp:
+        skip = f"the reference batch of {ref.sequences} sequences does not split over dp={layout.dp}"
+    elif layout.vpp > 1 and per_dp < layout.pp:
+        skip = (f"the interleaved pipeline needs at least pp={layout.pp} micro-batches, the reference batch gives "
+                f"{per_dp} per data-parallel rank")
+    elif ref.seq_length % (2 * layout.cp) and layout.cp > 1:
+        skip = f"the reference sequence length {ref.seq_length} is not divisible by 2 x cp={2 * layout.cp}"
+    return Plan("check", directory, None if skip else ref.vocab_size, ref, skip)
+
+
+def fixed_batch(seed: int, sequences: int, seq_length: int, vocab_size: int, device: torch.device) -> list:
+    """This data-parallel rank's share of the reference batch: one sequence per micro-batch."""
+    from megatron.core import parallel_state
+
+    from sweeper.backends.megatron.steps import Batch
+
+    dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    seqs = torch.randint(0, vocab_size, (sequences, seq_length + 1), generator=torch.Generator().manual_seed(seed))
+    per = sequences // dp
+    positions = torch.arange(seq_length).unsqueeze(0).to(device)
+    return [
+        Batch(s[None, :-1].to(device), s[None, 1:].contiguous().to(device), positions)
+        for s in seqs[dp_rank * per : (dp_rank + 1) * per]
+    ]
+
+
+def measure(built, batches: list, seq_length: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+    """(loss, gradient norm) of one forward/backward on ``batches``; the weights are left unchanged."""
+    from sweeper.backends.megatron.steps import forward_backward
+
+    loss = forward_backward(built, batches, seq_length, micro_batch_size=1)
+    # Main grads ready (FP16: unscaled; its scaler counts one more good step, harmless), no optimizer step.
+    found_inf = built.optimizer.prepare_grads()
+    norm = math.nan if found_inf else float(built.optimizer.get_grad_norm())
+    for chunk in built.model:
+        chunk.zero_grad_buffer()
+    built.optimizer.zero_grad()
+    return loss, norm
+
+
+def run(
+    gate: Plan,
+    request: SmokeRequest,
+    spec: ModelSpec,
+    layout: Layout,
+    built,  # type: ignore[no-untyped-def]  # build.Built
+    report: RankReport,
+    device: torch.device,
+    enter: Callable[[str], None],
+) -> None:
+    """Make the reference, or load it and compare (raises EquivalenceError beyond tolerance)."""
+    from sweeper.backends.megatron import checkpoint as ckpt
+
+    if gate.mode == "make":
+        enter("steps")
+        batches = fixed_batch(request.seed, layout.gbs, request.seq_length, spec.vocab_size, device)
+        _unit_gain(built, spec)
+        chance_loss = _fit(built, batches, request.seq_length, FIT_STEPS, FIT_LR_PER_STD / math.sqrt(spec.hidden_size))
+        enter("checkpoint_save")
+        ckpt.save(built, gate.directory)
+        enter("steps")
+        loss, norm = measure(built, batches, request.seq_length)
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            raise ReferenceError(f"the reference run's loss {loss} / gradient norm {norm} is not finite")
+        reference = Reference(
+            format=FORMAT, model=spec.model_dump(), layout=layout.to_dict(), precision=layout.precision,
+            seed=request.seed, sequences=layout.gbs, seq_length=request.seq_length, vocab_size=built.vocab_size,
+            loss=loss, grad_norm=norm, loss_before_fit=chance_loss,
+        )
+        if torch.distributed.get_rank() == 0:
+            # Written last and atomically: a reference.json means the reference is complete.
+            tmp = gate.directory / (REFERENCE_FILE + ".tmp")
+            tmp.write_text(json.dumps(asdict(reference), indent=2) + "\n")
+            os.replace(tmp, gate.directory / REFERENCE_FILE)
+        torch.distributed.barrier()
+        report.equivalence = {"loss": loss, "grad_norm": norm}
+        report.notes.append(f"equivalence reference written to {gate.directory}")
+        _log.info("equivalence reference: loss %.7f grad_norm %.7f", loss, norm)
+        return
+
+    ref = gate.reference
+    assert ref is not None
+    if gate.skip_reason:
+        report.notes.append(f"equivalence gate skipped: {gate.skip_reason}")
+        _log.warning("equivalence gate skipped: %s", gate.skip_reason)
+        return
+    enter("checkpoint_load")
+    ckpt.load(built, gate.directory)
+    # The optimizer's FP32 main copies (mixed precision, distributed optimizer) still hold the built weights.
+    built.optimizer.reload_model_params()
+    if request.inject == "swap_shards":
+        _swap_shards(built)
+    enter("steps")
+    batches = fixed_batch(ref.seed, ref.sequences, ref.seq_length, spec.vocab_size, device)
+    loss, norm = measure(built, batches, ref.seq_length)
+    err = max(rel_err(loss, ref.loss), rel_err(norm, ref.grad_norm))
+    report.equivalence = {"loss": loss, "grad_norm": norm}
+    report.checks["equivalence_rel_err"] = err
+    limit = tolerance(layout.precision, ref.precision)
+    _log.info("equivalence: loss %.7f (ref %.7f) grad_norm %.7f (ref %.7f) rel_err %.3g tolerance %.3g",
+              loss, ref.loss, norm, ref.grad_norm, err, limit)
+    if not err <= limit:
+        raise EquivalenceError(
+            f"layout does not compute the reference model: loss {loss:.6g} vs {ref.loss:.6g}, gradient norm "
+            f"{norm:.6g} vs {ref.grad_norm:.6g} on the reference batch (relative error {err:.3g} > {limit:g}, "
+            f"{layout.precision})"
+        )
+
+
+def _fit(built, batches: list, seq_length: int, steps: int, lr: float) -> float:  # type: ignore[no-untyped-def]
+    """A few Adam steps on the fixed batch (the reference's weights then encode it); returns the loss before."""
+    from sweeper.backends.megatron.steps import forward_backward
+
+    groups = built.optimizer.param_groups
+    saved = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = lr
+    first = math.nan
+    for i in range(steps):
+        loss = forward_backward(built, batches, seq_length, micro_batch_size=1)
+        first = loss if i == 0 else first
+        built.optimizer.step()
+        _log.info("reference fit step %d: loss %.4f (lr %.3g)", i + 1, loss, lr)
+    for g, value in zip(groups, saved):
+        g["lr"] = value
+    return first
+
+
+def _unit_gain(built, spec: ModelSpec) -> None:  # type: ignore[no-untyped-def]
+    """Rescale the freshly initialised weight matrices to std ~1/sqrt(hidden) (unit gain).
+
+    Megatron initialises with std 0.02, which is unit gain for hidden ~2500; in a small model it makes every
+    layer's output tiny, the logits ~0 and the loss ln(vocab) whatever the weights: a layout that scrambles a
+    weight then changes the loss and gradient norm by ~1e-3 only (measured on tiny-gpt), too close to the FP32
+    tolerance to prove anything. At unit gain the output depends on every weight. One factor for all matrices
+    (norms and biases untouched) keeps Megatron's relative scales (e.g. its scaled output-projection init) and
+    needs no knowledge of how a tensor is sharded."""
+    gain = 1.0 / (built.config.init_method_std * math.sqrt(spec.hidden_size))
+    with torch.no_grad():
+        for ddp in built.model:
+            for param in ddp.module.parameters():
+                if param.dim() >= 2:
+                    param.mul_(gain)
+    built.optimizer.reload_model_params()
+
+
+def _swap_shards(built) -> None:  # type: ignore[no-untyped-def]
+    """Test fault: a wrong layout. Every decoder layer's fc1 weight takes the next TP rank's shard (TP=1: its two
+    halves swap), while fc2 keeps its own: hidden units meet the wrong output columns."""
+    from megatron.core import parallel_state
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        for ddp in built.model:
+            for name, param in ddp.module.named_parameters():
+                if not (name.endswith("mlp.linear_fc1.weight") and "decoder.layers." in name):
+                    continue
+                if tp == 1:
+                    param.copy_(torch.roll(param, param.shape[0] // 2, dims=0))
+                    continue
+                shards = [torch.empty_like(param) for _ in range(tp)]
+                torch.distributed.all_gather(shards, param.detach().contiguous(), group=group)
+                rank = parallel_state.get_tensor_model_parallel_rank()
+                param.copy_(shards[(rank + 1) % tp])
+    built.optimizer.reload_model_params()
