@@ -140,9 +140,9 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def _is_simulated(cfg: SweepConfig, address: str | None) -> bool:
-    from sweeper.cluster import will_simulate
+    from sweeper.cluster import choose_mode
 
-    return will_simulate(cfg.cluster, address)
+    return choose_mode(cfg.cluster, address) == "simulated"
 
 
 # -- report -------------------------------------------------------------------------------------------------------

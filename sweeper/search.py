@@ -78,7 +78,7 @@ class Running:
     predicted: dict[str, Any] | None
     run_id: str | None
     started_at: str
-    nodes: list[str]
+    slot: Any  # the host's Reservation (None while waiting for GPUs)
     started: float = field(default_factory=time.monotonic)
 
 
@@ -149,11 +149,11 @@ class Sweep:
         while not self.stop.is_set() and len(self.futures) < self._parallel_cap():
             if self.retry:
                 run = self.retry[0]
-                nodes = self.handle.reserve(run.layout.world_size)
-                if nodes is None:
+                slot = self.handle.reserve(run.layout)
+                if slot is None:
                     return  # wait for capacity (a lost node may come back, or running trials end)
                 self.retry.pop(0)
-                self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, nodes)
+                self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, slot)
                 continue
             if not self._budget_left() or asks > 50 * self.max_trials:
                 return
@@ -170,18 +170,18 @@ class Sweep:
             if reason is not None:
                 self._record_pruned(entry, reason, proposal.trial)
                 continue
-            nodes = self.handle.reserve(layout.world_size)
-            if nodes is None:
+            slot = self.handle.reserve(layout)
+            if slot is None:
                 if layout.world_size > self.handle.capacity_total():
                     self._record_pruned(entry, (f"needs {layout.world_size} GPUs; only "
                                                f"{self.handle.capacity_total()} are alive", "infra"), proposal.trial)
                     continue
                 # Hold this proposal until GPUs free up, so large trials are not starved by small ones.
                 self.retry.insert(0, Running(self.next_number, 0, "explore", layout, proposal.trial,
-                                             _predicted(entry), None, "", []))
+                                             _predicted(entry), None, "", None))
                 self.next_number += 1
                 return
-            self._launch(layout, self.next_number, 1, "explore", proposal.trial, _predicted(entry), nodes)
+            self._launch(layout, self.next_number, 1, "explore", proposal.trial, _predicted(entry), slot)
             self.next_number += 1
 
     def _refusal(self, entry: PlanEntry) -> tuple[str, str] | None:
@@ -204,20 +204,20 @@ class Sweep:
         return any(r.layout == layout for r in self.futures.values()) or any(r.layout == layout for r in self.retry)
 
     def _launch(self, layout: Layout, number: int, attempt: int, phase: str, proposal: Any,
-                predicted: dict[str, Any] | None, nodes: list[str]) -> None:
+                predicted: dict[str, Any] | None, slot: Any) -> None:
         if phase == "explore" and attempt == 1:
             self.launched += 1
         inject = self._injection_for(self.launched if phase == "explore" and attempt == 1 else -1)
         run_id = self.tracker.start_trial(number, attempt, layout, phase, predicted)
-        run = Running(number, attempt, phase, layout, proposal, predicted, run_id, _now(), nodes)
+        run = Running(number, attempt, phase, layout, proposal, predicted, run_id, _now(), slot)
         cancel = threading.Event()
         trial_dir = self.dir.trial_dir(number, attempt, phase)
         steps = (self.cfg.search.confirm_steps or 2 * self.cfg.training.steps) if phase == "confirm" else None
-        future = self.pool.submit(self.handle.run_trial, self.cfg, layout, trial_dir, nodes=nodes, inject=inject,
-                                  cancel=cancel, steps=steps)
+        future = self.pool.submit(self.handle.run_trial, self.cfg, layout, trial_dir, reservation=slot,
+                                  inject=inject, cancel=cancel, steps=steps)
         self.futures[future] = run
         self.cancels[id(future)] = cancel
-        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(nodes)}"
+        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"
                       + (f" [magenta](inject {inject})[/]" if inject else ""))
 
     def _injection_for(self, nth: int) -> str | None:
@@ -233,7 +233,7 @@ class Sweep:
         for future in done:
             run = self.futures.pop(future)
             self.cancels.pop(id(future), None)
-            self.handle.release(run.nodes, run.layout.world_size)
+            self.handle.release(run.slot)
             self.busy_gpu_s += (time.monotonic() - run.started) * run.layout.world_size
             try:
                 result = future.result()
@@ -305,9 +305,9 @@ class Sweep:
         todo = [c for c in top if not c.confirmations]
         for cand in todo:
             while not self.stop.is_set():
-                nodes = self.handle.reserve(cand.layout.world_size)
-                if nodes is not None:
-                    self._launch(cand.layout, cand.number, 1, "confirm", None, cand.explore.get("predicted"), nodes)
+                slot = self.handle.reserve(cand.layout)
+                if slot is not None:
+                    self._launch(cand.layout, cand.number, 1, "confirm", None, cand.explore.get("predicted"), slot)
                     break
                 self._wait_one()
         while self.futures and not self.stop.is_set():
@@ -385,12 +385,12 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
     if options.resume and not sweep_dir.exists():
         raise UsageError(f"--resume: {options.out} holds no sweep to resume")
     from sweeper.tracking import Tracker
-    from sweeper.workflow import open_cluster
+    from sweeper.trial.host import open_host
 
     tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first
     sweep_dir.create()
     meta = sweep_dir.read_meta()
-    with open_cluster(cfg, options.address, injections=options.injections) as handle:
+    with open_host(cfg, options.address) as handle:
         doctor = handle.doctor(cfg)
         if not doctor.ok:
             console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems))

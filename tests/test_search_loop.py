@@ -23,6 +23,7 @@ from sweeper.results import TrialChecks, TrialMetrics, TrialResult
 from sweeper.search import SearchOptions, Sweep
 from sweeper.sweepdir import SweepDir
 from sweeper.tracking import Tracker
+from sweeper.trial.host import Reservation
 
 SPACE = {
     "name": "loop",
@@ -52,7 +53,8 @@ class StandInHost:
     def capacity_total(self) -> int:
         return sum(self.gpus for _ in self.free)
 
-    def reserve(self, world: int) -> list[str] | None:
+    def reserve(self, layout: Layout) -> Reservation | None:
+        world = layout.world_size
         with self.lock:
             need = max(1, world // self.gpus)
             per = min(world, self.gpus)
@@ -61,12 +63,12 @@ class StandInHost:
                 return None
             for n in nodes:
                 self.free[n] -= per
-            return nodes
+            return Reservation(nodes, nodes, per)
 
-    def release(self, nodes: list[str], world: int) -> None:
+    def release(self, slot: Reservation) -> None:
         with self.lock:
-            for n in nodes:
-                self.free[n] += min(world, self.gpus)
+            for n in slot.node_ids:
+                self.free[n] += slot.gpus_per_bundle
 
     def unsupported(self, model: Any, layout: Layout) -> str | None:
         return None

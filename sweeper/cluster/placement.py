@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
@@ -109,8 +109,12 @@ def trial_placement(
     keep_together: int = 1,
     cpus_per_rank: float = 1.0,
     name: str | None = None,
+    nodes: list[str] | None = None,
 ) -> Iterator[TrialPlacement]:
     """Reserve the trial's GPUs as one placement group; always removed on exit.
+
+    ``nodes``: Ray node ids, one per bundle, when the caller (the sweep's scheduler, which owns the cluster's
+    capacity) has already chosen where the trial goes; each bundle is pinned with Ray's node-id label.
 
     Raises PlacementError (no bundle shape fits) or PlacementTimeout (not reserved within ``timeout_s``;
     the message names the bundles asked for and the free GPUs per node).
@@ -118,7 +122,10 @@ def trial_placement(
     plan = plan_placement(world_size, gpus_per_node, keep_together=keep_together, cpus_per_rank=cpus_per_rank)
     name = name or f"sweeper-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    group = placement_group(plan.bundles, strategy=plan.strategy, name=name)
+    if nodes is not None and len(nodes) != plan.num_bundles:
+        raise PlacementError(f"{len(nodes)} nodes given for {plan.num_bundles} bundles")
+    selector = [{NODE_ID_LABEL_KEY: node} for node in nodes] if nodes is not None else None
+    group = placement_group(plan.bundles, strategy=plan.strategy, name=name, bundle_label_selector=selector)
     try:
         ready_ref = group.ready()  # created once: each ready() call schedules another probe task
         done, _ = ray.wait([ready_ref], timeout=max(timeout_s, 0.0))

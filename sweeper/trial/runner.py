@@ -67,6 +67,7 @@ def run_trial(
     timeout_s: float | None = None,
     on_running: Callable[[RunningTrial], None] | None = None,
     cancel: threading.Event | None = None,
+    nodes: list[str] | None = None,
 ) -> TrialResult:
     """Run one smoke trial; never raises for a trial failure (the TrialResult says what failed and why).
 
@@ -74,6 +75,7 @@ def run_trial(
     ``inject``: ``nan`` / ``hang`` / ``crash`` (done by the backend in ``inject_rank``) or ``node-loss`` (the
     runner kills the simulated node hosting ``inject_rank`` once all ranks run). ``cancel``: set it from another
     thread to stop the trial (Ctrl-C of a sweep); the ranks are killed and the result is ``infra``/cancelled.
+    ``nodes``: Ray node ids, one per placement bundle, chosen by the sweep's scheduler (None: Ray chooses).
     KeyboardInterrupt in this thread also kills the ranks and removes the group before propagating.
     """
     if inject is not None and inject not in BACKEND_INJECTS + RUNNER_INJECTS:
@@ -93,9 +95,10 @@ def run_trial(
             layout.world_size,
             cfg.cluster.gpus_per_node,
             timeout_s=limit,
-            keep_together=_keep_together(layout, cfg.cluster.gpus_per_node),
+            keep_together=keep_together(layout, cfg.cluster.gpus_per_node),
             cpus_per_rank=CPUS_PER_RANK,
             name=f"sweeper-{trial_id}",
+            nodes=nodes,
         ) as placement:
             result = _run_ranks(
                 request, layout.world_size, placement, handle, trial_id, backend, deadline, limit,
@@ -111,7 +114,7 @@ def run_trial(
     return result
 
 
-def _keep_together(layout: Layout, gpus_per_node: int) -> int:
+def keep_together(layout: Layout, gpus_per_node: int) -> int:
     # TP groups must share a node; CP groups too when they fit (Megatron orders ranks tp, cp, dp, pp).
     return layout.tp * layout.cp if layout.tp * layout.cp <= gpus_per_node else layout.tp
 

@@ -1,0 +1,107 @@
+"""TrialHost: the sweep's view of the cluster. It owns GPU capacity and launches trials onto chosen nodes.
+
+The scheduler decides where each trial goes (first fit over the alive nodes, one bundle per node, TP groups kept
+inside a node) and pins the trial's placement group there, so its bookkeeping and Ray's never disagree and a
+trial is only launched when it can really start. Nodes are re-read from Ray on every reservation: a lost node
+stops counting at once (its trials fail as infra and are retried elsewhere), a joined node is used as soon as
+Ray lists it. Fault injection for tests (node-loss, node-join) happens here and in the runner, on simulated
+clusters only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from sweeper.backends.megatron.support import backend_name, unsupported_reason
+from sweeper.cluster import ClusterHandle, connect, plan_placement
+from sweeper.cluster.placement import PlacementError
+from sweeper.config import SweepConfig
+from sweeper.layout import Layout
+from sweeper.models.spec import ModelSpec
+from sweeper.results import TrialResult
+from sweeper.trial.doctor import DoctorReport, doctor
+from sweeper.trial.runner import keep_together, run_trial
+
+
+@dataclass(frozen=True)
+class Reservation:
+    node_ids: list[str]  # one per placement bundle
+    labels: list[str]
+    gpus_per_bundle: int
+
+
+class TrialHost:
+    def __init__(self, cfg: SweepConfig, handle: ClusterHandle) -> None:
+        self.cfg = cfg
+        self.handle = handle
+        self.simulated = handle.is_simulated
+        self.cuda = not self.simulated
+        self.te = self.cuda and importlib.util.find_spec("transformer_engine") is not None
+        self.backend_name = backend_name(self.cuda)
+        self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
+        self._lock = threading.Lock()
+
+    # -- capacity ----------------------------------------------------------------------------------------------
+    def _alive(self) -> dict[str, tuple[str, int]]:
+        return {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()}
+
+    def capacity_total(self) -> int:
+        return sum(gpus for _, gpus in self._alive().values())
+
+    def reserve(self, layout: Layout) -> Reservation | None:
+        """Nodes for this layout's placement bundles, or None when they are not free right now."""
+        try:
+            plan = plan_placement(layout.world_size, self.cfg.cluster.gpus_per_node,
+                                  keep_together=keep_together(layout, self.cfg.cluster.gpus_per_node))
+        except PlacementError:
+            return None
+        with self._lock:
+            alive = self._alive()
+            free = {nid: gpus - self._used.get(nid, 0) for nid, (_, gpus) in alive.items()}
+            chosen = [nid for nid in sorted(free, key=lambda n: (free[n], alive[n][0]))
+                      if free[nid] >= plan.ranks_per_bundle][: plan.num_bundles]  # best fit: fullest node first
+            if len(chosen) < plan.num_bundles:
+                return None
+            for nid in chosen:
+                self._used[nid] = self._used.get(nid, 0) + plan.ranks_per_bundle
+            return Reservation(chosen, [alive[n][0] for n in chosen], plan.ranks_per_bundle)
+
+    def release(self, reservation: Reservation) -> None:
+        with self._lock:
+            for nid in reservation.node_ids:
+                self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
+
+    def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
+        return unsupported_reason(model, layout, cuda=self.cuda, te=self.te)
+
+    # -- running -------------------------------------------------------------------------------------------------
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,
+                  inject: str | None = None, cancel: threading.Event | None = None,
+                  steps: int | None = None) -> TrialResult:
+        if steps is not None:
+            cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
+        if inject == "node-join":
+            self._add_node()
+            inject = None
+        return run_trial(cfg, layout, self.handle, trial_dir, inject=inject, cancel=cancel,
+                         nodes=reservation.node_ids)
+
+    def _add_node(self) -> None:
+        if self.handle.simulated is None:
+            raise RuntimeError("node-join injection needs a simulated cluster")
+        self.handle.simulated.add_node()
+
+    def doctor(self, cfg: SweepConfig) -> DoctorReport:
+        return doctor(cfg, self.handle)
+
+
+@contextlib.contextmanager
+def open_host(cfg: SweepConfig, address: str | None = None) -> Iterator[TrialHost]:
+    """Connect to (or simulate) the space's cluster for the duration of the block."""
+    with connect(cfg.cluster, address) as handle:
+        yield TrialHost(cfg, handle)
