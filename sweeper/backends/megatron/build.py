@@ -118,6 +118,12 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         # directly. On the CPU this also keeps backward inside the device mode (torch.autograd.backward would
         # run it from within the mode's own handler, where the mode is suspended).
         deallocate_pipeline_outputs=True,
+        # Interleaved schedule: unbatched p2p. Batched p2p posts send_prev/recv_prev/send_next/recv_next on one
+        # group and tag; with PP=2 "prev" and "next" are the same peer, so an activation and a gradient (same
+        # shape) are matched to each other's receive, silently: PP2+VPP2 computed another model (equivalence gate,
+        # gloo: loss 3.49 vs 1.43). Megatron's unbatched p2p sends one direction over another group for 2-rank
+        # pipelines. (overlap_p2p_comm, Megatron-LM's VPP default, still drifted by 7% on gloo: left off.)
+        batch_p2p_comm=layout.vpp <= 1,
         **moe,
         **recompute,
         **fp8,
