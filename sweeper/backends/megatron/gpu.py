@@ -13,8 +13,9 @@ Megatron-Bridge 0.3.x's documented API, and is exercised only by scripts/gpu_che
 FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the recipe is chosen here and noted):
 - fp8 on 8.9 (Ada) and 9.x (Hopper): ``delayed`` scaling, Megatron's long-standing default (format hybrid,
   amax history 1024 with max), the recipe most FP8 pretraining on Hopper has used.
-- fp8 on 10.x / 12.x (Blackwell): ``tensorwise`` ("current scaling", Float8CurrentScaling), the per-tensor recipe
-  Transformer Engine recommends on Blackwell where delayed scaling's amax history is no longer needed.
+- fp8 on 10.x / 12.x (Blackwell): ``tensorwise`` ("current scaling", Float8CurrentScaling): scales from the
+  current tensor, no amax history to warm up, which suits a few-step smoke run; sweeper's choice, to be confirmed
+  by scripts/gpu_check.sh on a Blackwell GPU.
 - ``blockwise`` (Float8BlockScaling, DeepSeek-V3 style 1x128/128x128, format e4m3) only when asked for, on ≥ 9.0.
 - mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (LAYOUT_RULES.md: rejected on 12.x too).
 An explicit recipe can be requested with the environment variable SWEEPER_FP8_RECIPE (delayed|tensorwise|blockwise),
