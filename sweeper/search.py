@@ -34,6 +34,7 @@ from sweeper.sweepdir import SweepDir
 console = Console(stderr=True)
 INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
 MAX_INFRA_ATTEMPTS = 3
+PRIOR_PROPOSALS = 2  # in TPE mode, the estimator's fastest predicted layouts are proposed first
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,8 @@ class Sweep:
         self.t0 = time.monotonic()
         self.calibrator = Calibrator(cfg, options.out)
         plan = [assess(cfg, lo, self.calibrator.current) for lo in _layouts(cfg)]
-        self.launchable = [e for e in plan if e.launchable]
+        self.launchable = sorted((e for e in plan if e.launchable),
+                                 key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         self.study = LayoutStudy(cfg, self.dir.journal, self.exhaustive, cfg.search.seed)
 
@@ -130,10 +132,14 @@ class Sweep:
             from sweeper.space import layout_from_string
 
             self.study.enqueue(layout_from_string(self.cfg, text))
-        if self.exhaustive:
-            for entry in self.launchable:  # fastest predicted first
-                if _key(entry.layout.to_dict()) not in self.decided:
-                    self.study.enqueue(entry.layout)
+        # Exhaustive: every launchable layout, grouped by size (largest first: equal-size trials pack the cluster
+        # side by side instead of a large one waiting behind small ones), fastest predicted first within a size.
+        # Otherwise the estimator's two favourites open the study (a prior), then TPE takes over.
+        ordered = sorted(self.launchable, key=lambda e: -e.layout.world_size) if self.exhaustive else \
+            self.launchable[:PRIOR_PROPOSALS]
+        for entry in ordered:
+            if _key(entry.layout.to_dict()) not in self.decided:
+                self.study.enqueue(entry.layout)
 
     def _budget_left(self) -> bool:
         if self.launched >= self.max_trials:
@@ -301,17 +307,25 @@ class Sweep:
 
     # -- confirmation, cancellation, finish ---------------------------------------------------------------------
     def _confirm(self) -> None:
-        top = candidates(self.records, self.cfg)[: self.cfg.search.confirm_top]
-        todo = [c for c in top if not c.confirmations]
-        for cand in todo:
-            while not self.stop.is_set():
-                slot = self.handle.reserve(cand.layout)
-                if slot is not None:
-                    self._launch(cand.layout, cand.number, 1, "confirm", None, cand.explore.get("predicted"), slot)
-                    break
+        """Re-run the best candidates with more steps until ``confirm_top`` of them passed their confirmation
+        (a candidate that fails it is dropped and the next one is tried; at most 2 x confirm_top runs)."""
+        wanted = self.cfg.search.confirm_top
+        budget = 2 * wanted
+        while wanted and not self.stop.is_set():
+            cands = candidates(self.records, self.cfg)
+            good = [c for c in cands if c.confirmations and c.confirmed]
+            pending = {r.number for r in self.futures.values() if r.phase == "confirm"}
+            todo = [c for c in cands if not c.confirmations and c.number not in pending]
+            slot = None
+            if len(good) + len(pending) < wanted and budget > 0 and todo:
+                slot = self.handle.reserve(todo[0].layout)
+            if slot is not None:
+                budget -= 1
+                self._launch(todo[0].layout, todo[0].number, 1, "confirm", None, todo[0].explore.get("predicted"), slot)
+            elif self.futures:
                 self._wait_one()
-        while self.futures and not self.stop.is_set():
-            self._wait_one()
+            else:
+                break
 
     def _cancel_all(self) -> None:
         for event in self.cancels.values():
@@ -323,7 +337,7 @@ class Sweep:
             self.tracker.kill_trial(run.run_id)
 
     def _finish(self, status: str) -> int:
-        winner = choose(candidates(self.records, self.cfg), self.cfg)
+        winner = choose(candidates(self.records, self.cfg), self.cfg, confirmed_only=self.cfg.search.confirm_top > 0)
         if winner is not None:
             self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri))
         elapsed = time.monotonic() - self.t0

@@ -62,11 +62,13 @@ def candidates(records: list[dict[str, Any]], cfg: SweepConfig) -> list[Candidat
     return sorted(explore.values(), key=lambda c: -objective_value(TrialResult.from_json(c.explore["result"]), cfg))
 
 
-def choose(cands: list[Candidate], cfg: SweepConfig) -> Candidate | None:
-    """The winner among candidates: all confirmations passed (and stable), best median objective."""
+def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True) -> Candidate | None:
+    """The winner: among candidates whose confirmation runs all passed and stayed stable (or, with
+    ``confirmed_only`` off, every stable candidate), the best median objective."""
     ok = [
         c for c in cands
-        if c.confirmed and all(is_stable(TrialResult.from_json(r["result"]), cfg) for r in c.confirmations)
+        if (c.confirmations or not confirmed_only) and c.confirmed
+        and all(is_stable(TrialResult.from_json(r["result"]), cfg) for r in c.confirmations)
     ]
     return max(ok, key=lambda c: c.median(cfg.search.objective), default=None)
 

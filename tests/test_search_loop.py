@@ -10,9 +10,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import pytest
 import yaml
@@ -103,17 +102,28 @@ def cfg(tmp_path: Path) -> SweepConfig:
     return load_config(path)
 
 
-def _sweep(cfg: SweepConfig, tmp_path: Path, host: StandInHost, resume: bool = False, **kw: Any) -> Sweep:
-    out = tmp_path / "sweep"
-    SweepDir(out).create()
-    tracker = Tracker(f"sqlite:///{tmp_path / 'mlflow.db'}", cfg.name)
-    tracker.start_sweep(cfg.name, {}, {}, resume_run_id=None)
-    return Sweep(cfg, SearchOptions(out=out, resume=resume, **kw), host, tracker)
+@pytest.fixture(scope="module")
+def mlflow_uri(tmp_path_factory: pytest.TempPathFactory) -> str:
+    # One real MLflow store for the module: creating its tables takes seconds, experiments keep tests apart.
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
 
 
-def test_exhaustive_sweep_runs_each_launchable_layout_once_and_picks_fastest(cfg: SweepConfig, tmp_path: Path) -> None:
+@pytest.fixture()
+def make_sweep(tmp_path: Path, mlflow_uri: str, request: pytest.FixtureRequest) -> Callable[..., Sweep]:
+    def make(cfg: SweepConfig, host: StandInHost, resume: bool = False, **kw: Any) -> Sweep:
+        out = tmp_path / "sweep"
+        SweepDir(out).create()
+        tracker = Tracker(mlflow_uri, request.node.name)
+        parent = SweepDir(out).read_meta().get("parent") if resume else None
+        SweepDir(out).write_meta({"parent": tracker.start_sweep(cfg.name, {}, {}, resume_run_id=parent)})
+        return Sweep(cfg, SearchOptions(out=out, resume=resume, **kw), host, tracker)
+
+    return make
+
+
+def test_exhaustive_sweep_runs_each_launchable_layout_once_and_picks_fastest(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     host = StandInHost()
-    sweep = _sweep(cfg, tmp_path, host)
+    sweep = make_sweep(cfg, host)
     assert sweep.exhaustive
     assert sweep.run() == 0
     explore = [lo for lo, _ in host.calls]
@@ -127,9 +137,9 @@ def test_exhaustive_sweep_runs_each_launchable_layout_once_and_picks_fastest(cfg
     assert host.max_concurrent >= 2  # 2-GPU trials ran side by side on the 2 x 2 cluster
 
 
-def test_rule_rejected_layouts_are_pruned_never_launched(cfg: SweepConfig, tmp_path: Path) -> None:
+def test_rule_rejected_layouts_are_pruned_never_launched(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     host = StandInHost()
-    sweep = _sweep(cfg, tmp_path, host)
+    sweep = make_sweep(cfg, host)
     sweep.run()
     launched = {lo for lo, _ in host.calls}
     from sweeper.rules import check
@@ -138,10 +148,10 @@ def test_rule_rejected_layouts_are_pruned_never_launched(cfg: SweepConfig, tmp_p
         assert check(cfg.model, lo, cfg.cluster, cfg.training.seq_length) == []
 
 
-def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Path) -> None:
+def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     target = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
     host = StandInHost(fail={target: "infra-once"})
-    sweep = _sweep(cfg, tmp_path, host)
+    sweep = make_sweep(cfg, host)
     sweep.run()
     rows = [r for r in sweep.records if Layout.from_dict(r["layout"]).short() == target and r["phase"] == "explore"]
     assert [r["attempt"] for r in rows] == [1, 2]
@@ -149,22 +159,22 @@ def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Pat
     assert rows[0]["number"] == rows[1]["number"]
 
 
-def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path) -> None:
+def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     fastest = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
     host = StandInHost(fail={fastest: "oom"})
-    sweep = _sweep(cfg, tmp_path, host)
+    sweep = make_sweep(cfg, host)
     assert sweep.run() == 0
     best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
     assert Layout.from_dict(best["layout"]).short() != fastest
 
 
-def test_resume_does_not_rerun_finished_trials(cfg: SweepConfig, tmp_path: Path) -> None:
+def test_resume_does_not_rerun_finished_trials(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     host = StandInHost()
-    first = _sweep(cfg, tmp_path, host, max_trials=3)
+    first = make_sweep(cfg, host, max_trials=3)
     first.run()
     done = {json.dumps(r["layout"], sort_keys=True) for r in first.records if r["phase"] == "explore"}
     host2 = StandInHost()
-    second = _sweep(cfg, tmp_path, host2, resume=True)
+    second = make_sweep(cfg, host2, resume=True)
     second.run()
     rerun = [lo for lo, _ in host2.calls if json.dumps(lo.to_dict(), sort_keys=True) in done]
     # only the confirmation of an already-finished candidate may touch a finished layout again
