@@ -1,4 +1,4 @@
-"""Context-parallel core attention for Megatron's local (pure torch) layer spec, used where Transformer Engine is absent.
+"""Context-parallel core attention for Megatron's local (pure torch) layer spec, used where TE is absent.
 
 Megatron's local ``DotProductAttention`` refuses context parallelism (only TE implements it). This module does
 what CP attention must compute, in the plainest way that runs under gloo: every CP rank all-gathers the keys and

@@ -2,8 +2,9 @@
 
 Batches are random token sequences, deterministic in (seed, step, data-parallel rank, micro-batch): every
 data-parallel replica sees its own micro-batches while the TP/CP/PP ranks of one replica see the same ones, as
-Megatron's data loader arranges. The loss is averaged over micro-batches on the last pipeline stage, then over
-data-parallel replicas and shared with every rank, so all ranks report the same loss and stop together on NaN.
+Megatron's data loader arranges; each CP rank then keeps its load-balanced part of the sequence (chunks i and
+2*CP-1-i). The loss is averaged over micro-batches on the last pipeline stage, then over data-parallel replicas
+and shared with every rank, so all ranks report the same loss and stop together on NaN.
 """
 
 from __future__ import annotations
