@@ -66,7 +66,7 @@ def parse_injections(specs: list[str], simulated: bool) -> list[Injection]:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 @dataclass

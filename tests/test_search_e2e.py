@@ -1,0 +1,77 @@
+"""End to end: `python -m sweeper search search_spaces/quickstart.yaml` on a simulated 2-node x 2-GPU Ray cluster,
+every trial real megatron-core on CPU (gloo), MLflow's default store in the working directory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from sweeper.config import load_config
+from sweeper.layout import Layout
+from sweeper.rules import check
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.e2e
+
+
+def _overlapping(records: list[dict]) -> bool:
+    spans = sorted((datetime.fromisoformat(r["started_at"]), datetime.fromisoformat(r["ended_at"])) for r in records)
+    return any(b_start < a_end for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_quickstart_search_end_to_end(tmp_path: Path) -> None:
+    space = ROOT / "search_spaces" / "quickstart.yaml"
+    cfg = load_config(space)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert elapsed < 600, f"quickstart sweep took {elapsed:.0f} s"
+
+    out = tmp_path / "sweep"
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    launched = [r for r in records if r["result"]["status"] != "pruned"]
+    assert len([r for r in launched if r["phase"] == "explore"]) == cfg.search.max_trials
+
+    # Nothing the rules reject or the estimator predicts over budget was launched.
+    for r in launched:
+        layout = Layout.from_dict(r["layout"])
+        assert check(cfg.model, layout, cfg.cluster, cfg.training.seq_length) == []
+        assert r["predicted"]["fits"] is True
+    assert _overlapping(launched), "no two trials ran at the same time"
+
+    # MLflow: one parent run, one child per launched attempt, with the contract's fields.
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name(cfg.name)
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("sweeper.kind") == "sweep"]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(parents) == 1 and len(children) == len(launched)
+    for child in children:
+        assert {"tensor_model_parallel_size", "expert_model_parallel_size", "micro_batch_size"} <= set(child.data.params)
+        assert {"status", "backend", "nodes", "layout"} <= set(child.data.tags)
+        assert "predicted_memory_gib" in child.data.metrics
+    passed = [c for c in children if c.data.tags["status"] == "passed"]
+    assert passed and all({"tokens_per_s", "peak_memory_gib", "step_time_s"} <= set(c.data.metrics) for c in passed)
+
+    # The exported winner is a stable trial that passed its confirmation run, and the report exists.
+    best = yaml.safe_load((out / "best_layout.yaml").read_text())
+    winner = [r for r in launched if r["number"] == best["trial"]]
+    assert {r["phase"] for r in winner} == {"explore", "confirm"}
+    assert all(r["result"]["status"] == "passed" for r in winner)
+    assert best["megatron_args"] and best["megatron_bridge_overrides"]
+    assert (out / "report.html").stat().st_size > 10_000
+    assert json.loads((out / "sweep.json").read_text())["status"] == "finished"
