@@ -107,9 +107,11 @@ class Sweep:
                                  key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         self.study = LayoutStudy(cfg, self.dir.journal, self.exhaustive, cfg.search.seed)
+        self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run())
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
+        self._make_reference()
         self._seed_queue()
         while not self.stop.is_set():
             self._fill()
@@ -122,6 +124,16 @@ class Sweep:
         self._defer_waiting()
         self._confirm()
         return self._finish("finished")
+
+    def _make_reference(self) -> None:
+        from sweeper.reference import ensure_reference
+
+        outcome = ensure_reference(self.cfg, self.handle, self.dir.root / "reference")
+        self.reference = outcome.path
+        console.print(f"[blue]equivalence[/] {outcome.note}")
+        meta = self.dir.read_meta()
+        meta["reference"] = outcome.to_json()
+        self.dir.write_meta(meta)
 
     def _seed_queue(self) -> None:
         if self.options.resume:
@@ -220,7 +232,7 @@ class Sweep:
         trial_dir = self.dir.trial_dir(number, attempt, phase)
         steps = (self.cfg.search.confirm_steps or 2 * self.cfg.training.steps) if phase == "confirm" else None
         future = self.pool.submit(self.handle.run_trial, self.cfg, layout, trial_dir, reservation=slot,
-                                  inject=inject, cancel=cancel, steps=steps)
+                                  inject=inject, cancel=cancel, steps=steps, reference=self.reference)
         self.futures[future] = run
         self.cancels[id(future)] = cancel
         console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"

@@ -34,7 +34,17 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
             return TrialResult(status="failed", failure_kind="infra", backend=host.backend_name,
                                error=f"the cluster has no free nodes for {layout.world_size} GPUs "
                                f"({host.capacity_total()} GPUs alive)")
-        return host.run_trial(cfg, layout, trial_dir, reservation=slot)
+        from sweeper.reference import ensure_reference
+
+        host.release(slot)  # the reference runs first, on whatever it needs
+        reference = ensure_reference(cfg, host, Path("sweeps") / cfg.name / "reference")
+        slot = host.reserve(layout)
+        if slot is None:
+            return TrialResult(status="failed", failure_kind="infra", backend=host.backend_name,
+                               error="the trial's GPUs were taken while the reference ran")
+        result = host.run_trial(cfg, layout, trial_dir, reservation=slot, reference=reference.path)
+        result.notes.append(reference.note)
+        return result
 
 
 def run_doctor(cfg: SweepConfig, address: str | None):  # noqa: ANN201 - DoctorReport lives behind the Ray import

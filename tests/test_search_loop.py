@@ -73,12 +73,14 @@ class StandInHost:
         return None
 
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
+        if kw.get("make_reference"):  # no equivalence reference from a stand-in: the sweep runs with the gate off
+            return TrialResult(status="failed", failure_kind="unsupported", error="stand-in host")
         with self.lock:
             self.calls.append((layout, kw.get("inject")))
             self.concurrent += 1
             self.max_concurrent = max(self.max_concurrent, self.concurrent)
         try:
-            time.sleep(0.2)  # long enough for the scheduler to start the next trial beside this one
+            time.sleep(0.8)  # long enough for the scheduler (MLflow writes included) to start the next trial
             kind = self.fail.get(layout.short())
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")

@@ -82,14 +82,15 @@ class TrialHost:
     # -- running -------------------------------------------------------------------------------------------------
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,
                   inject: str | None = None, cancel: threading.Event | None = None,
-                  steps: int | None = None) -> TrialResult:
+                  steps: int | None = None, reference: str | None = None,
+                  make_reference: bool = False) -> TrialResult:
         if steps is not None:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
         if inject == "node-join":
             self._add_node()
             inject = None
         return run_trial(cfg, layout, self.handle, trial_dir, inject=inject, cancel=cancel,
-                         nodes=reservation.node_ids)
+                         nodes=reservation.node_ids, reference_checkpoint=reference, make_reference=make_reference)
 
     def _add_node(self) -> None:
         if self.handle.simulated is None:

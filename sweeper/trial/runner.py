@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import ray
@@ -68,6 +68,8 @@ def run_trial(
     on_running: Callable[[RunningTrial], None] | None = None,
     cancel: threading.Event | None = None,
     nodes: list[str] | None = None,
+    reference_checkpoint: str | None = None,
+    make_reference: bool = False,
 ) -> TrialResult:
     """Run one smoke trial; never raises for a trial failure (the TrialResult says what failed and why).
 
@@ -76,6 +78,7 @@ def run_trial(
     runner kills the simulated node hosting ``inject_rank`` once all ranks run). ``cancel``: set it from another
     thread to stop the trial (Ctrl-C of a sweep); the ranks are killed and the result is ``infra``/cancelled.
     ``nodes``: Ray node ids, one per placement bundle, chosen by the sweep's scheduler (None: Ray chooses).
+    ``reference_checkpoint`` / ``make_reference``: the equivalence gate (load, or create, the sweep's reference).
     KeyboardInterrupt in this thread also kills the ranks and removes the group before propagating.
     """
     if inject is not None and inject not in BACKEND_INJECTS + RUNNER_INJECTS:
@@ -88,6 +91,7 @@ def run_trial(
     trial_dir.mkdir(parents=True, exist_ok=True)
     trial_id = f"{trial_dir.name}-{uuid.uuid4().hex[:6]}"
     request = _request(cfg, layout, handle, trial_dir, limit, inject if inject in BACKEND_INJECTS else None, inject_rank)
+    request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference)
 
     try:
         with trial_placement(

@@ -1,0 +1,76 @@
+"""The sweep's reference for the layout-equivalence gate: made once, loaded (resharded) by every trial.
+
+The reference is a smoke run in the simplest layout the cluster can run (one GPU when the model fits, else the
+smallest launchable layout of the space), in FP32 on the CPU backend (the gate's tolerance there is 1e-3) and in
+the space's first precision on GPUs. Its global batch is a multiple of every data-parallel size the space can
+produce, so every trial can take its slice of the reference batch. A sweep reuses an existing reference
+(``--resume``); when the reference cannot be made, trials run without the gate and the sweep says so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from sweeper.config import SweepConfig
+from sweeper.layout import Layout
+from sweeper.plan import assess
+from sweeper.space import enumerate_layouts
+
+REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
+PLACE_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class ReferenceOutcome:
+    path: str | None  # the checkpoint folder every trial loads; None = gate off
+    layout: Layout | None
+    note: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "layout": self.layout.short() if self.layout else None, "note": self.note}
+
+
+def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
+    """The simplest layout this cluster can run for the reference, or None."""
+    sequences = math.lcm(*cfg.world_sizes)  # a multiple of every trial's DP (DP always divides its world size)
+    precision = "fp32" if host.simulated else cfg.space.precision[0]
+    single = Layout(world_size=1, gbs=sequences, precision=precision)
+    candidates = [single] + sorted(
+        (replace(lo, gbs=sequences, precision=precision, mbs=1, recompute="none") for lo in enumerate_layouts(cfg)),
+        key=lambda lo: (lo.world_size, lo.tp * lo.pp * lo.cp * lo.ep * lo.etp * lo.vpp),
+    )
+    for layout in candidates:
+        entry = assess(cfg, layout)
+        if entry.launchable and host.unsupported(cfg.model, layout) is None:
+            return layout
+    return None
+
+
+def ensure_reference(cfg: SweepConfig, host: Any, folder: Path) -> ReferenceOutcome:
+    if (folder / REFERENCE_FILE).is_file():
+        return ReferenceOutcome(str(folder), None, f"reusing the reference in {folder}")
+    layout = reference_layout(cfg, host)
+    if layout is None:
+        return ReferenceOutcome(None, None, "equivalence gate off: no layout of this space can hold the reference")
+    slot = None
+    deadline = time.monotonic() + PLACE_TIMEOUT_S
+    while slot is None and time.monotonic() < deadline:
+        slot = host.reserve(layout)
+        if slot is None:
+            time.sleep(1.0)  # a fresh cluster's nodes may still be registering
+    if slot is None:
+        return ReferenceOutcome(None, layout, f"equivalence gate off: no free GPUs for the reference {layout.short()}")
+    try:
+        short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
+        result = host.run_trial(short, layout, folder.parent / f"{folder.name}-run", reservation=slot, steps=1,
+                                reference=str(folder), make_reference=True)
+    finally:
+        host.release(slot)
+    if not result.passed or not (folder / REFERENCE_FILE).is_file():
+        return ReferenceOutcome(None, layout, f"equivalence gate off: the reference run {layout.short()} failed "
+                                f"({result.failure_kind}: {result.error})")
+    return ReferenceOutcome(str(folder), layout, f"reference {layout.short()} made in {folder}")
