@@ -95,8 +95,10 @@ class Sweep:
         self.pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="trial")
         self.futures: dict[cf.Future[TrialResult], Running] = {}
         self.cancels: dict[int, threading.Event] = {}
-        self.retry: list[Running] = []
-        self.launched = sum(1 for r in self.records if r["result"]["status"] != "pruned")
+        self.retry: list[Running] = []  # infra retries and held proposals, launched first when GPUs free up
+        self.deferred: list[Running] = []  # need more GPUs than are alive; wait for capacity to come back
+        self.counted = {r["number"] for r in self.records if r["phase"] == "explore" and r["attempt"] >= 1}
+        self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.decided = {_key(r["layout"]) for r in self.records if r["result"]["failure_kind"] != "infra"}
         self.next_number = 1 + max((r["number"] for r in self.records), default=0)
         self.busy_gpu_s = 0.0
@@ -137,9 +139,14 @@ class Sweep:
 
     def _seed_queue(self) -> None:
         if self.options.resume:
-            self.study.fail_running()
             for run_id in self.tracker.close_orphans():
                 console.print(f"resume: MLflow run {run_id} of a trial running at the crash marked KILLED")
+            for layout, attrs in self.study.take_over_running():
+                if "sweeper_number" in attrs:
+                    self.resumed[_key(layout.to_dict())] = (attrs["sweeper_number"], attrs.get("attempt", 1))
+                    self.study.enqueue(layout, again=True)
+                    console.print(f"resume: trial #{attrs['sweeper_number']} {layout.short()} was running at the "
+                                  "crash; it runs again as a new attempt")
         for text in self.cfg.search.seeds:
             from sweeper.space import layout_from_string
 
@@ -153,6 +160,11 @@ class Sweep:
             if _key(entry.layout.to_dict()) not in self.decided:
                 self.study.enqueue(entry.layout)
 
+    @property
+    def launched(self) -> int:
+        """Distinct explored trials launched so far (retries of a trial count once)."""
+        return len(self.counted)
+
     def _budget_left(self) -> bool:
         if self.launched >= self.max_trials:
             return False
@@ -164,9 +176,16 @@ class Sweep:
 
     def _fill(self) -> None:
         asks = 0
+        alive = self.handle.capacity_total()
+        for run in [r for r in self.deferred if r.layout.world_size <= alive]:  # capacity came back (node join)
+            self.deferred.remove(run)
+            self.retry.append(run)
         while not self.stop.is_set() and len(self.futures) < self._parallel_cap():
             if self.retry:
                 run = self.retry[0]
+                if run.layout.world_size > self.handle.capacity_total():
+                    self.deferred.append(self.retry.pop(0))  # nodes were lost: wait for capacity, don't block
+                    continue
                 slot = self.handle.reserve(run.layout)
                 if slot is None:
                     return  # wait for capacity (a lost node may come back, or running trials end)
@@ -188,19 +207,25 @@ class Sweep:
             if reason is not None:
                 self._record_pruned(entry, reason, proposal.trial)
                 continue
+            number, attempt = self._number_for(layout)
             slot = self.handle.reserve(layout)
             if slot is None:
+                waiting = Running(number, attempt, "explore", layout, proposal.trial, _predicted(entry), None, "", None)
                 if layout.world_size > self.handle.capacity_total():
-                    self._record_pruned(entry, (f"needs {layout.world_size} GPUs; only "
-                                               f"{self.handle.capacity_total()} are alive", "infra"), proposal.trial)
+                    self.deferred.append(waiting)  # more GPUs than are alive now (nodes lost): wait for a join
                     continue
                 # Hold this proposal until GPUs free up, so large trials are not starved by small ones.
-                self.retry.insert(0, Running(self.next_number, 0, "explore", layout, proposal.trial,
-                                             _predicted(entry), None, "", None))
-                self.next_number += 1
+                self.retry.insert(0, waiting)
                 return
-            self._launch(layout, self.next_number, 1, "explore", proposal.trial, _predicted(entry), slot)
-            self.next_number += 1
+            self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
+
+    def _number_for(self, layout: Layout) -> tuple[int, int]:
+        """(sweeper trial number, attempts so far): a trial that was running when a driver died keeps its number."""
+        resumed = self.resumed.pop(_key(layout.to_dict()), None)
+        if resumed is not None:
+            return resumed
+        self.next_number += 1
+        return self.next_number - 1, 0
 
     def _refusal(self, entry: PlanEntry) -> tuple[str, str] | None:
         if entry.reasons:
@@ -219,13 +244,18 @@ class Sweep:
         return cap or 1_000_000
 
     def _is_running(self, layout: Layout) -> bool:
-        return any(r.layout == layout for r in self.futures.values()) or any(r.layout == layout for r in self.retry)
+        waiting = self.retry + self.deferred
+        return any(r.layout == layout for r in list(self.futures.values()) + waiting)
 
     def _launch(self, layout: Layout, number: int, attempt: int, phase: str, proposal: Any,
                 predicted: dict[str, Any] | None, slot: Any) -> None:
-        if phase == "explore" and attempt == 1:
-            self.launched += 1
-        inject = self._injection_for(self.launched if phase == "explore" and attempt == 1 else -1)
+        first = phase == "explore" and number not in self.counted
+        if phase == "explore":
+            self.counted.add(number)
+        inject = self._injection_for(self.launched if first else -1)
+        if proposal is not None:  # lets a resumed sweep re-run this trial under its number if the driver dies now
+            proposal.set_user_attr("sweeper_number", number)
+            proposal.set_user_attr("attempt", attempt)
         run_id = self.tracker.start_trial(number, attempt, layout, phase, predicted)
         run = Running(number, attempt, phase, layout, proposal, predicted, run_id, _now(), slot)
         cancel = threading.Event()
@@ -306,16 +336,18 @@ class Sweep:
         self.dir.append_trial(record)
         self.records.append(record)
         self.decided.add(_key(entry.layout.to_dict()))
-        self.study.tell(trial, 0.0, infeasible=kind != "infra")
+        # An infra refusal (capacity lost) says nothing about the layout: FAIL for Optuna, not a zero.
+        self.study.tell(trial, None if kind == "infra" else 0.0, infeasible=kind != "infra")
 
     def _defer_waiting(self) -> None:
         """Layouts still waiting for GPUs when nothing else runs (e.g. nodes were lost): recorded, not dropped."""
-        for run in self.retry:
+        for run in self.retry + self.deferred:
             alive = self.handle.capacity_total()
             text = f"deferred: needs {run.layout.world_size} GPUs, {alive} alive when the sweep ended"
             entry = assess(self.cfg, run.layout)
             self._record_pruned(entry, (text, "infra"), run.proposal, number=run.number)
         self.retry.clear()
+        self.deferred.clear()
 
     # -- confirmation, cancellation, finish ---------------------------------------------------------------------
     def _confirm(self) -> None:

@@ -74,8 +74,9 @@ class LayoutStudy:
         )
         return with_pipeline_split(layout, self.cfg.model)
 
-    def enqueue(self, layout: Layout) -> None:
-        self.study.enqueue_trial(self.params_of(layout), skip_if_exists=True)
+    def enqueue(self, layout: Layout, again: bool = False) -> None:
+        """Queue a layout to be proposed next; ``again`` also when the study already holds it (a re-run)."""
+        self.study.enqueue_trial(self.params_of(layout), skip_if_exists=not again)
 
     # -- ask / tell ------------------------------------------------------------------------------------------------
     def ask(self) -> Proposal:
@@ -91,13 +92,15 @@ class LayoutStudy:
         else:
             self.study.tell(trial, value)
 
-    def running_numbers(self) -> list[int]:
-        return [t.number for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))]
-
-    def fail_running(self) -> None:
-        """Trials left RUNNING by a driver that died are FAIL in Optuna; sweeper re-runs them as new attempts."""
-        for number in self.running_numbers():
-            self.study.tell(number, state=TrialState.FAIL)
+    def take_over_running(self) -> list[tuple[Layout, dict[str, Any]]]:
+        """Trials a dead driver left RUNNING: FAIL them in Optuna and return (layout, user attrs) of each, so the
+        sweep re-runs them as new attempts of the same sweeper trial."""
+        out = []
+        for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+            if set(trial.params) == set(AXES):
+                out.append((self.layout_of(trial.params), dict(trial.user_attrs)))
+            self.study.tell(trial.number, state=TrialState.FAIL)
+        return out
 
 
 def _choices(cfg: SweepConfig) -> dict[str, list[Any]]:

@@ -27,7 +27,7 @@ from typing import Literal
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from sweeper.cluster.simulated import DEFAULT_RECORD_DIR, NODE_LABEL_KEY, SimulatedCluster
+from sweeper.cluster.simulated import DEFAULT_RECORD_DIR, NODE_LABEL_KEY, SimulatedCluster, cleanup_stale_clusters
 from sweeper.config import ClusterConfig
 
 Mode = Literal["simulated", "local", "auto", "remote"]
@@ -149,6 +149,8 @@ def connect(
     simulated: SimulatedCluster | None = None
     try:
         if mode == "simulated":
+            if record_dir is not None:
+                cleanup_stale_clusters(record_dir)  # a SIGKILLed sweep's cluster is not leaked
             simulated = SimulatedCluster(cluster_cfg.nodes, cluster_cfg.gpus_per_node, record_dir=record_dir).start()
             address = simulated.address
             ray.init(address=address, logging_level="WARNING", log_to_driver=False)

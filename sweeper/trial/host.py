@@ -48,7 +48,10 @@ class TrialHost:
 
     # -- capacity ----------------------------------------------------------------------------------------------
     def _alive(self) -> dict[str, tuple[str, int]]:
-        return {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()}
+        sim = self.handle.simulated
+        # Ray marks a killed node dead only after its health checks time out; a simulated cluster knows at once.
+        return {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()
+                if sim is None or sim.node_for(n.node_id) is not None}
 
     def capacity_total(self) -> int:
         return sum(gpus for _, gpus in self._alive().values())
