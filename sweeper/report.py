@@ -11,9 +11,7 @@ once so the page opens offline.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import tempfile
 from dataclasses import dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +21,7 @@ from sweeper import report_figures as figures
 from sweeper.layout import Layout, LayoutError
 from sweeper.report_figures import esc, kind_counts, num
 from sweeper.results import TrialChecks, TrialMetrics, TrialResult
+from sweeper.sweepdir import write_atomic
 
 TRIALS_FILE = "trials.jsonl"
 SWEEP_FILE = "sweep.json"
@@ -356,20 +355,6 @@ def build_html(sweep_dir: Path) -> str:
             f"<style>{figures.CSS}</style></head><body>{''.join(sections)}</body></html>")
 
 
-def _write_atomic(path: Path, text: str) -> Path:
-    """Write via a temp file in the same folder + fsync + os.replace, so readers see the old or the new page."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; a report is meant to be shared
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
 
 
 def render_report(sweep_dir: Path) -> Path:
@@ -380,4 +365,6 @@ def render_report(sweep_dir: Path) -> Path:
     sweep_dir = Path(sweep_dir)
     if not (sweep_dir / TRIALS_FILE).exists() and not (sweep_dir / SWEEP_FILE).exists():
         raise FileNotFoundError(f"{sweep_dir}: no {TRIALS_FILE} or {SWEEP_FILE}; not a sweep directory")
-    return _write_atomic(sweep_dir / REPORT_FILE, build_html(sweep_dir))
+    path = sweep_dir / REPORT_FILE
+    write_atomic(path, build_html(sweep_dir))
+    return path

@@ -78,9 +78,11 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Write via a temp file in the same folder, fsync, rename: readers see the old or the new file, never half."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w") as fh:
+        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; sweep outputs are meant to be shared
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
