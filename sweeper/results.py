@@ -54,6 +54,9 @@ class TrialResult:
     losses: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     trial_dir: str | None = None
+    # Seconds per phase of the smoke run (init, build, equivalence, steps, checkpoint_save, checkpoint_load): the
+    # slowest rank's time for each phase, where a trial's overhead goes.
+    timings_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:

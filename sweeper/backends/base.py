@@ -55,4 +55,4 @@ class RankReport:
     checkpoint_dir: str | None = None
     equivalence: dict[str, float] | None = None  # {"loss": ..., "grad_norm": ...} on the reference batch
     notes: list[str] = field(default_factory=list)
-    timings_s: dict[str, float] = field(default_factory=dict)  # init, build, steps, checkpoint_save, checkpoint_load
+    timings_s: dict[str, float] = field(default_factory=dict)  # import, init, build, equivalence, steps, checkpoint_*

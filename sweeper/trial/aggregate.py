@@ -7,7 +7,7 @@ much they explain: a rank's own failure (oom, nan, invalid_layout, checkpoint_er
 
 Metrics follow the contract: the step time is the median over post-warm-up steps of the slowest rank's time for
 that step (a step ends when the last rank ends it); tokens/s and TFLOP/s per GPU derive from it; peak memory is
-the maximum over ranks.
+the maximum over ranks, and so is each smoke-run phase's time (``timings_s``).
 """
 
 from __future__ import annotations
@@ -119,6 +119,7 @@ def aggregate(
         losses=_losses(reports),
         notes=all_notes,
         trial_dir=trial_dir,
+        timings_s=_timings(reports),
     )
 
 
@@ -146,6 +147,12 @@ def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int) -> T
     if losses:
         metrics.loss_first, metrics.loss_last = losses[0], losses[-1]
     return metrics
+
+
+def _timings(reports: list[RankReport]) -> dict[str, float]:
+    # Ranks leave a phase together at its closing collective, so the slowest rank's time is the phase's time.
+    phases = dict.fromkeys(k for r in reports for k in r.timings_s)
+    return {k: max(r.timings_s[k] for r in reports if k in r.timings_s) for k in phases}
 
 
 def _losses(reports: list[RankReport]) -> list[float]:

@@ -113,6 +113,9 @@ def _smoke(
     cpu_compat.install()
     from megatron.core import parallel_state
 
+    # Importing megatron-core is most of a fresh rank process's start-up; timed apart from the rendezvous.
+    report.timings_s["import"] = time.perf_counter() - start
+    start = time.perf_counter()
     if cuda:
         # A runner that gives each rank one visible GPU (Ray sets CUDA_VISIBLE_DEVICES) still passes LOCAL_RANK.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
@@ -169,8 +172,6 @@ def _smoke(
     enter("steps")
     is_injected = request.inject is not None and report.rank == request.inject_rank
     steps_start = time.perf_counter()
-    from sweeper.backends.megatron import checkpoint as ckpt
-
     for step in range(1, request.steps + 1):
         if is_injected and step == INJECT_STEP:
             _inject(request, report)
@@ -197,28 +198,46 @@ def _smoke(
         safe_point()
         if request.checkpoint and request.checkpoint_every and step % request.checkpoint_every == 0 \
                 and step != request.steps:
-            enter("checkpoint_save")
-            _timed(report, "checkpoint_save", lambda: ckpt.save(built, ckpt.checkpoint_path(request.trial_dir, step)))
+            # Reloaded bit-identical, so training goes on from exactly the weights it would have had.
+            mid_start = time.perf_counter()
+            _save_and_reload(request, built, report, step, enter, safe_point)
+            steps_start += time.perf_counter() - mid_start  # the phase times stay disjoint
             enter("steps")
     report.timings_s["steps"] = time.perf_counter() - steps_start
     report.checks["finite"] = all(math.isfinite(x) for x in report.losses)
 
     # -- checkpoint: save, reload into the same model, compare bitwise -------------------------------------------
     if request.checkpoint:
-        directory = ckpt.checkpoint_path(request.trial_dir, request.steps)
-        saved = ckpt.snapshot(built)
-        enter("checkpoint_save")
-        _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
-        report.checks["checkpoint_saved"] = True
-        report.checkpoint_dir = str(directory)
-        safe_point()
-        enter("checkpoint_load")
-        _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
-        report.checks["checkpoint_reloaded"] = True
+        _save_and_reload(request, built, report, request.steps, enter, safe_point)
 
     enter("report")
     torch.distributed.barrier()  # nobody tears the process group down while a peer still uses it
     report.ok = True
+
+
+def _save_and_reload(  # type: ignore[no-untyped-def]
+    request: SmokeRequest, built, report: RankReport, step: int, enter, safe_point
+) -> None:
+    """torch_dist save of the weights after ``step``, then reload into the poisoned model and compare bitwise.
+
+    The checks (and the result's checkpoint) are the last save's; an earlier save that fails raises, failing the
+    trial as checkpoint_error.
+    """
+    from sweeper.backends.megatron import checkpoint as ckpt
+
+    final = step == request.steps
+    directory = ckpt.checkpoint_path(request.trial_dir, step)
+    saved = ckpt.snapshot(built)
+    enter("checkpoint_save")
+    _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
+    if final:
+        report.checks["checkpoint_saved"] = True
+        report.checkpoint_dir = str(directory)
+    safe_point()
+    enter("checkpoint_load")
+    _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
+    if final:
+        report.checks["checkpoint_reloaded"] = True
 
 
 def _inject(request: SmokeRequest, report: RankReport) -> None:

@@ -1,0 +1,128 @@
+"""Where the time of one CPU smoke trial goes, and how much of it is overhead around the training steps.
+
+Starts a simulated 2-node x 2-GPU Ray cluster, runs one trial of tiny-gpt (TP2 x PP2 by default, real
+megatron-core on gloo, no equivalence reference) through the same TrialHost the sweep uses, and prints the split:
+cluster start and stop (the driver's clock; a sweep pays them once), placement (the runner's note), each smoke-run
+phase from the ranks' ``timings_s`` (the slowest rank per phase: megatron import, process-group and parallel-group
+init, model build, steps, checkpoint save and load), and the remainder of the trial's wall time (rank actors
+starting, rendezvous, reports travelling back, killing the actors, removing the group). Overhead is everything but
+the steps, as a ratio of the steps' time, per trial and including the cluster.
+
+    python benchmarks/trial_overhead.py [--layout "gpus=4,tp=2,pp=2"] [--steps 6] [--trials 1] [--json]
+
+``--trials 2`` runs the same layout again on the warm cluster (Ray starts new rank processes for every trial).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sweeper.config import load_config  # noqa: E402
+from sweeper.space import layout_from_string  # noqa: E402
+
+SPACE = """\
+name: trial-overhead
+model: tiny-gpt
+cluster: {{nodes: 2, gpus_per_node: 2, gpu_memory_gib: 4, compute_capability: "9.0", simulate: true}}
+training: {{seq_length: 64, global_batch_size: 8, steps: {steps}, warmup_steps: 2, checkpoint: true,
+           trial_timeout_s: 600}}
+space: {{gpus: [4], tp: [1, 2], pp: [1, 2], precision: [fp32, bf16]}}
+"""
+RANK_PHASES = ("import", "init", "build", "equivalence", "steps", "checkpoint_save", "checkpoint_load")
+_PLACED = re.compile(r"reserved in ([0-9.]+)s")
+
+
+def run(layout_text: str, steps: int, trials: int) -> dict:
+    from sweeper.trial.host import open_host
+
+    work = Path(tempfile.mkdtemp(prefix="sweeper-overhead-"))
+    space = work / "space.yaml"
+    space.write_text(SPACE.format(steps=steps))
+    cfg = load_config(space)
+    layout = layout_from_string(cfg, layout_text)
+    out: dict = {"layout": layout.short(), "steps": steps, "trials": []}
+
+    start = time.perf_counter()
+    host_cm = open_host(cfg)
+    host = host_cm.__enter__()
+    out["cluster_start_s"] = time.perf_counter() - start
+    try:
+        for i in range(trials):
+            slot = None
+            deadline = time.monotonic() + 60
+            while slot is None and time.monotonic() < deadline:
+                slot = host.reserve(layout)  # a fresh cluster's nodes may still be registering
+                if slot is None:
+                    time.sleep(0.5)
+            if slot is None:
+                raise SystemExit(f"no free nodes for {layout.short()}")
+            start = time.perf_counter()
+            try:
+                result = host.run_trial(cfg, layout, work / f"trial-{i}", reservation=slot)
+            finally:
+                host.release(slot)
+            wall = time.perf_counter() - start
+            if not result.passed:
+                raise SystemExit(f"trial {i} failed ({result.failure_kind}): {result.error}")
+            placed = next((float(m.group(1)) for n in result.notes if (m := _PLACED.search(n))), 0.0)
+            phases = {k: result.timings_s[k] for k in RANK_PHASES if k in result.timings_s}
+            out["trials"].append({
+                "wall_s": wall,
+                "placement_s": placed,
+                "phases_s": phases,
+                "actors_and_teardown_s": max(wall - placed - sum(phases.values()), 0.0),
+                "step_time_s": result.metrics.step_time_s,
+            })
+    finally:
+        start = time.perf_counter()
+        host_cm.__exit__(None, None, None)
+        out["cluster_stop_s"] = time.perf_counter() - start
+    return out
+
+
+def report(data: dict) -> None:
+    print(f"one CPU trial of tiny-gpt {data['layout']}, {data['steps']} steps, simulated 2 nodes x 2 GPUs")
+    print(f"  {'cluster start':<34} {data['cluster_start_s']:7.2f} s   (once per sweep)")
+    for i, t in enumerate(data["trials"]):
+        steps = t["phases_s"].get("steps", 0.0)
+        print(f"  trial {i} ({'cold' if i == 0 else 'warm cluster'}): {t['wall_s']:.2f} s wall")
+        rows = [("placement", t["placement_s"]), ("actor start, rendezvous, teardown", t["actors_and_teardown_s"])]
+        rows += [(f"rank: {k.replace('_', ' ')}", v) for k, v in t["phases_s"].items()]
+        for name, value in rows:
+            print(f"    {name:<32} {value:7.2f} s  {100 * value / t['wall_s']:5.1f} %")
+        overhead = t["wall_s"] - steps
+        print(f"    {'median step':<32} {t['step_time_s']:7.3f} s")
+        print(f"    overhead (all but steps)         {overhead:7.2f} s = {overhead / steps:.1f} x the steps' time")
+    first = data["trials"][0]
+    with_cluster = data["cluster_start_s"] + first["wall_s"] + data["cluster_stop_s"] - first["phases_s"]["steps"]
+    print(f"  {'cluster stop':<34} {data['cluster_stop_s']:7.2f} s")
+    print(f"  overhead incl. cluster start/stop (trial 0): {with_cluster:.2f} s = "
+          f"{with_cluster / first['phases_s']['steps']:.1f} x the steps' time")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layout", default="gpus=4,tp=2,pp=2,precision=fp32")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
+    args = parser.parse_args()
+    data = run(args.layout, args.steps, args.trials)
+    if args.json:
+        print(json.dumps(data, indent=2))
+    else:
+        report(data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
