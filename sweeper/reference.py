@@ -9,7 +9,9 @@ produce, so every trial can take its slice of the reference batch. A sweep reuse
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,9 +52,22 @@ def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
     return None
 
 
+def _reusable(cfg: SweepConfig, folder: Path) -> bool:
+    """An existing reference serves this space when it is of the same model, sequence length and a batch every
+    data-parallel size of the space divides."""
+    try:
+        ref = json.loads((folder / REFERENCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (ref.get("model") == cfg.model.model_dump() and ref.get("seq_length") == cfg.training.seq_length
+            and ref.get("sequences", 0) % math.lcm(*cfg.world_sizes) == 0)
+
+
 def ensure_reference(cfg: SweepConfig, host: Any, folder: Path) -> ReferenceOutcome:
     if (folder / REFERENCE_FILE).is_file():
-        return ReferenceOutcome(str(folder), None, f"reusing the reference in {folder}")
+        if _reusable(cfg, folder):
+            return ReferenceOutcome(str(folder), None, f"reusing the reference in {folder}")
+        shutil.rmtree(folder)  # made for another model or space under the same name: make it again
     layout = reference_layout(cfg, host)
     if layout is None:
         return ReferenceOutcome(None, None, "equivalence gate off: no layout of this space can hold the reference")
