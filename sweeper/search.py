@@ -253,6 +253,9 @@ class Sweep:
         if phase == "explore":
             self.counted.add(number)
         inject = self._injection_for(self.launched if first else -1)
+        if inject == "node-join":
+            console.print(f"[magenta]inject node-join[/]: node {self.handle.add_node()} added")
+            inject = None
         if proposal is not None:  # lets a resumed sweep re-run this trial under its number if the driver dies now
             proposal.set_user_attr("sweeper_number", number)
             proposal.set_user_attr("attempt", attempt)

@@ -89,16 +89,15 @@ class TrialHost:
                   make_reference: bool = False) -> TrialResult:
         if steps is not None:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
-        if inject == "node-join":
-            self._add_node()
-            inject = None
         return run_trial(cfg, layout, self.handle, trial_dir, inject=inject, cancel=cancel,
                          nodes=reservation.node_ids, reference_checkpoint=reference, make_reference=make_reference)
 
-    def _add_node(self) -> None:
+    def add_node(self) -> str:
+        """node-join fault injection: one more simulated node. Call from the main thread (Ray's node start
+        installs signal handlers)."""
         if self.handle.simulated is None:
             raise RuntimeError("node-join injection needs a simulated cluster")
-        self.handle.simulated.add_node()
+        return self.handle.simulated.add_node().label
 
     def doctor(self, cfg: SweepConfig) -> DoctorReport:
         return doctor(cfg, self.handle)
