@@ -26,6 +26,7 @@ from sweeper.cli import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.config import SweepConfig
 from sweeper.layout import Layout
 from sweeper.plan import PlanEntry, assess
+from sweeper.progress import Progress
 from sweeper.results import TrialResult
 from sweeper.selection import best_layout_document, candidates, choose, is_stable, objective_value
 from sweeper.study import LayoutStudy
@@ -103,6 +104,7 @@ class Sweep:
         self.next_number = 1 + max((r["number"] for r in self.records), default=0)
         self.busy_gpu_s = 0.0
         self.t0 = time.monotonic()
+        self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
         self.calibrator = Calibrator(cfg, options.out)
         plan = [assess(cfg, lo, self.calibrator.current) for lo in _layouts(cfg)]
         self.launchable = sorted((e for e in plan if e.launchable),
@@ -311,6 +313,7 @@ class Sweep:
         if fitted is not None:
             for line in fitted.lines():
                 console.print(f"[blue]estimator[/] {line}")
+        self._print_progress()
         if run.phase == "confirm":
             return
         if result.failure_kind == "infra" and not self.stop.is_set():
@@ -324,6 +327,12 @@ class Sweep:
         infeasible = result.failure_kind in ("oom", "invalid_layout", "unsupported") or (
             result.passed and not is_stable(result, self.cfg))
         self.study.tell(run.proposal, None if result.failure_kind == "infra" else value, infeasible)
+
+    def _print_progress(self) -> None:
+        best = candidates(self.records, self.cfg)
+        top = (best[0].layout.short(), objective_value(TrialResult.from_json(best[0].explore["result"]), self.cfg)) \
+            if best else None
+        console.print(f"[dim]{self.progress.line(self.records, len(self.futures), self.launched, top)}[/]")
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
                        number: int | None = None) -> None:
