@@ -112,9 +112,10 @@ def test_node_join_lets_larger_trials_run_afterwards(tmp_path: Path) -> None:
     large_after = [r for r in records if r["layout"]["gpus"] == 4 and r["result"]["status"] == "passed"
                    and datetime.fromisoformat(r["started_at"]) > joined_at]
     assert large_after, [(r["number"], r["layout"]["gpus"], r["result"]["status"]) for r in records]
+    deferred = [r for r in _records(tmp_path) if (r["result"]["error"] or "").startswith("deferred")]
     _report("node lost at the 1st trial, a node joins at the 2nd (2 x 2 simulated)",
             f"4-GPU layouts waited while 2 GPUs were alive, then {len(large_after)} ran on the joined node",
-            "every trial; nothing deferred")
+            f"every trial; {len(deferred)} layout(s) deferred")
 
 
 def test_hung_rank_times_out_and_frees_the_gpus(tmp_path: Path) -> None:
