@@ -24,7 +24,7 @@ from rich.console import Console
 from sweeper.calibrate import Calibrator
 from sweeper.cli import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.config import SweepConfig
-from sweeper.layout import Layout
+from sweeper.layout import Layout, LayoutError
 from sweeper.plan import PlanEntry, assess
 from sweeper.progress import Progress
 from sweeper.results import TrialResult
@@ -454,6 +454,13 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
         raise UsageError(f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
     if options.resume and not sweep_dir.exists():
         raise UsageError(f"--resume: {options.out} holds no sweep to resume")
+    from sweeper.space import layout_from_string
+
+    for i, text in enumerate(cfg.search.seeds):  # bad seeds are bad input: refused before anything is written
+        try:
+            layout_from_string(cfg, text)
+        except LayoutError as exc:
+            raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
     from sweeper.tracking import Tracker
     from sweeper.trial.host import open_host
 

@@ -78,6 +78,8 @@ ARG_CASES = [
     (["plan", "nonexistent.yaml"], "nonexistent.yaml: no such file"),
     (["report", "{tmp}"], "not a sweep folder"),
     (["search", "{space}", "--max-trials", "0"], "--max-trials: must be a positive integer"),
+    (["search", "{space}", "--inject", "meteor@trial=1"], "--inject: 'meteor@trial=1' is not one of"),
+    (["search", "{seeded}"], "search.seeds[0]: tp must be a positive integer"),
 ]
 
 
@@ -107,8 +109,11 @@ def test_bad_yaml_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFi
 @pytest.mark.parametrize("argv,expected", ARG_CASES)
 def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], expected: str) -> None:
     space = _write(tmp_path, GOOD)
+    seeded = tmp_path / "seeded.yaml"
+    if any("{seeded}" in a for a in argv):
+        seeded.write_text(GOOD + "search: {seeds: ['tp=0']}\n")
     before = sorted(tmp_path.iterdir())
-    argv = [a.format(space=space, tmp=tmp_path) for a in argv]
+    argv = [a.format(space=space, tmp=tmp_path, seeded=seeded) for a in argv]
     _assert_one_line_exit_2(capsys, main(argv), expected)
     assert sorted(tmp_path.iterdir()) == before
 
