@@ -139,6 +139,17 @@ class Layout:
         ]
         return ",".join(items)
 
+    def parallel_sizes(self) -> dict[str, int | None]:
+        """The parallel sizes under Megatron-Core's names (``initialize_model_parallel`` / ``TransformerConfig``)."""
+        return {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp if self.vpp > 1 else None,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
+        }
+
     def megatron_args(self) -> list[str]:
         """Megatron-LM ``pretrain_gpt.py`` / ``pretrain_mamba.py`` flags for this layout."""
         args = [

@@ -247,12 +247,7 @@ def bridge_overrides(layout: Layout, plan: GpuPlan) -> dict[str, Any]:
 
     The architecture (and everything else) stays Bridge's, so the trial builds exactly Bridge's model."""
     out: dict[str, Any] = dict(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **layout.parallel_sizes(),
         sequence_parallel=layout.sp,
         num_layers_in_first_pipeline_stage=layout.first_stage_layers,
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,

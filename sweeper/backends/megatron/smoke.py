@@ -125,12 +125,7 @@ def _smoke(
         raise RuntimeError(f"WORLD_SIZE is {world} but the layout needs {layout.world_size} ranks")
     enter("build")  # Megatron validates the parallel sizes here: a failure is the layout's
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        context_parallel_size=layout.cp,
-        expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        **layout.parallel_sizes(),
         distributed_timeout_minutes=request.timeout_s / 60,
     )
     report.checks["process_group"] = True
