@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -71,12 +70,7 @@ def ensure_reference(cfg: SweepConfig, host: Any, folder: Path) -> ReferenceOutc
     layout = reference_layout(cfg, host)
     if layout is None:
         return ReferenceOutcome(None, None, "equivalence gate off: no layout of this space can hold the reference")
-    slot = None
-    deadline = time.monotonic() + PLACE_TIMEOUT_S
-    while slot is None and time.monotonic() < deadline:
-        slot = host.reserve(layout)
-        if slot is None:
-            time.sleep(1.0)  # a fresh cluster's nodes may still be registering
+    slot = host.reserve_within(layout, PLACE_TIMEOUT_S)
     if slot is None:
         return ReferenceOutcome(None, layout, f"equivalence gate off: no free GPUs for the reference {layout.short()}")
     try:

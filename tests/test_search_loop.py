@@ -64,6 +64,9 @@ class StandInHost:
                 self.free[n] -= per
             return Reservation(nodes, nodes, per)
 
+    def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
+        return self.reserve(layout)
+
     def release(self, slot: Reservation) -> None:
         with self.lock:
             for n in slot.node_ids:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,15 @@ class TrialHost:
             for nid in chosen:
                 self._used[nid] = self._used.get(nid, 0) + plan.ranks_per_bundle
             return Reservation(chosen, [alive[n][0] for n in chosen], plan.ranks_per_bundle)
+
+    def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
+        """``reserve``, retried for up to ``timeout_s`` (a fresh cluster's nodes may still be registering)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            slot = self.reserve(layout)
+            if slot is not None or time.monotonic() >= deadline:
+                return slot
+            time.sleep(1.0)
 
     def release(self, reservation: Reservation) -> None:
         with self._lock:
