@@ -85,11 +85,11 @@ def print_trial(cfg: SweepConfig, layout: Layout, result: TrialResult) -> None:
 
 def print_doctor(report: Any) -> None:
     table = Table(title="doctor: every node before any trial")
-    columns, rows = report.rows()
-    for col in columns:
-        table.add_column(col)
+    rows = report.rows()  # one dict per node; a value differing from the majority ends with '!'
+    for col in rows[0] if rows else ["node"]:
+        table.add_column(col.replace("_", " "))
     for row in rows:
-        table.add_row(*[str(v) for v in row])
+        table.add_row(*[str(v) for v in row.values()])
     console.print(table)
     for problem in report.problems:
         console.print(f"[red]problem[/]: {problem}")
