@@ -40,13 +40,13 @@ class _Config:
         return default if value is None else value
 
 
-def _gqa_fields(c: _Config) -> dict[str, Any]:
-    """Fields every Llama-like decoder shares."""
+def _gqa_fields(c: _Config, num_layers: int | None = None) -> dict[str, Any]:
+    """Fields every Llama-like decoder shares (``num_layers`` when the layer count comes from elsewhere)."""
     heads = int(c.req("num_attention_heads"))
     hidden = int(c.req("hidden_size"))
     head_dim = c.opt("head_dim")
     out: dict[str, Any] = dict(
-        num_layers=int(c.req("num_hidden_layers")),
+        num_layers=int(c.req("num_hidden_layers")) if num_layers is None else num_layers,
         hidden_size=hidden,
         ffn_hidden_size=int(c.req("intermediate_size")),
         num_attention_heads=heads,
@@ -143,21 +143,10 @@ def _nemotron_h(c: _Config) -> dict[str, Any]:
             raise ModelError(f"{c.path}: unknown layer type {exc} in layers_block_type",
                              where=".layers_block_type") from None
     pattern = str(pattern)
-    heads = int(c.req("num_attention_heads"))
-    hidden = int(c.req("hidden_size"))
-    out: dict[str, Any] = dict(
-        num_layers=len(pattern),
-        hidden_size=hidden,
-        ffn_hidden_size=int(c.req("intermediate_size")),
-        num_attention_heads=heads,
-        num_query_groups=int(c.opt("num_key_value_heads", heads)),
-        vocab_size=int(c.req("vocab_size")),
-        max_position_embeddings=int(c.opt("max_position_embeddings", 4096)),
-        untie_embeddings_and_output_weights=not bool(c.opt("tie_word_embeddings", False)),
+    out = _gqa_fields(c, num_layers=len(pattern))
+    out.update(
         # relu2 (squared ReLU) MLPs are not gated; a *glu activation would be.
         gated_linear_unit="glu" in str(c.opt("mlp_hidden_act", "relu2")).lower(),
-        add_bias_linear=bool(c.opt("mlp_bias", False)),
-        add_qkv_bias=bool(c.opt("attention_bias", False)),
         position_embedding_type="none",
         hybrid_layer_pattern=pattern,
         mamba_num_heads=int(c.req("mamba_num_heads")),
@@ -166,9 +155,6 @@ def _nemotron_h(c: _Config) -> dict[str, Any]:
         mamba_state_dim=int(c.req("ssm_state_size")),
         mamba_conv_kernel=int(c.opt("conv_kernel", 4)),
     )
-    head_dim = c.opt("head_dim")
-    if head_dim is not None and int(head_dim) != hidden // heads:
-        out["kv_channels"] = int(head_dim)
     if MOE in pattern:
         out.update(
             num_moe_experts=int(c.req("n_routed_experts")),
