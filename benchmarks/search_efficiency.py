@@ -57,7 +57,7 @@ def run_tpe(cfg: SweepConfig, values: dict[Layout, float], target: float, seed: 
             asks += 1
             layout = proposal.layout
             if layout in seen:
-                study.study.tell(proposal.trial, state=optuna.trial.TrialState.PRUNED)
+                study.skip(proposal.trial)
                 continue
             seen.add(layout)
             if layout not in values:  # refused before launch: infeasible, not launched

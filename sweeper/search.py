@@ -29,6 +29,7 @@ from sweeper.plan import PlanEntry, assess
 from sweeper.progress import Progress
 from sweeper.results import TrialResult
 from sweeper.selection import best_layout_document, candidates, choose, is_stable, objective_value
+from sweeper.space import enumerate_layouts, layout_from_string
 from sweeper.study import LayoutStudy
 from sweeper.sweepdir import SweepDir
 
@@ -106,7 +107,7 @@ class Sweep:
         self.t0 = time.monotonic()
         self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
         self.calibrator = Calibrator(cfg, options.out)
-        plan = [assess(cfg, lo, self.calibrator.current) for lo in _layouts(cfg)]
+        plan = [assess(cfg, lo, self.calibrator.current) for lo in enumerate_layouts(cfg)]
         self.launchable = sorted((e for e in plan if e.launchable),
                                  key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
@@ -150,8 +151,6 @@ class Sweep:
                     console.print(f"resume: trial #{attrs['sweeper_number']} {layout.short()} was running at the "
                                   "crash; it runs again as a new attempt")
         for text in self.cfg.search.seeds:
-            from sweeper.space import layout_from_string
-
             self.study.enqueue(layout_from_string(self.cfg, text))
         # Exhaustive: every launchable layout, grouped by size (largest first: equal-size trials pack the cluster
         # side by side instead of a large one waiting behind small ones), fastest predicted first within a size.
@@ -196,13 +195,13 @@ class Sweep:
                 continue
             if not self._budget_left() or asks > 50 * self.max_trials:
                 return
-            if self.exhaustive and not self.study.study.get_trials(deepcopy=False, states=(_waiting(),)):
+            if self.exhaustive and not self.study.has_queued():
                 return  # every launchable layout has been proposed
             proposal = self.study.ask()
             asks += 1
             layout = proposal.layout
             if _key(layout.to_dict()) in self.decided or self._is_running(layout):
-                self.study.study.tell(proposal.trial, state=_pruned_state())  # never launched twice
+                self.study.skip(proposal.trial)  # never launched twice
                 continue
             entry = assess(self.cfg, layout, self.calibrator.current)
             reason = self._refusal(entry)
@@ -421,30 +420,12 @@ class Sweep:
         return EXIT_FAILED if status == "interrupted" else EXIT_OK
 
 
-def _layouts(cfg: SweepConfig) -> list[Layout]:
-    from sweeper.space import enumerate_layouts
-
-    return enumerate_layouts(cfg)
-
-
 def _key(layout: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(sorted((k, v) for k, v in layout.items() if k not in ("dp", "edp")))
 
 
 def _predicted(entry: PlanEntry) -> dict[str, Any] | None:
     return entry.predicted.to_json() if entry.predicted else None
-
-
-def _pruned_state() -> Any:
-    from optuna.trial import TrialState
-
-    return TrialState.PRUNED
-
-
-def _waiting() -> Any:
-    from optuna.trial import TrialState
-
-    return TrialState.WAITING
 
 
 def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
@@ -454,8 +435,6 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
         raise UsageError(f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
     if options.resume and not sweep_dir.exists():
         raise UsageError(f"--resume: {options.out} holds no sweep to resume")
-    from sweeper.space import layout_from_string
-
     for i, text in enumerate(cfg.search.seeds):  # bad seeds are bad input: refused before anything is written
         try:
             layout_from_string(cfg, text)

@@ -92,6 +92,14 @@ class LayoutStudy:
         else:
             self.study.tell(trial, value)
 
+    def skip(self, trial: optuna.trial.Trial) -> None:
+        """A proposal sweeper will not run (already decided or running): PRUNED, so it is never launched twice."""
+        self.study.tell(trial, state=TrialState.PRUNED)
+
+    def has_queued(self) -> bool:
+        """Whether enqueued layouts are still waiting to be proposed."""
+        return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
+
     def take_over_running(self) -> list[tuple[Layout, dict[str, Any]]]:
         """Trials a dead driver left RUNNING: FAIL them in Optuna and return (layout, user attrs) of each, so the
         sweep re-runs them as new attempts of the same sweeper trial."""
