@@ -35,9 +35,8 @@ class PlanEntry:
         return self.valid and self.predicted is not None and self.predicted.fits
 
     def to_json(self) -> dict[str, Any]:
-        layout = {k: v for k, v in self.layout.to_dict().items()}
         predicted = self.predicted.to_json() if self.predicted else dict(_NO_PREDICTION)
-        return {"layout": layout, "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
+        return {"layout": self.layout.to_dict(), "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None) -> PlanEntry:

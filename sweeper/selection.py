@@ -77,7 +77,6 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
     result = TrialResult.from_json(winner.explore["result"])
     predicted = winner.explore.get("predicted") or {}
     layout = winner.layout
-    measured = {k: v for k, v in vars(result.metrics).items()}
     return {
         "name": cfg.name,
         "model": cfg.model.name,
@@ -86,7 +85,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "layout_string": layout.to_string(),
         "megatron_args": layout.megatron_args(),
         "megatron_bridge_overrides": layout.bridge_overrides(),
-        "measured": measured,
+        "measured": dict(vars(result.metrics)),
         "measured_median_over_runs": {
             cfg.search.objective: winner.median(cfg.search.objective),
             "runs": 1 + len(winner.confirmations),
