@@ -16,7 +16,7 @@ import time
 from collections import Counter
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import psutil
 import pytest
@@ -55,6 +55,14 @@ def _start(tmp: Path, space: Path) -> tuple[subprocess.Popen[bytes], Path]:
     proc = subprocess.Popen([sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep"],
                             cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env())
     return proc, log
+
+
+def _wait_until(condition: Callable[[], bool], proc: subprocess.Popen[bytes], log: Path, timeout: float = 600) -> None:
+    """Poll while the background sweep runs; fail with its log if it exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not condition():
+        assert proc.poll() is None, log.read_text()[-3000:]
+        time.sleep(0.5)
 
 
 def _env() -> dict[str, str]:
@@ -135,13 +143,7 @@ def test_sigkill_then_resume_reruns_nothing_finished(tmp_path: Path) -> None:
     space = _space(tmp_path, nodes=2, gpus=[2], max_trials=3, tp=[1, 2], mbs=[1, 2])
     proc, log = _start(tmp_path, space)
     trials = tmp_path / "sweep" / "trials.jsonl"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        done = [r for r in _records(tmp_path) if r["attempt"] >= 1] if trials.exists() else []
-        if len(done) >= 2:
-            break
-        assert proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.5)
+    _wait_until(lambda: trials.exists() and len([r for r in _records(tmp_path) if r["attempt"] >= 1]) >= 2, proc, log)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     finished = {(r["number"], json.dumps(r["layout"], sort_keys=True)) for r in _records(tmp_path)
@@ -171,10 +173,7 @@ def test_ctrl_c_cancels_running_trials_and_keeps_what_finished(tmp_path: Path) -
     space = _space(tmp_path, nodes=2, gpus=[2], max_trials=4, tp=[1, 2], mbs=[1, 2])
     proc, log = _start(tmp_path, space)
     trial_dirs = tmp_path / "sweep" / "trials"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and not (trial_dirs.is_dir() and any(trial_dirs.glob("0*/rank_*.log"))):
-        assert proc.poll() is None, log.read_text()[-3000:]
-        time.sleep(0.5)
+    _wait_until(lambda: trial_dirs.is_dir() and any(trial_dirs.glob("0*/rank_*.log")), proc, log)
     time.sleep(3)  # let the ranks get into their steps
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=300)
