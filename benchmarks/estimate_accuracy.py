@@ -1,74 +1,115 @@
 """Predicted vs measured per-GPU memory for every published case in tests/data/measured_memory.json.
 
-Two comparisons per pipeline stage that the source reports:
-- model state: Megatron's allocated memory between steps (weights + grads + optimizer; no activations alive)
-  against the estimator's exact model-state bytes;
-- peak: max_memory_reserved against ``Estimate``-style reserved bytes of that stage.
-Cases with unmodelled features are printed but excluded from the headline median. Run:
-``python benchmarks/estimate_accuracy.py``.
+For the pipeline rank each source reports, three comparisons where the source has the figure:
+- model state: allocated memory between steps (weights + grads + optimizer; no activations alive) against
+  ``stage_memory(...).state_gib``;
+- peak allocated: ``max_memory_allocated`` against ``stage_memory(...).allocated_gib``;
+- peak reserved: ``max_memory_reserved`` against peak allocated x the allocator fragmentation constant.
+Cases with unmodelled features are printed but kept out of the peak headline; the state headline uses every
+case. The order check counts the pairs of cases whose measured peaks the prediction puts in the same order.
+Run: ``python benchmarks/estimate_accuracy.py`` (``--json`` for the numbers only).
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
-from sweeper.config import ClusterConfig
-from sweeper.estimate import EstimatorConstants
-from sweeper.estimate.memory import (
-    GIB,
-    ActivationShape,
-    in_flight_microbatches,
-    model_state_bytes,
-    stage_activations,
-    stage_params,
-)
+from sweeper.estimate import EstimatorConstants, stage_memory
 from sweeper.layout import Layout
-from sweeper.models.catalog import preset
+from sweeper.models.catalog import resolve_model
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_memory.json"
+GOAL_MEDIAN, GOAL_MAX = 0.10, 0.20  # issue #3: peak memory within 10% median, no case worse than 20%
 
 
-def main() -> int:
+def compare(case: dict[str, Any]) -> dict[str, Any]:
+    """Predicted and measured GiB of one case (absent measurements stay absent)."""
+    constants = EstimatorConstants(**case.get("constants", {}))
+    layout = Layout.from_dict(case["layout"])
+    stage = stage_memory(resolve_model(case["model"]), layout, int(case["seq_length"]), constants)[case["stage"]]
+    predicted = {
+        "allocated_gib": stage.state_gib,
+        "max_allocated_gib": stage.allocated_gib,
+        "max_reserved_gib": stage.allocated_gib * constants.allocator_fragmentation,
+    }
+    measured = case["measured"]
+    return {
+        "id": case["id"],
+        "layout": layout.short(),
+        "modelled": not case.get("unmodelled"),
+        "predicted": {k: v for k, v in predicted.items() if k in measured},
+        "measured": measured,
+        "error": {k: (predicted[k] - measured[k]) / measured[k] for k in measured},
+    }
+
+
+def _summary(errors: list[float]) -> dict[str, float] | None:
+    if not errors:
+        return None
+    return {"n": len(errors), "median": statistics.median(errors), "max": max(errors)}
+
+
+def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def abs_errors(key: str, modelled_only: bool) -> list[float]:
+        return [abs(r["error"][key]) for r in rows if key in r["error"] and (r["modelled"] or not modelled_only)]
+
+    peak = abs_errors("max_allocated_gib", True) + abs_errors("max_reserved_gib", True)
+    pairs = [(a, b) for a, b in itertools.combinations([r for r in rows if r["modelled"]], 2)
+             if "max_allocated_gib" in a["measured"] and "max_allocated_gib" in b["measured"]]
+    same_order = sum(
+        1 for a, b in pairs
+        if (a["predicted"]["max_allocated_gib"] - b["predicted"]["max_allocated_gib"])
+        * (a["measured"]["max_allocated_gib"] - b["measured"]["max_allocated_gib"]) > 0
+    )
+    peak_summary = _summary(peak)
+    return {
+        "state": _summary(abs_errors("allocated_gib", False)),
+        "peak_allocated": _summary(abs_errors("max_allocated_gib", True)),
+        "peak_reserved": _summary(abs_errors("max_reserved_gib", True)),
+        "peak": peak_summary,
+        "order": {"pairs": len(pairs), "same_order": same_order},
+        "goal_met": bool(peak_summary and peak_summary["median"] <= GOAL_MEDIAN and peak_summary["max"] <= GOAL_MAX),
+    }
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    if key not in row["measured"]:
+        return f"{'':>21}"
+    return f"{row['predicted'][key]:6.2f} {row['measured'][key]:6.2f} {100 * row['error'][key]:+6.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print the rows and the summary as JSON")
+    args = parser.parse_args(argv)
     cases = json.loads(DATA.read_text())["cases"]
-    headline: list[float] = []
-    for case in cases:
-        spec = preset(case["model"])
-        lo = Layout.from_dict(case["layout"])
-        constants = EstimatorConstants(**case.get("constants", {}))
-        seq = int(case["seq_length"])
-        params = stage_params(spec, lo.tp, lo.pp, lo.vpp, lo.ep, lo.etp, lo.first_stage_layers, lo.last_stage_layers)
-        shape = ActivationShape(tokens=lo.mbs * seq // lo.cp, mbs=lo.mbs, tp=lo.tp, sp=lo.sp, cp=lo.cp, ep=lo.ep,
-                                etp=lo.etp, precision=lo.precision, recompute=lo.recompute)
-        acts = stage_activations(spec, shape, lo.pp, lo.vpp, lo.first_stage_layers, lo.last_stage_layers, constants)
-        unmodelled = case.get("unmodelled", [])
-        print(f"== {case['id']} ({case['gpu']}); source: {case['source']}")
-        if case.get("inferred"):
-            print(f"   inferred: {case['inferred']}")
-        for note in unmodelled:
-            print(f"   unmodelled: {note}")
-        print(f"   {'stage':>5} {'state pred':>10} {'state meas':>10} {'err':>7}   {'peak pred':>9} {'peak meas':>9} {'err':>7}")
-        measured = case["measured"]
-        for stage_key, meas_state in sorted(measured.get("allocated_between_steps_gib", {}).items()):
-            stage = int(stage_key)
-            s = model_state_bytes(params[stage], lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp,
-                                  constants)
-            state = (s.weights + s.grads + s.optimizer + s.fp8_weights) / GIB
-            a = acts[stage]
-            in_flight = in_flight_microbatches(stage, lo.pp, lo.vpp, lo.num_microbatches or 1)
-            peak = (state + (a.per_microbatch * in_flight + a.transient + a.logits) / GIB) * constants.allocator_fragmentation
-            meas_peak = measured.get("max_reserved_gib", {}).get(stage_key)
-            state_err = (state - meas_state) / meas_state
-            headline.append(abs(state_err))
-            peak_txt = f"{peak:9.1f} {meas_peak:9.1f} {100 * (peak - meas_peak) / meas_peak:+6.1f}%" if meas_peak else ""
-            print(f"   {stage:>5} {state:10.1f} {meas_state:10.1f} {100 * state_err:+6.1f}%   {peak_txt}")
-    if headline:
-        print(f"\nmodel-state median abs error over {len(headline)} stage measurements: "
-              f"{100 * statistics.median(headline):.1f}% (max {100 * max(headline):.1f}%)")
-    print("peak-memory cases with a fully modelled configuration: "
-          f"{sum(1 for c in cases if not c.get('unmodelled'))} (no headline peak error yet; see tests/data)")
+    rows = [compare(case) for case in cases]
+    summary = summarise(rows)
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary}, indent=1))
+        return 0
+    print(f"{'case':40} {'stage':>5}   {'model state GiB':^21}   {'peak allocated GiB':^21}   {'peak reserved GiB':^21}")
+    print(f"{'':40} {'':>5}   {'pred   meas     err':^21}   {'pred   meas     err':^21}   {'pred   meas     err':^21}")
+    for case, row in zip(cases, rows):
+        mark = "" if row["modelled"] else "  (unmodelled: " + "; ".join(case["unmodelled"]) + ")"
+        print(f"{row['id']:40} {case['stage']:>5}   {_cell(row, 'allocated_gib')}   "
+              f"{_cell(row, 'max_allocated_gib')}   {_cell(row, 'max_reserved_gib')}{mark}")
+    print("\nabsolute errors (modelled cases for the peaks):")
+    for name in ("state", "peak_allocated", "peak_reserved", "peak"):
+        s = summary[name]
+        if s:
+            print(f"  {name:15} median {100 * s['median']:5.1f}%  max {100 * s['max']:5.1f}%  over {s['n']} figures")
+    order = summary["order"]
+    print(f"  order: {order['same_order']} of {order['pairs']} pairs of measured peaks predicted in the same order")
+    print(f"goal (peak median <= {GOAL_MEDIAN:.0%}, max <= {GOAL_MAX:.0%}): "
+          f"{'met' if summary['goal_met'] else 'NOT met'}")
+    print(f"sources: {DATA.relative_to(DATA.parents[2])}")
     return 0
 
 

@@ -1,11 +1,12 @@
 """Pre-flight estimates of per-GPU memory and step time for a Layout (plain Python, no torch).
 
-``estimate(model, layout, cluster, seq_length)`` is the library call; ``Calibration`` refines it from measured
+``estimate(model, layout, cluster, seq_length)`` is the library call (``stage_memory`` gives the allocated
+memory of every pipeline stage); ``Calibration`` refines it from measured
 trials. Nothing here imports torch, ray or megatron: ``plan`` must stay instant.
 """
 
 from sweeper.estimate.calibration import Calibration
 from sweeper.estimate.constants import EstimatorConstants
-from sweeper.estimate.estimator import Estimate, estimate
+from sweeper.estimate.estimator import Estimate, StageMemory, estimate, stage_memory
 
-__all__ = ["Calibration", "Estimate", "EstimatorConstants", "estimate"]
+__all__ = ["Calibration", "Estimate", "EstimatorConstants", "StageMemory", "estimate", "stage_memory"]

@@ -77,6 +77,77 @@ def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: floa
     )
 
 
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted allocated memory of one rank of a pipeline stage, in GiB per component (no fragmentation, no
+    memory outside torch's allocator): what ``torch.cuda.max_memory_allocated`` would report at its peak."""
+
+    parts: dict[str, float]  # weights, grads, optimizer, fp8_weights, activations, transient, logits
+    in_flight_microbatches: float
+
+    @property
+    def state_gib(self) -> float:
+        """Weights, grads and optimizer state: what stays allocated between steps."""
+        return sum(self.parts[k] for k in ("weights", "grads", "optimizer", "fp8_weights"))
+
+    @property
+    def allocated_gib(self) -> float:
+        return sum(self.parts.values())
+
+
+def _check_divisible(layout: Layout, seq_length: int) -> None:
+    lo = layout
+    if lo.dp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
+    if lo.edp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
+    if seq_length % lo.cp:
+        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
+
+
+def _microbatches(layout: Layout) -> int:
+    return layout.num_microbatches or max(1, layout.gbs // max(1, layout.mbs * layout.dp))
+
+
+def _activation_shape(model: ModelSpec, layout: Layout, seq_length: int) -> ActivationShape:
+    ep, etp = (layout.ep, layout.etp) if model.is_moe else (1, 1)
+    return ActivationShape(
+        tokens=layout.mbs * seq_length // layout.cp, mbs=layout.mbs, tp=layout.tp, sp=layout.sp and layout.tp > 1,
+        cp=layout.cp, ep=ep, etp=etp, precision=layout.precision, recompute=layout.recompute,
+    )
+
+
+def stage_memory(
+    model: ModelSpec,
+    layout: Layout,
+    seq_length: int,
+    constants: EstimatorConstants = EstimatorConstants(),
+    activation_factor: float = 1.0,
+) -> tuple[StageMemory, ...]:
+    """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank)."""
+    lo = layout
+    _check_divisible(lo, seq_length)
+    shape = _activation_shape(model, lo, seq_length)
+    vpp = lo.vpp if lo.pp > 1 else 1
+    params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, lo.first_stage_layers, lo.last_stage_layers)
+    acts = stage_activations(model, shape, lo.pp, vpp, lo.first_stage_layers, lo.last_stage_layers, constants)
+    out = []
+    for rank, (p, a) in enumerate(zip(params, acts)):
+        state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants)
+        in_flight = in_flight_microbatches(rank, lo.pp, vpp, _microbatches(lo))
+        parts = {
+            "weights": state.weights / GIB,
+            "grads": state.grads / GIB,
+            "optimizer": state.optimizer / GIB,
+            "fp8_weights": state.fp8_weights / GIB,
+            "activations": activation_factor * a.per_microbatch * in_flight / GIB,
+            "transient": activation_factor * a.transient / GIB,
+            "logits": activation_factor * a.logits / GIB,
+        }
+        out.append(StageMemory(parts, in_flight))
+    return tuple(out)
+
+
 def estimate(
     model: ModelSpec,
     layout: Layout,
@@ -88,54 +159,32 @@ def estimate(
 ) -> Estimate:
     """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster``."""
     lo = layout
-    if lo.dp == 0:
-        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
-    if lo.edp == 0:
-        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
-    if seq_length % lo.cp:
-        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
-    microbatches = lo.num_microbatches or max(1, lo.gbs // max(1, lo.mbs * lo.dp))
-    ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
-    vpp = lo.vpp if lo.pp > 1 else 1
-
-    params = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, lo.first_stage_layers, lo.last_stage_layers)
-    shape = ActivationShape(
-        tokens=lo.mbs * seq_length // lo.cp, mbs=lo.mbs, tp=lo.tp, sp=lo.sp and lo.tp > 1, cp=lo.cp,
-        ep=ep, etp=etp, precision=lo.precision, recompute=lo.recompute,
-    )
-    acts = stage_activations(model, shape, lo.pp, vpp, lo.first_stage_layers, lo.last_stage_layers, constants)
-
-    act_factor = calibration.activation_factor if calibration else 1.0
+    stages = stage_memory(model, lo, seq_length, constants,
+                          calibration.activation_factor if calibration else 1.0)
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
 
     worst: dict[str, float] = {}
     worst_reserved = -1.0
-    for rank, (p, a) in enumerate(zip(params, acts)):
-        state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants)
-        in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
-        parts = {
-            "weights": state.weights / GIB,
-            "grads": state.grads / GIB,
-            "optimizer": state.optimizer / GIB,
-            "fp8_weights": state.fp8_weights / GIB,
-            "activations": act_factor * a.per_microbatch * in_flight / GIB,
-            "transient": act_factor * a.transient / GIB,
-            "logits": act_factor * a.logits / GIB,
-        }
-        allocated = sum(parts.values())
+    for rank, stage in enumerate(stages):
+        allocated = stage.allocated_gib
         reserved = allocated * constants.allocator_fragmentation
         if calibration:
             reserved += calibration.overhead_gib  # fitted against measured max_memory_reserved
         if reserved > worst_reserved:
             worst_reserved = reserved
             worst = {
-                **parts,
+                **stage.parts,
                 "fragmentation": reserved - allocated,
                 "non_torch": non_torch,
                 "pipeline_rank": float(rank),
-                "in_flight_microbatches": in_flight,
+                "in_flight_microbatches": stage.in_flight_microbatches,
             }
 
+    shape = _activation_shape(model, lo, seq_length)
+    ep, etp = shape.ep, shape.etp
+    vpp = lo.vpp if lo.pp > 1 else 1
+    microbatches = _microbatches(lo)
+    params = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, lo.first_stage_layers, lo.last_stage_layers)
     device = device_for(cluster.gpu_kind, cluster.compute_capability)
     links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
                    constants.comm_efficiency)
