@@ -344,6 +344,17 @@ def test_published_peak_memory_within_the_goal() -> None:
     assert order["same_order"] >= 0.9 * order["pairs"], order
 
 
+def test_step_time_ranks_published_layouts_as_measured() -> None:
+    """Published MFU of several layouts of one model (tests/data/measured_throughput.json): the predicted
+    throughput orders them as measured, and a layout the source reports out of memory is predicted not to fit."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "step_time_ranking.py"), "--json"],
+                         capture_output=True, text=True, cwd=ROOT, check=True).stdout
+    summary = json.loads(out)["summary"]
+    assert summary["pairs"] >= 7
+    assert summary["same_order"] >= 0.85 * summary["pairs"], summary
+    assert summary["oom"] >= 1 and summary["oom_predicted"] == summary["oom"], summary
+
+
 def test_accuracy_benchmark_prints_the_table() -> None:
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "estimate_accuracy.py")], capture_output=True,
                          text=True, cwd=ROOT, check=True).stdout
