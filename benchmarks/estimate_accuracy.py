@@ -7,6 +7,8 @@ For the pipeline rank each source reports, three comparisons where the source ha
 - peak reserved: ``max_memory_reserved`` against peak allocated x the allocator fragmentation constant.
 Cases with unmodelled features are printed but kept out of the peak headline; the state headline uses every
 case. The order check counts the pairs of cases whose measured peaks the prediction puts in the same order.
+Calibration is checked leave-one-out: each modelled peak-allocated case is predicted with factors fitted
+(``sweeper.estimate.calibration.fit``) on all the others.
 Run: ``python benchmarks/estimate_accuracy.py`` (``--json`` for the numbers only).
 """
 
@@ -20,7 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sweeper.estimate import EstimatorConstants, stage_memory
+from sweeper.estimate import Calibration, EstimatorConstants, stage_memory
+from sweeper.estimate.calibration import Sample, fit
 from sweeper.layout import Layout
 from sweeper.models.catalog import resolve_model
 
@@ -34,6 +37,7 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
     layout = Layout.from_dict(case["layout"])
     stage = stage_memory(resolve_model(case["model"]), layout, int(case["seq_length"]), constants)[case["stage"]]
     predicted = {
+        "parts": stage.parts,
         "allocated_gib": stage.state_gib,
         "max_allocated_gib": stage.allocated_gib,
         "max_reserved_gib": stage.allocated_gib * constants.allocator_fragmentation,
@@ -43,7 +47,7 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
         "id": case["id"],
         "layout": layout.short(),
         "modelled": not case.get("unmodelled"),
-        "predicted": {k: v for k, v in predicted.items() if k in measured},
+        "predicted": {k: v for k, v in predicted.items() if k in measured or k == "parts"},
         "measured": measured,
         "error": {k: (predicted[k] - measured[k]) / measured[k] for k in measured},
     }
@@ -53,6 +57,25 @@ def _summary(errors: list[float]) -> dict[str, float] | None:
     if not errors:
         return None
     return {"n": len(errors), "median": statistics.median(errors), "max": max(errors)}
+
+
+def leave_one_out(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """Median and worst error of the modelled peak-allocated cases, uncalibrated and calibrated on the others."""
+    key = "max_allocated_gib"
+    cases = [r for r in rows if r["modelled"] and key in r["measured"]]
+    if len(cases) < 3:
+        return None
+    samples = [Sample(breakdown=r["predicted"]["parts"], fragmentation=1.0, predicted_step_s=None,
+                      measured_peak_gib=r["measured"][key], measured_step_s=None) for r in cases]
+    before, after, factors = [], [], []
+    for i, sample in enumerate(samples):
+        calibration = fit(samples[:i] + samples[i + 1:]).calibration
+        factors.append(calibration.activation_factor)
+        measured = float(sample.measured_peak_gib or 0.0)
+        before.append(abs(sample.predicted_memory(Calibration()) - measured) / measured)
+        after.append(abs(sample.predicted_memory(calibration) - measured) / measured)
+    return {"n": len(cases), "before": _summary(before), "after": _summary(after),
+            "activation_factor": statistics.median(factors)}
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -74,6 +97,7 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "peak_reserved": _summary(abs_errors("max_reserved_gib", True)),
         "peak": peak_summary,
         "order": {"pairs": len(pairs), "same_order": same_order},
+        "calibration_leave_one_out": leave_one_out(rows),
         "goal_met": bool(peak_summary and peak_summary["median"] <= GOAL_MEDIAN and peak_summary["max"] <= GOAL_MAX),
     }
 
@@ -107,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {name:15} median {100 * s['median']:5.1f}%  max {100 * s['max']:5.1f}%  over {s['n']} figures")
     order = summary["order"]
     print(f"  order: {order['same_order']} of {order['pairs']} pairs of measured peaks predicted in the same order")
+    loo = summary["calibration_leave_one_out"]
+    if loo:
+        b, a = loo["before"], loo["after"]
+        print(f"  calibration, leave-one-out over {loo['n']} peak-allocated cases: median {100 * b['median']:.1f}% -> "
+              f"{100 * a['median']:.1f}%, max {100 * b['max']:.1f}% -> {100 * a['max']:.1f}% "
+              f"(fitted activation factor ~{loo['activation_factor']:.2f})")
     print(f"goal (peak median <= {GOAL_MEDIAN:.0%}, max <= {GOAL_MAX:.0%}): "
           f"{'met' if summary['goal_met'] else 'NOT met'}")
     print(f"sources: {DATA.relative_to(DATA.parents[2])}")
