@@ -1,8 +1,8 @@
 """Pre-flight estimates of per-GPU memory and step time for a Layout (plain Python, no torch).
 
 ``estimate(model, layout, cluster, seq_length)`` is the library call (``stage_memory`` gives the allocated
-memory of every pipeline stage); ``Calibration`` refines it from measured
-trials. Nothing here imports torch, ray or megatron: ``plan`` must stay instant.
+memory of every pipeline stage); ``Calibration`` refines it from measured trials. Nothing here imports torch,
+ray or megatron: ``plan`` must stay instant.
 """
 
 from sweeper.estimate.calibration import Calibration

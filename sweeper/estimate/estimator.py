@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
+from sweeper.estimate.calibration import STATE_KEYS, Calibration
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
@@ -32,7 +33,6 @@ from sweeper.models.spec import ModelSpec
 
 if TYPE_CHECKING:
     from sweeper.config import ClusterConfig
-    from sweeper.estimate.calibration import Calibration
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class StageMemory:
     @property
     def state_gib(self) -> float:
         """Weights, grads and optimizer state: what stays allocated between steps."""
-        return sum(self.parts[k] for k in ("weights", "grads", "optimizer", "fp8_weights"))
+        return sum(self.parts[k] for k in STATE_KEYS)
 
     @property
     def allocated_gib(self) -> float:
