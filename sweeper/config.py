@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from sweeper.estimate.constants import EstimatorConstants
+from sweeper.layout import LayoutError, canonical_recompute
 from sweeper.models.spec import ModelSpec
 
 
@@ -99,7 +100,8 @@ class SpaceConfig(_Strict):
     sp: list[Literal["auto"] | bool] = ["auto"]
     mbs: Axis = [1]
     precision: list[Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]] = ["bf16"]
-    recompute: list[Literal["none", "selective", "full"]] = ["none"]
+    # none | selective | full | selective:<modules>, e.g. selective:moe_act+layernorm (Megatron's recompute modules)
+    recompute: list[str] = ["none"]
     distributed_optimizer: list[bool] = [True]
 
     @field_validator("*", mode="after")
@@ -108,6 +110,14 @@ class SpaceConfig(_Strict):
         if isinstance(value, list) and not value:
             raise ValueError("must list at least one value")
         return value
+
+    @field_validator("recompute", mode="after")
+    @classmethod
+    def _recompute(cls, value: list[str]) -> list[str]:
+        try:  # the canonical spelling (a Layout holds the same), duplicates dropped
+            return list(dict.fromkeys(canonical_recompute(str(v)) for v in value))
+        except LayoutError as exc:
+            raise ValueError(str(exc).removeprefix("recompute: ")) from None
 
 
 class SearchConfig(_Strict):

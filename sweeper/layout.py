@@ -12,9 +12,13 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]
-Recompute = Literal["none", "selective", "full"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
+# Recompute granularities. "selective" recomputes Megatron's default module (core_attn); "selective:a+b" names
+# the modules (Megatron's --recompute-modules), e.g. "selective:moe_act+layernorm".
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
+# Megatron-Core's recompute_modules choices, in the order the canonical "selective:..." spelling lists them.
+RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 
 # The keys of the contract's JSON "layout" object, in the contract's order.
 CONTRACT_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp", "vpp", "sp", "mbs", "gbs", "precision", "recompute")
@@ -50,8 +54,7 @@ class Layout:
                 raise LayoutError(f"{name}: must be a positive integer, got {value!r}")
         if self.precision not in PRECISIONS:
             raise LayoutError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.recompute not in RECOMPUTES:
-            raise LayoutError(f"recompute: must be one of {', '.join(RECOMPUTES)}, got {self.recompute!r}")
+        object.__setattr__(self, "recompute", canonical_recompute(self.recompute))
 
     # -- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -77,6 +80,16 @@ class Layout:
     @property
     def is_fp8(self) -> bool:
         return self.precision in ("fp8", "mxfp8")
+
+    @property
+    def recompute_granularity(self) -> str:
+        """Megatron's recompute_granularity: none, selective or full."""
+        return self.recompute.partition(":")[0]
+
+    @property
+    def recompute_modules(self) -> tuple[str, ...]:
+        """Megatron's recompute_modules under selective granularity (empty for none and full)."""
+        return recompute_modules(self.recompute)
 
     @property
     def params_dtype_bytes(self) -> int:
@@ -150,6 +163,14 @@ class Layout:
             "expert_tensor_parallel_size": self.etp,
         }
 
+    def recompute_config(self) -> dict[str, Any]:
+        """Recompute settings under Megatron-Core's TransformerConfig names (empty without recompute)."""
+        if self.recompute_granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": list(self.recompute_modules)}
+        if self.recompute == "full":
+            return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+        return {}
+
     def megatron_args(self) -> list[str]:
         """Megatron-LM ``pretrain_gpt.py`` / ``pretrain_mamba.py`` flags for this layout."""
         args = [
@@ -172,8 +193,10 @@ class Layout:
         if self.distributed_optimizer:
             args.append("--use-distributed-optimizer")
         args += _PRECISION_FLAGS[self.precision]
-        if self.recompute == "selective":
+        if self.recompute_granularity == "selective":
             args.append("--recompute-granularity=selective")
+            if self.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+                args += ["--recompute-modules", *self.recompute_modules]
         elif self.recompute == "full":
             args += ["--recompute-granularity=full", "--recompute-method=uniform", "--recompute-num-layers=1"]
         return args
@@ -199,7 +222,9 @@ class Layout:
         if self.last_stage_layers is not None:
             out.append(f"model.num_layers_in_last_pipeline_stage={self.last_stage_layers}")
         if self.recompute != "none":
-            out.append(f"model.recompute_granularity={self.recompute}")
+            out.append(f"model.recompute_granularity={self.recompute_granularity}")
+        if self.recompute_granularity == "selective" and self.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
+            out.append(f"model.recompute_modules=[{','.join(self.recompute_modules)}]")
         if self.recompute == "full":
             out += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
         return out
@@ -256,8 +281,44 @@ def _parse_value(key: str, raw: str, what: str) -> Any:
         if low not in ("true", "false", "1", "0", "on", "off", "yes", "no"):
             raise LayoutError(f"{what}: {key} must be true or false, got '{raw}'")
         return low in ("true", "1", "on", "yes")
-    choices = PRECISIONS if key == "precision" else RECOMPUTES
-    if raw.lower() not in choices:
-        raise LayoutError(f"{what}: {key} must be one of {', '.join(choices)}, got '{raw}'")
+    if key == "recompute":
+        try:
+            return canonical_recompute(raw.lower())
+        except LayoutError as exc:
+            raise LayoutError(f"{what}: {exc}") from None
+    if raw.lower() not in PRECISIONS:
+        raise LayoutError(f"{what}: {key} must be one of {', '.join(PRECISIONS)}, got '{raw}'")
     return raw.lower()
+
+
+def recompute_modules(recompute: str) -> tuple[str, ...]:
+    """The modules a (canonical) recompute value recomputes under selective granularity."""
+    granularity, _, modules = recompute.partition(":")
+    if granularity != "selective":
+        return ()
+    return tuple(modules.split("+")) if modules else DEFAULT_RECOMPUTE_MODULES
+
+
+def canonical_recompute(value: str) -> str:
+    """``none``, ``full``, ``selective`` or ``selective:m1+m2`` with Megatron's module names, modules in
+    RECOMPUTE_MODULES order; ``selective:core_attn`` is ``selective``. Raises LayoutError naming the problem."""
+    if not isinstance(value, str):
+        raise LayoutError(f"recompute: must be a string such as 'selective', got {value!r}")
+    granularity, sep, listed = value.partition(":")
+    if granularity not in RECOMPUTES or (sep and granularity != "selective"):
+        raise LayoutError(
+            f"recompute: must be one of {', '.join(RECOMPUTES)} or selective:<modules> "
+            f"(e.g. selective:moe_act+layernorm), got {value!r}"
+        )
+    if not sep:
+        return granularity
+    names = [m.strip() for m in listed.split("+")]
+    unknown = [m for m in names if m not in RECOMPUTE_MODULES]
+    if unknown:
+        raise LayoutError(
+            f"recompute: unknown module {unknown[0]!r} in {value!r} "
+            f"(Megatron's recompute modules: {', '.join(RECOMPUTE_MODULES)})"
+        )
+    modules = tuple(m for m in RECOMPUTE_MODULES if m in names)
+    return "selective" if modules == DEFAULT_RECOMPUTE_MODULES else "selective:" + "+".join(modules)
 

@@ -346,6 +346,40 @@ def fp8_mla_cp(c: RuleContext) -> str | None:
     return None
 
 
+# -- selective recompute modules (TransformerConfig.__post_init__) -----------------------------------------------
+@rule
+def recompute_modules_exist(c: RuleContext) -> str | None:
+    """A module the model does not have would be recomputed nowhere: the trial would repeat another layout's."""
+    m, modules = c.model, c.layout.recompute_modules
+    needs = {
+        "moe": (m.is_moe, "the model has no MoE layers"),
+        "moe_act": (m.is_moe, "the model has no MoE layers"),
+        "shared_experts": (bool(m.moe_shared_expert_intermediate_size), "the model has no shared experts"),
+        # Megatron: "mla_up_proj in recompute_modules is only supported with multi_latent_attention."
+        "mla_up_proj": (m.multi_latent_attention, "it is only supported with multi_latent_attention"),
+        "mlp": (any("mlp" in kind for kind in m.layer_blocks), "the model has no dense MLP layers"),
+        "core_attn": (any("attention" in kind for kind in m.layer_blocks), "the model has no attention layers"),
+    }
+    for module in modules:
+        present, why = needs.get(module, (True, ""))
+        if not present:
+            return f"recompute module {module}: {why}"
+    return None
+
+
+@rule
+def recompute_modules_fp8_delayed(c: RuleContext) -> str | None:
+    # Megatron: "Delayed scaling does not support moe_act and layernorm recompute for fp8." (FP8 on Ada/Hopper
+    # uses delayed scaling: backends/megatron/gpu.py)
+    lo = c.layout
+    if lo.precision == "fp8" and c.cluster.capability < (10, 0):
+        clash = [m for m in ("moe_act", "layernorm") if m in lo.recompute_modules]
+        if clash:
+            return (f"recompute module {clash[0]}: delayed-scaling FP8 (the recipe on compute capability "
+                    f"{c.cluster.compute_capability}) does not support moe_act and layernorm recompute")
+    return None
+
+
 # -- batch ---------------------------------------------------------------------------------------------------------
 @rule
 def global_batch_divisible(c: RuleContext) -> str | None:

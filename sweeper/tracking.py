@@ -31,7 +31,7 @@ _PARAM_NAMES = {
     "mbs": "micro_batch_size",
     "gbs": "global_batch_size",
     "precision": "precision",
-    "recompute": "recompute_granularity",
+    "recompute_granularity": "recompute_granularity",
     "distributed_optimizer": "use_distributed_optimizer",
 }
 LOG_TAIL_BYTES = 20_000
@@ -89,6 +89,7 @@ class Tracker:
         run = self.client.create_run(self.experiment_id, run_name=f"{number}.{attempt} {layout.short()}", tags=tags)
         params = [Param(_PARAM_NAMES[k], _text(getattr(layout, k))) for k in _PARAM_NAMES]
         params += [
+            Param("recompute_modules", ",".join(layout.recompute_modules) or "null"),
             Param("world_size", str(layout.world_size)),
             Param("data_parallel_size", str(layout.dp)),
             Param("expert_data_parallel_size", str(layout.edp)),

@@ -143,6 +143,20 @@ def test_checkpoint_saved_every_n_and_reloaded_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+def test_selective_recompute_modules_train_the_same_model(tmp_path: Path) -> None:
+    """Megatron's moe recompute module (the whole MoE layer re-run in backward) changes memory, not the maths:
+    the same losses as without recompute. Output-discarding modules need TE and are reported unsupported."""
+    plain = _run(_request(tmp_path / "none", Layout(world_size=2, ep=2, gbs=4), "tiny-moe"), 2)
+    moe = _run(_request(tmp_path / "moe", Layout(world_size=2, ep=2, gbs=4, recompute="selective:moe"), "tiny-moe"), 2)
+    _assert_passed(plain)
+    _assert_passed(moe)
+    assert moe[0].losses == pytest.approx(plain[0].losses, rel=1e-6)
+    layernorm = _run(_request(tmp_path / "ln", Layout(world_size=1, gbs=2, recompute="selective:layernorm")), 1)
+    _assert_failed(layernorm, "unsupported")
+    assert "recompute module layernorm unsupported on this backend" in layernorm[0].error
+
+
+@pytest.mark.e2e
 def test_megatron_rejects_heads_not_divisible_by_tp(tmp_path: Path) -> None:
     six_heads = preset("tiny-gpt").model_copy(update={"hidden_size": 96, "num_attention_heads": 6})
     reports = _run(_request(tmp_path, Layout(world_size=4, tp=4, gbs=4), six_heads), 4)

@@ -23,7 +23,7 @@ from sweeper.estimate import Calibration, Estimate, EstimatorConstants, estimate
 from sweeper.estimate.memory import in_flight_microbatches, stage_params
 from sweeper.estimate.pipeline import stage_counts, stage_layers
 from sweeper.layout import Layout
-from sweeper.models.catalog import PRESETS
+from sweeper.models.catalog import PRESETS, preset
 from sweeper.models.spec import ModelSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,6 +185,28 @@ def test_recompute_orders_activation_memory() -> None:
     none, sel, full = (_est(recompute=r).breakdown["activations"] for r in ("none", "selective", "full"))
     assert full < sel <= none
     assert full < none / 10
+
+
+def test_recompute_modules_trade_memory_for_time() -> None:
+    """Megatron's selective recompute modules: each one drops what it recomputes, and the costly ones add time."""
+    moe = preset("qwen3-30b-a3b")  # a separate pre-MLP norm, routed experts
+    cluster = ClusterConfig(nodes=1, gpus_per_node=8, gpu_memory_gib=80, gpu_kind="h100", intra_node_bandwidth_gbs=450)
+
+    def run(recompute: str, model: ModelSpec = moe) -> Estimate:
+        return estimate(model, Layout(world_size=8, ep=8, mbs=1, gbs=8, recompute=recompute), cluster, 4096)
+
+    none, act, act_ln, layer, full = (run(r) for r in (
+        "none", "selective:moe_act", "selective:moe_act+layernorm", "selective:moe", "full"))
+    mem = [e.breakdown["activations"] for e in (none, act, act_ln, layer, full)]
+    assert mem == sorted(mem, reverse=True) and len(set(mem)) == 5
+    assert none.step_time_s == act.step_time_s == act_ln.step_time_s  # elementwise recompute: ~free
+    assert none.step_time_s < layer.step_time_s <= full.step_time_s  # MoE GEMMs and all-to-alls again
+    assert layer.breakdown["transient"] > none.breakdown["transient"]  # one MoE layer rebuilt in backward
+    dense = preset("llama3-8b")
+    assert run("selective:mlp", dense).breakdown["activations"] < run("selective", dense).breakdown["activations"]
+    mla = preset("deepseek-v2-lite")
+    assert (run("selective:mla_up_proj", mla).breakdown["activations"]
+            < run("selective", mla).breakdown["activations"])
 
 
 def test_tp_sp_cp_divide_activations() -> None:

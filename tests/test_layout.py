@@ -56,6 +56,21 @@ def test_sizes_must_be_positive_integers(field: str, bad: object) -> None:
         Layout(**kwargs)
 
 
+def test_recompute_modules_are_canonical_and_checked() -> None:
+    lo = Layout(world_size=1, recompute="selective:layernorm+moe_act")
+    assert lo.recompute == "selective:moe_act+layernorm" and lo.recompute_granularity == "selective"
+    assert lo.recompute_modules == ("moe_act", "layernorm")
+    assert Layout(world_size=1, recompute="selective:core_attn").recompute == "selective"
+    assert Layout(world_size=1, recompute="selective").recompute_modules == ("core_attn",)
+    assert Layout(world_size=1, recompute="full").recompute_modules == ()
+    assert lo.recompute_config() == {"recompute_granularity": "selective", "recompute_modules": ["moe_act", "layernorm"]}
+    with pytest.raises(LayoutError, match="unknown module 'moe_ac'"):
+        Layout(world_size=1, recompute="selective:moe_ac")
+    with pytest.raises(LayoutError, match="selective:<modules>"):
+        Layout(world_size=1, recompute="full:moe")
+    assert parse_assignments("recompute=selective:moe+layernorm")["recompute"] == "selective:layernorm+moe"
+
+
 def test_precision_and_recompute_are_checked() -> None:
     with pytest.raises(LayoutError, match="precision"):
         Layout(world_size=1, precision="fp4")
@@ -84,7 +99,7 @@ LAYOUTS = st.builds(
     mbs=st.sampled_from([1, 2, 4]),
     gbs=st.sampled_from([8, 64, 128]),
     precision=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "mxfp8"]),
-    recompute=st.sampled_from(["none", "selective", "full"]),
+    recompute=st.sampled_from(["none", "selective", "full", "selective:moe", "selective:moe_act+layernorm"]),
     distributed_optimizer=st.booleans(),
 )
 
@@ -137,13 +152,15 @@ def test_bad_layout_strings(text: str, message: str) -> None:
 # --expert-tensor-parallel-size, --micro-batch-size, --global-batch-size, --num-virtual-stages-per-pipeline-rank,
 # --decoder-first/last-pipeline-num-layers, --sequence-parallel, --use-distributed-optimizer, --fp16/--bf16,
 # --fp8-format {e4m3,hybrid}, --fp8-recipe {tensorwise,delayed,mxfp8,blockwise}, --recompute-granularity
-# {full,selective}, --recompute-method {uniform,block}, --recompute-num-layers.
+# {full,selective}, --recompute-modules (nargs *, Megatron-Core's module names), --recompute-method {uniform,block},
+# --recompute-num-layers.
 KNOWN_FLAGS = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size", "--global-batch-size",
     "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--sequence-parallel", "--use-distributed-optimizer", "--fp16", "--bf16",
-    "--fp8-format", "--fp8-recipe", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+    "--fp8-format", "--fp8-recipe", "--recompute-granularity", "--recompute-modules", "--recompute-method",
+    "--recompute-num-layers",
 }
 CHOICES = {
     "--fp8-format": {"e4m3", "hybrid"},
@@ -151,6 +168,20 @@ CHOICES = {
     "--recompute-granularity": {"full", "selective"},
     "--recompute-method": {"uniform", "block"},
 }
+RECOMPUTE_MODULE_CHOICES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    """``--flag=value`` items, and the space-separated values of list flags (``--recompute-modules a b``)."""
+    out: dict[str, str] = {}
+    key = ""
+    for item in argv:
+        if item.startswith("--"):
+            key, _, value = item.partition("=")
+            out[key] = value
+        else:
+            out[key] = f"{out[key]} {item}".strip()
+    return out
 
 
 @settings(max_examples=150, deadline=None)
@@ -158,7 +189,7 @@ CHOICES = {
 def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, int] | None) -> None:
     if split:
         lo = dataclasses.replace(lo, first_stage_layers=split[0], last_stage_layers=split[1])
-    args = dict(a.partition("=")[::2] for a in lo.megatron_args())
+    args = _flags(lo.megatron_args())
     assert set(args) <= KNOWN_FLAGS, set(args) - KNOWN_FLAGS
     for flag, choices in CHOICES.items():
         if flag in args:
@@ -176,7 +207,9 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
     assert ("--bf16" in args) == (lo.precision in ("bf16", "fp8", "mxfp8"))
     assert ("--fp16" in args) == (lo.precision == "fp16")
     assert args.get("--fp8-recipe") == {"fp8": "delayed", "mxfp8": "mxfp8"}.get(lo.precision)
-    assert args.get("--recompute-granularity") == (None if lo.recompute == "none" else lo.recompute)
+    assert args.get("--recompute-granularity") == (None if lo.recompute == "none" else lo.recompute_granularity)
+    modules = args.get("--recompute-modules", "core_attn" if lo.recompute == "selective" else "").split()
+    assert set(modules) <= RECOMPUTE_MODULE_CHOICES and tuple(modules) == lo.recompute_modules
 
 
 # -- Megatron-Bridge overrides ------------------------------------------------------------------------------------
@@ -213,7 +246,9 @@ def test_bridge_model_overrides_are_megatron_core_config_fields(lo: Layout, unev
     assert overrides["ddp.use_distributed_optimizer"] == overrides["optimizer.use_distributed_optimizer"]
     assert ("model.num_layers_in_first_pipeline_stage" in overrides) == uneven
     if lo.recompute != "none":
-        assert overrides["model.recompute_granularity"] == lo.recompute
+        assert overrides["model.recompute_granularity"] == lo.recompute_granularity
+    if lo.recompute.startswith("selective:"):
+        assert overrides["model.recompute_modules"] == f"[{','.join(lo.recompute_modules)}]"
 
 
 # -- the uneven pipeline split ------------------------------------------------------------------------------------

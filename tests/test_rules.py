@@ -200,6 +200,24 @@ CASES: dict[str, list[Case]] = {
          "global_batch_size (64) is not divisible by micro_batch_size (3) x data_parallel_size (16)"),
         (DENSE, L(16, cp=2, gbs=8), H100x2, SEQ, None),  # DP excludes CP: 8 ranks of data
     ],
+    "recompute_modules_exist": [
+        (MOE, L(16, recompute="selective:moe_act+layernorm"), H100x2, SEQ, None),
+        (DENSE, L(16, recompute="selective:mlp+layernorm"), H100x2, SEQ, None),
+        (MLA, L(16, recompute="selective:mla_up_proj"), H100x2, SEQ, None),
+        (DENSE, L(16, recompute="selective:moe"), H100x2, SEQ, "recompute module moe: the model has no MoE layers"),
+        (MOE, L(16, recompute="selective:shared_experts"), H100x2, SEQ,
+         "recompute module shared_experts: the model has no shared experts"),
+        (DENSE, L(16, recompute="selective:mla_up_proj"), H100x2, SEQ,
+         "mla_up_proj: it is only supported with multi_latent_attention"),
+        (MOE, L(16, recompute="selective:mlp"), H100x2, SEQ, "recompute module mlp: the model has no dense MLP"),
+    ],
+    "recompute_modules_fp8_delayed": [
+        (MOE, L(16, precision="fp8", recompute="selective:moe"), H100x2, SEQ, None),
+        (MOE, L(16, precision="fp8", recompute="selective:moe_act"), ClusterConfig(nodes=2, compute_capability="10.0"),
+         SEQ, None),
+        (MOE, L(16, precision="fp8", recompute="selective:layernorm"), H100x2, SEQ,
+         "recompute module layernorm: delayed-scaling FP8 (the recipe on compute capability 9.0) does not support"),
+    ],
     "fp8_hardware": [
         # compute capability -> FP8 (delayed) and MXFP8 verdicts
         (DENSE, L(16, precision="fp8"), ClusterConfig(nodes=2, compute_capability="8.9"), SEQ, None),

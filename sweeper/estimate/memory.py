@@ -12,11 +12,12 @@ replication and Megatron's fused Mamba path), with the TP/SP/CP divisors that ap
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.estimate.pipeline import stage_layer_kinds
+from sweeper.layout import recompute_modules
 from sweeper.models.params import (
     ShardParams,
     block_params,
@@ -154,6 +155,11 @@ class ActivationShape:
     recompute: str
 
     @property
+    def modules(self) -> tuple[str, ...]:
+        """Megatron's selective recompute modules (empty for none and full)."""
+        return recompute_modules(self.recompute)
+
+    @property
     def seq_div(self) -> int:
         """Divisor of tensors outside the TP region: sharded by SP, replicated without it."""
         return self.tp if self.sp else 1
@@ -168,15 +174,20 @@ class ActivationShape:
         return 1.0 if self.precision in ("fp8", "mxfp8") else float(self.act_bytes)
 
 
-def _norm_and_linear_input(spec: ModelSpec, s: ActivationShape) -> float:
-    """A block's input (kept for the norm's backward) and the norm's output (kept for the first linear)."""
-    return s.tokens * spec.hidden_size * (s.act_bytes + s.linear_input_bytes) / s.seq_div
+def _norm_and_linear_input(spec: ModelSpec, s: ActivationShape, separate_norm: bool = False) -> float:
+    """A block's input (kept for the norm's backward) and the norm's output (kept for the first linear).
+
+    ``separate_norm``: the norm is its own module (TE fuses it into the first linear elsewhere), so the
+    ``layernorm`` recompute module discards its output and recomputes it in backward."""
+    kept = s.act_bytes + (0.0 if separate_norm and "layernorm" in s.modules else s.linear_input_bytes)
+    return s.tokens * spec.hidden_size * kept / s.seq_div
 
 
 def attention_activation(spec: ModelSpec, s: ActivationShape) -> float:
     t, a, tp = s.tokens, spec.num_attention_heads, s.tp
     b = s.act_bytes
-    out = _norm_and_linear_input(spec, s)
+    # MLA's input norm is a separate TENorm (its down projections are plain linears); GQA's is fused.
+    out = _norm_and_linear_input(spec, s, separate_norm=spec.multi_latent_attention)
     if spec.multi_latent_attention:
         q_head = spec.qk_head_dim + spec.qk_pos_emb_head_dim
         # Latents are computed whole on every TP rank (TE keeps the down projections unsplit): kv latent
@@ -185,14 +196,17 @@ def attention_activation(spec: ModelSpec, s: ActivationShape) -> float:
         out += t * (b * latent + s.linear_input_bytes * spec.kv_lora_rank)
         if spec.q_lora_rank is not None:
             out += t * (b + s.linear_input_bytes) * spec.q_lora_rank
-        # kv up-projection output (V is a view of it), the assembled Q and K with RoPE, attention output.
-        out += t * b * a * ((spec.qk_head_dim + spec.v_head_dim) + 2 * q_head + spec.v_head_dim) / tp
+        # kv up-projection output (V is a view of it), the assembled Q and K with RoPE (discarded and recomputed
+        # under the mla_up_proj module), attention output.
+        if "mla_up_proj" not in s.modules:
+            out += t * b * a * ((spec.qk_head_dim + spec.v_head_dim) + 2 * q_head) / tp
+        out += t * b * a * spec.v_head_dim / tp
     else:
         d, g = spec.head_dim, spec.query_groups
         # Q, K, V as flash attention keeps them, and its output (also the projection's input).
         out += t * b * (a * d + 2 * g * d + a * d) / tp
-    if s.recompute == "none":
-        out += t * a * FLASH_LSE_BYTES / tp  # selective recompute re-runs the attention core instead
+    if "core_attn" not in s.modules:
+        out += t * a * FLASH_LSE_BYTES / tp  # the core_attn recompute module re-runs the attention core instead
     return out
 
 
@@ -203,7 +217,11 @@ def _mlp_activation(spec: ModelSpec, s: ActivationShape, ffn: float, tokens: flo
 
 
 def mlp_activation(spec: ModelSpec, s: ActivationShape) -> float:
-    return _norm_and_linear_input(spec, s) + _mlp_activation(spec, s, spec.ffn_hidden_size, s.tokens, s.tp)
+    """The mlp recompute module checkpoints the MLP: only its input (the norm's output) is kept."""
+    out = _norm_and_linear_input(spec, s)
+    if "mlp" not in s.modules:
+        out += _mlp_activation(spec, s, spec.ffn_hidden_size, s.tokens, s.tp)
+    return out
 
 
 def routed_tokens(spec: ModelSpec, s: ActivationShape) -> float:
@@ -215,13 +233,20 @@ def routed_tokens(spec: ModelSpec, s: ActivationShape) -> float:
 def moe_activation(spec: ModelSpec, s: ActivationShape) -> float:
     assert spec.num_moe_experts is not None
     h = spec.hidden_size
-    out = _norm_and_linear_input(spec, s)
+    # The pre-MLP norm of a MoE layer is a separate module (nothing to fuse it into).
+    out = _norm_and_linear_input(spec, s, separate_norm=True)
+    if "moe" in s.modules:  # the whole MoE layer is checkpointed: its input is all it keeps
+        return out
     out += s.tokens / s.seq_div * spec.num_moe_experts * ROUTER_BYTES_PER_SCORE
     routed = routed_tokens(spec, s)
     # Permuted expert input, expert MLP internals, expert output kept for the combine's probability gradient.
     out += routed * h * (s.linear_input_bytes + s.act_bytes)
-    out += _mlp_activation(spec, s, spec.expert_ffn_hidden_size, routed, s.etp)
-    if spec.moe_shared_expert_intermediate_size:
+    ffn = spec.expert_ffn_hidden_size
+    fc1 = ffn * (2 if spec.gated_linear_unit else 1)
+    # moe_act discards the activation's output (fc2's input) and recomputes it in backward.
+    act_out = 0.0 if "moe_act" in s.modules else s.linear_input_bytes * ffn
+    out += routed * (s.act_bytes * fc1 + act_out) / s.etp
+    if spec.moe_shared_expert_intermediate_size and "shared_experts" not in s.modules:
         out += _mlp_activation(spec, s, spec.moe_shared_expert_intermediate_size, s.tokens, s.tp)
     return out
 
@@ -272,7 +297,11 @@ def stage_activations(
     last: int | None,
     constants: EstimatorConstants,
 ) -> tuple[StageActivations, ...]:
-    blocks = {b: block_activation(spec, b, s) for b in {b for kind in spec.layer_blocks for b in kind}}
+    kinds_used = {b for kind in spec.layer_blocks for b in kind}
+    blocks = {b: block_activation(spec, b, s) for b in kinds_used}
+    # What one layer's recomputation rebuilds during its backward (selective recompute modules).
+    plain = replace(s, recompute="none")
+    rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used} if s.modules else {}
     kept_per_layer = layer_input_bytes(spec, s)
     dispatch = 0.0
     if spec.is_moe:
@@ -285,7 +314,7 @@ def stage_activations(
             transient = max((a for a, _ in per_kind), default=0.0)  # one layer rebuilt during its backward
         else:
             kept = sum(a * n for a, n in per_kind)
-            transient = 0.0
+            transient = max((sum(rebuilt.get(b, 0.0) for b in kind) for kind, _ in kinds), default=0.0)
         if any("moe" in kind for kind, _ in kinds):
             transient += dispatch
         logits = 0.0

@@ -15,6 +15,7 @@ from functools import lru_cache
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.estimate.devices import Device
 from sweeper.estimate.pipeline import stage_layer_kinds
+from sweeper.layout import recompute_modules
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
 
@@ -149,16 +150,24 @@ def step_time(
     tp_bytes = tokens * spec.hidden_size * act_bytes  # one block's hidden state, gathered/scattered over TP
     routed = tokens / (x.tp if x.sp else 1) * spec.moe_router_topk * spec.hidden_size * act_bytes
 
-    # Recomputation repeats forward work: the whole layer (full) or the attention core (selective).
-    fwd_passes = FWD_BWD_FACTOR + (1 if x.recompute == "full" else 0)
-    core_passes = FWD_BWD_FACTOR + (1 if x.recompute in ("full", "selective") else 0)
+    # Recomputation repeats forward work: the whole layer (full), or what the selective modules name: the
+    # attention core (core_attn), the dense MLP (mlp), the MoE layer with its dispatch (moe), the shared experts.
+    # Elementwise modules (moe_act, layernorm) and MLA's small up-projections cost next to nothing.
+    modules = recompute_modules(x.recompute)
+    full = x.recompute == "full"
+    core_passes = FWD_BWD_FACTOR + (1 if full or "core_attn" in modules else 0)
 
     # Per block kind: compute seconds (before the TP split) and exposed communication seconds per micro-batch.
     per_block: dict[str, tuple[float, float]] = {}
     for b in {b for kind in spec.layer_blocks for b in kind}:
         f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
+        gemm_passes = FWD_BWD_FACTOR + (1 if full or b in modules else 0)
+        gemm = f.gemm * gemm_passes
+        if b == "moe" and "shared_experts" in modules and gemm_passes == FWD_BWD_FACTOR:
+            shared = spec.moe_shared_expert_intermediate_size or 0
+            gemm += 2 * spec.hidden_size * shared * (3 if spec.gated_linear_unit else 2)
         # A CP rank attends its tokens to the whole sequence: the core scales with its tokens only.
-        compute = tokens * (f.gemm * fwd_passes / gemm_rate + f.other * core_passes / bf16_rate)
+        compute = tokens * (gemm / gemm_rate + f.other * core_passes / bf16_rate)
         comm = 0.0
         if b != "moe" or spec.moe_shared_expert_intermediate_size:
             comm += TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp)
@@ -171,7 +180,9 @@ def step_time(
             # Ring attention passes every KV block around the CP group; backward also returns dKV.
             comm += 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
         if b == "moe":
-            comm += EP_ALL_TO_ALLS_PER_BLOCK * ring(routed, x.ep, links.ep)
+            # Recomputing the MoE layer dispatches and combines its tokens once more.
+            a2a = EP_ALL_TO_ALLS_PER_BLOCK + (2 if full or "moe" in modules else 0)
+            comm += a2a * ring(routed, x.ep, links.ep)
             comm += TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp)
         per_block[b] = (compute, comm)
 

@@ -68,11 +68,6 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
             moe_token_dispatcher_type="alltoall" if cuda else "allgather",
             moe_grouped_gemm=te,
         )
-    recompute: dict[str, Any] = {}
-    if layout.recompute == "selective":
-        recompute = dict(recompute_granularity="selective")
-    elif layout.recompute == "full":
-        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     fp8: dict[str, Any] = {}
     if layout.precision == "fp8":
         fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
@@ -120,7 +115,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         # pipelines. (overlap_p2p_comm, Megatron-LM's VPP default, still drifted by 7% on gloo: left off.)
         batch_p2p_comm=layout.vpp <= 1,
         **moe,
-        **recompute,
+        **layout.recompute_config(),
         **fp8,
     )
 

@@ -257,10 +257,7 @@ def bridge_overrides(layout: Layout, plan: GpuPlan) -> dict[str, Any]:
         deallocate_pipeline_outputs=True,
         use_cpu_initialization=False,
     )
-    if layout.recompute == "selective":
-        out.update(recompute_granularity="selective")
-    elif layout.recompute == "full":
-        out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    out.update(layout.recompute_config())
     precision_keys = ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "cp_comm_type",
                       "use_mamba_mem_eff_path")
     out.update({k: v for k, v in plan.config_kwargs.items() if k in precision_keys})

@@ -38,6 +38,12 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     if layout.is_fp8:
         if not cuda or not te:
             return no(f"precision {layout.precision}", "FP8 GEMMs need Transformer Engine on a GPU")
+    discarding = [m for m in ("moe_act", "layernorm", "mla_up_proj") if m in layout.recompute_modules]
+    if discarding and not (cuda and te):
+        # Megatron's output-discarding checkpoint (CheckpointWithoutOutput) asks Transformer Engine for the FP8
+        # state; moe_act also needs TE's grouped-GEMM experts ("only supported with moe_grouped_gemm").
+        return no(f"recompute module {discarding[0]}", "Megatron's output-discarding checkpoint (moe_act, "
+                  "layernorm, mla_up_proj) needs Transformer Engine on a GPU")
     # Without Transformer Engine, CP runs through cpu_attention.py (K/V all-gather, load-balanced causal mask)
     # and SP through cpu_norm.py (norm weights marked sequence_parallel); both are exercised on gloo.
     return None
