@@ -7,7 +7,10 @@ moments in the optimizer, sharded by the distributed optimizer over DP*CP (dense
 
 Activations count the tensors autograd keeps per micro-batch and block (the accounting of Korthikanti et al.,
 "Reducing Activation Recomputation in Large Transformer Models", adapted to flash attention, GQA/MLA, MoE token
-replication and Megatron's fused Mamba path), with the TP/SP/CP divisors that apply to each tensor.
+replication and Megatron's fused Mamba path), with the TP/SP/CP divisors that apply to each tensor. Megatron's
+selective recompute modules (core_attn, moe_act, layernorm, mla_up_proj, mlp, moe, shared_experts) drop what they
+recompute; the layer being rebuilt in backward is a transient. Checked against published runs by
+``benchmarks/estimate_accuracy.py``.
 """
 
 from __future__ import annotations

@@ -161,9 +161,10 @@ def step_time(
     per_block: dict[str, tuple[float, float]] = {}
     for b in {b for kind in spec.layer_blocks for b in kind}:
         f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
-        gemm_passes = FWD_BWD_FACTOR + (1 if full or b in modules else 0)
-        gemm = f.gemm * gemm_passes
-        if b == "moe" and "shared_experts" in modules and gemm_passes == FWD_BWD_FACTOR:
+        # The mlp and moe modules recompute exactly the block of that name.
+        recomputed = full or (b in ("mlp", "moe") and b in modules)
+        gemm = f.gemm * (FWD_BWD_FACTOR + (1 if recomputed else 0))
+        if b == "moe" and "shared_experts" in modules and not recomputed:
             shared = spec.moe_shared_expert_intermediate_size or 0
             gemm += 2 * spec.hidden_size * shared * (3 if spec.gated_linear_unit else 2)
         # A CP rank attends its tokens to the whole sequence: the core scales with its tokens only.
@@ -181,7 +182,7 @@ def step_time(
             comm += 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
         if b == "moe":
             # Recomputing the MoE layer dispatches and combines its tokens once more.
-            a2a = EP_ALL_TO_ALLS_PER_BLOCK + (2 if full or "moe" in modules else 0)
+            a2a = EP_ALL_TO_ALLS_PER_BLOCK + (2 if recomputed else 0)
             comm += a2a * ring(routed, x.ep, links.ep)
             comm += TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp)
         per_block[b] = (compute, comm)
