@@ -321,4 +321,3 @@ def canonical_recompute(value: str) -> str:
         )
     modules = tuple(m for m in RECOMPUTE_MODULES if m in names)
     return "selective" if modules == DEFAULT_RECOMPUTE_MODULES else "selective:" + "+".join(modules)
-

@@ -178,12 +178,12 @@ def _axis_value(row: TrialRow, axis: str) -> Any:
 
 def _order_key(axis: str, value: Any) -> tuple[Any, ...]:
     # Numbers sort numerically and precisions/recompute by cost, so the boxes read left to right as "more of it".
-    order = {"precision": _PRECISION_ORDER, "recompute": _RECOMPUTE_ORDER}.get(axis)
-    if axis == "recompute" and isinstance(value, str):  # selective:<modules> sorts with selective
-        value_key = value.partition(":")[0]
-        return (0, _RECOMPUTE_ORDER.index(value_key), value) if value_key in _RECOMPUTE_ORDER else (1, value)
-    if order is not None and value in order:
-        return (0, order.index(value))
+    if axis == "recompute" and isinstance(value, str):  # selective:<modules> sorts after plain selective
+        granularity = value.partition(":")[0]
+        if granularity in _RECOMPUTE_ORDER:
+            return (0, _RECOMPUTE_ORDER.index(granularity), value)
+    if axis == "precision" and value in _PRECISION_ORDER:
+        return (0, _PRECISION_ORDER.index(value))
     if isinstance(value, (bool, int, float)):
         return (0, float(value))
     return (1, str(value))
