@@ -6,6 +6,8 @@ derive; defaults are stated with the reason they have that value, so an override
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, PositiveFloat
 
 
@@ -38,6 +40,16 @@ class EstimatorConstants(BaseModel):
     # Megatron's Mamba mixer trains with the fused memory-efficient path (use_mamba_mem_eff_path=True), which
     # recomputes the convolution and scan internals in backward; its chunk size sets the SSD scan cost.
     mamba_chunk_size: int = Field(128, ge=1)
+
+    # -- settings of the production run that the layout does not carry (Megatron-LM flags) ----------------------
+    # --attention-backend: flash/fused attention (TE's default) keeps no score matrices; "unfused" keeps every
+    # attention layer's softmax output, mbs x heads/TP x seq/CP x seq in BF16, for backward.
+    attention_backend: Literal["flash", "unfused"] = "flash"
+    # --hidden-dropout / --attention-dropout. Megatron-LM's defaults are 0.1; Megatron-Bridge's recipes for current
+    # models (and sweeper's smoke runs) use 0. Above 0, every block keeps its dropout mask (1 byte per element),
+    # and unfused attention keeps the score dropout's mask and output too.
+    hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
 
     # -- step time -------------------------------------------------------------------------------------------------
     # Fraction of the GPU's dense BF16 peak a well-tuned Megatron run reaches (model FLOPs utilisation).

@@ -109,11 +109,15 @@ def _microbatches(layout: Layout) -> int:
     return layout.num_microbatches or max(1, layout.gbs // max(1, layout.mbs * layout.dp))
 
 
-def _activation_shape(model: ModelSpec, layout: Layout, seq_length: int) -> ActivationShape:
+def _activation_shape(
+    model: ModelSpec, layout: Layout, seq_length: int, constants: EstimatorConstants
+) -> ActivationShape:
     ep, etp = (layout.ep, layout.etp) if model.is_moe else (1, 1)
     return ActivationShape(
         tokens=layout.mbs * seq_length // layout.cp, mbs=layout.mbs, tp=layout.tp, sp=layout.sp and layout.tp > 1,
         cp=layout.cp, ep=ep, etp=etp, precision=layout.precision, recompute=layout.recompute,
+        seq_length=seq_length, unfused_attention=constants.attention_backend == "unfused",
+        hidden_dropout=constants.hidden_dropout > 0, attention_dropout=constants.attention_dropout > 0,
     )
 
 
@@ -127,7 +131,7 @@ def stage_memory(
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank)."""
     lo = layout
     _check_divisible(lo, seq_length)
-    shape = _activation_shape(model, lo, seq_length)
+    shape = _activation_shape(model, lo, seq_length, constants)
     vpp = lo.vpp if lo.pp > 1 else 1
     params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, lo.first_stage_layers, lo.last_stage_layers)
     acts = stage_activations(model, shape, lo.pp, vpp, lo.first_stage_layers, lo.last_stage_layers, constants)
@@ -180,7 +184,7 @@ def estimate(
                 "in_flight_microbatches": stage.in_flight_microbatches,
             }
 
-    shape = _activation_shape(model, lo, seq_length)
+    shape = _activation_shape(model, lo, seq_length, constants)
     ep, etp = shape.ep, shape.etp
     vpp = lo.vpp if lo.pp > 1 else 1
     microbatches = _microbatches(lo)

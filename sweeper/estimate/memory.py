@@ -156,6 +156,10 @@ class ActivationShape:
     etp: int
     precision: str
     recompute: str
+    seq_length: int  # whole sequence (the keys each query attends to)
+    unfused_attention: bool = False
+    hidden_dropout: bool = False
+    attention_dropout: bool = False
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -206,10 +210,17 @@ def attention_activation(spec: ModelSpec, s: ActivationShape) -> float:
         out += t * b * a * spec.v_head_dim / tp
     else:
         d, g = spec.head_dim, spec.query_groups
-        # Q, K, V as flash attention keeps them, and its output (also the projection's input).
-        out += t * b * (a * d + 2 * g * d + a * d) / tp
-    if "core_attn" not in s.modules:
-        out += t * a * FLASH_LSE_BYTES / tp  # the core_attn recompute module re-runs the attention core instead
+        # Q, K, V as the attention core keeps them (unfused attention repeats K and V to every head first), and
+        # its output (also the projection's input).
+        kv_heads = a if s.unfused_attention else g
+        out += t * b * (a * d + 2 * kv_heads * d + a * d) / tp
+    if "core_attn" not in s.modules:  # the core_attn recompute module re-runs the attention core instead
+        if s.unfused_attention:
+            # The softmax output for the score-times-V GEMM; with attention dropout also its mask and output.
+            per_score = b + (1 + b if s.attention_dropout else 0)
+            out += t * a / tp * s.seq_length * per_score
+        else:
+            out += t * a * FLASH_LSE_BYTES / tp
     return out
 
 
@@ -275,7 +286,10 @@ _BLOCK_ACTIVATION = {
 
 def block_activation(spec: ModelSpec, block: Block, s: ActivationShape) -> float:
     """Bytes one block keeps for backward per micro-batch, without recomputation of the whole layer."""
-    return _BLOCK_ACTIVATION[block](spec, s)
+    out = _BLOCK_ACTIVATION[block](spec, s)
+    if s.hidden_dropout:  # the bias-dropout-add's mask, one byte per element of the block's output
+        out += s.tokens * spec.hidden_size / s.seq_div
+    return out
 
 
 def layer_input_bytes(spec: ModelSpec, s: ActivationShape) -> float:
