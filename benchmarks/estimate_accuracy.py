@@ -5,8 +5,7 @@ For the pipeline rank each source reports, three comparisons where the source ha
   ``stage_memory(...).state_gib``;
 - peak allocated: ``max_memory_allocated`` against ``stage_memory(...).allocated_gib``;
 - peak reserved: ``max_memory_reserved`` against peak allocated x the allocator fragmentation constant.
-Cases with unmodelled features are printed but kept out of the peak headline; the state headline uses every
-case. The order check counts the pairs of cases whose measured peaks the prediction puts in the same order.
+Cases with unmodelled features are printed but kept out of the headlines. The order check counts the pairs of cases whose measured peaks the prediction puts in the same order.
 Calibration is checked leave-one-out: each modelled peak-allocated case is predicted with factors fitted
 (``sweeper.estimate.calibration.fit``) on all the others.
 Run: ``python benchmarks/estimate_accuracy.py`` (``--json`` for the numbers only).
@@ -79,10 +78,10 @@ def leave_one_out(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    def abs_errors(key: str, modelled_only: bool) -> list[float]:
-        return [abs(r["error"][key]) for r in rows if key in r["error"] and (r["modelled"] or not modelled_only)]
+    def abs_errors(key: str) -> list[float]:
+        return [abs(r["error"][key]) for r in rows if key in r["error"] and r["modelled"]]
 
-    peak = abs_errors("max_allocated_gib", True) + abs_errors("max_reserved_gib", True)
+    peak = abs_errors("max_allocated_gib") + abs_errors("max_reserved_gib")
     pairs = [(a, b) for a, b in itertools.combinations([r for r in rows if r["modelled"]], 2)
              if "max_allocated_gib" in a["measured"] and "max_allocated_gib" in b["measured"]]
     same_order = sum(
@@ -92,9 +91,9 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     )
     peak_summary = _summary(peak)
     return {
-        "state": _summary(abs_errors("allocated_gib", False)),
-        "peak_allocated": _summary(abs_errors("max_allocated_gib", True)),
-        "peak_reserved": _summary(abs_errors("max_reserved_gib", True)),
+        "state": _summary(abs_errors("allocated_gib")),
+        "peak_allocated": _summary(abs_errors("max_allocated_gib")),
+        "peak_reserved": _summary(abs_errors("max_reserved_gib")),
         "peak": peak_summary,
         "order": {"pairs": len(pairs), "same_order": same_order},
         "calibration_leave_one_out": leave_one_out(rows),
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         mark = "" if row["modelled"] else "  (unmodelled: " + "; ".join(case["unmodelled"]) + ")"
         print(f"{row['id']:40} {case['stage']:>5}   {_cell(row, 'allocated_gib')}   "
               f"{_cell(row, 'max_allocated_gib')}   {_cell(row, 'max_reserved_gib')}{mark}")
-    print("\nabsolute errors (modelled cases for the peaks):")
+    print("\nabsolute errors over the modelled cases:")
     for name in ("state", "peak_allocated", "peak_reserved", "peak"):
         s = summary[name]
         if s:
