@@ -22,6 +22,7 @@ from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
     GIB,
     ActivationShape,
+    StageParams,
     in_flight_microbatches,
     model_state_bytes,
     stage_activations,
@@ -84,6 +85,7 @@ class StageMemory:
 
     parts: dict[str, float]  # weights, grads, optimizer, fp8_weights, activations, transient, logits
     in_flight_microbatches: float
+    params: StageParams  # the parameters this rank holds
 
     @property
     def state_gib(self) -> float:
@@ -129,16 +131,22 @@ def stage_memory(
     activation_factor: float = 1.0,
 ) -> tuple[StageMemory, ...]:
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank)."""
-    lo = layout
-    _check_divisible(lo, seq_length)
-    shape = _activation_shape(model, lo, seq_length, constants)
+    _check_divisible(layout, seq_length)
+    shape = _activation_shape(model, layout, seq_length, constants)
+    return _stage_memory(model, layout, shape, constants, activation_factor)
+
+
+def _stage_memory(
+    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, activation_factor: float
+) -> tuple[StageMemory, ...]:
     vpp = lo.vpp if lo.pp > 1 else 1
     params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, lo.first_stage_layers, lo.last_stage_layers)
     acts = stage_activations(model, shape, lo.pp, vpp, lo.first_stage_layers, lo.last_stage_layers, constants)
+    microbatches = _microbatches(lo)
     out = []
     for rank, (p, a) in enumerate(zip(params, acts)):
         state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants)
-        in_flight = in_flight_microbatches(rank, lo.pp, vpp, _microbatches(lo))
+        in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         parts = {
             "weights": state.weights / GIB,
             "grads": state.grads / GIB,
@@ -148,7 +156,7 @@ def stage_memory(
             "transient": activation_factor * a.transient / GIB,
             "logits": activation_factor * a.logits / GIB,
         }
-        out.append(StageMemory(parts, in_flight))
+        out.append(StageMemory(parts, in_flight, p))
     return tuple(out)
 
 
@@ -163,8 +171,9 @@ def estimate(
 ) -> Estimate:
     """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster``."""
     lo = layout
-    stages = stage_memory(model, lo, seq_length, constants,
-                          calibration.activation_factor if calibration else 1.0)
+    _check_divisible(lo, seq_length)
+    shape = _activation_shape(model, lo, seq_length, constants)
+    stages = _stage_memory(model, lo, shape, constants, calibration.activation_factor if calibration else 1.0)
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
 
     worst: dict[str, float] = {}
@@ -184,11 +193,9 @@ def estimate(
                 "in_flight_microbatches": stage.in_flight_microbatches,
             }
 
-    shape = _activation_shape(model, lo, seq_length, constants)
     ep, etp = shape.ep, shape.etp
     vpp = lo.vpp if lo.pp > 1 else 1
     microbatches = _microbatches(lo)
-    params = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, lo.first_stage_layers, lo.last_stage_layers)
     device = device_for(cluster.gpu_kind, cluster.compute_capability)
     links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
                    constants.comm_efficiency)
@@ -197,8 +204,8 @@ def estimate(
         dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
         distributed_optimizer=lo.distributed_optimizer, first=lo.first_stage_layers, last=lo.last_stage_layers,
     )
-    seconds = _step_time_cached(model, inputs, device, links, tuple(p.dense for p in params),
-                                tuple(p.expert for p in params), constants)
+    seconds = _step_time_cached(model, inputs, device, links, tuple(st.params.dense for st in stages),
+                                tuple(st.params.expert for st in stages), constants)
     if calibration:
         seconds *= calibration.step_time_factor
     tokens = lo.gbs * seq_length
