@@ -308,6 +308,26 @@ def experts_divisible_by_ep(c: RuleContext) -> str | None:
 
 
 @rule
+def expert_grads_reduced_over_expert_dp(c: RuleContext) -> str | None:
+    # Not a Megatron check but a megatron-core <= 0.16.1 defect (measured: TP2 ETP1 EP1 replicas differ after one
+    # step). The expert linears set param.allreduce = not (EP > 1) (tensor_parallel/layers.py, moe/experts.py,
+    # extensions/transformer_engine.py), so with EP 1 DDP puts expert weights in the dense buffers and reduces
+    # their gradients over the data-parallel group (TP*PP ranks apart) instead of the expert-data-parallel group.
+    # The groups are the same only when ETP == TP; otherwise each expert replica keeps its own tokens' gradient.
+    # Fixed upstream by NVIDIA/Megatron-LM#5916 (expert params become `is_expert and (EP > 1 or ETP != TP)`).
+    lo = c.layout
+    if c.model.is_moe and lo.ep == 1 and lo.etp != lo.tp:
+        return (
+            f"expert_tensor_parallel_size ({lo.etp}) != tensor_model_parallel_size ({lo.tp}) with "
+            f"expert_model_parallel_size 1: megatron-core <= 0.16.1 treats expert weights as dense when EP == 1 "
+            f"(param.allreduce=True), so their gradients are reduced over the data-parallel group instead of the "
+            f"expert-data-parallel group and the expert replicas drift apart (fixed upstream in "
+            f"NVIDIA/Megatron-LM#5916); use ETP = TP or EP > 1"
+        )
+    return None
+
+
+@rule
 def expert_bias_needs_etp1(c: RuleContext) -> str | None:
     if c.model.is_moe and c.model.add_bias_linear and c.layout.etp != 1:
         return "Bias in Moe is only supported when ETP==1"

@@ -168,6 +168,14 @@ CASES: dict[str, list[Case]] = {
         (MOE.model_copy(update=dict(num_moe_experts=6)), L(16, ep=4), H100x2, SEQ,
          "num_moe_experts (6) must be divisible by expert_model_parallel_size (4) (moe_layer.py)"),
     ],
+    "expert_grads_reduced_over_expert_dp": [
+        (MOE, L(16, tp=2, etp=2), H100x2, SEQ, None),  # ETP = TP: the expert DP group is the dense DP group
+        (MOE, L(16, tp=2, ep=2, etp=1), H100x2, SEQ, None),  # EP > 1: expert buffers reduce over expert DP
+        (DENSE, L(16, tp=2, etp=1), H100x2, SEQ, None),
+        (MOE, L(16, tp=2, etp=1), H100x2, SEQ,
+         "expert_tensor_parallel_size (1) != tensor_model_parallel_size (2) with expert_model_parallel_size 1"),
+        (MOE, L(16, tp=1, etp=2), H100x2, SEQ, "NVIDIA/Megatron-LM#5916"),
+    ],
     "expert_bias_needs_etp1": [
         (MOE.model_copy(update=dict(add_bias_linear=True)), L(16, etp=1), H100x2, SEQ, None),
         (MOE.model_copy(update=dict(add_bias_linear=True)), L(16, etp=2), H100x2, SEQ,
