@@ -9,11 +9,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 Status = Literal["passed", "failed", "pruned"]
+# replica_divergence: copies of a replicated parameter (across DP/CP, EDP, TP/ETP or the tied embedding) differ
+# after the steps, i.e. a gradient reduction ran over the wrong group.
 FailureKind = Literal[
-    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "infra", "unsupported"
+    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
+    "infra", "unsupported",
 ]
 FAILURE_KINDS: tuple[str, ...] = (
-    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "infra", "unsupported"
+    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
+    "infra", "unsupported",
 )
 
 
@@ -36,6 +40,8 @@ class TrialChecks:
     checkpoint_saved: bool = False
     checkpoint_reloaded: bool | None = None
     equivalence_rel_err: float | None = None
+    # Every replicated parameter bit-identical across its copies after the steps; None when nothing is replicated.
+    replicas_consistent: bool | None = None
 
 
 @dataclass

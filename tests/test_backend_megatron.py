@@ -60,6 +60,8 @@ def _assert_passed(reports: list[RankReport], steps: int = 3) -> None:
         assert r.peak_memory_bytes > 100 * 2**20
         assert r.flops_per_step > 0 and r.tokens_per_step > 0
         assert {"init", "build", "steps"} <= set(r.timings_s)
+        # None: nothing is replicated (one rank, or PP alone with untied embeddings).
+        assert r.checks["replicas_consistent"] is not False
     # Every rank reports the same loss and gradient norm per step (shared from the last stage / global norm).
     assert all(r.losses == reports[0].losses for r in reports)
     assert all(r.grad_norms == pytest.approx(reports[0].grad_norms, rel=1e-5) for r in reports)
@@ -82,6 +84,7 @@ def _assert_failed(reports: list[RankReport], kind: str) -> None:
 def test_dense_tp2(tmp_path: Path) -> None:
     reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2)), 2)
     _assert_passed(reports)
+    assert all(r.checks["replicas_consistent"] for r in reports)  # the norms are copies on both TP ranks
     assert reports[0].tokens_per_step == 2 * 32
     assert (tmp_path / "trial" / "rank_0.log").read_text().count("step ") >= 3
 
@@ -98,6 +101,7 @@ def test_dp2_same_numbers_with_and_without_distributed_optimizer(tmp_path: Path)
         layout = Layout(world_size=2, gbs=4, distributed_optimizer=distributed_optimizer)
         runs[distributed_optimizer] = _run(_request(tmp_path / str(distributed_optimizer), layout), 2)
         _assert_passed(runs[distributed_optimizer])
+        assert all(r.checks["replicas_consistent"] for r in runs[distributed_optimizer])
     # Same data and initialisation: sharding the optimizer state must not change the training numbers.
     assert runs[True][0].losses == pytest.approx(runs[False][0].losses, rel=1e-4)
     assert runs[True][0].grad_norms == pytest.approx(runs[False][0].grad_norms, rel=1e-3)
@@ -106,6 +110,29 @@ def test_dp2_same_numbers_with_and_without_distributed_optimizer(tmp_path: Path)
 @pytest.mark.e2e
 def test_moe_ep2(tmp_path: Path) -> None:
     _assert_passed(_run(_request(tmp_path, Layout(world_size=2, ep=2, gbs=4), "tiny-moe"), 2))
+
+
+@pytest.mark.e2e
+def test_expert_replicas_that_drift_apart_are_reported_as_divergence(tmp_path: Path) -> None:
+    # TP2 with ETP1 and EP1: megatron-core 0.16.1 reduces the experts' gradients over the (size 1) data-parallel
+    # group although both TP ranks hold a copy (rules.expert_grads_reduced_over_expert_dp refuses it before launch;
+    # the backend runs what it is given). The copies differ after one step: the smoke run must say so.
+    layout = Layout(world_size=2, tp=2, sp=True, gbs=2, precision="fp32")
+    reports = _run(_request(tmp_path, layout, "tiny-moe", steps=2, checkpoint=True), 2)
+    _assert_failed(reports, "replica_divergence")
+    for r in reports:
+        assert "mlp.experts.local_experts" in r.error and "expert-data-parallel group (global ranks [0, 1])" in r.error
+        assert r.error == reports[0].error  # one verdict on every rank
+        assert all(r.checks[k] for k in ("process_group", "model_built", "forward_backward", "finite"))
+        assert r.checks["replicas_consistent"] is False and r.checks["checkpoint_saved"] is False
+
+
+@pytest.mark.e2e
+def test_expert_replicas_stay_equal_when_etp_equals_tp(tmp_path: Path) -> None:
+    layout = Layout(world_size=2, tp=2, etp=2, sp=True, gbs=2, precision="fp32")
+    reports = _run(_request(tmp_path, layout, "tiny-moe", steps=3), 2)
+    _assert_passed(reports)
+    assert all(r.checks["replicas_consistent"] for r in reports)
 
 
 @pytest.mark.e2e

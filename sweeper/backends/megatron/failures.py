@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-Phase = Literal["setup", "init", "build", "steps", "checkpoint_save", "checkpoint_load", "report"]
+Phase = Literal["setup", "init", "build", "steps", "replicas", "checkpoint_save", "checkpoint_load", "report"]
 
 
 class SmokeFailure(Exception):
@@ -36,6 +36,12 @@ class SimulatedOOMError(SmokeFailure):
 
 class CheckpointError(SmokeFailure):
     kind = "checkpoint_error"
+
+
+class ReplicaDivergenceError(SmokeFailure):
+    """Copies of a replicated parameter differ after the steps (replicas.py): the layout trains several models."""
+
+    kind = "replica_divergence"
 
 
 _OOM_MARKERS = ("out of memory", "cannot allocate memory", "std::bad_alloc")

@@ -19,9 +19,11 @@ from pathlib import Path
 
 import torch
 
-from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
-from sweeper.backends.megatron.failures import Phase, SimulatedOOMError, UnsupportedError, classify
+from sweeper.backends.megatron.failures import (
+    Phase, ReplicaDivergenceError, SimulatedOOMError, UnsupportedError, classify,
+)
 from sweeper.backends.megatron.flops import flops_per_global_batch
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.support import backend_name, unsupported_reason
@@ -43,8 +45,10 @@ def run_rank(request: SmokeRequest) -> RankReport:
         ok=False,
         memory_kind="device" if cuda else "host",
         checks={"process_group": False, "model_built": False, "forward_backward": False, "finite": False,
-                "checkpoint_saved": False, "checkpoint_reloaded": None, "equivalence_rel_err": None},
+                "checkpoint_saved": False, "checkpoint_reloaded": None, "equivalence_rel_err": None,
+                "replicas_consistent": None},
     )
+    share_checks(report.checks)
     handler = _open_rank_log(request.trial_dir, rank)
     watchdog: MemoryWatchdog | None = None
     progress = _Progress()
@@ -201,6 +205,19 @@ def _smoke(
     report.timings_s["steps"] = time.perf_counter() - steps_start
     report.checks["finite"] = all(math.isfinite(x) for x in report.losses)
 
+    # -- replicas: every copy of a replicated parameter bit-identical (before the checkpoint keeps one of them) --
+    enter("replicas")
+    from sweeper.backends.megatron.replicas import check_replicas
+
+    compared = 0
+    try:
+        compared = _timed(report, "replicas",
+                          lambda: check_replicas([ddp.module for ddp in built.model], request.steps, device))
+    except ReplicaDivergenceError:
+        report.checks["replicas_consistent"] = False
+        raise
+    report.checks["replicas_consistent"] = True if compared else None
+
     # -- checkpoint: save, reload into the same model, compare bitwise -------------------------------------------
     if request.checkpoint:
         _save_and_reload(request, built, report, request.steps, enter, safe_point)
@@ -248,10 +265,12 @@ def _inject(request: SmokeRequest, report: RankReport) -> None:
         _log.warning("fault injection: rank %d poisons its output with NaN at step %d", report.rank, INJECT_STEP)
 
 
-def _timed(report: RankReport, key: str, action) -> None:  # type: ignore[no-untyped-def]
+def _timed(report: RankReport, key: str, action):  # type: ignore[no-untyped-def]
     start = time.perf_counter()
-    action()
-    report.timings_s[key] = report.timings_s.get(key, 0.0) + time.perf_counter() - start
+    try:
+        return action()
+    finally:
+        report.timings_s[key] = report.timings_s.get(key, 0.0) + time.perf_counter() - start
 
 
 def _open_rank_log(trial_dir: str, rank: int) -> logging.Handler | None:

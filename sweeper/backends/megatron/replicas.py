@@ -1,0 +1,132 @@
+"""Replica consistency: every copy of a replicated parameter must be bit-identical after the steps.
+
+Megatron keeps a parameter in several places and relies on the gradient reduction (and, with the distributed
+optimizer, the parameter all-gather) to keep the copies equal: dense weights across the data- and
+context-parallel ranks, expert weights across the expert-data-parallel ranks, weights that tensor parallelism
+does not shard (norms, the router) across the tensor- (expert-tensor-) parallel ranks, and tied word embeddings
+across the first and last pipeline stage. If a reduction runs over the wrong group the run goes on, the loss
+stays finite, and each replica trains its own model; only comparing the copies shows it.
+
+The replica groups here come from Megatron's parallel_state and from where a parameter lives in the model (a
+parameter of an experts module is an expert parameter), never from the flags DDP used to reduce it, so a
+mis-tagged parameter is compared across the group it really belongs to. Each rank reduces every parameter to an
+exact integer checksum of its bits (no rounding: replicas are equal bit for bit or not at all), the checksums are
+all-gathered per group, and the first difference is reported on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+
+from sweeper.backends.megatron.failures import ReplicaDivergenceError
+
+_CHUNK = 1 << 24  # elements per checksum slice: bounds the temporary int64 copy of a large parameter
+_INT_VIEW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class _GroupKind:
+    name: str  # as the error names it
+    group: Callable[[], torch.distributed.ProcessGroup | None]
+
+
+# The order is the same on every rank: each rank belongs to exactly one group of each kind, so the per-kind
+# all-gathers line up.
+_KINDS = {
+    "dp": _GroupKind("data-parallel (x context-parallel)", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+    "edp": _GroupKind("expert-data-parallel", ps.get_expert_data_parallel_group),
+    "tp": _GroupKind("tensor-parallel", ps.get_tensor_model_parallel_group),
+    "etp": _GroupKind("expert-tensor-parallel", ps.get_expert_tensor_parallel_group),
+    "embedding": _GroupKind("embedding (first and last pipeline stage)",
+                            lambda: ps.get_embedding_group() if ps.is_rank_in_embedding_group() else None),
+}
+
+
+def check_replicas(chunks: list[torch.nn.Module], step: int, device: torch.device) -> int:
+    """Raise ReplicaDivergenceError on every rank when any replicated parameter differs between its copies.
+
+    ``chunks``: this rank's model chunks (the modules DDP wraps). Returns how many replicated tensors this rank
+    compared (0 when nothing is replicated, e.g. one rank)."""
+    members = _replicated_params(chunks)
+    local_bad: list[str] = []
+    compared = 0
+    for key, kind in _KINDS.items():
+        group = kind.group()
+        params = members[key]
+        if group is None or torch.distributed.get_world_size(group) == 1 or not params:
+            continue
+        sums = torch.stack([_checksum(p) for _, p in params]).to(device)
+        gathered = [torch.empty_like(sums) for _ in range(torch.distributed.get_world_size(group))]
+        torch.distributed.all_gather(gathered, sums, group=group)
+        compared += len(params)
+        ranks = torch.distributed.get_process_group_ranks(group)
+        for i, (name, _) in enumerate(params):
+            if any(not torch.equal(other[i], gathered[0][i]) for other in gathered[1:]):
+                local_bad.append(f"{name} differs across its {kind.name} group (global ranks {ranks})")
+    findings: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(findings, (local_bad[0] if local_bad else None, len(local_bad), compared))
+    bad = [(rank, f) for rank, f in enumerate(findings) if f[1]]  # type: ignore[index]
+    if bad:
+        rank, (first, count, total) = bad[0]  # type: ignore[misc]
+        raise ReplicaDivergenceError(
+            f"replica divergence after step {step}: {first}; rank {rank} has {count} of {total} replicated "
+            f"tensors differing from their copies"
+        )
+    return compared
+
+
+def _replicated_params(chunks: list[torch.nn.Module]) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Per group kind, this rank's parameters that have a copy on every other rank of that group (by name)."""
+    out: dict[str, list[tuple[str, torch.Tensor]]] = {key: [] for key in _KINDS}
+    for index, chunk in enumerate(chunks):
+        expert = {id(p) for m in chunk.modules() if isinstance(m, _EXPERT_MODULES) for p in m.parameters()}
+        for name, param in _named(chunk, index):
+            is_expert = id(param) in expert
+            out["edp" if is_expert else "dp"].append((name, param))
+            if not getattr(param, "tensor_model_parallel", False):
+                out["etp" if is_expert else "tp"].append((name, param))
+        model = _unwrap(chunk)
+        if getattr(model, "share_embeddings_and_output_weights", False) and (
+            getattr(model, "pre_process", False) or getattr(model, "post_process", False)
+        ):
+            out["embedding"].append((f"chunk{index}.shared_embedding_or_output_weight",
+                                     model.shared_embedding_or_output_weight()))
+    return out
+
+
+_EXPERT_MODULES = tuple(cls for cls in (SequentialMLP, GroupedMLP, TEGroupedMLP) if isinstance(cls, type))
+
+
+def _named(chunk: torch.nn.Module, index: int) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, param in chunk.named_parameters():
+        while name.startswith("module."):
+            name = name.removeprefix("module.")
+        yield f"chunk{index}.{name}", param
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+        module = module.module
+    return module
+
+
+def _checksum(param: torch.Tensor) -> torch.Tensor:
+    """[sum of the bit patterns, position-weighted sum] as int64: equal for bit-identical tensors, and a change of
+    any element (or two elements trading places) changes it. Integer sums wrap but stay exact and order-free."""
+    data = param.detach()
+    if data.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        data = data.float()  # e.g. Transformer Engine's FP8 parameters: compare their dequantised values
+    bits = data.contiguous().view(-1).view(_INT_VIEW[data.element_size()])
+    plain = torch.zeros((), dtype=torch.int64, device=bits.device)
+    weighted = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        part = bits[start:start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + part.numel(), device=bits.device, dtype=torch.int64) % 65521 + 1
+        plain += part.sum()
+        weighted += (part * weights).sum()
+    return torch.stack([plain, weighted])
