@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.config import ClusterConfig, SweepConfig, TrainingConfig
 from sweeper.layout import Layout
 from sweeper.models.catalog import preset
@@ -54,6 +54,7 @@ def standin_backend(request: SmokeRequest) -> RankReport:
         return RankReport(rank=rank, node_id="", backend="standin", ok=False, failure_kind="comm_error",
                           error="gloo: connection closed by peer")
     dist.init_process_group("gloo", timeout=timedelta(seconds=request.timeout_s))
+    share_checks({"process_group": True, "model_built": False})  # as the real backend shares them
     try:
         if me and request.inject == "hang":
             time.sleep(3600)
@@ -116,6 +117,22 @@ def test_root_cause_prefers_a_real_failure_over_earlier_collateral() -> None:
     assert (result.status, result.failure_kind) == ("failed", "oom")
     assert result.error == "rank 3 (b): out of memory"
     assert result.checks.process_group is False and result.checkpoint is None
+
+
+def test_checks_are_what_every_rank_proved_reported_or_stopped() -> None:
+    proved = {"process_group": True, "model_built": True, "forward_backward": True, "finite": False}
+    failed = RankReport(rank=1, node_id="n", backend="b", ok=False, failure_kind="checkpoint_error", error="x",
+                        checks={**proved, "finite": True, "checkpoint_saved": True})
+    # Rank 0 was stopped after rank 1 failed; it had shared what it proved so far.
+    result = aggregate([RankOutcome(0, "a", proven=proved), RankOutcome(1, "a", failed, arrived=1.0)],
+                       world_size=2, warmup_steps=0, trial_dir=None)
+    c = result.checks
+    assert (c.process_group, c.model_built, c.forward_backward, c.finite, c.checkpoint_saved) == (
+        True, True, True, False, False)
+    # A rank that died (or never answered) proved nothing, so nothing holds on every rank.
+    dead = aggregate([RankOutcome(0, "a", died="rank process died"), RankOutcome(1, "a", failed, arrived=1.0)],
+                     world_size=2, warmup_steps=0, trial_dir=None)
+    assert not dead.checks.process_group
 
 
 def test_timeout_explains_collateral_comm_errors_but_not_a_dead_rank() -> None:
@@ -219,6 +236,8 @@ def test_hung_rank_times_out_whole_trial(sim, tmp_path: Path) -> None:
                            inject="hang", inject_rank=2)
     assert (result.status, result.failure_kind) == ("failed", "timeout")
     assert "after 12s (training.trial_timeout_s)" in result.error
+    # No rank reported, yet every rank had joined the process group: the checks say what was proven.
+    assert result.checks.process_group is True and result.checks.model_built is False
     assert 12 <= elapsed < 12 + 10
     assert_nothing_left()
 

@@ -56,3 +56,21 @@ class RankReport:
     equivalence: dict[str, float] | None = None  # {"loss": ..., "grad_norm": ...} on the reference batch
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)  # import, init, build, equivalence, steps, checkpoint_*
+
+
+# The running rank's checks, shared by the backend as it proves them (the dict is updated in place), so the runner
+# can still learn what a rank had proven when the rank is stopped before it reports (a peer failed first, the
+# trial timed out). One rank per process.
+_live_checks: dict[str, Any] = {}
+
+
+def share_checks(checks: dict[str, Any]) -> None:
+    """Called by a backend with its RankReport's ``checks`` at the start of a rank's run."""
+    global _live_checks
+    _live_checks = checks
+
+
+def shared_checks() -> dict[str, Any]:
+    """A copy of what the running (or last) rank of this process has proven so far."""
+    return dict(_live_checks)
+

@@ -23,7 +23,7 @@ from typing import Callable
 
 import ray
 
-from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.base import RankReport, SmokeRequest, shared_checks
 from sweeper.trial.aggregate import classify_exception
 
 
@@ -39,7 +39,8 @@ class RankSlot:
     port: int | None  # a free TCP port on this node, asked of rank 0 only
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
+# Two threads: ``run`` holds one for the whole smoke run; ``checks`` answers on the other while it runs.
+@ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)
 class RankActor:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -81,6 +82,12 @@ class RankActor:
         if not report.node_id:
             report.node_id = node
         return report
+
+
+    def checks(self) -> dict:
+        """What the rank running in this process has proven so far (read by the runner before it stops a rank
+        that has not reported)."""
+        return shared_checks()
 
 
 def load_backend(spec: str) -> Callable[[SmokeRequest], RankReport]:

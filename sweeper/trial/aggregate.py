@@ -32,6 +32,8 @@ class RankOutcome:
     report: RankReport | None = None
     died: str | None = None  # the actor or its node died: Ray's reason, one line
     arrived: float = float("inf")  # driver clock when the outcome arrived (orders the cascade)
+    # A rank stopped before it reported: the checks it had proven by then, as the backend shared them.
+    proven: dict | None = None
 
     @property
     def failure_kind(self) -> str | None:
@@ -111,7 +113,7 @@ def aggregate(
         failure_kind=kind,  # type: ignore[arg-type]
         error=error,
         metrics=_metrics(reports, world_size, warmup_steps),
-        checks=_checks(reports, world_size),
+        checks=_checks(outcomes, world_size),
         checkpoint=_checkpoint(reports, world_size),
         rank_nodes=[o.node for o in sorted(outcomes, key=lambda o: o.rank)],
         backend=reports[0].backend if reports else "none",
@@ -161,12 +163,16 @@ def _losses(reports: list[RankReport]) -> list[float]:
     return next((list(r.losses) for r in reports if r.losses), [])
 
 
-def _checks(reports: list[RankReport], world_size: int) -> TrialChecks:
+def _checks(outcomes: list[RankOutcome], world_size: int) -> TrialChecks:
+    """A check holds when every rank proved it: from its report, or from what it had shared before it was
+    stopped (a rank that died or never answered proved nothing)."""
     checks = TrialChecks()
-    complete = len(reports) == world_size
+    known = [o.report.checks if o.report is not None else o.proven for o in outcomes]
+    proven = [c for c in known if c is not None]
+    complete = len(proven) == world_size
     for f in fields(TrialChecks):
-        values = [r.checks.get(f.name) for r in reports]
-        if f.name == "checkpoint_reloaded":
+        values = [c.get(f.name) for c in proven]
+        if f.name in ("checkpoint_reloaded", "replicas_consistent"):
             attempted = [v for v in values if v is not None]
             value: object = (all(attempted) and complete) if attempted else None
         elif f.name == "equivalence_rel_err":

@@ -44,6 +44,7 @@ BACKEND_INJECTS = ("nan", "hang", "crash")  # done inside a rank by the backend
 RUNNER_INJECTS = ("node-loss",)  # done by the runner (simulated clusters only)
 COLLATERAL_GRACE_S = 5.0  # after a comm error or a dead rank, how long to wait for the rank that caused it
 CPUS_PER_RANK = 1.0
+CHECKS_PROBE_S = 2.0  # how long unreported ranks get to say what they had proven before they are stopped
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,7 @@ def _run_ranks(
                 abort_error = ("infra", "cancelled: the trial was stopped before it finished")
                 notes.append("cancelled")
     finally:
+        _ask_unreported_checks(actors, outcomes)
         # Every rank at once; removing the placement group (by the caller's context manager) follows and
         # would kill them too, but an explicit kill does not depend on that.
         for actor in actors:
@@ -215,6 +217,20 @@ def _run_ranks(
         abort_error=abort_error,
         notes=notes,
     )
+
+
+def _ask_unreported_checks(actors: list, outcomes: list[RankOutcome]) -> None:
+    """Before stopping ranks that have not reported (a peer failed, the trial timed out, it was cancelled), ask
+    each what it had proven: the result's checks are then what every rank proved, failed trial or not."""
+    waiting = {actors[o.rank].checks.remote(): o for o in outcomes if o.report is None and o.died is None}
+    if not waiting:
+        return
+    ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=CHECKS_PROBE_S)
+    for ref in ready:
+        try:
+            waiting[ref].proven = ray.get(ref)
+        except RayError:  # the rank died meanwhile: nothing known of it
+            pass
 
 
 def _describe(actors: list, deadline: float) -> list[RankSlot] | str:
