@@ -15,10 +15,11 @@ import pytest
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import CheckpointError, NonFiniteError, SimulatedOOMError, classify, one_line
-from sweeper.backends.megatron.flops import flops_per_global_batch, padded_vocab_size
 from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.layout import Layout
 from sweeper.models.catalog import preset
+from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
 from sweeper.results import FAILURE_KINDS
 
@@ -133,6 +134,32 @@ def test_expert_replicas_stay_equal_when_etp_equals_tp(tmp_path: Path) -> None:
     reports = _run(_request(tmp_path, layout, "tiny-moe", steps=3), 2)
     _assert_passed(reports)
     assert all(r.checks["replicas_consistent"] for r in reports)
+
+
+# A DeepSeek-V2-Lite-shaped model at CPU size: MLA (no query compression, latent KV, decoupled RoPE key, YaRN),
+# first layer dense, then MoE with shared experts.
+TINY_MLA = ModelSpec(
+    name="tiny-mla", num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=256,
+    max_position_embeddings=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=64, moe_first_k_dense=1, multi_latent_attention=True, qk_layernorm=True,
+    q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(
+    "layout",
+    [
+        Layout(world_size=2, tp=2, etp=2, sp=True, gbs=2),
+        Layout(world_size=2, pp=2, gbs=4, first_stage_layers=2, last_stage_layers=1),  # uneven, like 14/13
+        Layout(world_size=2, ep=2, gbs=4),
+    ],
+    ids=["tp2-sp", "pp2-uneven", "ep2"],
+)
+def test_mla_trains_on_the_cpu(tmp_path: Path, layout: Layout) -> None:
+    reports = _run(_request(tmp_path, layout, TINY_MLA, checkpoint=True), 2)
+    _assert_passed(reports)
+    assert all(r.checks["checkpoint_reloaded"] for r in reports)
 
 
 @pytest.mark.e2e
@@ -283,7 +310,7 @@ def test_error_is_one_line() -> None:
     [
         ("tiny-gpt", Layout(world_size=2, tp=2, sp=True, precision="fp8"), "precision fp8"),
         ("tiny-gpt", Layout(world_size=1, precision="mxfp8"), "precision mxfp8"),
-        ("deepseek-v2-lite", Layout(world_size=1), "multi_latent_attention"),
+        ("deepseek-v2-lite", Layout(world_size=2, cp=2), "multi_latent_attention with context parallel (cp=2)"),
         ("nemotron-3-nano-30b-a3b", Layout(world_size=1), "hybrid Mamba"),
     ],
 )
@@ -318,6 +345,10 @@ def test_layer_spec_choice() -> None:
 # unit: FLOPs
 
 
+def _flops_per_step(spec: ModelSpec, s: int, b: int, vocab: int) -> float:
+    return b * s * model_flops_per_token(spec, s, vocab)
+
+
 def test_flops_dense_gqa_by_hand() -> None:
     spec = ModelSpec(num_layers=2, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, num_query_groups=2,
                      vocab_size=256)
@@ -326,8 +357,8 @@ def test_flops_dense_gqa_by_hand() -> None:
     out = 64 * 64
     attn = s * 64  # QK^T and AV over half the causal sequence each
     mlp = 3 * 64 * 256  # SwiGLU: gate, up, down
-    per_token = 2 * (qkv + out + attn + mlp) + 64 * v
-    assert flops_per_global_batch(spec, s, b, v) == 6 * b * s * per_token
+    per_token = 2 * (2 * (qkv + out + attn + mlp) + 64 * v)
+    assert _flops_per_step(spec, s, b, v) == 3 * b * s * per_token
 
 
 def test_flops_match_megatron_closed_form() -> None:
@@ -335,24 +366,57 @@ def test_flops_match_megatron_closed_form() -> None:
     spec = preset("llama3-8b")
     s, b = 4096, 8
     h, n, g, d, L = spec.hidden_size, spec.num_attention_heads, spec.query_groups, spec.head_dim, spec.num_layers
-    v = padded_vocab_size(spec.vocab_size, tp=1)
+    v = padded_vocab_size(spec, tp=1)
     megatron = 12 * s * b * L * h * h * ((1 + g / n + s / h / 2) * (n * d / h) + spec.ffn_hidden_size / h * 1.5) \
         + 6 * s * b * h * v
-    assert flops_per_global_batch(spec, s, b, v) == pytest.approx(megatron, rel=1e-12)
+    assert _flops_per_step(spec, s, b, v) == pytest.approx(megatron, rel=1e-12)
 
 
-def test_flops_moe_counts_routed_topk_shared_and_first_dense() -> None:
+def test_flops_moe_counts_routed_topk_shared_router_and_first_dense() -> None:
     base = dict(num_layers=4, hidden_size=64, ffn_hidden_size=256, num_attention_heads=4, vocab_size=128)
     dense = ModelSpec(**base)
     moe = ModelSpec(**base, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32,
                     moe_shared_expert_intermediate_size=64, moe_first_k_dense=1)
     s, b = 16, 2
-    mlp_dense, mlp_moe = 3 * 64 * 256, 3 * 64 * (2 * 32 + 64)
-    assert flops_per_global_batch(dense, s, b, 128) - flops_per_global_batch(moe, s, b, 128) == \
+    mlp_dense, mlp_moe = 3 * 64 * 256, 3 * 64 * (2 * 32 + 64) + 64 * 8  # the MoE layer: experts + router
+    assert _flops_per_step(dense, s, b, 128) - _flops_per_step(moe, s, b, 128) == \
         pytest.approx(6 * s * b * 3 * (mlp_dense - mlp_moe))
 
 
+def test_flops_of_one_mla_layer_by_hand() -> None:
+    # DeepSeek-V2-Lite's attention (no query compression): h 2048, 16 heads, qk 128 + rope 64, v 128, kv rank 512.
+    spec = preset("deepseek-v2-lite").model_copy(update=dict(num_layers=1, moe_first_k_dense=1, num_moe_experts=None,
+                                                             moe_router_topk=None, moe_ffn_hidden_size=None,
+                                                             moe_shared_expert_intermediate_size=None))
+    s, h, a = 4096, 2048, 16
+    q = h * a * (128 + 64)  # q_proj
+    kv_down = h * (512 + 64)  # latent KV plus the shared rope key
+    kv_up = 512 * a * (128 + 128)  # keys (no rope part) and values from the latent
+    out = a * 128 * h
+    core = s * a * (192 + 128) / 2  # QK^T over 192 dims, AV over 128, causal half
+    mlp = 3 * h * 10944
+    per_token_fwd = 2 * (q + kv_down + kv_up + out + core + mlp) + 2 * h * 102400
+    assert model_flops_per_token(spec, s, 102400) == pytest.approx(3 * per_token_fwd, rel=1e-12)
+
+
+def test_flops_of_one_mamba_layer_by_hand() -> None:
+    # Nemotron-3-Nano's Mamba2 mixer alone: h 2688, 64 heads x 64, 8 groups, state 128, chunk 128.
+    spec = ModelSpec(num_layers=1, hidden_size=2688, ffn_hidden_size=1856, num_attention_heads=32,
+                     num_query_groups=2, vocab_size=131072, hybrid_layer_pattern="M", mamba_num_heads=64,
+                     mamba_head_dim=64, mamba_num_groups=8, mamba_state_dim=128)
+    s, h, d_inner = 4096, 2688, 64 * 64
+    in_proj = h * (2 * d_inner + 2 * 8 * 128 + 64)  # z, x, B, C (per group), dt (per head)
+    out_proj = d_inner * h
+    scan = 7 * 128 * d_inner + 2 * 128 * d_inner  # state update/output/decay per state element + intra-chunk
+    per_token_fwd = 2 * (in_proj + out_proj) + scan + 2 * h * 131072
+    assert model_flops_per_token(spec, s, 131072) == pytest.approx(3 * per_token_fwd, rel=1e-12)
+
+
 def test_padded_vocab() -> None:
-    assert padded_vocab_size(256, tp=2) == 256
-    assert padded_vocab_size(128256, tp=8) == 129024
-    assert padded_vocab_size(100, tp=1) == 128
+    def padded(vocab: int, tp: int) -> int:
+        return padded_vocab_size(ModelSpec(num_layers=1, hidden_size=8, ffn_hidden_size=8, num_attention_heads=1,
+                                           vocab_size=vocab), tp)
+
+    assert padded(256, tp=2) == 256
+    assert padded(128256, tp=8) == 129024
+    assert padded(100, tp=1) == 128

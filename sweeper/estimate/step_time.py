@@ -75,14 +75,17 @@ def block_flops(spec: ModelSpec, block: Block, seq_length: int, chunk_size: int 
     return BlockFlops(gemm, scan)
 
 
-def model_flops_per_token(spec: ModelSpec, seq_length: int) -> float:
-    """Forward + backward FLOPs per token of the whole model (Megatron's TFLOP/s/GPU numerator / tokens)."""
+def model_flops_per_token(spec: ModelSpec, seq_length: int, vocab_size: int | None = None) -> float:
+    """Forward + backward FLOPs per token of the whole model (Megatron's TFLOP/s/GPU numerator / tokens).
+
+    The one FLOPs model of sweeper: the estimator prices step time with it and trials report TFLOP/s per GPU
+    with it. ``vocab_size``: the padded vocabulary the model was built with (default: padded for TP 1)."""
     total = 0.0
     for blocks in spec.layer_blocks:
         for b in blocks:
             f = block_flops(spec, b, seq_length)
             total += f.gemm + f.other
-    total += 2 * spec.hidden_size * padded_vocab_size(spec)
+    total += 2 * spec.hidden_size * (vocab_size or padded_vocab_size(spec))
     return FWD_BWD_FACTOR * total
 
 

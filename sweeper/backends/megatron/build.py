@@ -19,11 +19,13 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.module import Float16Module
 
+from sweeper.backends.megatron.architecture import mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
-from sweeper.backends.megatron.flops import padded_vocab_size
 from sweeper.layout import Layout
+from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -74,6 +76,9 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     elif layout.precision == "mxfp8":
         fp8 = dict(fp8="e4m3", fp8_recipe="mxfp8")
     config_class: type[TransformerConfig] = TransformerConfig
+    arch: dict[str, Any] = {}
+    if spec.multi_latent_attention and not te:  # the GPU plan carries the same fields (gpu.gpu_plan)
+        config_class, arch = MLATransformerConfig, mla_config_kwargs(spec)
     if te:  # GPU path (gpu.py): this device's FP8 recipe, MLA / Mamba fields, CP through TE; not run on a GPU yet
         from sweeper.backends.megatron import gpu
 
@@ -117,6 +122,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         **moe,
         **layout.recompute_config(),
         **fp8,
+        **arch,
     )
 
 
@@ -146,7 +152,7 @@ def build(
     # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    vocab = vocab_size or padded_vocab_size(spec.vocab_size, layout.tp)
+    vocab = vocab_size or padded_vocab_size(spec, layout.tp)
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(layout.vpp) if vpp else [None]:

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -148,3 +149,20 @@ class ContextParallelDotProductAttention(MegatronModule):
         context = torch.bmm(probs.view(batch * heads, seq_local, seq), v)
         context = context.view(batch, heads, seq_local, head_dim).permute(2, 0, 1, 3).contiguous()
         return context.view(seq_local, batch, heads * head_dim)
+
+
+class LatentDotProductAttention(DotProductAttention):
+    """Megatron's local ``DotProductAttention`` with the key and value head widths of multi-latent attention.
+
+    ``MLASelfAttention`` builds its core attention with ``k_channels`` (qk_head_dim + qk_pos_emb_head_dim) and
+    ``v_channels`` (v_head_dim), which only Transformer Engine's attention accepts. The local attention's
+    arithmetic already works per tensor (scores from Q and K of one width, context from V of another); only the
+    output width, heads x v_channels instead of heads x kv_channels, has to follow V. MLA passes its own
+    softmax scale (YaRN's mscale over sqrt(q_head_dim)).
+    """
+
+    def __init__(self, *args: Any, k_channels: int | None = None, v_channels: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_partition = v_channels * self.num_attention_heads_per_partition

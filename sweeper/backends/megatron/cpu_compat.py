@@ -10,7 +10,7 @@ How each CUDA assumption listed in MEGATRON_ON_CPU.md is met: allocations on ``t
 (GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
-``te_general_gemm`` is defined as None; the MoE allgather dispatcher is chosen in ``build.py``.
+``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE allgather dispatcher is chosen in ``build.py``.
 """
 
 from __future__ import annotations
@@ -139,6 +139,13 @@ def _patch_megatron() -> None:
     # Without Transformer Engine the router references an undefined name (NameError); None selects the torch path.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    # Without Transformer Engine, megatron.core.extensions.transformer_engine still imports and exports MagicMocks
+    # for its classes, so multi_latent_attention sets HAVE_TE and then calls isinstance(x, <MagicMock>) (TypeError).
+    import megatron.core.extensions.transformer_engine as te_extensions
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    if not getattr(te_extensions, "HAVE_TE", True):
+        mla.HAVE_TE = False
     # "CUDA" RNG state on a CPU build is the CPU generator's state: tracker forks and activation recompute
     # (CheckpointFunction) save/restore it through these two functions.
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()

@@ -2,8 +2,8 @@
 
 The local spec's ``DotProductAttention`` refuses CP and its ``WrappedTorchNorm`` refuses SP. ``adapt_local_block_spec``
 returns a copy of the block spec in which, only where the layout needs it, core attention becomes
-``ContextParallelDotProductAttention`` (cp > 1) and every torch norm becomes ``SequenceParallelTorchNorm``
-(sequence_parallel). Everything else — and the whole spec when CP is 1 and SP off — stays Megatron's own.
+``ContextParallelDotProductAttention`` (cp > 1) or, for multi-latent attention, ``LatentDotProductAttention`` (K and V
+of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Everything else — and the whole spec when CP is 1 and SP off — stays Megatron's own.
 """
 
 from __future__ import annotations
@@ -16,14 +16,17 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention
+from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention, LatentDotProductAttention
 from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
 
 
 def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
     """The block spec with CP attention and SP norms swapped in where the config needs them (a copy)."""
     swaps: dict[type, type] = {}
-    if config.context_parallel_size > 1:
+    if config.multi_latent_attention:
+        # MLA's core attention has K and V of different widths (MLA with CP is refused: rules.py).
+        swaps[DotProductAttention] = LatentDotProductAttention
+    elif config.context_parallel_size > 1:
         swaps[DotProductAttention] = ContextParallelDotProductAttention
     if config.sequence_parallel:
         swaps[WrappedTorchNorm] = SequenceParallelTorchNorm

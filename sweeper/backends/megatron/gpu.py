@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from sweeper.backends.megatron.architecture import mla_config_kwargs
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
@@ -43,15 +44,6 @@ FP8_RECIPE_ENV = "SWEEPER_FP8_RECIPE"
 # travels to the rank unchanged, so the GPU trial knows to build Megatron-Bridge's model from that folder.
 HF_NAME_PREFIX = "hf:"
 MAMBA_SLOW_PATH_NOTE = "Mamba fast path missing (no causal-conv1d): slow path"
-
-# DeepSeek-V2/V3 YaRN RoPE (HF rope_scaling of both models); ModelSpec does not carry RoPE scaling, and the
-# smoke run's memory and throughput do not depend on these values. A ``model: {hf: DIR}`` spec gets the exact ones
-# from Megatron-Bridge's provider.
-_DEEPSEEK_YARN: dict[str, Any] = dict(
-    rope_type="yarn", rotary_base=10000, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
-    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
-)
-
 
 class GpuPrecisionError(UnsupportedError, ValueError):
     """A precision or FP8 recipe the device's compute capability cannot run (LAYOUT_RULES.md, precision); the
@@ -169,15 +161,7 @@ def gpu_plan(
     config_class: Literal["TransformerConfig", "MLATransformerConfig"] = "TransformerConfig"
     if spec.multi_latent_attention:
         config_class = "MLATransformerConfig"
-        kwargs.update(
-            multi_latent_attention=True,
-            q_lora_rank=spec.q_lora_rank,
-            kv_lora_rank=spec.kv_lora_rank,
-            qk_head_dim=spec.qk_head_dim,
-            qk_pos_emb_head_dim=spec.qk_pos_emb_head_dim,
-            v_head_dim=spec.v_head_dim,
-            **_DEEPSEEK_YARN,
-        )
+        kwargs.update(mla_config_kwargs(spec))
     return GpuPlan(
         model_class="GPTModel",
         config_class=config_class,

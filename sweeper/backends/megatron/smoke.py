@@ -24,9 +24,9 @@ from sweeper.backends.megatron import cpu_compat
 from sweeper.backends.megatron.failures import (
     Phase, ReplicaDivergenceError, SimulatedOOMError, UnsupportedError, classify,
 )
-from sweeper.backends.megatron.flops import flops_per_global_batch
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.support import backend_name, unsupported_reason
+from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
 
@@ -156,7 +156,7 @@ def _smoke(
         report.notes.extend(device_plan(spec, layout).notes)
     report.timings_s["build"] = time.perf_counter() - start
     report.tokens_per_step = layout.gbs * request.seq_length
-    report.flops_per_step = flops_per_global_batch(spec, request.seq_length, layout.gbs, built.vocab_size)
+    report.flops_per_step = report.tokens_per_step * model_flops_per_token(spec, request.seq_length, built.vocab_size)
     safe_point()
 
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")

@@ -2,7 +2,8 @@
 
 A layout or model feature the backend cannot execute is "unsupported on this backend", never a layout failure:
 the same layout may pass on a GPU cluster with Transformer Engine. Reasons name the feature and the backend.
-Context and sequence parallelism run without Transformer Engine too (sweeper's own local CP attention and SP norms).
+Context and sequence parallelism run without Transformer Engine too (sweeper's own local CP attention and SP norms),
+and so does multi-latent attention (Megatron's local MLA spec with a K/V-width-aware core attention).
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     if spec.is_hybrid and not (cuda and te):
         return no("hybrid Mamba model (hybrid_layer_pattern)", "needs MambaModel and the mamba_ssm/causal-conv1d "
                   "GPU kernels" if not cuda else "MambaModel's mamba_stack_spec needs Transformer Engine")
-    if spec.multi_latent_attention and not (cuda and te):
-        return no("multi_latent_attention (MLA)", "needs Transformer Engine attention on GPU" if not cuda
-                  else "MLA's layer spec needs Transformer Engine")
+    if spec.multi_latent_attention and layout.cp > 1 and not (cuda and te):
+        # Megatron's local attention refuses CP ("Context parallelism is only supported by TEDotProductAttention!")
+        # and sweeper's CPU CP attention (cpu_attention.py) is written for equal K/V head widths, not MLA's.
+        return no(f"multi_latent_attention with context parallel (cp={layout.cp})", "MLA's context-parallel "
+                  "attention is Transformer Engine's (cp_comm_type p2p); Megatron's local attention refuses CP")
     if layout.is_fp8:
         if not cuda or not te:
             return no(f"precision {layout.precision}", "FP8 GEMMs need Transformer Engine on a GPU")
