@@ -2,7 +2,8 @@
 
 ModelSpec field names follow TransformerConfig, so most fields pass straight through; the layout supplies the
 parallel sizes, precision, recompute and the uneven pipeline split. On the CPU backend the model uses Megatron's
-local (pure torch) layer spec, CPU initialisation and the allgather MoE token dispatcher; on a GPU with
+local (pure torch) layer spec (for hybrid Mamba models a local stack spec with torch Mamba2 kernels, cpu_mamba.py),
+CPU initialisation and the allgather MoE token dispatcher; on a GPU with
 Transformer Engine it uses the TE layer spec. With virtual pipeline stages one model chunk is built per stage.
 """
 
@@ -22,7 +23,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 from megatron.core.transformer.module import Float16Module
 
-from sweeper.backends.megatron.architecture import mla_config_kwargs
+from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
 from sweeper.layout import Layout
 from sweeper.models.params import padded_vocab_size
@@ -79,6 +80,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     arch: dict[str, Any] = {}
     if spec.multi_latent_attention and not te:  # the GPU plan carries the same fields (gpu.gpu_plan)
         config_class, arch = MLATransformerConfig, mla_config_kwargs(spec)
+    if spec.is_hybrid and not te:
+        arch = mamba_config_kwargs(spec)
     if te:  # GPU path (gpu.py): this device's FP8 recipe, MLA / Mamba fields, CP through TE; not run on a GPU yet
         from sweeper.backends.megatron import gpu
 
@@ -149,6 +152,11 @@ def build(
         from sweeper.backends.megatron import gpu
 
         config, model_class = gpu.gpu_model(spec, layout, config)
+    elif spec.is_hybrid:  # torch Mamba2 kernels and a local hybrid stack spec (cpu_mamba.py)
+        from sweeper.backends.megatron import cpu_mamba
+
+        cpu_mamba.install()
+        model_class = mamba_model_builder(spec, adapt_local_block_spec(cpu_mamba.local_mamba_stack_spec(), config))
     # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -156,10 +164,10 @@ def build(
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks: list[torch.nn.Module] = []
     for vp_stage in range(layout.vpp) if vpp else [None]:
-        block_spec = get_gpt_decoder_block_spec(
+        block_spec = None if spec.is_hybrid else get_gpt_decoder_block_spec(  # MambaModel brings its own stack
             config, use_transformer_engine=te, normalization=spec.normalization, vp_stage=vp_stage
         )
-        if not te:
+        if not te and block_spec is not None:
             # CP attention and SP norms of our own where Megatron's local modules refuse them (cpu_spec.py).
             block_spec = adapt_local_block_spec(block_spec, config)
         chunk = model_class(

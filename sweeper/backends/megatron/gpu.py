@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from sweeper.backends.megatron.architecture import mla_config_kwargs
+from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
@@ -136,13 +136,7 @@ def gpu_plan(
         # TE's attention does the CP exchange; MLA supports only p2p (or a2a+p2p), so p2p for every model.
         kwargs["cp_comm_type"] = "p2p"
     if spec.is_hybrid:
-        kwargs.update(
-            is_hybrid_model=True,
-            mamba_num_heads=spec.mamba_heads,
-            mamba_head_dim=spec.mamba_head_dim,
-            mamba_num_groups=spec.mamba_num_groups,
-            mamba_state_dim=spec.mamba_state_dim,
-        )
+        kwargs.update(mamba_config_kwargs(spec))
         if not causal_conv1d:
             # The memory-efficient path is mamba_ssm's fused conv1d+scan, which calls causal-conv1d's kernel; the
             # other path falls back to torch's Conv1d (Megatron warns it is not tested for training).
@@ -308,34 +302,6 @@ def gpu_model_class(spec: ModelSpec, plan: GpuPlan, provider: Any = None) -> Cal
 
         return GPTModel
 
-    def mamba_chunk(*, config: Any, vocab_size: int, max_sequence_length: int, pre_process: bool,
-                    post_process: bool, share_embeddings_and_output_weights: bool, position_embedding_type: str,
-                    vp_stage: int | None = None, **_: Any) -> Any:
-        import copy
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
-        from megatron.core.activations import squared_relu
-        from megatron.core.models.mamba import MambaModel
-        from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
-
-        if vp_stage is not None:
-            raise ValueError("hybrid Mamba models do not support virtual pipeline stages in megatron-core 0.16")
-        if not spec.gated_linear_unit:
-            config.activation_func = squared_relu  # Nemotron-H's relu2 MLPs (ModelSpec has no activation field)
-        stack = mamba_stack_spec
-        if plan.layer_spec_kwargs.get("d_conv", 4) != 4:
-            stack = copy.deepcopy(mamba_stack_spec)
-            mixer = stack.submodules.mamba_layer.submodules.mixer
-            mixer.params = {**(mixer.params or {}), "d_conv": plan.layer_spec_kwargs["d_conv"]}
-        return MambaModel(
-            config=config,
-            mamba_stack_spec=stack,
-            vocab_size=vocab_size,
-            max_sequence_length=max_sequence_length,
-            pre_process=pre_process,
-            post_process=post_process,
-            hybrid_override_pattern=plan.layer_spec_kwargs["hybrid_override_pattern"],
-            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
-            position_embedding_type=position_embedding_type,
-        )
-
-    return mamba_chunk
+    return mamba_model_builder(spec, mamba_stack_spec)

@@ -29,10 +29,13 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         gpu_reason = gpu_unsupported_reason(spec, layout)
         if gpu_reason:
             return no(*gpu_reason)
-    # Model kinds the backend builds only on a GPU with Transformer Engine.
-    if spec.is_hybrid and not (cuda and te):
-        return no("hybrid Mamba model (hybrid_layer_pattern)", "needs MambaModel and the mamba_ssm/causal-conv1d "
-                  "GPU kernels" if not cuda else "MambaModel's mamba_stack_spec needs Transformer Engine")
+    # Hybrid Mamba models run on the CPU through sweeper's torch Mamba2 kernels (cpu_mamba.py); a GPU without
+    # Transformer Engine would need them too, with mamba_ssm's kernels expected there.
+    if spec.is_hybrid and cuda and not te:
+        return no("hybrid Mamba model (hybrid_layer_pattern)", "MambaModel's mamba_stack_spec needs Transformer "
+                  "Engine on a GPU")
+    if spec.multi_latent_attention and cuda and not te:
+        return no("multi_latent_attention (MLA)", "MLA's layer spec needs Transformer Engine on a GPU")
     if spec.multi_latent_attention and layout.cp > 1 and not (cuda and te):
         # Megatron's local attention refuses CP ("Context parallelism is only supported by TEDotProductAttention!")
         # and sweeper's CPU CP attention (cpu_attention.py) is written for equal K/V head widths, not MLA's.
