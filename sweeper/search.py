@@ -1,10 +1,12 @@
 """`sweeper search`: the sweep loop. Optuna proposes, the scheduler launches trials on free GPUs, MLflow records.
 
 The driver thread owns every decision and every write (trials.jsonl, Optuna, MLflow); trials run in worker
-threads that only block on Ray. One loop: fill free capacity with proposals (pruning what the rules reject or
-the estimator predicts will not fit, without launching), wait for a trial to end, record it, repeat until the
-budget is spent; then confirm the top candidates and export the winner. Infrastructure failures (a node lost,
-an actor killed) are not the layout's fault: the same layout is re-queued as a new attempt of the same trial.
+threads that only block on Ray. One loop: fill free capacity with proposals (the study proposes only layouts
+the rules accept, the estimator predicts fit and the backend can run; a queued seed that is not launchable is
+refused and recorded once, without launching), wait for a trial to end, record it, repeat until the budget or
+the launchable layouts are spent; then confirm the top candidates and export the winner. Infrastructure
+failures (a node lost, an actor killed) are not the layout's fault: the same layout is re-queued as a new
+attempt of the same trial.
 """
 
 from __future__ import annotations
@@ -107,12 +109,33 @@ class Sweep:
         self.t0 = time.monotonic()
         self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
         self.calibrator = Calibrator(cfg, options.out)
-        plan = [assess(cfg, lo, self.calibrator.current) for lo in enumerate_layouts(cfg)]
-        self.launchable = sorted((e for e in plan if e.launchable),
-                                 key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
+        self.launchable = self._launchable()
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
-        self.study = LayoutStudy(cfg, self.dir.journal, self.exhaustive, cfg.search.seed)
+        mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
+        self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self._candidates())
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run())
+
+    def _launchable(self) -> list[PlanEntry]:
+        """The layouts a proposal may name: the rules accept them, the estimator predicts they fit, and this
+        backend can run them; fastest predicted first. Everything else is never proposed (``sweeper plan``
+        lists it with its reasons)."""
+        plan = [assess(self.cfg, lo, self.calibrator.current) for lo in enumerate_layouts(self.cfg)]
+        entries = [e for e in plan if e.launchable and not self.handle.unsupported(self.cfg.model, e.layout)]
+        return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
+
+    def _candidates(self) -> list[Layout]:
+        """The launchable layouts in the order an ordered study visits them. ``sampler: grid``: the space's grid
+        order (the axes' product as the YAML lists them). A budget that covers every layout: grouped by size,
+        largest first (equal-size trials pack the cluster side by side instead of a large one waiting behind
+        small ones), fastest predicted first within a size."""
+        if self.cfg.search.sampler == "grid":
+            grid = {lo: i for i, lo in enumerate(enumerate_layouts(self.cfg))}
+            return sorted((e.layout for e in self.launchable), key=grid.__getitem__)
+        return [e.layout for e in sorted(self.launchable, key=lambda e: -e.layout.world_size)]
+
+    def _taken(self, layout: Layout) -> bool:
+        """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
+        return _key(layout.to_dict()) in self.decided or self._is_running(layout)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -152,14 +175,10 @@ class Sweep:
                                   "crash; it runs again as a new attempt")
         for text in self.cfg.search.seeds:
             self.study.enqueue(layout_from_string(self.cfg, text))
-        # Exhaustive: every launchable layout, grouped by size (largest first: equal-size trials pack the cluster
-        # side by side instead of a large one waiting behind small ones), fastest predicted first within a size.
-        # Otherwise the estimator's two favourites open the study (a prior), then TPE takes over.
-        ordered = sorted(self.launchable, key=lambda e: -e.layout.world_size) if self.exhaustive else \
-            self.launchable[:PRIOR_PROPOSALS]
-        for entry in ordered:
-            if _key(entry.layout.to_dict()) not in self.decided:
-                self.study.enqueue(entry.layout)
+        if self.study.mode == "tpe":  # the estimator's two favourites open the study (a prior), then TPE takes over
+            for entry in self.launchable[:PRIOR_PROPOSALS]:
+                if not self._taken(entry.layout):
+                    self.study.enqueue(entry.layout)
 
     @property
     def launched(self) -> int:
@@ -176,7 +195,6 @@ class Sweep:
         return hours is None or self.busy_gpu_s / 3600 < hours
 
     def _fill(self) -> None:
-        asks = 0
         alive = self.handle.capacity_total()
         for run in [r for r in self.deferred if r.layout.world_size <= alive]:  # capacity came back (node join)
             self.deferred.remove(run)
@@ -193,16 +211,15 @@ class Sweep:
                 self.retry.pop(0)
                 self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, slot)
                 continue
-            if not self._budget_left() or asks > 50 * self.max_trials:
+            if not self._budget_left():
                 return
-            if self.exhaustive and not self.study.has_queued():
+            # Never a decided or running layout, so this loop ends: each turn launches (budget), holds for GPUs
+            # (return), or refuses a layout not refused before (a queued seed, or one calibration no longer fits),
+            # recorded once; the study spends at most two asks per proposal.
+            proposal = self.study.propose(self._taken)
+            if proposal is None:
                 return  # every launchable layout has been proposed
-            proposal = self.study.ask()
-            asks += 1
             layout = proposal.layout
-            if _key(layout.to_dict()) in self.decided or self._is_running(layout):
-                self.study.skip(proposal.trial)  # never launched twice
-                continue
             entry = assess(self.cfg, layout, self.calibrator.current)
             reason = self._refusal(entry)
             if reason is not None:
@@ -312,6 +329,8 @@ class Sweep:
         if fitted is not None:
             for line in fitted.lines():
                 console.print(f"[blue]estimator[/] {line}")
+            self.launchable = self._launchable()  # what fits follows the calibrated estimator
+            self.study.set_candidates(self._candidates())
         self._print_progress()
         if run.phase == "confirm":
             return

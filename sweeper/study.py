@@ -1,18 +1,28 @@
-"""The Optuna side of a sweep: a resumable study whose trials are Layouts.
+"""The Optuna side of a sweep: a resumable study whose trials are Layouts, proposing only launchable ones.
 
-Define-by-run over the space's axes (one categorical per axis), journal storage in the sweep folder, and
-Optuna's constraint mechanism for what must never be launched or did not fit: a layout the rules reject, one
-the estimator predicts over the memory budget, or a trial that ran out of memory is told with a positive
-constraint value, so TPE learns the infeasible region instead of ignoring those trials as FAIL. Small spaces
-are covered exhaustively (every launchable layout enqueued, fastest predicted first); large ones use a
-multivariate TPE with the constant liar so that concurrent proposals spread out.
+Define-by-run over the space's axes (one categorical per axis), journal storage in the sweep folder. The study
+is given the sweep's candidates (the layouts the rules accept, the estimator predicts fit, and the backend can
+run) and every proposal it hands out is a candidate not yet decided or running: the space is enumerable, so
+there is no reason to let a sampler spend asks on the rest. How the next candidate is picked:
+  ordered - the next one in the given order (``sampler: grid``: the space's grid order; a space the budget
+            covers: the sweep's packing order)
+  random  - uniformly among the remaining candidates
+  tpe     - multivariate TPE with the constant liar over the axes; a draw that is not a remaining candidate is
+            told to Optuna (see ``_decline``) and replaced by the nearest remaining candidate, so each proposal
+            costs at most two asks
+Layouts queued with ``enqueue`` (seeds, trials a dead driver left running, the estimator's favourites) come
+first, as given, and may be refused by the sweep. Outcomes are told with Optuna's constraint mechanism: a
+refused layout or a trial that ran out of memory is infeasible, so TPE learns that region instead of ignoring
+those trials as FAIL.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import optuna
 from optuna.storages import JournalStorage
@@ -26,6 +36,7 @@ from sweeper.rules import with_pipeline_split
 AXES = ("gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "mbs", "precision", "recompute", "distributed_optimizer")
 # Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.
 CONSTRAINT = "infeasible"
+Mode = Literal["ordered", "random", "tpe"]
 
 
 @dataclass
@@ -34,23 +45,45 @@ class Proposal:
     layout: Layout
 
 
+@dataclass
+class AskCounts:
+    """What the proposals cost: Optuna asks, and the TPE draws declined (not a candidate / already taken)."""
+
+    asks: int = 0
+    infeasible: int = 0
+    duplicates: int = 0
+
+
 class LayoutStudy:
-    def __init__(self, cfg: SweepConfig, journal: Path, exhaustive: bool, seed: int) -> None:
+    def __init__(self, cfg: SweepConfig, journal: Path, mode: Mode, seed: int, candidates: Sequence[Layout]) -> None:
         self.cfg = cfg
+        self.mode = mode
         storage = JournalStorage(JournalFileBackend(str(journal)))
-        if exhaustive or cfg.search.sampler == "grid":
-            # The candidates are enqueued in order; a sampler is only consulted once the queue is empty.
-            sampler: optuna.samplers.BaseSampler = optuna.samplers.RandomSampler(seed=seed)
-        elif cfg.search.sampler == "random":
-            sampler = optuna.samplers.RandomSampler(seed=seed)
-        else:
-            sampler = optuna.samplers.TPESampler(
+        if mode == "tpe":
+            sampler: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(
                 seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=5
             )
+        else:
+            # Every ordered or random proposal is an enqueued trial with all its params fixed, so the sampler is
+            # never asked for a value; RandomSampler is the inert placeholder Optuna requires.
+            sampler = optuna.samplers.RandomSampler(seed=seed)
         self.study = optuna.create_study(
             study_name=cfg.name, storage=storage, sampler=sampler, direction="maximize", load_if_exists=True
         )
         self.choices = _choices(cfg)
+        self.rng = random.Random(seed)
+        self.counts = AskCounts()
+        self.set_candidates(candidates)
+        # Layouts outside the candidates already told infeasible (a resumed study keeps what it learned).
+        self.told_infeasible = {
+            self.layout_of(t.params) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
+            if set(t.params) == set(AXES) and t.constraints.get(CONSTRAINT, 0.0) > 0
+        }
+
+    def set_candidates(self, candidates: Sequence[Layout]) -> None:
+        """The layouts proposals are drawn from, in the order ``ordered`` mode visits them."""
+        self.candidates = list(dict.fromkeys(candidates))
+        self._coords = {lo: self._coordinates(lo) for lo in self.candidates}
 
     # -- layouts <-> Optuna params ---------------------------------------------------------------------------------
     def params_of(self, layout: Layout) -> dict[str, Any]:
@@ -79,10 +112,31 @@ class LayoutStudy:
         self.study.enqueue_trial(self.params_of(layout), skip_if_exists=not again)
 
     # -- ask / tell ------------------------------------------------------------------------------------------------
-    def ask(self) -> Proposal:
-        trial = self.study.ask()
-        params = {axis: trial.suggest_categorical(axis, self.choices[axis]) for axis in AXES}
-        return Proposal(trial, self.layout_of(params))
+    def propose(self, taken: Callable[[Layout], bool]) -> Proposal | None:
+        """The next layout to launch, never one ``taken`` (decided or running); None when no candidate is left.
+
+        Queued layouts come first, as given (the sweep refuses and records one that is not launchable). Then
+        one candidate per the mode; a TPE draw costs one extra ask at most, so asks stay bounded by proposals."""
+        while self.has_queued():
+            proposal = self._ask()
+            if not taken(proposal.layout):
+                return proposal
+            self._decline(proposal, duplicate=True)
+        left = [lo for lo in self.candidates if not taken(lo)]
+        if not left:
+            return None
+        if self.mode == "tpe":
+            proposal = self._ask()
+            if proposal.layout in self._coords and not taken(proposal.layout):
+                return proposal
+            self._decline(proposal, duplicate=proposal.layout in self._coords or taken(proposal.layout))
+            target = self._nearest(proposal.layout, left)
+        elif self.mode == "random":
+            target = self.rng.choice(left)
+        else:
+            target = left[0]
+        self.study.enqueue_trial(self.params_of(target))
+        return self._ask()
 
     def tell(self, trial: optuna.trial.Trial, value: float | None, infeasible: bool) -> None:
         """value None = the attempt said nothing about the layout (infra failure): the Optuna trial is FAIL."""
@@ -91,10 +145,6 @@ class LayoutStudy:
             self.study.tell(trial, state=TrialState.FAIL)
         else:
             self.study.tell(trial, value)
-
-    def skip(self, trial: optuna.trial.Trial) -> None:
-        """A proposal sweeper will not run (already decided or running): PRUNED, so it is never launched twice."""
-        self.study.tell(trial, state=TrialState.PRUNED)
 
     def has_queued(self) -> bool:
         """Whether enqueued layouts are still waiting to be proposed."""
@@ -109,6 +159,59 @@ class LayoutStudy:
                 out.append((self.layout_of(trial.params), dict(trial.user_attrs)))
             self.study.tell(trial.number, state=TrialState.FAIL)
         return out
+
+    # -- internals -------------------------------------------------------------------------------------------------
+    def _ask(self) -> Proposal:
+        trial = self.study.ask()
+        self.counts.asks += 1
+        params = {axis: trial.suggest_categorical(axis, self.choices[axis]) for axis in AXES}
+        return Proposal(trial, self.layout_of(params))
+
+    def _decline(self, proposal: Proposal, duplicate: bool) -> None:
+        """Tell Optuna about a draw the sweep will not run.
+
+        What Optuna 5's TPE (samplers/_tpe/sampler.py) does with each state decides this. It models only
+        COMPLETE and PRUNED trials (plus RUNNING ones under the constant liar); ``_split_trials`` ranks a trial
+        with a positive constraint after every feasible one, and an empty PRUNED trial (no intermediate values,
+        score (1, 0.0)) after every COMPLETE one, so both land in the "above" (bad) density. FAIL trials are
+        not read at all, nor counted towards ``n_startup_trials``.
+          - A duplicate (its layout was already decided, or is running) is FAIL: it tells TPE nothing. PRUNED,
+            as before, put a bad-density kernel on a good layout each time TPE re-proposed it; COMPLETE with
+            the recorded value would weight that layout twice in the good density, drawing TPE back to it (and
+            while the first trial runs there is no value to copy; the liar already covers it).
+          - A layout outside the candidates (a rule rejects it, it is predicted over the memory budget, or the
+            backend cannot run it) is told infeasible once, COMPLETE with a positive constraint: a true
+            statement about that region, which steers later draws away from it. A repeat is FAIL, like a
+            duplicate, so one infeasible layout never weighs more than once."""
+        layout = proposal.layout
+        if duplicate or layout in self.told_infeasible:
+            self.counts.duplicates += 1
+            proposal.trial.set_user_attr("declined", "duplicate")
+            self.study.tell(proposal.trial, state=TrialState.FAIL)
+            return
+        self.counts.infeasible += 1
+        self.told_infeasible.add(layout)
+        proposal.trial.set_user_attr("declined", "not launchable (see `sweeper plan` for the reason)")
+        self.tell(proposal.trial, 0.0, infeasible=True)
+
+    def _coordinates(self, layout: Layout) -> tuple[int, ...]:
+        params = self.params_of(layout)
+        return tuple(self.choices[axis].index(params[axis]) if params[axis] in self.choices[axis] else -1
+                     for axis in AXES)
+
+    def _nearest(self, layout: Layout, left: list[Layout]) -> Layout:
+        """The remaining candidate closest to a declined draw: fewest axes changed, then the smallest steps along
+        the axes' value lists; ties broken at random (seeded), so TPE's direction is kept, not a fixed order."""
+        here = self._coordinates(layout)
+
+        def distance(candidate: Layout) -> tuple[int, int]:
+            there = self._coords[candidate]
+            changed = [abs(a - b) for a, b in zip(here, there) if a != b]
+            return len(changed), sum(changed)
+
+        scored = [(distance(lo), lo) for lo in left]
+        best = min(d for d, _ in scored)
+        return self.rng.choice([lo for d, lo in scored if d == best])
 
 
 def _choices(cfg: SweepConfig) -> dict[str, list[Any]]:

@@ -40,10 +40,13 @@ class StandInHost:
     simulated = True
     backend_name = "stand-in"
 
-    def __init__(self, nodes: int = 2, gpus: int = 2, fail: dict[str, str] | None = None) -> None:
+    def __init__(self, nodes: int = 2, gpus: int = 2, fail: dict[str, str] | None = None, delay: float = 0.8,
+                 unsupported: str | None = None) -> None:
         self.free = {f"n{i}": gpus for i in range(nodes)}
         self.gpus = gpus
         self.fail = fail or {}
+        self.delay = delay
+        self.unsupported_reason = unsupported  # every layout unsupported on this stand-in backend when set
         self.calls: list[tuple[Layout, str | None]] = []
         self.concurrent = 0
         self.max_concurrent = 0
@@ -73,7 +76,7 @@ class StandInHost:
                 self.free[n] += slot.gpus_per_bundle
 
     def unsupported(self, model: Any, layout: Layout) -> str | None:
-        return None
+        return self.unsupported_reason
 
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
         if kw.get("make_reference"):  # no equivalence reference from a stand-in: the sweep runs with the gate off
@@ -83,7 +86,7 @@ class StandInHost:
             self.concurrent += 1
             self.max_concurrent = max(self.max_concurrent, self.concurrent)
         try:
-            time.sleep(0.8)  # long enough for the scheduler (MLflow writes included) to start the next trial
+            time.sleep(self.delay)  # default 0.8 s: the scheduler (MLflow writes included) starts the next trial
             kind = self.fail.get(layout.short())
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
@@ -184,3 +187,83 @@ def test_resume_does_not_rerun_finished_trials(cfg: SweepConfig, tmp_path: Path,
     rerun = [lo for lo, _ in host2.calls if json.dumps(lo.to_dict(), sort_keys=True) in done]
     # only the confirmation of an already-finished candidate may touch a finished layout again
     assert len(rerun) <= 1
+
+
+# -- what the study proposes (issue 11, item 6) ---------------------------------------------------------------------
+# 2,304 combinations of which 148 are valid for tiny-moe (4 experts, 2 query groups, 4 layers): most are invalid.
+MANY_INVALID = {
+    **SPACE,
+    "name": "many-invalid",
+    "cluster": {"nodes": 2, "gpus_per_node": 4, "gpu_memory_gib": 4, "compute_capability": "9.0"},
+    "space": {"gpus": [2, 4, 8], "tp": [1, 2, 4, 8], "pp": [1, 2, 4, 8], "cp": [1, 2], "ep": [1, 2, 4, 8],
+              "mbs": [1, 2, 4], "precision": ["bf16", "mxfp8"]},
+    # tp=8 does not divide the query groups; mxfp8 needs compute capability 10.x. The first is given twice.
+    "search": {"max_trials": 5, "confirm_top": 0, "sampler": "tpe",
+               "seeds": ["gpus=8,tp=8", "gpus=8,tp=8", "gpus=2,precision=mxfp8", "gpus=2,pp=2,mbs=2"]},
+}
+
+
+def _load(tmp_path: Path, space: dict[str, Any]) -> SweepConfig:
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    return load_config(path)
+
+
+def _explore_records(sweep: Sweep) -> list[dict[str, Any]]:
+    return [r for r in SweepDir(sweep.options.out).read_trials() if r["phase"] == "explore"]
+
+
+def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_each_refusal_once(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    from sweeper.rules import check
+    from sweeper.space import layout_from_string
+
+    cfg = _load(tmp_path, MANY_INVALID)
+    host = StandInHost(nodes=2, gpus=4, delay=0.05)
+    sweep = make_sweep(cfg, host)
+    assert sweep.study.mode == "tpe" and len(sweep.launchable) == 148
+    sweep.run()
+    records = _explore_records(sweep)
+    launched = [r for r in records if r["result"]["status"] != "pruned"]
+    refused = [r for r in records if r["result"]["status"] == "pruned"]
+    assert len(launched) == 5 and all(check(cfg.model, Layout.from_dict(r["layout"]), cfg.cluster,
+                                            cfg.training.seq_length) == [] for r in launched)
+    assert {lo for lo, _ in host.calls} == {Layout.from_dict(r["layout"]) for r in launched}
+    # Only the two invalid seeds were ever refused, each once, with the rules' reason; TPE's own draws are
+    # launchable layouts (a draw that is not is told to Optuna and replaced, never written as a refusal).
+    invalid_seeds = {layout_from_string(cfg, text) for text in ("gpus=8,tp=8", "gpus=2,precision=mxfp8")}
+    assert len(refused) == 2 and {Layout.from_dict(r["layout"]) for r in refused} == invalid_seeds
+    assert layout_from_string(cfg, "gpus=2,pp=2,mbs=2") == Layout.from_dict(launched[0]["layout"])
+    assert all(r["result"]["failure_kind"] == "invalid_layout" and r["result"]["error"] for r in refused)
+    assert len({json.dumps(r["layout"], sort_keys=True) for r in records}) == len(records)
+    # Bounded asks: at most two per launch beyond the queued seeds and the estimator's two favourites.
+    assert sweep.study.counts.asks <= 3 + 2 + 2 * len(launched)
+
+
+def test_a_space_the_backend_cannot_run_at_all_ends_without_asking(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """The nemotron-on-CPU symptom: every layout unsupported used to mean 1,113 asks and pruned lines."""
+    cfg = _load(tmp_path, {**MANY_INVALID, "search": {"max_trials": 5, "confirm_top": 0}})
+    host = StandInHost(nodes=2, gpus=4, delay=0.05, unsupported="hybrid Mamba model unsupported (stand-in)")
+    sweep = make_sweep(cfg, host)
+    started = time.monotonic()
+    assert sweep.run() == 1
+    assert time.monotonic() - started < 30
+    assert sweep.launchable == [] and sweep.study.counts.asks == 0
+    assert host.calls == [] and _explore_records(sweep) == []
+
+
+def test_grid_sampler_launches_every_launchable_layout_in_grid_order_once(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    from sweeper.plan import assess
+    from sweeper.space import enumerate_layouts
+
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 40, "confirm_top": 0, "sampler": "grid"}})
+    grid = [lo for lo in enumerate_layouts(cfg) if assess(cfg, lo).launchable]
+    assert len(grid) >= 6
+    host = StandInHost(delay=0.05)
+    sweep = make_sweep(cfg, host, parallel=1)  # one at a time: the launch order is the proposal order
+    assert sweep.study.mode == "ordered"
+    sweep.run()
+    assert [lo for lo, _ in host.calls] == grid
+    assert [Layout.from_dict(r["layout"]) for r in _explore_records(sweep)] == grid
