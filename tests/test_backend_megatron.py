@@ -27,6 +27,25 @@ from sweeper.results import FAILURE_KINDS
 # helpers
 
 
+# A DeepSeek-V2-Lite-shaped model at CPU size: MLA (no query compression, latent KV, decoupled RoPE key, YaRN),
+# first layer dense, then MoE with shared experts.
+TINY_MLA = ModelSpec(
+    name="tiny-mla", num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=256,
+    max_position_embeddings=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=64, moe_first_k_dense=1, multi_latent_attention=True, qk_layernorm=True,
+    q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
+)
+
+
+# A Nemotron-H-shaped hybrid at CPU size: Mamba2, attention (GQA), MoE with a shared expert, relu2 MLPs.
+TINY_HYBRID = ModelSpec(
+    name="tiny-hybrid", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
+    vocab_size=256, max_position_embeddings=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
+    moe_shared_expert_intermediate_size=64, hybrid_layer_pattern="M*ME", mamba_num_heads=8, mamba_head_dim=16,
+    mamba_num_groups=2, mamba_state_dim=16, gated_linear_unit=False,
+)
+
+
 def _request(tmp_path: Path, layout: Layout, model: ModelSpec | str = "tiny-gpt", **kw: object) -> SmokeRequest:
     spec = preset(model) if isinstance(model, str) else model
     base: dict = dict(
@@ -136,16 +155,6 @@ def test_expert_replicas_stay_equal_when_etp_equals_tp(tmp_path: Path) -> None:
     assert all(r.checks["replicas_consistent"] for r in reports)
 
 
-# A DeepSeek-V2-Lite-shaped model at CPU size: MLA (no query compression, latent KV, decoupled RoPE key, YaRN),
-# first layer dense, then MoE with shared experts.
-TINY_MLA = ModelSpec(
-    name="tiny-mla", num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, vocab_size=256,
-    max_position_embeddings=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-    moe_shared_expert_intermediate_size=64, moe_first_k_dense=1, multi_latent_attention=True, qk_layernorm=True,
-    q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16,
-)
-
-
 @pytest.mark.e2e
 @pytest.mark.parametrize(
     "layout",
@@ -160,15 +169,6 @@ def test_mla_trains_on_the_cpu(tmp_path: Path, layout: Layout) -> None:
     reports = _run(_request(tmp_path, layout, TINY_MLA, checkpoint=True), 2)
     _assert_passed(reports)
     assert all(r.checks["checkpoint_reloaded"] for r in reports)
-
-
-# A Nemotron-H-shaped hybrid at CPU size: Mamba2, attention (GQA), MoE with a shared expert, relu2 MLPs.
-TINY_HYBRID = ModelSpec(
-    name="tiny-hybrid", num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
-    vocab_size=256, max_position_embeddings=256, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32,
-    moe_shared_expert_intermediate_size=64, hybrid_layer_pattern="M*ME", mamba_num_heads=8, mamba_head_dim=16,
-    mamba_num_groups=2, mamba_state_dim=16, gated_linear_unit=False,
-)
 
 
 @pytest.mark.e2e
@@ -336,21 +336,23 @@ def test_error_is_one_line() -> None:
     [
         ("tiny-gpt", Layout(world_size=2, tp=2, sp=True, precision="fp8"), "precision fp8"),
         ("tiny-gpt", Layout(world_size=1, precision="mxfp8"), "precision mxfp8"),
-        ("deepseek-v2-lite", Layout(world_size=2, cp=2), "multi_latent_attention with context parallel (cp=2)"),
+        (TINY_MLA, Layout(world_size=2, cp=2), "multi_latent_attention with context parallel (cp=2)"),
     ],
 )
-def test_cpu_backend_reports_unsupported_features(model: str, layout: Layout, needle: str) -> None:
-    reason = unsupported_reason(preset(model), layout, cuda=False, te=False)
+def test_cpu_backend_reports_unsupported_features(model: str | ModelSpec, layout: Layout, needle: str) -> None:
+    reason = unsupported_reason(preset(model) if isinstance(model, str) else model, layout, cuda=False, te=False)
     assert reason is not None and needle in reason and "unsupported on this backend (megatron-core-cpu)" in reason
 
 
-def test_cpu_backend_runs_the_flagship_architectures() -> None:
+def test_cpu_backend_runs_the_flagship_architectures_at_cpu_size() -> None:
     # Hybrid Mamba (torch Mamba2 kernels) and MLA (local spec) build on the CPU; MLA with CP does not.
-    for model in ("nemotron-3-nano-30b-a3b", "deepseek-v2-lite"):
-        assert unsupported_reason(preset(model), Layout(world_size=8, tp=2, pp=2, ep=2, sp=True), cuda=False,
+    for model in (TINY_HYBRID, TINY_MLA):
+        assert unsupported_reason(model, Layout(world_size=8, tp=2, pp=2, ep=2, sp=True), cuda=False,
                                   te=False) is None
-    assert unsupported_reason(preset("nemotron-3-nano-30b-a3b"), Layout(world_size=2, cp=2), cuda=False,
-                              te=False) is None
+    assert unsupported_reason(TINY_HYBRID, Layout(world_size=2, cp=2), cuda=False, te=False) is None
+    # The production sizes are refused on the CPU with the way out, not left to swap the machine.
+    reason = unsupported_reason(preset("nemotron-3-nano-30b-a3b"), Layout(world_size=8, ep=8), cuda=False, te=False)
+    assert reason is not None and "B-parameter model unsupported on this backend" in reason and "--proxy" in reason
 
 
 def test_cpu_backend_runs_plain_layouts() -> None:
