@@ -10,14 +10,15 @@ from typing import Any, Literal
 
 Status = Literal["passed", "failed", "pruned"]
 # replica_divergence: copies of a replicated parameter (across DP/CP, EDP, TP/ETP or the tied embedding) differ
-# after the steps, i.e. a gradient reduction ran over the wrong group.
+# after the steps, i.e. a gradient reduction ran over the wrong group. internal: sweeper's own code raised (a
+# sweeper bug, the error names file:line); like infra it says nothing about the layout.
 FailureKind = Literal[
     "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
-    "infra", "unsupported",
+    "infra", "internal", "unsupported",
 ]
 FAILURE_KINDS: tuple[str, ...] = (
     "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
-    "infra", "unsupported",
+    "infra", "internal", "unsupported",
 )
 
 

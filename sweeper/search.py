@@ -24,7 +24,7 @@ from typing import Any
 from rich.console import Console
 
 from sweeper.calibrate import Calibrator
-from sweeper.cli import EXIT_FAILED, EXIT_OK, UsageError
+from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.config import SweepConfig
 from sweeper.layout import Layout, LayoutError
 from sweeper.plan import PlanEntry, assess
@@ -37,7 +37,10 @@ from sweeper.sweepdir import SweepDir
 
 console = Console(stderr=True)
 INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
-MAX_INFRA_ATTEMPTS = 3
+# Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself
+# (internal). Optuna is told nothing (FAIL); the layout runs again as a new attempt, up to these many attempts.
+NOT_THE_LAYOUTS = ("infra", "internal")
+MAX_ATTEMPTS = {"infra": 3, "internal": 2}
 PRIOR_PROPOSALS = 2  # in TPE mode, the estimator's fastest predicted layouts are proposed first
 
 
@@ -103,7 +106,8 @@ class Sweep:
         self.deferred: list[Running] = []  # need more GPUs than are alive; wait for capacity to come back
         self.counted = {r["number"] for r in self.records if r["phase"] == "explore" and r["attempt"] >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
-        self.decided = {_key(r["layout"]) for r in self.records if r["result"]["failure_kind"] != "infra"}
+        # A resumed sweep (perhaps with sweeper fixed) runs again what failed for reasons not the layout's.
+        self.decided = {_key(r["layout"]) for r in self.records if r["result"]["failure_kind"] not in NOT_THE_LAYOUTS}
         self.next_number = 1 + max((r["number"] for r in self.records), default=0)
         self.busy_gpu_s = 0.0
         self.t0 = time.monotonic()
@@ -334,8 +338,8 @@ class Sweep:
         self._print_progress()
         if run.phase == "confirm":
             return
-        if result.failure_kind == "infra" and not self.stop.is_set():
-            if run.attempt < MAX_INFRA_ATTEMPTS:
+        if result.failure_kind in NOT_THE_LAYOUTS and not self.stop.is_set():
+            if run.attempt < MAX_ATTEMPTS[result.failure_kind]:
                 self.retry.append(run)
                 return
         if self.stop.is_set() and killed:
@@ -344,7 +348,7 @@ class Sweep:
         value = objective_value(result, self.cfg) if is_stable(result, self.cfg) else 0.0
         infeasible = result.failure_kind in ("oom", "invalid_layout", "unsupported") or (
             result.passed and not is_stable(result, self.cfg))
-        self.study.tell(run.proposal, None if result.failure_kind == "infra" else value, infeasible)
+        self.study.tell(run.proposal, None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible)
 
     def _print_progress(self) -> None:
         best = candidates(self.records, self.cfg)

@@ -246,6 +246,32 @@ def test_megatron_rejects_heads_not_divisible_by_tp(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+def test_a_bug_in_sweeper_is_internal_not_the_layouts_fault(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2), inject="bug"), 2)
+    _assert_failed(reports, "internal")
+    for r in reports:
+        assert r.error.startswith("sweeper bug at sweeper/backends/megatron/smoke.py:"), r.error
+        assert "TypeError" in r.error and r.checks["process_group"] and not r.checks["model_built"]
+
+
+def test_classification_by_origin_sweeper_megatron_torch() -> None:
+    from sweeper.backends.megatron.build import transformer_config
+
+    # Megatron's own check, reached through sweeper's build code: the layout's.
+    six_heads = preset("tiny-gpt").model_copy(update={"hidden_size": 96, "num_attention_heads": 6})
+    with pytest.raises(ValueError) as megatron:
+        transformer_config(six_heads, Layout(world_size=4, tp=4), cuda=False, te=False)
+    assert classify(megatron.value, "build")[0] == "invalid_layout"
+    # A wrong call inside sweeper's build code: sweeper's, with its file and line.
+    with pytest.raises(AttributeError) as bug:
+        transformer_config(preset("tiny-gpt"), None, cuda=False, te=False)  # type: ignore[arg-type]
+    kind, error = classify(bug.value, "build")
+    assert kind == "internal" and error.startswith("sweeper bug at sweeper/backends/megatron/build.py:")
+    # An OSError (a full disk) is the environment's wherever it is raised.
+    assert classify(OSError("No space left on device"), "checkpoint_save")[0] == "checkpoint_error"
+
+
+@pytest.mark.e2e
 def test_injected_nan_is_caught_on_every_rank(tmp_path: Path) -> None:
     reports = _run(_request(tmp_path, Layout(world_size=2, pp=2, gbs=4), inject="nan", inject_rank=0), 2)
     _assert_failed(reports, "nan")

@@ -20,6 +20,7 @@ from sweeper.config import SweepConfig, load_config
 from sweeper.layout import Layout
 from sweeper.results import TrialChecks, TrialMetrics, TrialResult
 from sweeper.search import SearchOptions, Sweep
+from sweeper.study import AXES
 from sweeper.sweepdir import SweepDir
 from sweeper.tracking import Tracker
 from sweeper.trial.host import Reservation
@@ -90,6 +91,9 @@ class StandInHost:
             kind = self.fail.get(layout.short())
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
+            if kind == "internal":  # a sweeper bug on every attempt (stand-in of failures.classify's verdict)
+                return TrialResult(status="failed", failure_kind="internal",
+                                   error="sweeper bug at sweeper/backends/megatron/build.py:1: TypeError (stand-in)")
             if kind in ("oom", "nan"):
                 return TrialResult(status="failed", failure_kind=kind, error=f"{kind} (stand-in)")
             speed = 100.0 * layout.pp * layout.ep * layout.mbs * layout.world_size
@@ -165,6 +169,19 @@ def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Pat
     assert [r["attempt"] for r in rows] == [1, 2]
     assert rows[0]["result"]["failure_kind"] == "infra" and rows[1]["result"]["status"] == "passed"
     assert rows[0]["number"] == rows[1]["number"]
+
+
+def test_a_sweeper_bug_is_rerun_once_and_never_told_to_optuna_as_the_layouts(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    target = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    sweep = make_sweep(cfg, StandInHost(fail={target: "internal"}))
+    sweep.run()
+    rows = [r for r in sweep.records if Layout.from_dict(r["layout"]).short() == target]
+    assert [(r["attempt"], r["result"]["failure_kind"]) for r in rows] == [(1, "internal"), (2, "internal")]
+    # Optuna saw the layout only as FAIL (which TPE ignores): neither a value nor an infeasible verdict.
+    told = [t for t in sweep.study.study.get_trials(deepcopy=False)
+            if set(t.params) == set(AXES) and sweep.study.layout_of(t.params).short() == target]
+    assert told and all(t.state.name == "FAIL" for t in told)
 
 
 def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:

@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 # "swap_shards" (equivalence gate tests): after the reference is loaded, every tensor-parallel group rotates its
 # shards of the first decoder layer's fc1 weight (collective, so inject_rank is ignored): a wrong layout.
-Inject = Literal["nan", "hang", "crash", "swap_shards"]
+# "bug" (tests of failure classification): sweeper's own build path raises a TypeError, as a sweeper bug would.
+Inject = Literal["nan", "hang", "crash", "swap_shards", "bug"]
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import copy
 from collections.abc import Callable
 from typing import Any
 
+from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.models.spec import ModelSpec
 
 DEEPSEEK_YARN: dict[str, Any] = dict(
@@ -56,7 +57,8 @@ def mamba_model_builder(spec: ModelSpec, stack_spec: Any) -> Callable[..., Any]:
         from megatron.core.models.mamba import MambaModel
 
         if vp_stage is not None:
-            raise ValueError("hybrid Mamba models do not support virtual pipeline stages in megatron-core 0.16")
+            raise InvalidLayoutError("hybrid Mamba models do not support virtual pipeline stages in megatron-core "
+                                     "0.16")
         if not spec.gated_linear_unit:
             config.activation_func = squared_relu  # Nemotron-H's relu2 MLPs (ModelSpec has no activation field)
         stack = stack_spec

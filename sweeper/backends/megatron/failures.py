@@ -3,12 +3,16 @@
 The kinds are sweeper.results.FAILURE_KINDS. The smoke run raises the typed errors below for conditions it
 detects itself; everything else (Megatron assertions, torch and gloo/NCCL errors) is classified by type, by
 message and by the phase of the run it happened in (an assertion while building the model means Megatron
-rejected the layout; the same in a collective means communication broke).
+rejected the layout; the same in a collective means communication broke) and by its origin: an exception raised
+by sweeper's own code is ``internal`` (a sweeper bug, with its file:line), never a verdict on the layout.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import traceback
+from pathlib import Path
 from typing import Literal
 
 Phase = Literal["setup", "init", "build", "steps", "replicas", "checkpoint_save", "checkpoint_load", "report"]
@@ -22,6 +26,12 @@ class SmokeFailure(Exception):
 
 class UnsupportedError(SmokeFailure):
     kind = "unsupported"
+
+
+class InvalidLayoutError(SmokeFailure, ValueError):
+    """A layout Megatron would reject, detected by the smoke run itself (e.g. GBS not divisible by MBS x DP)."""
+
+    kind = "invalid_layout"
 
 
 class NonFiniteError(SmokeFailure):
@@ -58,6 +68,14 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
     if isinstance(exc, SmokeFailure):
         return exc.kind, message
     low = message.lower()
+    origin = sweeper_origin(exc)
+    environment = isinstance(exc, (MemoryError, OSError)) or _is_torch_oom(exc) or _is_dist_error(exc)
+    if origin is not None and not environment:  # out of memory, a full disk, a lost peer: not a bug wherever raised
+        if isinstance(exc, NotImplementedError):
+            # sweeper's CPU modules refuse what they do not compute (e.g. an attention variant) this way.
+            return "unsupported", f"unsupported on this backend: {message} ({origin})"
+        # A bug in sweeper is not a property of the layout: never invalid_layout, never told to Optuna.
+        return "internal", f"sweeper bug at {origin}: {type(exc).__name__}: {message}"
     if isinstance(exc, MemoryError) or _is_torch_oom(exc) or any(m in low for m in _OOM_MARKERS):
         return "oom", message
     if phase in ("checkpoint_save", "checkpoint_load"):
@@ -73,6 +91,40 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
         # Some layout rules are only checked at the first forward (e.g. MoE with TP>1 needs sequence parallel).
         return "invalid_layout", message
     return "infra", f"{type(exc).__name__}: {message}" if not message.startswith(type(exc).__name__) else message
+
+
+_SWEEPER_ROOT = Path(__file__).resolve().parents[2]  # the sweeper package
+# Frames that only pass a call through (the CUDA-to-CPU device mode wraps every torch call Megatron makes).
+_PASS_THROUGH = {(str(_SWEEPER_ROOT / "backends" / "megatron" / "cpu_compat.py"), "__torch_function__")}
+
+
+def sweeper_origin(exc: BaseException) -> str | None:
+    """``path:line`` inside sweeper when sweeper's own code raised ``exc``, else None.
+
+    The origin is the innermost frame outside torch (torch raises on behalf of whoever called it: Megatron when
+    Megatron passed the shapes, sweeper when sweeper did) and outside pass-through wrappers. An error raised in
+    Megatron, Transformer Engine or torch-called-by-Megatron is the layout's (or the library's); one raised in
+    sweeper's modules is sweeper's."""
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    torch_root = _torch_root()
+    for frame, line in reversed(frames):
+        path = str(Path(frame.f_code.co_filename).resolve())
+        if torch_root is not None and path.startswith(torch_root):
+            continue
+        if (path, frame.f_code.co_name) in _PASS_THROUGH:
+            continue
+        if path.startswith(str(_SWEEPER_ROOT) + os.sep):
+            return f"{Path(path).relative_to(_SWEEPER_ROOT.parent)}:{line}"
+        return None
+    return None
+
+
+def _torch_root() -> str | None:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return None
+    return str(Path(torch.__file__).resolve().parent) + os.sep
 
 
 # gloo/c10d messages start with the C++ source location and end with generic advice; neither is the cause.

@@ -211,8 +211,8 @@ def bridge_source(spec: ModelSpec) -> Path | None:
     return Path(spec.name[len(HF_NAME_PREFIX):]) if spec.name.startswith(HF_NAME_PREFIX) else None
 
 
-class BridgeMissingError(RuntimeError):
-    pass
+class BridgeMissingError(UnsupportedError, RuntimeError):
+    """Megatron-Bridge is not installed where a ``model: {hf: DIR}`` trial runs."""
 
 
 def bridge_missing_message(what: str) -> str:

@@ -22,7 +22,7 @@ import torch
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
 from sweeper.backends.megatron.failures import (
-    Phase, ReplicaDivergenceError, SimulatedOOMError, UnsupportedError, classify,
+    InvalidLayoutError, Phase, ReplicaDivergenceError, SimulatedOOMError, UnsupportedError, classify,
 )
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.support import backend_name, unsupported_reason
@@ -143,10 +143,12 @@ def _smoke(
 
     start = time.perf_counter()
     if layout.num_microbatches == 0:
-        raise ValueError(
+        raise InvalidLayoutError(
             f"global_batch_size ({layout.gbs}) must be divisible by micro_batch_size ({layout.mbs}) x "
             f"data-parallel size ({layout.dp})"
         )
+    if request.inject == "bug":
+        _injected_bug(layout)
     gate = equivalence.plan(request, spec, layout)  # reads the reference: the build takes its vocabulary size
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None)
     report.checks["model_built"] = True
@@ -263,6 +265,12 @@ def _inject(request: SmokeRequest, report: RankReport) -> None:
         os._exit(17)
     if request.inject == "nan":
         _log.warning("fault injection: rank %d poisons its output with NaN at step %d", report.rank, INJECT_STEP)
+
+
+def _injected_bug(layout: Layout) -> None:
+    """Fault injection "bug": fail the way a bug in sweeper's build code fails (a wrong call, here)."""
+    _log.warning("fault injection: sweeper's build path raises a TypeError")
+    layout.parallel_sizes(layout)  # type: ignore[call-arg]
 
 
 def _timed(report: RankReport, key: str, action):  # type: ignore[no-untyped-def]
