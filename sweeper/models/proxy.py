@@ -1,0 +1,71 @@
+"""Proxy models: a production model shrunk to CPU size with the same layer structure, for CPU trials.
+
+A proxy keeps every fact the layout rules read: the layer count and hybrid pattern, attention heads and query
+groups, experts, top-k, shared and first-k-dense layers, the MLA structure (query compression or not), Mamba
+heads and groups. Only widths shrink (hidden, FFN, expert and shared FFN, head dimensions, MLA ranks, Mamba head
+and state dimensions, vocabulary), and each width keeps its divisibility by the parallel sizes and the FP8 GEMM
+alignment the rules check: a width becomes the largest power of two dividing it, capped, so ``width % d`` and
+``width / tp % 16`` come out the same for every power-of-two TP and ETP up to 8 (16 for the FP8 and 32 for the
+MXFP8 alignment). Divisibility by other factors (a TP of 3 or 6) is not kept.
+
+A proxy trial proves the distributed mechanics of a layout on the real model's structure (process groups,
+sharding, pipeline split, expert routing, gradient sync, checkpoint resharding); it says nothing about the real
+model's memory or speed, and every report that shows one says so.
+"""
+
+from __future__ import annotations
+
+from sweeper.models.spec import ModelSpec
+
+PROXY_SUFFIX = "-proxy"
+_MAX_POWER_OF_TWO = 256  # FFN widths: divisibility by TP (<= 8) x the 32-element MXFP8 alignment survives
+_HIDDEN = 64  # every width the rules check on hidden_size is a divisor of 64 (the MXFP8 alignment is 32)
+_HEAD_DIM_CAP = 16  # head dimensions: the fused QKV width (heads + 2 groups) x head_dim % TP survives TP <= 16
+_VOCAB = 256
+
+
+def is_proxy(spec: ModelSpec) -> bool:
+    return spec.name.endswith(PROXY_SUFFIX)
+
+
+def proxy(spec: ModelSpec) -> ModelSpec:
+    """The CPU-size proxy of ``spec`` (a proxy's proxy is itself)."""
+    if is_proxy(spec):
+        return spec
+    update: dict[str, object] = dict(
+        name=spec.name + PROXY_SUFFIX,
+        hidden_size=_shrink(spec.hidden_size, cap=_HIDDEN),
+        ffn_hidden_size=_shrink(spec.ffn_hidden_size),
+        # Counts derived from widths become explicit, so shrinking a width cannot change them.
+        kv_channels=_shrink(spec.head_dim, cap=_HEAD_DIM_CAP),
+        vocab_size=min(spec.vocab_size, _VOCAB),
+        published_total_params_b=None,
+        published_active_params_b=None,
+    )
+    if spec.moe_ffn_hidden_size is not None:
+        update["moe_ffn_hidden_size"] = _shrink(spec.moe_ffn_hidden_size)
+    if spec.moe_shared_expert_intermediate_size is not None:
+        update["moe_shared_expert_intermediate_size"] = _shrink(spec.moe_shared_expert_intermediate_size)
+    if spec.multi_latent_attention:
+        update.update(
+            q_lora_rank=None if spec.q_lora_rank is None else _shrink(spec.q_lora_rank, cap=32),
+            kv_lora_rank=_shrink(spec.kv_lora_rank, cap=32),
+            qk_head_dim=_shrink(spec.qk_head_dim, cap=_HEAD_DIM_CAP),
+            qk_pos_emb_head_dim=_shrink(spec.qk_pos_emb_head_dim, cap=8),  # RoPE: even
+            v_head_dim=_shrink(spec.v_head_dim, cap=_HEAD_DIM_CAP),
+        )
+    if spec.is_hybrid:
+        update.update(
+            mamba_num_heads=spec.mamba_heads,
+            mamba_head_dim=_shrink(spec.mamba_head_dim, cap=8),
+            mamba_state_dim=_shrink(spec.mamba_state_dim, cap=16),
+        )
+    return ModelSpec.model_validate({**spec.model_dump(), **update})
+
+
+def _shrink(width: int, cap: int = _MAX_POWER_OF_TWO) -> int:
+    """The largest power of two dividing ``width``, at most ``cap``."""
+    two = 1
+    while width % (two * 2) == 0 and two * 2 <= cap:
+        two *= 2
+    return two
