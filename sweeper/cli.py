@@ -1,7 +1,9 @@
 """Command line: ``python -m sweeper {plan,trial,search,report,doctor}`` per ARCHITECTURE.md's contract.
 
 User errors (bad YAML, bad layout strings, impossible clusters, missing files) exit 2 with one line on stderr
-and write nothing. Heavy imports (ray, torch, mlflow) happen inside the commands that need them, so ``plan``
+and write nothing; a cluster that does not answer exits 1 with one line. Both are ``sweeper.errors.SweeperError``
+(raised anywhere in the library, which never imports this module); this is the one place that turns them into a
+line and an exit code. Heavy imports (ray, torch, mlflow) happen inside the commands that need them, so ``plan``
 stays instant.
 """
 
@@ -14,14 +16,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from sweeper.config import ConfigError, SweepConfig, load_config
+from sweeper.config import check_address_override, load_config
+from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
 from sweeper.layout import LayoutError
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-
-
-class UsageError(Exception):
-    """Bad input found by a command after parsing; one line, exit 2."""
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -33,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, LayoutError, UsageError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except SweeperError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return exc.exit_code
+    except LayoutError as exc:  # a --layout / --only string (sweeper.layout predates SweeperError)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -42,6 +44,11 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # e.g. `sweeper plan --json | head`: the reader left; no traceback
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the exit flush does not raise again
         return EXIT_FAILED
+
+
+def _one_line(exc: BaseException) -> str:
+    # Messages are written as one line; a value quoted from the input may still carry a newline.
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,6 +97,8 @@ def _parser() -> argparse.ArgumentParser:
 def cmd_plan(args: argparse.Namespace) -> int:
     from sweeper.space import only_filter
 
+    if args.limit < 0:
+        raise UsageError(f"--limit: must be 0 (all) or a positive integer, got {args.limit}")
     cfg = load_config(args.space)
     only = only_filter(args.only)
     from sweeper.plan import build_plan
@@ -110,6 +119,7 @@ def cmd_trial(args: argparse.Namespace) -> int:
     from sweeper.space import layout_from_string
 
     cfg = load_config(args.space)
+    check_address_override(cfg.cluster, args.address)
     layout = layout_from_string(cfg, args.layout)
     from sweeper.workflow import run_single_trial
 
@@ -130,23 +140,24 @@ def cmd_search(args: argparse.Namespace) -> int:
     if args.parallel is not None and args.parallel < 1:
         raise UsageError(f"--parallel: must be a positive integer, got {args.parallel}")
     cfg = load_config(args.space)
+    check_address_override(cfg.cluster, args.address)
     from sweeper.search import SearchOptions, parse_injections, run_search
 
+    parse_injections(args.inject, simulated=True)  # their syntax first: bad input is refused before any probing
+    from sweeper.cluster import resolve_target
+
+    # Which cluster, decided before the sweep folder and the MLflow store are written: an address that does not
+    # answer ends here, with one line, after at most cluster.connect_timeout_s.
+    target = resolve_target(cfg.cluster, args.address)
     options = SearchOptions(
         out=args.out or Path("sweeps") / cfg.name,
         resume=args.resume,
         max_trials=args.max_trials,
         parallel=args.parallel,
         address=args.address,
-        injections=parse_injections(args.inject, simulated=_is_simulated(cfg, args.address)),
+        injections=parse_injections(args.inject, simulated=target.kind == "simulated"),
     )
     return run_search(cfg, options)
-
-
-def _is_simulated(cfg: SweepConfig, address: str | None) -> bool:
-    from sweeper.cluster import choose_mode
-
-    return choose_mode(cfg.cluster, address) == "simulated"
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -165,6 +176,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from sweeper.workflow import run_doctor
 
     cfg = load_config(args.space)
+    check_address_override(cfg.cluster, args.address)
     report = run_doctor(cfg, address=args.address)
     from sweeper.views import print_doctor
 

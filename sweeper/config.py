@@ -7,9 +7,11 @@ to a default on a 16-GPU reservation). ``load_config`` is the only entry point: 
 
 from __future__ import annotations
 
+import math
 import re
+import reprlib
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -22,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from sweeper.errors import UsageError
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.layout import LayoutError, canonical_recompute
 from sweeper.models.spec import ModelSpec
@@ -31,12 +34,52 @@ from sweeper.models.spec import ModelSpec
 PositiveFloat = Annotated[float, Field(gt=0.0)]
 
 
-class ConfigError(ValueError):
-    """Bad user input; the message is one line that names the field."""
+class ConfigError(UsageError):
+    """Bad user input in the search YAML; the message is one line that names the field (exit 2)."""
+
+
+# What cluster.address and --address accept. A bare host (no port) is refused: Ray has no default GCS port to
+# fall back on, and guessing one would send the connection somewhere the user did not name.
+ADDRESS_FORMS = "auto, local, HOST:PORT or ray://HOST:PORT"
+_ADDRESS = re.compile(r"(?P<scheme>ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252}))"
+                      r":(?P<port>[0-9]{1,5})")
+
+
+def check_address(value: str) -> str:
+    """``value`` if it is one of ADDRESS_FORMS; raises ValueError saying what is accepted."""
+    if value in ("auto", "local"):
+        return value
+    match = _ADDRESS.fullmatch(value)
+    if match is None or not 1 <= int(match.group("port")) <= 65535:
+        raise ValueError(f"must be {ADDRESS_FORMS}, got {value!r}")
+    return value
+
+
+def split_address(value: str) -> tuple[str, int]:
+    """Host (without IPv6 brackets) and port of a HOST:PORT or ray://HOST:PORT address checked by check_address."""
+    match = _ADDRESS.fullmatch(value)
+    if match is None:
+        raise ValueError(f"not HOST:PORT: {value!r}")
+    return match.group("host").strip("[]"), int(match.group("port"))
+
+
+def check_address_override(cluster: ClusterConfig, address: str | None) -> None:
+    """``--address``: well formed, and not given to a cluster that ``simulate: true`` starts here (UsageError)."""
+    if address is None:
+        return
+    try:
+        check_address(address)
+    except ValueError as exc:
+        raise UsageError(f"--address: {exc}") from None
+    if cluster.simulate is True and address != "auto":
+        raise UsageError(f"--address: {address!r} cannot be combined with cluster.simulate: true "
+                         "(a simulated cluster is started on this machine)")
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a YAML `true` is not the integer 1, `2.0` is not the integer 2, "8" is not a number;
+    # allow_inf_nan: .inf / .nan are not sizes, bandwidths or timeouts.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class ClusterConfig(_Strict):
@@ -45,8 +88,10 @@ class ClusterConfig(_Strict):
     gpu_memory_gib: PositiveFloat = 80.0
     compute_capability: str = "9.0"
     gpu_kind: str | None = None  # e.g. h100, h200, b200, rtx-pro-6000; None = inferred from compute capability
-    address: str = "auto"  # auto | local | <ray address>
+    address: str = "auto"  # auto | local | HOST:PORT | ray://HOST:PORT
     simulate: Literal["auto"] | bool = "auto"
+    # How long a Ray address gets to answer (TCP connect, then the GCS's reply) before connecting gives up.
+    connect_timeout_s: PositiveFloat = 10.0
     intra_node_bandwidth_gbs: PositiveFloat = 50.0  # GB/s per GPU inside a node (PCIe 5 x16 ~ 50; NVLink 4 ~ 450)
     inter_node_bandwidth_gbs: PositiveFloat = 25.0  # GB/s per GPU between nodes (a 200 Gb/s NIC ~ 25)
 
@@ -57,6 +102,18 @@ class ClusterConfig(_Strict):
         if not re.fullmatch(r"\d{1,2}\.\d", text):
             raise ValueError(f"must look like '9.0' or '12.0', got {value!r}")
         return text
+
+    @field_validator("address", mode="after")
+    @classmethod
+    def _address(cls, value: str) -> str:
+        return check_address(value)
+
+    @model_validator(mode="after")
+    def _simulate_or_address(self) -> ClusterConfig:
+        if self.simulate is True and self.address != "auto":
+            raise _FieldError(("cluster", "simulate"), f"true cannot be combined with cluster.address "
+                              f"{self.address!r} (a simulated cluster is started on this machine)")
+        return self
 
     @property
     def total_gpus(self) -> int:
@@ -168,6 +225,17 @@ class SweepConfig(_Strict):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _seeds(self) -> SweepConfig:
+        from sweeper.space import layout_from_string
+
+        for i, text in enumerate(self.search.seeds):  # a bad seed is bad input: refused before any command runs
+            try:
+                layout_from_string(self, text)
+            except LayoutError as exc:
+                raise _FieldError(("search", "seeds", i), str(exc).removeprefix("--layout: ")) from None
+        return self
+
     @property
     def world_sizes(self) -> list[int]:
         return sorted(set(self.space.gpus or [self.cluster.total_gpus]))
@@ -194,6 +262,8 @@ def load_config(path: str | Path) -> SweepConfig:
         raise ConfigError(f"{path}: no such file")
     try:
         data = yaml.safe_load(path.read_text())
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply to read") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -203,16 +273,63 @@ def load_config(path: str | Path) -> SweepConfig:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a mapping of sections (name, model, cluster, ...), got {type(data).__name__}")
+    if "source" in data:  # set by load_config itself, never read from the YAML
+        raise ConfigError(f"{path}: source: unknown key")
+    problem = _non_finite(data, ())
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
     if "model" not in data:
         raise ConfigError(f"{path}: model: required (a preset name, an inline spec or {{hf_config: path}})")
+    problem = _bool_for_number(data["model"])
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
     try:
         data = {**data, "model": resolve_model(data["model"], base_dir=path.parent)}
     except ModelError as exc:
         raise ConfigError(f"{path}: model{exc.where}: {exc}") from None
     try:
-        return SweepConfig.model_validate({**data, "source": path})
+        return SweepConfig.model_validate({**data, "source": path}, strict=True)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {format_validation_error(exc)}") from None
+
+
+def _non_finite(data: Any, root: tuple[str | int, ...]) -> str | None:
+    """The first .inf / .nan anywhere in the YAML, as ``field: must be a finite number, got inf``.
+
+    Iterative, and each container is visited once: YAML aliases can make a document refer to itself, or expand
+    a few lines into billions of nodes.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, root)]
+    seen: set[int] = set()
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{_dotted(loc)}: must be a finite number, got {value}"
+        if isinstance(value, (dict, list)):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            children = [(item, (*loc, key if isinstance(key, int) else str(key))) for key, item in items]
+            stack.extend(reversed(children))
+    return None
+
+
+def _bool_for_number(model: Any) -> str | None:
+    """A YAML true/false given to a numeric field of an inline model (``num_layers: true`` is not 1 layer).
+
+    The model's own schema is lax about this; the rest of the YAML is validated strictly.
+    """
+    if not isinstance(model, dict):
+        return None
+    for key, value in model.items():
+        field = ModelSpec.model_fields.get(str(key))
+        if field is None or not isinstance(value, bool):
+            continue
+        accepted = set(get_args(field.annotation)) or {field.annotation}
+        if bool not in accepted and accepted & {int, float}:
+            return f"model.{key}: must be a number, got {value!r}"
+    return None
 
 
 def format_validation_error(exc: ValidationError) -> str:
@@ -240,9 +357,18 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def _short_repr(value: Any) -> str:
+    # Bounded in depth and length: the value may be a YAML alias that refers to itself or expands enormously.
+    return _REPR.repr(value)
+
+
 def _explain(err: dict[str, Any]) -> str:
     kind, ctx, value = err["type"], err.get("ctx", {}), err.get("input")
-    got = f", got {value!r}"
+    got = f", got {_short_repr(value)}"
     if kind == "extra_forbidden":
         return "unknown key"
     if kind == "missing":
@@ -259,6 +385,8 @@ def _explain(err: dict[str, Any]) -> str:
         return f"must be an integer{got}"
     if kind in ("float_type", "float_parsing"):
         return f"must be a number{got}"
+    if kind == "finite_number":
+        return f"must be a finite number{got}"
     if kind in ("bool_type", "bool_parsing"):
         return f"must be true or false{got}"
     if kind in ("string_type",):

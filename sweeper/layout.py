@@ -271,7 +271,7 @@ def parse_assignments(text: str, what: str = "--layout") -> dict[str, Any]:
 
 def _parse_value(key: str, raw: str, what: str) -> Any:
     if key in _INT_KEYS:
-        if not raw.isdigit() or int(raw) < 1:
+        if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:  # "²".isdigit() is true, int("²") fails
             raise LayoutError(f"{what}: {key} must be a positive integer, got '{raw}'")
         return int(raw)
     if key in _BOOL_KEYS:

@@ -1,15 +1,20 @@
-"""Bad input never gives a traceback: each case exits 2 with one line naming the field, and writes nothing."""
+"""Bad input never gives a traceback: each case exits 2 with one line naming the field, and writes nothing. A cluster
+address that does not answer exits 1 with one line, at once for a refused port (a real one on loopback)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from sweeper.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
 
 GOOD = textwrap.dedent(
     """\
@@ -63,6 +68,30 @@ YAML_CASES = [
     ("", "expected a mapping of sections"),
     ("name: t\nmodel: {preset: tiny-moe, moe_router_topk: 9}\n", "moe_router_topk (9) exceeds num_moe_experts (4)"),
     ("name: t\nmodel: {preset: tiny-gpt, hybrid_layer_pattern: 'MMX*'}\n", "unknown symbols"),
+    # a YAML true, 2.0 or "8" is not an integer, .inf is not a size; nothing falls back silently
+    ("name: t\nmodel: tiny-gpt\nspace: {tp: [true]}\n", "space.tp[0]: must be an integer, got True"),
+    ("name: t\nmodel: tiny-gpt\ncluster: {nodes: '2'}\n", "cluster.nodes: must be an integer, got '2'"),
+    ("name: t\nmodel: tiny-gpt\ntraining: {steps: 4.0}\n", "training.steps: must be an integer, got 4.0"),
+    ("name: t\nmodel: tiny-gpt\ncluster: {gpu_memory_gib: .inf}\n", "cluster.gpu_memory_gib: must be a finite number"),
+    ("name: t\nmodel: tiny-gpt\nestimate: {cuda_context_gib: .nan}\n", "estimate.cuda_context_gib: must be a finite"),
+    ("name: t\nmodel: tiny-gpt\nestimate: {cuda_context_gib: true}\n", "estimate.cuda_context_gib: must be a number"),
+    ("name: t\nmodel: {preset: tiny-gpt, num_layers: true}\n", "model.num_layers: must be a number, got True"),
+    ("name: t\nmodel: tiny-gpt\ncluster: {simulate: 1}\n", "cluster.simulate"),
+    ("name: t\nmodel: tiny-gpt\nsource: x.yaml\n", "source: unknown key"),
+    ("name: t\nmodel: tiny-gpt\nx: &a [*a]\n", "x: unknown key"),  # an alias to itself
+    ("name: t\nmodel: tiny-gpt\ncluster: &a [*a]\n", "cluster: must be a mapping, got [[[...]]]"),
+    ("name: t\nmodel: tiny-gpt\n" + "".join(f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}" if i else "1"] * 10) + "]\n"
+                                            for i in range(9)) + "cluster: *a8\n",  # 10**9 leaves once expanded
+     "cluster: must be a mapping, got [[[...], [...], [...], [...], ...]"),
+    ("name: t\nmodel: tiny-gpt\nx: " + "[" * 3000 + "]" * 3000 + "\n", "YAML nested too deeply"),
+    ("name: t\nmodel: tiny-gpt\nsearch: {seeds: ['tp=2,tp=2']}\n", "search.seeds[0]: 'tp' given twice"),
+    # cluster.address and simulate
+    ("name: t\nmodel: tiny-gpt\ncluster: {address: head}\n",
+     "cluster.address: must be auto, local, HOST:PORT or ray://HOST:PORT, got 'head'"),
+    ("name: t\nmodel: tiny-gpt\ncluster: {address: '127.0.0.1:99999'}\n", "cluster.address: must be auto, local"),
+    ("name: t\nmodel: tiny-gpt\ncluster: {simulate: true, address: '127.0.0.1:6379'}\n",
+     "cluster.simulate: true cannot be combined with cluster.address '127.0.0.1:6379'"),
+    ("name: t\nmodel: tiny-gpt\ncluster: {connect_timeout_s: 0}\n", "cluster.connect_timeout_s: must be greater than 0"),
 ]
 
 ARG_CASES = [
@@ -82,6 +111,13 @@ ARG_CASES = [
     (["search", "{space}", "--max-trials", "0"], "--max-trials: must be a positive integer"),
     (["search", "{space}", "--inject", "meteor@trial=1"], "--inject: 'meteor@trial=1' is not one of"),
     (["search", "{seeded}"], "search.seeds[0]: tp must be a positive integer"),
+    (["plan", "{space}", "--limit", "-1"], "--limit: must be 0 (all) or a positive integer, got -1"),
+    (["plan", "{space}", "--only", "tp=\u00b2"], "--only: tp must be a positive integer, got '\u00b2'"),
+    (["search", "{simulated}", "--address", "127.0.0.1:6379"],
+     "--address: '127.0.0.1:6379' cannot be combined with cluster.simulate: true"),
+    (["trial", "{simulated}", "--layout", "tp=1", "--address", "local"], "--address: 'local' cannot be combined"),
+    (["doctor", "{space}", "--address", "127.0.0.1"], "--address: must be auto, local, HOST:PORT or ray://HOST:PORT"),
+    (["search", "{space}", "--address", "ray://:1"], "--address: must be auto, local"),
 ]
 
 
@@ -114,8 +150,11 @@ def test_bad_arguments_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Captu
     seeded = tmp_path / "seeded.yaml"
     if any("{seeded}" in a for a in argv):
         seeded.write_text(GOOD + "search: {seeds: ['tp=0']}\n")
+    simulated = tmp_path / "simulated.yaml"
+    if any("{simulated}" in a for a in argv):
+        simulated.write_text(GOOD.replace("gpu_memory_gib: 4}", "gpu_memory_gib: 4, simulate: true}"))
     before = sorted(tmp_path.iterdir())
-    argv = [a.format(space=space, tmp=tmp_path, seeded=seeded) for a in argv]
+    argv = [a.format(space=space, tmp=tmp_path, seeded=seeded, simulated=simulated) for a in argv]
     _assert_one_line_exit_2(capsys, main(argv), expected)
     assert sorted(tmp_path.iterdir()) == before
 
@@ -125,6 +164,40 @@ def test_argparse_errors_are_one_line(capsys: pytest.CaptureFixture[str]) -> Non
         main(["plan"])
     assert exc.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["search"], ["trial", "--layout", "tp=1,pp=1,gpus=2"], ["doctor"]])
+def test_a_refused_address_is_one_line_at_once(tmp_path: Path, command: list[str]) -> None:
+    """A real process, a real refused loopback port: one line, exit 1, within seconds, nothing written."""
+    space = _write(tmp_path, GOOD)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "sweeper", command[0], str(space), *command[1:], "--address",
+                           "127.0.0.1:1"], capture_output=True, text=True, cwd=cwd, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert time.monotonic() - started < 60  # interpreter and imports included; the probe itself is immediate
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip() == ("error: --address: no Ray cluster answers at 127.0.0.1:1: connection refused "
+                                   "(cluster.connect_timeout_s: 10)")
+    assert proc.stdout == ""
+    assert not list(cwd.iterdir())  # no sweep folder, no MLflow store
+
+
+def test_library_modules_never_import_the_command_line() -> None:
+    """Errors travel as sweeper.errors.SweeperError; only __main__ (and cli itself) know the command line."""
+    import ast
+
+    offenders = []
+    for path in sorted((ROOT / "sweeper").rglob("*.py")):
+        if path.name == "__main__.py" or path == ROOT / "sweeper" / "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(name == "sweeper.cli" or name.startswith("sweeper.cli.") for name in names):
+                offenders.append(str(path.relative_to(ROOT)))
+    assert offenders == []
 
 
 def test_real_process_prints_no_traceback(tmp_path: Path) -> None:

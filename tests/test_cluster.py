@@ -1,30 +1,52 @@
-"""sweeper.cluster: placement planning and mode choice (pure), then a real simulated 2-node x 2-GPU Ray cluster:
-inventory, placement groups that keep TP pairs inside a node, unsatisfiable placements, node join and loss.
+"""sweeper.cluster: placement planning, mode choice and the Ray version floor (pure); connecting with a bounded
+timeout (real loopback sockets); ``address: auto`` against a real running Ray cluster (``ray start`` on 127.0.0.1);
+then a real simulated 2-node x 2-GPU Ray cluster: inventory, placement groups that keep TP pairs inside a node,
+bundles pinned by node label, unsatisfiable placements, node join and loss.
 
-Every Ray test checks afterwards that no placement group and no sweeper actor is left.
+Every Ray test checks afterwards that no placement group and no sweeper actor is left. Nothing but this machine is
+contacted; the connection tests keep Ray on loopback (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 makes Ray use 127.0.0.1 as
+the node address instead of this machine's network address).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+from pydantic import ValidationError
 
 from sweeper.cluster import (
     ClusterError,
     PlacementError,
     PlacementTimeout,
+    SimulatedCluster,
     choose_mode,
     cleanup_stale_clusters,
     connect,
     plan_placement,
+    probe,
+    resolve_target,
     trial_placement,
 )
+from sweeper.cluster.discovery import cuda_visible
 from sweeper.config import ClusterConfig
+from sweeper.errors import UsageError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 # -- pure: placement plans ---------------------------------------------------------------------------------------
@@ -55,13 +77,164 @@ def test_plan_rejects_a_group_larger_than_a_node() -> None:
 
 # -- pure: which cluster connect() picks ---------------------------------------------------------------------------
 def test_mode_choice() -> None:
+    # Pure: nothing is contacted.
     assert choose_mode(ClusterConfig(simulate=True)) == "simulated"
+    assert choose_mode(ClusterConfig(simulate=True), address_override="auto") == "simulated"
     assert choose_mode(ClusterConfig(simulate=False, address="local")) == "local"
     assert choose_mode(ClusterConfig(simulate=False)) == "auto"
-    assert choose_mode(ClusterConfig(simulate="auto", address="10.0.0.1:6379")) == "remote"
-    assert choose_mode(ClusterConfig(simulate="auto"), address_override="10.0.0.1:6379") == "remote"
-    with pytest.raises(ClusterError, match="simulate"):
-        choose_mode(ClusterConfig(simulate=True, address="10.0.0.1:6379"))
+    assert choose_mode(ClusterConfig()) == "auto"  # a running cluster first, whether or not a GPU is visible
+    assert choose_mode(ClusterConfig(simulate="auto", address="127.0.0.1:6379")) == "remote"
+    assert choose_mode(ClusterConfig(simulate="auto"), address_override="ray://127.0.0.1:10001") == "remote"
+    with pytest.raises(ValidationError, match="true cannot be combined with cluster.address"):
+        ClusterConfig(simulate=True, address="127.0.0.1:6379")
+    with pytest.raises(UsageError, match=r"^--address: '127.0.0.1:6379' cannot be combined with cluster.simulate"):
+        choose_mode(ClusterConfig(simulate=True), address_override="127.0.0.1:6379")
+    with pytest.raises(UsageError, match=r"^--address: must be auto, local, HOST:PORT"):
+        choose_mode(ClusterConfig(), address_override="127.0.0.1")
+
+
+# -- the Ray version floor -------------------------------------------------------------------------------------------
+def test_installed_ray_meets_the_floor_and_has_what_sweeper_uses() -> None:
+    import ray
+    from packaging.requirements import Requirement
+    from packaging.version import Version
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [Requirement(d).specifier for d in deps if Requirement(d).name == "ray"]
+    assert Version(ray.__version__) in spec, f"installed ray {ray.__version__} outside {spec}"
+    # 2.57.0 is the first release with both: placement_group(bundle_label_selector=) honoured by STRICT_PACK groups
+    # (ray-project/ray#60170, first in 2.54.0; 2.53.0 placed a STRICT_PACK bundle on a node its selector excluded),
+    # and NODE_ID_LABEL_KEY in ray.util.placement_group (absent from 2.56.1, present in 2.57.0). Ray 3 may drop the
+    # private APIs used (ray._private.state, ray.cluster_utils, the GCS protos the connection probe asks).
+    assert Version("2.57.0") in spec and Version("2.56.1") not in spec and Version("3.0.0") not in spec
+    from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
+
+    assert NODE_ID_LABEL_KEY == "ray.io/node-id"
+    assert "bundle_label_selector" in inspect.signature(placement_group).parameters
+    import ray._private.state
+    from ray.cluster_utils import Cluster
+    from ray.core.generated import gcs_pb2, gcs_service_pb2
+
+    assert callable(ray._private.state.available_resources_per_node)  # noqa: SLF001
+    assert callable(Cluster.add_node) and callable(Cluster.remove_node)
+    assert "GetAllNodeInfo" in gcs_service_pb2.DESCRIPTOR.services_by_name["NodeInfoGcsService"].methods_by_name
+    assert "labels" in gcs_pb2.GcsNodeInfo.DESCRIPTOR.fields_by_name
+
+
+# -- connecting: bounded, one line (real sockets on loopback) ----------------------------------------------------------
+def test_a_refused_port_fails_at_once_with_one_line() -> None:
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as exc:
+        resolve_target(ClusterConfig(), address_override="127.0.0.1:1")
+    assert time.monotonic() - started < 5
+    assert str(exc.value) == ("--address: no Ray cluster answers at 127.0.0.1:1: connection refused "
+                              "(cluster.connect_timeout_s: 10)")
+    assert exc.value.exit_code == 1
+
+
+def test_a_port_that_never_answers_fails_after_the_timeout() -> None:
+    with _silent_listener() as port:
+        started = time.monotonic()
+        with pytest.raises(ClusterError, match=r"^cluster.address: no Ray cluster answers at 127.0.0.1:\d+: the port "
+                           r"is open but no Ray GCS replied within 1\.\d* s \(cluster.connect_timeout_s: 1\.5\)$"):
+            resolve_target(ClusterConfig(address=f"127.0.0.1:{port}", connect_timeout_s=1.5))
+        assert 1.0 < time.monotonic() - started < 8
+
+
+def test_an_address_that_drops_connections_fails_after_the_timeout() -> None:
+    """A host that never answers the TCP handshake (a firewall dropping packets), made on loopback: a listening
+    socket whose accept queue is full drops further SYNs."""
+    with _full_listener() as port:
+        started = time.monotonic()
+        with pytest.raises(ClusterError, match=r": no answer within 1\.5 s \(cluster.connect_timeout_s: 1\.5\)$"):
+            resolve_target(ClusterConfig(connect_timeout_s=1.5), address_override=f"127.0.0.1:{port}")
+        assert 1.4 < time.monotonic() - started < 8
+
+
+def test_an_http_server_is_not_taken_for_ray() -> None:
+    import http.server
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        found = probe(f"127.0.0.1:{server.server_address[1]}", timeout_s=5)
+        assert found.problem is not None and found.problem.startswith("the server there is not a Ray GCS")
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_auto_falls_back_to_simulating_when_nothing_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    if cuda_visible():
+        pytest.skip("with a GPU visible the fallback is a local Ray instance")
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start` address file there
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    target = resolve_target(ClusterConfig(nodes=2, gpus_per_node=2))
+    assert target.kind == "simulated" and target.address is None
+    assert target.why == (
+        "simulated, 2 nodes x 2 GPUs on this machine (no GPU visible here and no running Ray cluster answered: "
+        f"RAY_ADDRESS 127.0.0.1:1: connection refused; no {tmp_path / 'ray' / 'ray_current_cluster'} (ray start "
+        "writes it))"
+    )
+    monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # the dashboard address `ray job submit` uses
+    assert "RAY_ADDRESS='http://127.0.0.1:8265' is not HOST:PORT" in resolve_target(ClusterConfig()).why
+
+
+# -- address: auto with a real Ray cluster running (ray start --head on 127.0.0.1) -----------------------------------
+@pytest.mark.e2e
+def test_auto_joins_the_running_cluster(running_ray: tuple[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    import ray
+    import ray._private.ray_constants
+
+    address, tmpdir = running_ray
+    address_file = tmpdir / "ray" / "ray_current_cluster"
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)  # the driver on loopback too
+    monkeypatch.setenv("RAY_TMPDIR", str(tmpdir))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    cfg = ClusterConfig(nodes=2, gpus_per_node=2)  # simulate: auto, address: auto; no GPU visible on this driver
+    found = resolve_target(cfg)  # from the address file `ray start` wrote
+    assert (found.kind, found.address) == ("existing", address)
+    assert found.why == f"the running Ray cluster at {address} (from {address_file})"
+
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")  # a dead RAY_ADDRESS: the address file is tried next
+    assert resolve_target(cfg).address == address
+
+    monkeypatch.setenv("RAY_ADDRESS", address)
+    if ray.is_initialized():
+        pytest.fail("another test left this process connected to Ray")
+    with connect(cfg) as handle:
+        assert (handle.mode, handle.address, handle.simulated) == ("existing", address, None)
+        assert [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]] == ["127.0.0.1"]
+    printed = capsys.readouterr().err.splitlines()
+    assert printed[0] == f"cluster: the running Ray cluster at {address} (from RAY_ADDRESS)"
+    assert not ray.is_initialized()
+
+
+@pytest.mark.e2e
+def test_a_simulated_cluster_is_never_joined_nor_hides_ray_start(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray._private.ray_constants
+
+    if cuda_visible():
+        pytest.skip("with a GPU visible the fallback is a local Ray instance")
+    tmpdir = Path(tempfile.mkdtemp(prefix="swp", dir="/tmp"))  # short: Ray's socket paths live under it
+    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
+    monkeypatch.setenv("RAY_TMPDIR", str(tmpdir))
+    address_file = tmpdir / "ray" / "ray_current_cluster"
+    address_file.parent.mkdir(parents=True)
+    address_file.write_text("127.0.0.1:1")  # what a user's (now stopped) `ray start` left
+    try:
+        with SimulatedCluster(1, 1, record_dir=tmp_path) as cluster:
+            assert address_file.read_text() == "127.0.0.1:1"  # Ray's test cluster wrote its own address there
+            monkeypatch.setenv("RAY_ADDRESS", cluster.address)
+            target = resolve_target(ClusterConfig(nodes=1, gpus_per_node=1))
+            assert target.kind == "simulated"
+            assert f"RAY_ADDRESS {cluster.address}: a simulated cluster of another sweep" in target.why
+        assert address_file.read_text() == "127.0.0.1:1"
+    finally:
+        shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 def test_stale_cluster_cleanup_kills_only_recorded_processes_of_dead_drivers(tmp_path: Path) -> None:
@@ -88,6 +261,92 @@ def test_stale_cluster_cleanup_kills_only_recorded_processes_of_dead_drivers(tmp
         for proc in (victim, bystander):
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def running_ray() -> Iterator[tuple[str, Path]]:
+    """A real Ray head (``ray start --head --block``) on 127.0.0.1, in its own temp folder and process group;
+    stopped by that process group's id, never by name."""
+    tmpdir = Path(tempfile.mkdtemp(prefix="swr", dir="/tmp"))
+    port = _free_port()
+    env = {**os.environ, "RAY_TMPDIR": str(tmpdir), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    log = (tmpdir / "ray-start.log").open("w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--port", str(port),
+         "--node-ip-address", "127.0.0.1", "--num-cpus", "1", "--num-gpus", "0", "--include-dashboard=false",
+         "--disable-usage-stats", "--object-store-memory", str(80 * 2**20)],
+        env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        address_file = tmpdir / "ray" / "ray_current_cluster"
+        deadline = time.monotonic() + 120
+        while not address_file.is_file():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"ray start did not come up: {(tmpdir / 'ray-start.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}", tmpdir
+    finally:
+        _stop_group(proc)
+        log.close()
+        left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(tmpdir) in " ".join(p.info["cmdline"] or [])]
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        assert not left, f"processes of the Ray head left behind: {left}"
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group ``proc`` leads (ray start and every daemon it started), SIGKILL what remains
+    (a raylet drains for up to 30 s after SIGTERM; nothing here needs draining)."""
+    for sig, wait_s in ((signal.SIGTERM, 3.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.2)
+            try:
+                os.killpg(proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.3)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _full_listener() -> Iterator[int]:
+    """A loopback port whose accept queue is full, so the kernel drops new connection attempts unanswered."""
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(socket.socket())
+        server.bind(("127.0.0.1", 0))
+        server.listen(0)
+        port = server.getsockname()[1]
+        for _ in range(16):
+            filler = stack.enter_context(socket.socket())
+            filler.setblocking(False)
+            with contextlib.suppress(BlockingIOError):
+                filler.connect(("127.0.0.1", port))
+            time.sleep(0.05)
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.3).close()
+            except TimeoutError:
+                break
+        else:
+            pytest.skip("this kernel answers connections to a full accept queue")
+        yield port
+
+
+@contextlib.contextmanager
+def _silent_listener() -> Iterator[int]:
+    """A loopback port that accepts TCP connections (the kernel completes the handshake) and never answers."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(8)
+        yield sock.getsockname()[1]
 
 
 # -- e2e: a simulated cluster ------------------------------------------------------------------------------------------
@@ -156,6 +415,21 @@ def test_unsatisfiable_placement_times_out_and_is_removed(sim) -> None:
         with trial_placement(sim, 6, 2, timeout_s=2, name="sweeper-test-too-big"):
             pytest.fail("a 3-node placement cannot be ready on 2 nodes")
     assert time.monotonic() - started < 10
+    assert_nothing_left()
+
+
+@pytest.mark.e2e
+def test_bundles_pinned_by_node_label_land_there_also_when_packed(sim) -> None:
+    """What the Ray floor is for: a STRICT_PACK group (a trial that fits one node) honours its node label."""
+    import ray
+
+    nodes = {n.label: n.node_id for n in sim.nodes()}
+    with trial_placement(sim, 2, 2, timeout_s=30, name="sweeper-test-pin", nodes=[nodes["sim-1"]]) as placement:
+        assert placement.plan.strategy == "STRICT_PACK"
+        assert ray.util.placement_group_table(placement.group)["bundles_to_node_id"] == {0: nodes["sim-1"]}
+    with pytest.raises(PlacementTimeout):
+        with trial_placement(sim, 2, 2, timeout_s=2, name="sweeper-test-pin-nowhere", nodes=["ab" * 28]):
+            pytest.fail("no node carries that node id")
     assert_nothing_left()
 
 

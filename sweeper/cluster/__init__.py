@@ -3,7 +3,8 @@
 Only ``sweeper.cluster`` and ``sweeper.trial`` import Ray; everything else works on the plain values exported here.
 """
 
-from sweeper.cluster.connection import ClusterError, ClusterHandle, GpuInfo, NodeInfo, choose_mode, connect
+from sweeper.cluster.connection import ClusterHandle, GpuInfo, NodeInfo, connect
+from sweeper.cluster.discovery import Probe, Target, choose_mode, probe, resolve_target
 from sweeper.cluster.placement import (
     PlacementError,
     PlacementPlan,
@@ -13,6 +14,7 @@ from sweeper.cluster.placement import (
     trial_placement,
 )
 from sweeper.cluster.simulated import SimNode, SimulatedCluster, cleanup_stale_clusters
+from sweeper.errors import ClusterError
 
 __all__ = [
     "ClusterError",
@@ -22,12 +24,16 @@ __all__ = [
     "PlacementError",
     "PlacementPlan",
     "PlacementTimeout",
+    "Probe",
     "SimNode",
     "SimulatedCluster",
+    "Target",
     "TrialPlacement",
     "choose_mode",
     "cleanup_stale_clusters",
     "connect",
     "plan_placement",
+    "probe",
+    "resolve_target",
     "trial_placement",
 ]

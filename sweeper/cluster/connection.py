@@ -1,12 +1,14 @@
 """Connecting the driver to Ray, and what the cluster holds: nodes, GPUs per node, GPU kind and memory.
 
-``connect(cluster_cfg, address_override)`` is the one way in. It picks one of four modes:
+``connect(cluster_cfg, address_override)`` is the one way in. Which cluster it uses is decided first, in
+``sweeper.cluster.discovery`` (a simulated one, a new local instance, the Ray cluster already running, or the
+address given), within a bounded time and without starting anything; ``connect`` prints that decision as one line
+on stderr (``cluster: ...``), then starts or joins it:
 
-- simulated: ``simulate: true``, or ``simulate: auto`` with no CUDA device visible and no address given
-  (``address: auto`` and no ``--address``): a :class:`SimulatedCluster` of ``nodes x gpus_per_node`` virtual GPUs;
-- local: ``address: local``: a fresh single-node Ray instance on this machine;
-- auto: ``address: auto``: the Ray cluster already running here (``ray start``), else a fresh local one;
-- remote: any other address (``10.0.0.1:6379``, ``ray://...``).
+- simulated: a :class:`SimulatedCluster` of ``nodes x gpus_per_node`` virtual GPUs on this machine;
+- local: a fresh single-node Ray instance on this machine;
+- existing / remote: the running cluster found from ``RAY_ADDRESS`` or ``ray start``'s address file, or the address
+  given (``HOST:PORT``, ``ray://HOST:PORT``), which has answered the probe.
 
 The handle it yields lists nodes with short stable labels (``sim-0`` on the simulated cluster, the node's IP on
 real ones, ``IP:port`` when several raylets share an IP) which trial results use as ``rank_nodes``. GPU kind and
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,14 +30,13 @@ from typing import Literal
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from sweeper.cluster.discovery import Kind, Mode, Target, choose_mode, cuda_visible, resolve_target
 from sweeper.cluster.simulated import DEFAULT_RECORD_DIR, NODE_LABEL_KEY, SimulatedCluster, cleanup_stale_clusters
 from sweeper.config import ClusterConfig
+from sweeper.errors import ClusterError
 
-Mode = Literal["simulated", "local", "auto", "remote"]
-
-
-class ClusterError(RuntimeError):
-    """The cluster cannot be reached or does not match what the configuration asks for."""
+__all__ = ["ClusterError", "ClusterHandle", "GpuInfo", "Mode", "NodeInfo", "Target", "choose_mode", "connect",
+           "cuda_visible", "resolve_target"]
 
 
 @dataclass(frozen=True)
@@ -59,10 +61,11 @@ class NodeInfo:
 class ClusterHandle:
     """A connected Ray cluster. Everything sweeper asks Ray about the cluster goes through here."""
 
-    mode: Mode
+    mode: Kind
     address: str
     cluster_cfg: ClusterConfig
     simulated: SimulatedCluster | None = None
+    description: str = ""  # which cluster this is and why it was chosen (the line connect printed)
     _gpu_cache: dict[str, GpuInfo] = field(default_factory=dict, repr=False)
 
     @property
@@ -141,36 +144,33 @@ def connect(
 ) -> Iterator[ClusterHandle]:
     """Connect (or start a cluster) per the config; on exit disconnect and stop whatever was started here.
 
-    On a user's own cluster nothing but the driver's connection is closed on exit.
+    On a user's own cluster nothing but the driver's connection is closed on exit. Raises UsageError on a bad
+    ``--address``, ClusterError when the cluster asked for does not answer within ``cluster.connect_timeout_s``.
     """
     mode = choose_mode(cluster_cfg, address_override)
     if ray.is_initialized():
         raise ClusterError("this process is already connected to Ray; connect() owns the connection")
+    if mode in ("simulated", "auto") and record_dir is not None:
+        cleanup_stale_clusters(record_dir)  # a SIGKILLed sweep's cluster is neither leaked nor taken for a running one
+    target = resolve_target(cluster_cfg, address_override)
+    print(f"cluster: {target.why}", file=sys.stderr, flush=True)
     simulated: SimulatedCluster | None = None
     try:
-        if mode == "simulated":
-            if record_dir is not None:
-                cleanup_stale_clusters(record_dir)  # a SIGKILLed sweep's cluster is not leaked
+        if target.kind == "simulated":
             simulated = SimulatedCluster(cluster_cfg.nodes, cluster_cfg.gpus_per_node, record_dir=record_dir).start()
             address = simulated.address
             ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-        elif mode == "local":
+        elif target.kind == "local":
             address = "local"
             ray.init(address="local", logging_level="WARNING")
-        elif mode == "auto":
-            try:
-                ray.init(address="auto", logging_level="WARNING")
-                address = "auto"
-            except ConnectionError:
-                address = "local"
-                ray.init(address="local", logging_level="WARNING")
         else:
-            address = address_override or cluster_cfg.address
+            address = str(target.address)
             try:
                 ray.init(address=address, logging_level="WARNING")
-            except ConnectionError as exc:
-                raise ClusterError(f"cluster.address: cannot reach Ray at {address!r}: {exc}") from None
-        yield ClusterHandle(mode=mode, address=address, cluster_cfg=cluster_cfg, simulated=simulated)
+            except (ConnectionError, RuntimeError, ValueError) as exc:  # e.g. a Ray version mismatch
+                raise ClusterError(f"cannot join the Ray cluster at {address}: {_first_line(exc)}") from None
+        yield ClusterHandle(mode=target.kind, address=address, cluster_cfg=cluster_cfg, simulated=simulated,
+                            description=target.why)
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -178,41 +178,9 @@ def connect(
             simulated.shutdown()
 
 
-def choose_mode(cluster_cfg: ClusterConfig, address_override: str | None = None) -> Mode:
-    """Which kind of cluster ``connect`` will use; raises ClusterError on contradictory settings."""
-    address = address_override or cluster_cfg.address
-    explicit_address = address_override is not None or cluster_cfg.address != "auto"
-    simulate = cluster_cfg.simulate
-    if simulate == "auto":
-        simulate = not explicit_address and not cuda_visible()
-    if simulate:
-        if explicit_address and address != "auto":
-            raise ClusterError(
-                f"cluster.simulate: true cannot be combined with address {address!r} (a simulated cluster is started here)"
-            )
-        return "simulated"
-    if address == "local":
-        return "local"
-    if address == "auto":
-        return "auto"
-    return "remote"
-
-
-def cuda_visible() -> bool:
-    """Whether this machine has a CUDA device, without initialising CUDA in the driver (nvidia-smi first)."""
-    smi = shutil.which("nvidia-smi")
-    if smi:
-        try:
-            out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=20)
-            return out.returncode == 0 and "GPU" in out.stdout
-        except (OSError, subprocess.SubprocessError):
-            return False
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
+def _first_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0] if lines else type(exc).__name__
 
 
 # -- node-level probes (run as Ray tasks pinned to one node) ---------------------------------------------------------

@@ -24,13 +24,14 @@ from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placemen
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
+from sweeper.errors import ClusterError
 
 
-class PlacementError(RuntimeError):
+class PlacementError(ClusterError):
     """No bundle shape can place this trial on nodes of this size."""
 
 
-class PlacementTimeout(RuntimeError):
+class PlacementTimeout(ClusterError):
     """The cluster could not reserve the trial's GPUs within the timeout (busy, too small, or nodes lost)."""
 
 

@@ -9,6 +9,10 @@ and added for fault injection.
 Reservations are deliberately tiny (80 MiB object store per node, logical CPUs only) so a 2 x 8 = 16-rank
 cluster fits on 2 cores / 24 GB; the real limit is the ranks' own memory.
 
+Ray's test cluster writes its address into the file ``ray start`` keeps on this machine (``ray.init(address="auto")``
+reads it) and deletes it on shutdown; a simulated cluster puts back what was there, so it neither hides a user's
+running cluster from ``address: auto`` nor leaves a pointer to itself behind.
+
 A crashed driver leaves its raylets behind. Every cluster writes a record (pids with their start times, session
 dir, the driver's pid) to ``record_dir``; :func:`cleanup_stale_clusters` kills the process trees of records whose
 driver is gone, by pid and start time only, never by process name.
@@ -72,17 +76,20 @@ class SimulatedCluster:
         self._nodes: list[SimNode] = []
         self._next_index = 0
         self._removed_pids: list[tuple[int, float]] = []
+        self._ray_start_address: str | None = None  # what `ray start`'s address file held before this cluster
 
     # -- lifetime ------------------------------------------------------------------------------------------------
     def start(self) -> SimulatedCluster:
         if self._cluster is not None:
             return self
+        self._ray_start_address = _read_text(ray_start_address_file())
         # shutdown_at_exit: Ray's own atexit hook and reaper stop the raylets if this driver exits normally.
         self._cluster = Cluster(
             initialize_head=True,
             head_node_args={"num_cpus": 0, "num_gpus": 0, "object_store_memory": self.object_store_bytes},
             shutdown_at_exit=True,
         )
+        self._put_back_ray_start_address()
         self._write_record()
         try:
             for _ in range(self.initial_nodes):
@@ -101,6 +108,7 @@ class SimulatedCluster:
             # Ray's Cluster.shutdown kills worker raylets and the head, waiting for each (no zombies).
             cluster.shutdown()
         finally:
+            self._put_back_ray_start_address()
             self._nodes.clear()
             self._kill_leftovers()
             self._delete_record()
@@ -205,10 +213,42 @@ class SimulatedCluster:
         if path is not None:
             path.unlink(missing_ok=True)
 
+    def _put_back_ray_start_address(self) -> None:
+        path = ray_start_address_file()
+        current = _read_text(path)
+        ours = self._cluster.address if self._cluster is not None else None
+        if current is not None and current != ours:
+            return  # somebody ran `ray start` since: theirs stays
+        try:
+            if self._ray_start_address is None:
+                path.unlink(missing_ok=True)
+            else:
+                path.write_text(self._ray_start_address)
+        except OSError:
+            pass
+
     def _kill_leftovers(self) -> None:
         # Rank processes of a removed node are normally gone with their raylet; make sure, by pid + start time.
         _kill_exact(self._removed_pids)
         self._removed_pids.clear()
+
+
+def ray_start_address_file() -> Path:
+    """The file where ``ray start`` records the cluster's address for ``ray.init(address="auto")``."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        return Path(get_ray_address_file(None))
+    except (ImportError, AttributeError):  # Ray keeps it in its temp folder: RAY_TMPDIR, else TMPDIR, else /tmp
+        root = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        return Path(root) / "ray" / "ray_current_cluster"
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except OSError:
+        return None
 
 
 def cleanup_stale_clusters(record_dir: Path = DEFAULT_RECORD_DIR) -> list[int]:
