@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from sweeper.config import check_address_override, load_config
+from sweeper.config import SweepConfig, check_address_override, load_config, proxy_config, resolve_space_path
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
 from sweeper.layout import LayoutError
 
@@ -51,6 +51,19 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
+PROXY_HELP = ("run the model's CPU-size proxy (same layers, heads, experts; small widths) with CPU-size training: "
+              "proves the layouts' distributed mechanics, not memory or speed")
+
+
+def _load(args: argparse.Namespace) -> SweepConfig:
+    """The command's search YAML (a bare name finds a shipped space), as a proxy space with --proxy."""
+    path = resolve_space_path(args.space)
+    if path != args.space:
+        print(f"using {path} (the shipped search space named {args.space})", file=sys.stderr)
+    cfg = load_config(path)
+    return proxy_config(cfg) if getattr(args, "proxy", False) else cfg
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sweeper", description="Find the best stable Megatron parallel layout for a model on a cluster.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -60,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print one JSON array")
     plan.add_argument("--only", help='keep layouts matching these keys, e.g. "tp=2,ep=4,sp=true"')
     plan.add_argument("--limit", type=int, default=40, help="valid layouts shown in the table (0 = all)")
+    plan.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     plan.set_defaults(func=cmd_plan)
 
     trial = sub.add_parser("trial", help="run one smoke trial of a layout on the space's cluster")
@@ -68,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     trial.add_argument("--json", action="store_true")
     trial.add_argument("--out", type=Path, help="trial folder (default sweeps/<name>/trials/manual-<time>)")
     trial.add_argument("--address", help="Ray address (overrides cluster.address)")
+    trial.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     trial.set_defaults(func=cmd_trial)
 
     search = sub.add_parser("search", help="run the sweep and export the best stable layout")
@@ -80,6 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--inject", action="append", default=[], metavar="SPEC",
                         help="fault injection on simulated clusters: node-loss@trial=N, node-join@trial=N, "
                         "hang@trial=N, nan@trial=N, kill-rank@trial=N")
+    search.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     search.set_defaults(func=cmd_search)
 
     report = sub.add_parser("report", help="re-render the report of a sweep folder")
@@ -99,7 +115,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if args.limit < 0:
         raise UsageError(f"--limit: must be 0 (all) or a positive integer, got {args.limit}")
-    cfg = load_config(args.space)
+    cfg = _load(args)
     only = only_filter(args.only)
     from sweeper.plan import build_plan
 
@@ -118,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_trial(args: argparse.Namespace) -> int:
     from sweeper.space import layout_from_string
 
-    cfg = load_config(args.space)
+    cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     layout = layout_from_string(cfg, args.layout)
     from sweeper.workflow import run_single_trial
@@ -139,7 +155,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"--max-trials: must be a positive integer, got {args.max_trials}")
     if args.parallel is not None and args.parallel < 1:
         raise UsageError(f"--parallel: must be a positive integer, got {args.parallel}")
-    cfg = load_config(args.space)
+    cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     from sweeper.search import SearchOptions, parse_injections, run_search
 
@@ -149,6 +165,12 @@ def cmd_search(args: argparse.Namespace) -> int:
     # Which cluster, decided before the sweep folder and the MLflow store are written: an address that does not
     # answer ends here, with one line, after at most cluster.connect_timeout_s.
     target = resolve_target(cfg.cluster, args.address)
+    if target.kind == "simulated" and not args.resume:
+        from sweeper.trial.host import cpu_backend_refusal
+
+        refusal = cpu_backend_refusal(cfg)
+        if refusal is not None:
+            raise SweeperError(f"{args.space}: {refusal}", exit_code=EXIT_FAILED)
     options = SearchOptions(
         out=args.out or Path("sweeps") / cfg.name,
         resume=args.resume,
@@ -175,7 +197,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from sweeper.workflow import run_doctor
 
-    cfg = load_config(args.space)
+    cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     report = run_doctor(cfg, address=args.address)
     from sweeper.views import print_doctor

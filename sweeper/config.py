@@ -27,6 +27,7 @@ from pydantic import (
 from sweeper.errors import UsageError
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.layout import LayoutError, canonical_recompute
+from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, proxy
 from sweeper.models.spec import ModelSpec
 
 
@@ -251,6 +252,56 @@ class _FieldError(ValueError):
     def __init__(self, loc: tuple[str | int, ...], message: str) -> None:
         super().__init__(message)
         self.loc = loc
+
+
+# --proxy: the trials of a proxy sweep are CPU-sized too, and there are few of them (README: "--proxy").
+PROXY_SEQ_LENGTH_CAP = 128
+PROXY_GLOBAL_BATCH_CAP = 32
+PROXY_STEPS = 3
+PROXY_MAX_TRIALS = 4
+
+
+def proxy_config(cfg: SweepConfig) -> SweepConfig:
+    """The space with its model's CPU-size proxy (models/proxy.py) and CPU-size training: the sequence length and
+    global batch become their power-of-two parts (capped), so the layout rules' divisibility checks read the same;
+    at most PROXY_STEPS steps and PROXY_MAX_TRIALS trials. The sweep is named ``<name>-proxy``."""
+    if is_proxy(cfg.model) and cfg.name.endswith(PROXY_SUFFIX):
+        return cfg
+    t = cfg.training
+    steps = min(t.steps, PROXY_STEPS)
+    training = t.model_copy(update=dict(
+        seq_length=_power_of_two_part(t.seq_length, PROXY_SEQ_LENGTH_CAP),
+        global_batch_size=_power_of_two_part(t.global_batch_size, PROXY_GLOBAL_BATCH_CAP),
+        steps=steps,
+        warmup_steps=min(t.warmup_steps, steps - 1),
+        checkpoint_every=t.checkpoint_every if t.checkpoint_every and t.checkpoint_every < steps else None,
+    ))
+    search = cfg.search.model_copy(update=dict(max_trials=min(cfg.search.max_trials, PROXY_MAX_TRIALS)))
+    name = cfg.name if cfg.name.endswith(PROXY_SUFFIX) else cfg.name + PROXY_SUFFIX
+    return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
+
+
+def _power_of_two_part(value: int, cap: int) -> int:
+    part = 1
+    while value % (part * 2) == 0 and part * 2 <= cap:
+        part *= 2
+    return part
+
+
+SHIPPED_SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
+
+
+def resolve_space_path(path: str | Path) -> Path:
+    """The search YAML a command names: the path itself, or for a bare file name that is not here (``nemotron.yaml``,
+    or ``nemotron``) the search space of that name shipped in ``search_spaces/``."""
+    path = Path(path)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    for folder in (Path("search_spaces"), SHIPPED_SPACES):
+        for candidate in (folder / path.name, folder / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    return path
 
 
 def load_config(path: str | Path) -> SweepConfig:

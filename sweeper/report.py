@@ -19,6 +19,7 @@ from typing import Any
 
 from sweeper import report_figures as figures
 from sweeper.layout import Layout, LayoutError
+from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.report_figures import esc, kind_counts, num
 from sweeper.results import TrialChecks, TrialMetrics, TrialResult
 from sweeper.sweepdir import write_atomic
@@ -297,6 +298,8 @@ def _header(info: SweepInfo, rows: list[TrialRow], skipped: int, memory_kind: st
     if not info.recorded:
         notes.append(f"{SWEEP_FILE} was not found or could not be read: model, cluster, status and the memory "
                      "limit are unknown, so no attempt is marked 'not stable'.")
+    if is_proxy(str(model.get("name", ""))):
+        notes.append(f"A {PROXY_NOTE}.")
     if memory_kind == "host":
         notes.append("Memory is host RSS: these trials ran on the CPU backend, where there is no device memory, so "
                      "every 'peak memory' below is the ranks' peak resident host memory, not GPU memory. The "

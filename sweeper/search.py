@@ -27,6 +27,7 @@ from sweeper.calibrate import Calibrator
 from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.config import SweepConfig
 from sweeper.layout import Layout, LayoutError
+from sweeper.models.proxy import is_proxy
 from sweeper.plan import PlanEntry, assess
 from sweeper.progress import Progress
 from sweeper.results import TrialResult
@@ -475,7 +476,8 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems))
             return EXIT_FAILED
         parent = tracker.start_sweep(
-            cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name},
+            cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name,
+                                           "proxy": str(is_proxy(cfg.model)).lower()},
             resume_run_id=meta.get("mlflow", {}).get("parent_run_id") if options.resume else None,
         )
         meta.update(

@@ -13,6 +13,7 @@ from typing import Any
 
 from sweeper.config import SweepConfig
 from sweeper.layout import Layout
+from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.results import TrialResult
 
 
@@ -80,6 +81,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
     return {
         "name": cfg.name,
         "model": cfg.model.name,
+        "proxy": PROXY_NOTE if is_proxy(cfg.model) else False,
         "trial": winner.number,
         "layout": layout.to_dict(),
         "layout_string": layout.to_string(),

@@ -3,6 +3,7 @@ address that does not answer exits 1 with one line, at once for a refused port (
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -206,3 +207,41 @@ def test_real_process_prints_no_traceback(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {space}: space.tp[0]: must be a positive integer, got -2"
     assert proc.stdout == ""
+
+
+def test_the_missions_command_from_the_repository_root_ends_in_seconds_with_one_line(tmp_path: Path) -> None:
+    # `python -m sweeper search nemotron.yaml` as typed: the bare name finds search_spaces/nemotron.yaml; on a
+    # machine without GPUs its trials would run on the CPU backend, which cannot run the 31.6B model: one line
+    # saying so and what would make it run, exit 1, nothing written, no study started.
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "checkout"
+    (work / "search_spaces").mkdir(parents=True)
+    (work / "search_spaces" / "nemotron.yaml").write_text((root / "search_spaces" / "nemotron.yaml").read_text())
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-m", "sweeper", "search", "nemotron.yaml"], cwd=work, capture_output=True,
+                          text=True, timeout=120, env={**env, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert lines[0] == f"using {Path('search_spaces') / 'nemotron.yaml'} (the shipped search space named nemotron.yaml)"
+    error = lines[-1]
+    assert error.startswith("error: nemotron.yaml: no layout of this space can run on the CPU backend"), error
+    assert "31.6B-parameter model" in error and "--proxy" in error and "--address" in error
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert sorted(p.name for p in work.iterdir()) == ["search_spaces"]  # no sweeps/, no mlruns/
+
+
+def test_plan_with_proxy_gives_the_real_models_verdicts(capsys: pytest.CaptureFixture[str]) -> None:
+    space = str(Path(__file__).resolve().parents[1] / "search_spaces" / "deepseek_v2_lite.yaml")
+    assert main(["plan", space, "--json"]) == 0
+    real = json.loads(capsys.readouterr().out)
+    assert main(["plan", space, "--json", "--proxy"]) == 0
+    small = json.loads(capsys.readouterr().out)
+    def verdicts(entries: list[dict]) -> list[tuple[str, bool]]:  # the proxy's CPU-size batch aside
+        return sorted((json.dumps({k: v for k, v in e["layout"].items() if k != "gbs"}, sort_keys=True), e["valid"])
+                      for e in entries)
+
+    assert len(real) > 1000 and verdicts(real) == verdicts(small)
+    def memory(entries: list[dict]) -> list[float]:
+        return [e["predicted"]["memory_gib"] for e in entries if e["predicted"]["memory_gib"] is not None]
+
+    assert max(memory(small)) < min(memory(real))

@@ -12,6 +12,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sweeper.models.proxy import proxy
 from sweeper.models.spec import ModelSpec
 
 
@@ -167,7 +168,15 @@ PRESETS: dict[str, ModelSpec] = {
 
 
 def resolve_model(value: Any, base_dir: Path = Path(".")) -> ModelSpec:
-    """Turn the YAML's ``model:`` value into a ModelSpec, or raise ModelError."""
+    """Turn the YAML's ``model:`` value into a ModelSpec, or raise ModelError.
+
+    Any mapping form takes ``proxy: true``: the model's CPU-size proxy (models/proxy.py), same layer structure."""
+    if isinstance(value, dict) and "proxy" in value:
+        wanted = value["proxy"]
+        if not isinstance(wanted, bool):
+            raise ModelError(f"must be true or false, got {wanted!r}", where=".proxy")
+        spec = resolve_model({k: v for k, v in value.items() if k != "proxy"}, base_dir)
+        return proxy(spec) if wanted else spec
     if isinstance(value, str):
         return preset(value)
     if not isinstance(value, dict):

@@ -18,14 +18,17 @@ from __future__ import annotations
 from sweeper.models.spec import ModelSpec
 
 PROXY_SUFFIX = "-proxy"
+PROXY_NOTE = ("proxy model (the real model's layer structure at CPU size): it proves each layout's distributed "
+              "mechanics, not the real model's memory or speed")
 _MAX_POWER_OF_TWO = 256  # FFN widths: divisibility by TP (<= 8) x the 32-element MXFP8 alignment survives
 _HIDDEN = 64  # every width the rules check on hidden_size is a divisor of 64 (the MXFP8 alignment is 32)
 _HEAD_DIM_CAP = 16  # head dimensions: the fused QKV width (heads + 2 groups) x head_dim % TP survives TP <= 16
 _VOCAB = 256
 
 
-def is_proxy(spec: ModelSpec) -> bool:
-    return spec.name.endswith(PROXY_SUFFIX)
+def is_proxy(spec: ModelSpec | str) -> bool:
+    """Whether a spec (or a recorded model name) is a proxy."""
+    return (spec if isinstance(spec, str) else spec.name).endswith(PROXY_SUFFIX)
 
 
 def proxy(spec: ModelSpec) -> ModelSpec:

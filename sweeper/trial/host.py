@@ -29,6 +29,31 @@ from sweeper.trial.doctor import DoctorReport, doctor
 from sweeper.trial.runner import keep_together, run_trial
 
 
+def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
+    """On a simulated cluster every trial runs on the CPU backend: when it can run none of the space's valid
+    layouts, the one-line reason (the most common one) and what would make the space run; None otherwise."""
+    from collections import Counter
+
+    from sweeper.rules import check, with_pipeline_split
+    from sweeper.space import enumerate_layouts
+
+    reasons: Counter[str] = Counter()
+    for layout in enumerate_layouts(cfg):
+        layout = with_pipeline_split(layout, cfg.model)
+        if check(cfg.model, layout, cfg.cluster, cfg.training.seq_length):
+            continue
+        reason = unsupported_reason(cfg.model, layout, cuda=False, te=False)
+        if reason is None:
+            return None
+        reasons[reason] += 1
+    if not reasons:
+        return None  # no valid layout at all: the sweep says so itself
+    reason, count = reasons.most_common(1)[0]
+    return (f"no layout of this space can run on the CPU backend of a simulated cluster: {reason} ({count} of "
+            f"{sum(reasons.values())} valid layouts). To run it: --proxy (the model's CPU-size proxy, here) or "
+            f"--address ADDR (a Ray cluster with GPUs)")
+
+
 @dataclass(frozen=True)
 class Reservation:
     node_ids: list[str]  # one per placement bundle

@@ -28,6 +28,7 @@ from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_by
 from sweeper.backends.megatron.support import backend_name, unsupported_reason
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.layout import Layout
+from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.models.spec import ModelSpec
 
 INJECT_STEP = 2  # fault injection fires at the second training step (steps count from 1)
@@ -152,6 +153,8 @@ def _smoke(
     gate = equivalence.plan(request, spec, layout)  # reads the reference: the build takes its vocabulary size
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None)
     report.checks["model_built"] = True
+    if is_proxy(spec):
+        report.notes.append(PROXY_NOTE)
     if te:  # the FP8 recipe chosen for this device, a missing Mamba fast path (gpu.py; not run on a GPU yet)
         from sweeper.backends.megatron.gpu import device_plan
 
