@@ -64,7 +64,7 @@ class SearchOptions:
 def parse_injections(specs: list[str], simulated: bool) -> list[Injection]:
     out = []
     for spec in specs:
-        match = re.fullmatch(r"([a-z-]+)@trial=(\d+)", spec.strip())
+        match = re.fullmatch(r"([a-z-]+)@trial=([0-9]+)", spec.strip())
         if not match or match.group(1) not in INJECT_KINDS or int(match.group(2)) < 1:
             raise UsageError(f"--inject: '{spec}' is not one of {', '.join(k + '@trial=N' for k in INJECT_KINDS)}")
         out.append(Injection(match.group(1), int(match.group(2))))

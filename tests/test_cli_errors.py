@@ -111,6 +111,7 @@ ARG_CASES = [
     (["report", "{tmp}"], "not a sweep folder"),
     (["search", "{space}", "--max-trials", "0"], "--max-trials: must be a positive integer"),
     (["search", "{space}", "--inject", "meteor@trial=1"], "--inject: 'meteor@trial=1' is not one of"),
+    (["search", "{space}", "--inject", "hang@trial=٣"], "--inject: 'hang@trial=٣' is not one of"),
     (["search", "{seeded}"], "search.seeds[0]: tp must be a positive integer"),
     (["plan", "{space}", "--limit", "-1"], "--limit: must be 0 (all) or a positive integer, got -1"),
     (["plan", "{space}", "--only", "tp=\u00b2"], "--only: tp must be a positive integer, got '\u00b2'"),
