@@ -30,7 +30,6 @@ from sweeper.layout import LayoutError, canonical_recompute
 from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, proxy
 from sweeper.models.spec import ModelSpec
 
-
 # gt=0.0 (a float) tells the error formatter to say "greater than 0" rather than "a positive integer".
 PositiveFloat = Annotated[float, Field(gt=0.0)]
 

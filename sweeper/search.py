@@ -24,8 +24,8 @@ from typing import Any
 from rich.console import Console
 
 from sweeper.calibrate import Calibrator
-from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.config import SweepConfig
+from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.layout import Layout, LayoutError
 from sweeper.models.proxy import is_proxy
 from sweeper.plan import PlanEntry, assess

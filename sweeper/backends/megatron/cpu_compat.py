@@ -10,7 +10,8 @@ How each CUDA assumption listed in MEGATRON_ON_CPU.md is met: allocations on ``t
 (GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
-``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE allgather dispatcher is chosen in ``build.py``.
+``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE allgather
+dispatcher is chosen in ``build.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The local spec's ``DotProductAttention`` refuses CP and its ``WrappedTorchNorm`` refuses SP. ``adapt_local_block_spec``
 returns a copy of the block spec in which, only where the layout needs it, core attention becomes
 ``ContextParallelDotProductAttention`` (cp > 1) or, for multi-latent attention, ``LatentDotProductAttention`` (K and V
-of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Everything else — and the whole spec when CP is 1 and SP off — stays Megatron's own.
+of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Everything
+else — and the whole spec when CP is 1 and SP off — stays Megatron's own.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ class _GroupKind:
 # The order is the same on every rank: each rank belongs to exactly one group of each kind, so the per-kind
 # all-gathers line up.
 _KINDS = {
-    "dp": _GroupKind("data-parallel (x context-parallel)", lambda: ps.get_data_parallel_group(with_context_parallel=True)),
+    "dp": _GroupKind("data-parallel (x context-parallel)",
+                     lambda: ps.get_data_parallel_group(with_context_parallel=True)),
     "edp": _GroupKind("expert-data-parallel", ps.get_expert_data_parallel_group),
     "tp": _GroupKind("tensor-parallel", ps.get_tensor_model_parallel_group),
     "etp": _GroupKind("expert-tensor-parallel", ps.get_expert_tensor_parallel_group),

@@ -1,4 +1,4 @@
-"""The smoke run of one rank: init → build → equivalence gate → N steps → checks → save → reload → report.
+"""The smoke run of one rank: init → build → equivalence gate → N steps → replica check → save → reload → report.
 
 ``run_rank`` is called in a rank's process after the runner has set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 and LOCAL_RANK. It never raises: every failure becomes a RankReport with ok=False, a failure kind and a
@@ -22,7 +22,12 @@ import torch
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
 from sweeper.backends.megatron.failures import (
-    InvalidLayoutError, Phase, ReplicaDivergenceError, SimulatedOOMError, UnsupportedError, classify,
+    InvalidLayoutError,
+    Phase,
+    ReplicaDivergenceError,
+    SimulatedOOMError,
+    UnsupportedError,
+    classify,
 )
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.support import backend_name, unsupported_reason
