@@ -4,7 +4,8 @@ For the pipeline rank each source reports, three comparisons where the source ha
 - model state: allocated memory between steps (weights + grads + optimizer; no activations alive) against
   ``stage_memory(...).state_gib``;
 - peak allocated: ``max_memory_allocated`` against ``stage_memory(...).allocated_gib``;
-- peak reserved: ``max_memory_reserved`` against peak allocated x the allocator fragmentation constant.
+- peak reserved: ``max_memory_reserved`` against ``stage_memory(...).reserved_gib(fragmentation)``: the model
+  state as allocated plus the dynamic part (activations, transients, logits) x the allocator fragmentation.
 Cases with unmodelled features are printed but kept out of the headlines. The order check counts the pairs of cases whose measured peaks the prediction puts in the same order.
 Calibration is checked leave-one-out: each modelled peak-allocated case is predicted with factors fitted
 (``sweeper.estimate.calibration.fit``) on all the others.
@@ -39,7 +40,7 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
         "parts": stage.parts,
         "allocated_gib": stage.state_gib,
         "max_allocated_gib": stage.allocated_gib,
-        "max_reserved_gib": stage.allocated_gib * constants.allocator_fragmentation,
+        "max_reserved_gib": stage.reserved_gib(constants.allocator_fragmentation),
     }
     measured = case["measured"]
     return {

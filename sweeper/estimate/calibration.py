@@ -4,12 +4,15 @@ The model-state bytes (weights, grads, optimizer) are exact; what the analytic m
 activation memory the kernels really keep (fused paths, saved-for-backward choices) and the fixed overheads
 (allocator slack, NCCL, workspaces). So a measured peak is modelled as
 
-    measured_reserved = fragmentation * (state + a * dynamic) + c
+    measured_reserved = state + fragmentation * a * dynamic + c
 
 with ``dynamic`` = activations + transients + logits of the predicted worst rank, ``a`` = activation_factor and
-``c`` = overhead_gib, fitted by least squares (``a`` alone, ratio-style, with fewer than 3 samples). Step time
-gets one multiplicative factor (the median ratio, robust to one slow outlier). Factors are stored as JSON under
-``"<cluster>/<model>"`` keys in a file the caller chooses, so a later sweep on the same cluster starts calibrated.
+``c`` = overhead_gib. The state is not multiplied by the fragmentation: Megatron allocates it as a few large
+tensors at start-up (DDP's param and grad buffers, the optimizer's shards), which the caching allocator holds
+without slack; the estimator's ``StageMemory.reserved_gib`` uses the same model. ``a`` and ``c`` are fitted by
+least squares (``a`` alone, ratio-style, with fewer than 3 samples). Step time gets one multiplicative factor (the
+median ratio, robust to one slow outlier). Factors are stored as JSON under ``"<cluster>/<model>"`` keys in a file
+the caller chooses, so a later sweep on the same cluster starts calibrated.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ class Sample:
         return sum(self.breakdown.get(k, 0.0) for k in DYNAMIC_KEYS)
 
     def predicted_memory(self, cal: Calibration) -> float:
-        return self.fragmentation * (self.state() + cal.activation_factor * self.dynamic()) + cal.overhead_gib
+        return self.state() + self.fragmentation * cal.activation_factor * self.dynamic() + cal.overhead_gib
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,9 @@ def fit(samples: Sequence[Sample]) -> FitReport:
     mem = [s for s in samples if s.measured_peak_gib and s.dynamic() > 0]
     a, c = 1.0, 0.0
     if mem:
-        # y = measured - frag * state = frag * dynamic * a + c
+        # y = measured - state = frag * dynamic * a + c
         xs = [s.fragmentation * s.dynamic() for s in mem]
-        ys = [float(s.measured_peak_gib or 0.0) - s.fragmentation * s.state() for s in mem]
+        ys = [float(s.measured_peak_gib or 0.0) - s.state() for s in mem]
         if len(mem) >= MIN_SAMPLES_FOR_OFFSET and statistics.pvariance(xs) > 0:
             mx, my = statistics.fmean(xs), statistics.fmean(ys)
             a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)

@@ -2,9 +2,15 @@
 
 Memory is evaluated for one rank of every pipeline stage (TP/CP/EP ranks of a stage are symmetric) and the worst
 is reported. ``memory_gib`` is what torch's caching allocator would reserve at the peak (the contract's
-``peak_memory_gib`` is ``max_memory_reserved``): allocated bytes (model state + in-flight activations + the
-last stage's logits + per-layer transients) times the fragmentation factor. ``fits`` also charges the memory
-that lives outside torch's allocator (CUDA context, NCCL buffers), because the GPU must hold it too.
+``peak_memory_gib`` is ``max_memory_reserved``): the model state (weights, grads, optimizer state, FP8 weight
+copies) as allocated, plus the dynamic memory (in-flight activations, the last stage's logits, per-layer
+transients) times the allocator fragmentation factor. Megatron allocates the state as a few large tensors made
+once at start-up (DDP's ``_ParamAndGradBuffer`` holds every parameter and main gradient of a dtype in one
+``torch.zeros(numel)`` each, megatron/core/distributed/param_and_grad_buffer.py ``_ParamAndGradBuffer.__init__``;
+the distributed optimizer's FP32 main params and Adam moments are one tensor per parameter shard, made once and
+kept, megatron/core/optimizer/distrib_optimizer.py ``_build_model_and_main_param_groups``), so the caching
+allocator's slack lives among the many short-lived tensors of forward/backward only. ``fits`` also charges the
+memory that lives outside torch's allocator (CUDA context, NCCL buffers), because the GPU must hold it too.
 
 Layouts whose sizes do not divide (dp == 0, layers not splitting over stages, heads not splitting over TP)
 raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layouts the rules accept.
@@ -96,6 +102,16 @@ class StageMemory:
     def allocated_gib(self) -> float:
         return sum(self.parts.values())
 
+    @property
+    def dynamic_gib(self) -> float:
+        """Activations, transients and logits: allocated and freed within every step."""
+        return self.allocated_gib - self.state_gib
+
+    def reserved_gib(self, fragmentation: float) -> float:
+        """What ``torch.cuda.max_memory_reserved`` would report: the state as allocated (a few large tensors
+        made once), the dynamic part times the caching allocator's fragmentation."""
+        return self.state_gib + fragmentation * self.dynamic_gib
+
 
 def _check_divisible(layout: Layout, seq_length: int) -> None:
     lo = layout
@@ -129,15 +145,18 @@ def stage_memory(
     seq_length: int,
     constants: EstimatorConstants = EstimatorConstants(),
     activation_factor: float = 1.0,
+    compute_capability: str | None = None,
 ) -> tuple[StageMemory, ...]:
-    """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank)."""
+    """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
+    ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
     _check_divisible(layout, seq_length)
     shape = _activation_shape(model, layout, seq_length, constants)
-    return _stage_memory(model, layout, shape, constants, activation_factor)
+    return _stage_memory(model, layout, shape, constants, activation_factor, compute_capability)
 
 
 def _stage_memory(
-    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, activation_factor: float
+    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, activation_factor: float,
+    compute_capability: str | None,
 ) -> tuple[StageMemory, ...]:
     vpp = lo.vpp if lo.pp > 1 else 1
     params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, lo.first_stage_layers, lo.last_stage_layers)
@@ -145,7 +164,8 @@ def _stage_memory(
     microbatches = _microbatches(lo)
     out = []
     for rank, (p, a) in enumerate(zip(params, acts)):
-        state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants)
+        state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
+                                  compute_capability)
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         parts = {
             "weights": state.weights / GIB,
@@ -173,14 +193,15 @@ def estimate(
     lo = layout
     _check_divisible(lo, seq_length)
     shape = _activation_shape(model, lo, seq_length, constants)
-    stages = _stage_memory(model, lo, shape, constants, calibration.activation_factor if calibration else 1.0)
+    stages = _stage_memory(model, lo, shape, constants, calibration.activation_factor if calibration else 1.0,
+                           cluster.compute_capability)
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
 
     worst: dict[str, float] = {}
     worst_reserved = -1.0
     for rank, stage in enumerate(stages):
         allocated = stage.allocated_gib
-        reserved = allocated * constants.allocator_fragmentation
+        reserved = stage.reserved_gib(constants.allocator_fragmentation)
         if calibration:
             reserved += calibration.overhead_gib  # fitted against measured max_memory_reserved
         if reserved > worst_reserved:

@@ -1,9 +1,10 @@
 """Per-rank memory: parameters placed by the pipeline split, model-state bytes and activations per micro-batch.
 
 Parameters are exact (``sweeper.models.params`` mirrors Megatron-Core's modules). Model state follows
-Megatron's mixed-precision recipe: BF16/FP16 weights in the DDP parameter buffer, FP32 main gradients in the DDP
-grad buffer (``accumulate_allreduce_grads_in_fp32`` is forced on with BF16), FP32 master weights and two Adam
-moments in the optimizer, sharded by the distributed optimizer over DP*CP (dense) and EDP (experts).
+Megatron's mixed-precision recipe: BF16/FP16 weights in the DDP parameter buffer, main gradients in the DDP grad
+buffer (FP32 with BF16 by default: ``EstimatorConstants.grad_reduce_in_fp32``), FP32 master weights and two Adam
+moments in the optimizer, sharded by the distributed optimizer over DP*CP (dense) and EDP (experts). Under FP8 and
+MXFP8, Transformer Engine's quantised weight copies are counted per recipe and device (``fp8_weight_bytes``).
 
 Activations count the tensors autograd keeps per micro-batch and block (the accounting of Korthikanti et al.,
 "Reducing Activation Recomputation in Large Transformer Models", adapted to flash attention, GQA/MLA, MoE token
@@ -103,10 +104,74 @@ def weight_bytes_per_param(precision: str) -> int:
     return FP32_BYTES if precision == "fp32" else BF16_BYTES
 
 
-def grad_bytes_per_param(precision: str) -> int:
-    """Megatron-LM forces FP32 gradient accumulation with BF16 (and FP8, which trains on BF16 weights);
-    FP16 keeps FP16 gradients unless --accumulate-allreduce-grads-in-fp32 is given."""
-    return BF16_BYTES if precision == "fp16" else FP32_BYTES
+def grad_bytes_per_param(precision: str, grad_reduce_in_fp32: bool = True) -> int:
+    """DDP grad-buffer bytes per parameter: megatron/core/distributed/distributed_data_parallel.py
+    ``_allocate_buffers_for_parameters`` makes ``grad_dtype = torch.float if grad_reduce_in_fp32 else
+    param.dtype``. BF16 and FP8 (which trains BF16 weights) follow ``grad_reduce_in_fp32``; FP16 keeps FP16
+    gradients (neither framework turns FP32 accumulation on for it); FP32 is FP32."""
+    if precision == "fp32":
+        return FP32_BYTES
+    if precision == "fp16":
+        return BF16_BYTES
+    return FP32_BYTES if grad_reduce_in_fp32 else BF16_BYTES
+
+
+def _columnwise_copy(recipe: str, compute_capability: str | None) -> bool:
+    """Whether TE keeps a second (transposed / column-wise) FP8 copy of a weight for the backward GEMMs.
+
+    Per-tensor scaling (delayed, tensorwise) needs a transpose only where FP8 GEMMs take the TN layout alone:
+    TE 2.9 transformer_engine/pytorch/utils.py ``is_non_tn_fp8_gemm_supported`` is true for compute capability
+    10.x-11.x and >= 13.0, so Hopper/Ada (9.0, 8.9) and the 12.x Blackwell parts (RTX PRO 6000, 5090) keep one
+    (csrc/quantizer.cpp: ``with_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported()``).
+    Blockwise and MXFP8 scale along rows and columns separately, so a column-wise copy always exists."""
+    if recipe in ("blockwise", "mxfp8"):
+        return True
+    if compute_capability is None:
+        return True  # unknown device: the conservative (Hopper) answer
+    major, _, minor = compute_capability.partition(".")
+    cc = (int(major), int(minor or 0))
+    return not ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
+
+
+def fp8_recipe(precision: str, constants: EstimatorConstants, compute_capability: str | None) -> str:
+    """The FP8 recipe a run of ``precision`` uses (as sweeper's GPU smoke run picks it for "auto")."""
+    if precision == "mxfp8":
+        return "mxfp8"
+    if constants.fp8_recipe != "auto":
+        return constants.fp8_recipe
+    if compute_capability is None:
+        return "delayed"
+    return "tensorwise" if int(compute_capability.partition(".")[0]) >= 10 else "delayed"
+
+
+def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capability: str | None
+                     ) -> tuple[float, float]:
+    """(bytes of the model weight, bytes of TE's extra quantised copies) per linear-layer parameter under FP8.
+
+    Without --fp8-param-gather the weight stays BF16 in DDP's param buffer and TE caches its FP8 workspace across
+    the micro-batches of a step: Megatron's TE wrappers pass ``is_first_microbatch`` (megatron/core/extensions/
+    transformer_engine.py TELinear.forward; reset by schedules.py ``set_is_first_microbatch``), so TE 2.9
+    module/base.py ``get_weight_workspace`` keeps the quantised weight in ``self._fp8_workspaces`` with row-wise
+    (forward) and column-wise (dgrad) usage: 1 byte, plus 1 for the column-wise copy where one exists
+    (``_columnwise_copy``). MXFP8 adds one E8M0 scale per 32 elements to each copy. Blockwise's 128x128 weight
+    scales and delayed scaling's amax histories (1024 FP32 values x 5 per GEMM: ~20 KiB per linear, ~15 MiB for
+    a 30B MoE on EP8) are below 0.1% and not counted.
+    With --fp8-param-gather the parameter itself is the FP8 tensor (DDP's param buffer is uint8,
+    distributed_data_parallel.py: ``param_dtype = torch.uint8`` for Float8Tensor) and there is no separate cache:
+    1 byte plus the column-wise copy TE adds to the parameter. MXFP8 parameters with Megatron's
+    reuse_grad_buf_for_mxfp8_param_ag (which Bridge requires for them) keep their BF16 all-gather copy in the grad
+    buffer (param_and_grad_buffer.py ``shared_buffer``), so only the MXFP8 row-wise and column-wise data remain."""
+    if constants.fp8_weight_cache_bytes_per_param is not None:
+        return float(BF16_BYTES), constants.fp8_weight_cache_bytes_per_param
+    recipe = fp8_recipe(precision, constants, compute_capability)
+    scales = 1 / 32 if recipe == "mxfp8" else 0.0
+    copy = 1.0 + scales
+    second = copy if _columnwise_copy(recipe, compute_capability) else 0.0
+    if not constants.fp8_param_gather:
+        return float(BF16_BYTES), copy + second
+    if recipe == "mxfp8":
+        return 0.0, copy + second
+    return copy, second
 
 
 def optimizer_bytes_per_param(precision: str, moment_bytes: float = FP32_BYTES) -> float:
@@ -121,22 +186,28 @@ def model_state_bytes(
     dense_shards: int,
     expert_shards: int,
     constants: EstimatorConstants,
+    compute_capability: str | None = None,
 ) -> StateBytes:
     """Bytes of weights, grads and optimizer state on one rank. ``dense_shards`` is DP*CP and ``expert_shards``
-    is EDP: the groups the distributed optimizer shards over (ignored without it)."""
+    is EDP: the groups the distributed optimizer shards over (ignored without it). ``compute_capability`` decides
+    TE's FP8 weight copies (None: a Hopper-like device)."""
     total = params.total
     opt = optimizer_bytes_per_param(precision, constants.adam_moment_bytes)
     if distributed_optimizer:
         optimizer = opt * (params.dense / dense_shards + params.expert / expert_shards)
     else:
         optimizer = opt * total
+    weights = weight_bytes_per_param(precision) * total
     fp8 = 0.0
     if precision in ("fp8", "mxfp8"):
         # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.
-        fp8 = constants.fp8_weight_cache_bytes_per_param * params.layers.total
+        quantised = params.layers.total
+        weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability)
+        weights += (weight_bytes - BF16_BYTES) * quantised
+        fp8 = extra * quantised
     return StateBytes(
-        weights=weight_bytes_per_param(precision) * total,
-        grads=grad_bytes_per_param(precision) * total,
+        weights=weights,
+        grads=grad_bytes_per_param(precision, constants.grad_reduce_in_fp32) * total,
         optimizer=optimizer,
         fp8_weights=fp8,
     )

@@ -452,6 +452,7 @@ def local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> Any:
         TransformerLayerSubmodules,
     )
 
+    # num_experts only has to be set here (as in Megatron's TE mamba_stack_spec); the layer takes the config's.
     moe = get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=moe_grouped_gemm)
     return ModuleSpec(
         module=MambaStack,
