@@ -37,12 +37,12 @@ from sweeper.cluster import (
     choose_mode,
     cleanup_stale_clusters,
     connect,
+    discovery,
     plan_placement,
     probe,
     resolve_target,
     trial_placement,
 )
-from sweeper.cluster.discovery import cuda_visible
 from sweeper.config import ClusterConfig
 from sweeper.errors import UsageError
 
@@ -166,8 +166,8 @@ def test_an_http_server_is_not_taken_for_ray() -> None:
 
 
 def test_auto_falls_back_to_simulating_when_nothing_answers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    if cuda_visible():
-        pytest.skip("with a GPU visible the fallback is a local Ray instance")
+    # The fallback depends on whether a GPU is visible: both answers are checked, whatever this machine has.
+    monkeypatch.setattr(discovery, "cuda_visible", lambda: False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # no `ray start` address file there
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     target = resolve_target(ClusterConfig(nodes=2, gpus_per_node=2))
@@ -179,6 +179,11 @@ def test_auto_falls_back_to_simulating_when_nothing_answers(tmp_path: Path, monk
     )
     monkeypatch.setenv("RAY_ADDRESS", "http://127.0.0.1:8265")  # the dashboard address `ray job submit` uses
     assert "RAY_ADDRESS='http://127.0.0.1:8265' is not HOST:PORT" in resolve_target(ClusterConfig()).why
+    # With a GPU visible and nothing answering, a local Ray instance starts instead of a simulated cluster.
+    monkeypatch.setattr(discovery, "cuda_visible", lambda: True)
+    local = resolve_target(ClusterConfig(nodes=2, gpus_per_node=2))
+    assert (local.kind, local.address) == ("local", "local")
+    assert local.why.startswith("a new single-node Ray instance on this machine (no running Ray cluster answered")
 
 
 # -- address: auto with a real Ray cluster running (ray start --head on 127.0.0.1) -----------------------------------
@@ -217,8 +222,7 @@ def test_a_simulated_cluster_is_never_joined_nor_hides_ray_start(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     import ray._private.ray_constants
 
-    if cuda_visible():
-        pytest.skip("with a GPU visible the fallback is a local Ray instance")
+    monkeypatch.setattr(discovery, "cuda_visible", lambda: False)  # the no-GPU fallback, on any machine
     tmpdir = Path(tempfile.mkdtemp(prefix="swp", dir="/tmp"))  # short: Ray's socket paths live under it
     monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmpdir))
