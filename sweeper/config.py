@@ -27,7 +27,7 @@ from pydantic import (
 from sweeper.errors import UsageError
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.layout import LayoutError, canonical_recompute
-from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, proxy
+from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
 from sweeper.models.spec import ModelSpec
 
 # gt=0.0 (a float) tells the error formatter to say "greater than 0" rather than "a positive integer".
@@ -269,8 +269,8 @@ def proxy_config(cfg: SweepConfig) -> SweepConfig:
     t = cfg.training
     steps = min(t.steps, PROXY_STEPS)
     training = t.model_copy(update=dict(
-        seq_length=_power_of_two_part(t.seq_length, PROXY_SEQ_LENGTH_CAP),
-        global_batch_size=_power_of_two_part(t.global_batch_size, PROXY_GLOBAL_BATCH_CAP),
+        seq_length=power_of_two_part(t.seq_length, PROXY_SEQ_LENGTH_CAP),
+        global_batch_size=power_of_two_part(t.global_batch_size, PROXY_GLOBAL_BATCH_CAP),
         steps=steps,
         warmup_steps=min(t.warmup_steps, steps - 1),
         checkpoint_every=t.checkpoint_every if t.checkpoint_every and t.checkpoint_every < steps else None,
@@ -278,13 +278,6 @@ def proxy_config(cfg: SweepConfig) -> SweepConfig:
     search = cfg.search.model_copy(update=dict(max_trials=min(cfg.search.max_trials, PROXY_MAX_TRIALS)))
     name = cfg.name if cfg.name.endswith(PROXY_SUFFIX) else cfg.name + PROXY_SUFFIX
     return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
-
-
-def _power_of_two_part(value: int, cap: int) -> int:
-    part = 1
-    while value % (part * 2) == 0 and part * 2 <= cap:
-        part *= 2
-    return part
 
 
 SHIPPED_SPACES = Path(__file__).resolve().parent.parent / "search_spaces"

@@ -66,9 +66,13 @@ def proxy(spec: ModelSpec) -> ModelSpec:
     return ModelSpec.model_validate({**spec.model_dump(), **update})
 
 
-def _shrink(width: int, cap: int = _MAX_POWER_OF_TWO) -> int:
-    """The largest power of two dividing ``width``, at most ``cap``."""
+def power_of_two_part(value: int, cap: int) -> int:
+    """The largest power of two dividing ``value``, at most ``cap``."""
     two = 1
-    while width % (two * 2) == 0 and two * 2 <= cap:
+    while value % (two * 2) == 0 and two * 2 <= cap:
         two *= 2
     return two
+
+
+def _shrink(width: int, cap: int = _MAX_POWER_OF_TWO) -> int:
+    return power_of_two_part(width, cap)

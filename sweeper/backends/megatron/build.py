@@ -136,6 +136,14 @@ class Built:
     optimizer: MegatronOptimizer
     vocab_size: int  # padded
 
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of this rank's chunks, named ``chunk<i>.<name inside the chunk>``."""
+        return {
+            f"chunk{i}.{name}": param
+            for i, ddp in enumerate(self.model)
+            for name, param in ddp.module.named_parameters()
+        }
+
 
 def build(
     spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int, vocab_size: int | None = None

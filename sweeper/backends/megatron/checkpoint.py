@@ -61,25 +61,17 @@ def load(built: Built, directory: Path) -> None:
         ddp.module.load_state_dict(loaded[key], strict=True)
 
 
-def _named_params(built: Built) -> dict[str, torch.Tensor]:
-    return {
-        f"chunk{i}.{name}": param
-        for i, ddp in enumerate(built.model)
-        for name, param in ddp.module.named_parameters()
-    }
-
-
 def snapshot(built: Built) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in _named_params(built).items()}
+    return {name: p.detach().clone() for name, p in built.named_parameters().items()}
 
 
 def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Tensor]) -> None:
     """Load the checkpoint into the model after poisoning it; raise CheckpointError on any difference."""
     with torch.no_grad():
-        for param in _named_params(built).values():
+        for param in built.named_parameters().values():
             param.fill_(float("nan"))
     load(built, directory)
-    current = _named_params(built)
+    current = built.named_parameters()
     bad = [name for name, value in saved.items() if not _bit_equal(value, current[name])]
     if bad:
         raise CheckpointError(

@@ -16,13 +16,15 @@ all-gathered per group, and the first difference is reported on every rank.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
+from megatron.core.utils import unwrap_model
 
+from sweeper.backends.megatron.build import Built
 from sweeper.backends.megatron.failures import ReplicaDivergenceError
 
 _CHUNK = 1 << 24  # elements per checksum slice: bounds the temporary int64 copy of a large parameter
@@ -48,12 +50,11 @@ _KINDS = {
 }
 
 
-def check_replicas(chunks: list[torch.nn.Module], step: int, device: torch.device) -> int:
+def check_replicas(built: Built, step: int, device: torch.device) -> int:
     """Raise ReplicaDivergenceError on every rank when any replicated parameter differs between its copies.
 
-    ``chunks``: this rank's model chunks (the modules DDP wraps). Returns how many replicated tensors this rank
-    compared (0 when nothing is replicated, e.g. one rank)."""
-    members = _replicated_params(chunks)
+    Returns how many replicated tensors this rank compared (0 when nothing is replicated, e.g. one rank)."""
+    members = _replicated_params(built)
     local_bad: list[str] = []
     compared = 0
     for key, kind in _KINDS.items():
@@ -81,17 +82,18 @@ def check_replicas(chunks: list[torch.nn.Module], step: int, device: torch.devic
     return compared
 
 
-def _replicated_params(chunks: list[torch.nn.Module]) -> dict[str, list[tuple[str, torch.Tensor]]]:
+def _replicated_params(built: Built) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Per group kind, this rank's parameters that have a copy on every other rank of that group (by name)."""
     out: dict[str, list[tuple[str, torch.Tensor]]] = {key: [] for key in _KINDS}
-    for index, chunk in enumerate(chunks):
-        expert = {id(p) for m in chunk.modules() if isinstance(m, _EXPERT_MODULES) for p in m.parameters()}
-        for name, param in _named(chunk, index):
-            is_expert = id(param) in expert
-            out["edp" if is_expert else "dp"].append((name, param))
-            if not getattr(param, "tensor_model_parallel", False):
-                out["etp" if is_expert else "tp"].append((name, param))
-        model = _unwrap(chunk)
+    expert = {id(p) for ddp in built.model for m in ddp.modules() if isinstance(m, _EXPERT_MODULES)
+              for p in m.parameters()}
+    for name, param in built.named_parameters().items():
+        is_expert = id(param) in expert
+        out["edp" if is_expert else "dp"].append((name, param))
+        if not getattr(param, "tensor_model_parallel", False):
+            out["etp" if is_expert else "tp"].append((name, param))
+    for index, ddp in enumerate(built.model):
+        model = unwrap_model(ddp)
         if getattr(model, "share_embeddings_and_output_weights", False) and (
             getattr(model, "pre_process", False) or getattr(model, "post_process", False)
         ):
@@ -101,19 +103,6 @@ def _replicated_params(chunks: list[torch.nn.Module]) -> dict[str, list[tuple[st
 
 
 _EXPERT_MODULES = tuple(cls for cls in (SequentialMLP, GroupedMLP, TEGroupedMLP) if isinstance(cls, type))
-
-
-def _named(chunk: torch.nn.Module, index: int) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, param in chunk.named_parameters():
-        while name.startswith("module."):
-            name = name.removeprefix("module.")
-        yield f"chunk{index}.{name}", param
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
-        module = module.module
-    return module
 
 
 def _checksum(param: torch.Tensor) -> torch.Tensor:

@@ -221,8 +221,7 @@ def _smoke(
 
     compared = 0
     try:
-        compared = _timed(report, "replicas",
-                          lambda: check_replicas([ddp.module for ddp in built.model], request.steps, device))
+        compared = _timed(report, "replicas", lambda: check_replicas(built, request.steps, device))
     except ReplicaDivergenceError:
         report.checks["replicas_consistent"] = False
         raise

@@ -26,10 +26,11 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     def no(feature: str, why: str) -> str:
         return f"{feature} unsupported on this backend ({backend}): {why}"
 
-    if not cuda and total_params(spec) > CPU_MAX_PARAMS:
+    params = 0 if cuda else total_params(spec)
+    if params > CPU_MAX_PARAMS:
         # A CPU rank holds its shard in host memory with FP32 optimizer state (~16 bytes per parameter) and runs
         # at a few GFLOP/s: a production-size model would swap the machine or run for hours, not fail cleanly.
-        return no(f"a {total_params(spec) / 1e9:.1f}B-parameter model", f"CPU trials are for models up to "
+        return no(f"a {params / 1e9:.1f}B-parameter model", f"CPU trials are for models up to "
                   f"{CPU_MAX_PARAMS / 1e9:.0f}B parameters; --proxy runs the same layer structure at CPU size")
     if cuda and te:  # the GPU path (gpu.py) builds MLA and MambaModel; it refuses only what TE/kernels lack
         from sweeper.backends.megatron.gpu import gpu_unsupported_reason
