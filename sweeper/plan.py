@@ -32,7 +32,14 @@ class PlanEntry:
 
     @property
     def launchable(self) -> bool:
-        return self.valid and self.predicted is not None and self.predicted.fits
+        """Valid, and the measured peak may fit: pruned as out of memory only when even the lower end of the
+        estimator's error band exceeds the limit (issue 13)."""
+        return self.valid and self.predicted is not None and self.predicted.may_fit
+
+    @property
+    def uncertain(self) -> bool:
+        """Launchable although predicted over the limit: inside the error band (a calibration probe)."""
+        return self.launchable and self.predicted is not None and self.predicted.uncertain
 
     def to_json(self) -> dict[str, Any]:
         predicted = self.predicted.to_json() if self.predicted else dict(_NO_PREDICTION)
@@ -52,19 +59,20 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
 
 
 def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[PlanEntry]:
-    """Valid layouts first, those that fit sorted by predicted throughput; then the invalid ones."""
+    """Valid layouts first: those predicted to fit by predicted throughput, then those inside the estimator's error
+    band (lowest predicted memory first), then those over the band; then the invalid ones."""
     entries = [assess(cfg, lo) for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
     return sorted(entries, key=_order)
 
 
 def _order(entry: PlanEntry) -> tuple[int, float, float]:
     if not entry.valid:
-        return (3, 0.0, 0.0)
+        return (4, 0.0, 0.0)
     p = entry.predicted
     assert p is not None
-    if not p.fits:
-        return (2, p.memory_gib, 0.0)
-    return (1, -(p.tokens_per_s or 0.0), p.memory_gib)
+    if p.fits:
+        return (1, -(p.tokens_per_s or 0.0), p.memory_gib)
+    return (2 if p.may_fit else 3, p.memory_gib, 0.0)
 
 
 def invalid_reasons(entries: list[PlanEntry]) -> list[tuple[str, int]]:

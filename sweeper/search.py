@@ -26,7 +26,9 @@ from rich.console import Console
 from sweeper.calibrate import Calibrator
 from sweeper.config import SweepConfig
 from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
+from sweeper.estimate import Estimate
 from sweeper.layout import Layout, LayoutError
+from sweeper.memory_evidence import MemoryEvidence
 from sweeper.models.proxy import is_proxy
 from sweeper.plan import PlanEntry, assess
 from sweeper.progress import Progress
@@ -114,6 +116,9 @@ class Sweep:
         self.t0 = time.monotonic()
         self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
         self.calibrator = Calibrator(cfg, options.out)
+        self.evidence = MemoryEvidence((1 - cfg.search.memory_headroom) * cfg.cluster.gpu_memory_gib)
+        self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
+        self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
         self.launchable = self._launchable()
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
@@ -121,12 +126,50 @@ class Sweep:
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run())
 
     def _launchable(self) -> list[PlanEntry]:
-        """The layouts a proposal may name: the rules accept them, the estimator predicts they fit, and this
-        backend can run them; fastest predicted first. Everything else is never proposed (``sweeper plan``
-        lists it with its reasons)."""
+        """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
+        band and the measured trials, ``sweeper.memory_evidence``), and this backend can run them; fastest
+        predicted first. Everything else is never proposed (``sweeper plan`` lists it with its reasons; the
+        layouts pruned on memory go to sweep.json's ``memory_pruned`` and the report)."""
         plan = [assess(self.cfg, lo, self.calibrator.current) for lo in enumerate_layouts(self.cfg)]
-        entries = [e for e in plan if e.launchable and not self.handle.unsupported(self.cfg.model, e.layout)]
+        entries, pruned = [], []
+        for e in plan:
+            if not e.valid or e.predicted is None:
+                continue
+            why = self._memory_verdict(e)
+            if why is not None:
+                pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
+            elif not self.handle.unsupported(self.cfg.model, e.layout):
+                entries.append(e)
+        meta = self.dir.read_meta()
+        meta["memory_pruned"] = sorted(pruned, key=lambda p: p["memory_gib"])
+        self.dir.write_meta(meta)
         return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
+
+    def _raw(self, layout: Layout) -> Estimate:
+        if layout not in self.raw:
+            predicted = assess(self.cfg, layout).predicted
+            assert predicted is not None, "only valid layouts are compared"
+            self.raw[layout] = predicted
+        return self.raw[layout]
+
+    def _memory_verdict(self, entry: PlanEntry) -> str | None:
+        """None when memory does not rule the layout out, else the one-line reason it is pruned."""
+        assert entry.predicted is not None
+        if entry.predicted.fits:
+            return None
+        return self.evidence.verdict(entry.predicted, self._raw(entry.layout))
+
+    def _enqueue_probe(self) -> None:
+        """TPE mode: queue the launchable layout inside the error band with the lowest predicted memory, one at a
+        time, so that what the estimator cannot decide is measured (and calibrates it) early."""
+        if self.study.mode != "tpe" or self.probe is not None:
+            return
+        band = [e for e in self.launchable if e.uncertain and not self._taken(e.layout)]
+        if band:
+            self.probe = min(band, key=lambda e: e.predicted.memory_gib if e.predicted else 0.0).layout
+            self.study.enqueue(self.probe)
+            console.print(f"[blue]estimator[/] probe: {self.probe.short()} is inside the memory error band; "
+                          "it runs to measure, not to be pruned")
 
     def _candidates(self) -> list[Layout]:
         """The launchable layouts in the order an ordered study visits them. ``sampler: grid``: the space's grid
@@ -184,6 +227,7 @@ class Sweep:
             for entry in self.launchable[:PRIOR_PROPOSALS]:
                 if not self._taken(entry.layout):
                     self.study.enqueue(entry.layout)
+            self._enqueue_probe()
 
     @property
     def launched(self) -> int:
@@ -253,10 +297,9 @@ class Sweep:
     def _refusal(self, entry: PlanEntry) -> tuple[str, str] | None:
         if entry.reasons:
             return "; ".join(entry.reasons), "invalid_layout"
-        if entry.predicted is not None and not entry.predicted.fits:
-            limit = (1 - self.cfg.search.memory_headroom) * self.cfg.cluster.gpu_memory_gib
-            return (f"predicted {entry.predicted.memory_gib:.1f} GiB per GPU exceeds {limit:.1f} GiB "
-                    f"({100 * (1 - self.cfg.search.memory_headroom):.0f}% of {self.cfg.cluster.gpu_memory_gib:g})"), "oom"
+        why = self._memory_verdict(entry) if entry.predicted is not None else None
+        if why is not None:
+            return why, "oom"
         unsupported = self.handle.unsupported(self.cfg.model, entry.layout)
         if unsupported:
             return unsupported, "unsupported"
@@ -334,8 +377,15 @@ class Sweep:
         if fitted is not None:
             for line in fitted.lines():
                 console.print(f"[blue]estimator[/] {line}")
-            self.launchable = self._launchable()  # what fits follows the calibrated estimator
+        evidence = (len(self.evidence.fitted), len(self.evidence.ran_out))
+        self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
+        if fitted is not None or evidence != (len(self.evidence.fitted), len(self.evidence.ran_out)):
+            self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
             self.study.set_candidates(self._candidates())
+        if run.layout == self.probe:
+            self.probe = None
+            if result.passed:
+                self._enqueue_probe()
         self._print_progress()
         if run.phase == "confirm":
             return

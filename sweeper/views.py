@@ -25,23 +25,28 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
 
     valid = [e for e in entries if e.valid]
     fits = [e for e in valid if e.predicted and e.predicted.fits]
+    maybe = [e for e in valid if e.uncertain]
     c = cfg.cluster
+    over = f"{(1 - cfg.search.memory_headroom) * 100:.0f}% memory"
     console.print(
         f"[bold]{cfg.name}[/]: {cfg.model.name} on {c.nodes} x {c.gpus_per_node} GPUs "
         f"({c.gpu_memory_gib:g} GiB, cc {c.compute_capability}); {len(entries)} layouts: "
-        f"[green]{len(fits)} fit[/], {len(valid) - len(fits)} valid but predicted over "
-        f"{(1 - cfg.search.memory_headroom) * 100:.0f}% memory, [red]{len(entries) - len(valid)} invalid[/]"
+        f"[green]{len(fits)} fit[/], [yellow]{len(maybe)} predicted over {over} but inside the estimator's error "
+        f"band (a sweep launches them)[/], {len(valid) - len(fits) - len(maybe)} over {over} even at the band's "
+        f"lower end, [red]{len(entries) - len(valid)} invalid[/]"
     )
     table = Table(title="valid layouts (fastest predicted first)", show_lines=False)
     table.add_column("layout", overflow="fold")
-    for col in ("GPUs", "DP", "EDP", "mem GiB", "fits", "step s", "tokens/s"):
+    for col in ("GPUs", "DP", "EDP", "mem GiB", "band GiB", "fits", "step s", "tokens/s"):
         table.add_column(col, justify="right")
     shown = valid if limit <= 0 else valid[:limit]
     for e in shown:
         p = e.predicted
         table.add_row(
             e.layout.short(), str(e.layout.world_size), str(e.layout.dp), str(e.layout.edp),
-            _num(p.memory_gib if p else None, "{:.2f}"), ("[green]yes[/]" if p and p.fits else "[red]no[/]"),
+            _num(p.memory_gib if p else None, "{:.2f}"),
+            "-" if p is None else f"{p.memory_band_gib[0]:.1f}-{p.memory_band_gib[1]:.1f}",
+            "[green]yes[/]" if p and p.fits else "[yellow]maybe[/]" if e.uncertain else "[red]no[/]",
             _num(p.step_time_s if p else None, "{:.3f}"), _num(p.tokens_per_s if p else None, "{:,.0f}"),
         )
     if valid:

@@ -1,18 +1,22 @@
 """Calibration: fit the estimator's uncertain parts to measured trials and persist the factors.
 
-The model-state bytes (weights, grads, optimizer) are exact; what the analytic model cannot know is how much
-activation memory the kernels really keep (fused paths, saved-for-backward choices) and the fixed overheads
-(allocator slack, NCCL, workspaces). So a measured peak is modelled as
+A measured peak is modelled as
 
-    measured_reserved = state + fragmentation * a * dynamic + c
+    measured_reserved = s * state + a * fragmentation * dynamic + c
 
-with ``dynamic`` = activations + transients + logits of the predicted worst rank, ``a`` = activation_factor and
-``c`` = overhead_gib. The state is not multiplied by the fragmentation: Megatron allocates it as a few large
-tensors at start-up (DDP's param and grad buffers, the optimizer's shards), which the caching allocator holds
-without slack; the estimator's ``StageMemory.reserved_gib`` uses the same model. ``a`` and ``c`` are fitted by
-least squares (``a`` alone, ratio-style, with fewer than 3 samples). Step time gets one multiplicative factor (the
-median ratio, robust to one slow outlier). Factors are stored as JSON under ``"<cluster>/<model>"`` keys in a file
-the caller chooses, so a later sweep on the same cluster starts calibrated.
+with ``state`` = weights + grads + optimizer + FP8 weight copies and ``dynamic`` = activations + transients +
+logits of the predicted worst rank. The state is not multiplied by the fragmentation: Megatron allocates it as a
+few large tensors at start-up (DDP's param and grad buffers, the optimizer's shards), which the caching allocator
+holds without slack (``StageMemory.reserved_gib`` uses the same model). The state's bytes follow from the
+parameter counts and the run settings, but a run whose settings differ from what the YAML says (BF16 grads where
+FP32 were assumed, BF16 Adam moments, FP8 weights) is off in the state, not in the activations; so ``s`` is
+fitted too and can lower (or raise) the model state, not only the activations (issue 13).
+
+How much the data can tell: with one or two samples, or samples whose state/dynamic mix does not vary, a single
+ratio scales the whole prediction (``s = a``, ``c = 0``); with three, ``s`` and ``a`` apart; with four or more,
+``s``, ``a`` and the fixed overhead ``c``. Least squares, factors clamped to a plausible range. Step time gets one
+multiplicative factor (the median ratio, robust to one slow outlier). Factors are stored as JSON under
+``"<cluster>/<model>"`` keys in a file the caller chooses, so a later sweep on the same cluster starts calibrated.
 """
 
 from __future__ import annotations
@@ -26,11 +30,24 @@ from pathlib import Path
 # A fitted activation factor outside this range means the samples disagree with the model's structure (wrong
 # recompute setting, a different optimizer); clamping keeps one bad sample from wrecking every prediction.
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
-# With fewer samples than this, only the activation factor is fitted (two unknowns need spread in the data).
-MIN_SAMPLES_FOR_OFFSET = 3
-# Components of ``Estimate.breakdown`` that are exact (not scaled by calibration) and the scaled ones.
+# The model state is bytes per parameter times exact parameter counts: a run setting the YAML does not say (grad
+# dtype, moment dtype, FP8 weights) moves it by at most about a factor of two either way.
+MIN_STATE_FACTOR, MAX_STATE_FACTOR = 0.5, 1.5
+# Samples needed to fit the state and activation factors apart, and the fixed overhead as well.
+MIN_SAMPLES_FOR_SPLIT = 3
+MIN_SAMPLES_FOR_OFFSET = 4
+# Components of ``Estimate.breakdown``: the model state (made once, kept), what forward/backward allocates and
+# frees (activations, transients, logits), and what the optimizer step allocates while no activation is alive
+# (FP32 copies of BF16 main grads, ``memory.StateBytes.grad_copies``). The peak holds the state and the larger of
+# the other two.
 STATE_KEYS = ("weights", "grads", "optimizer", "fp8_weights")
 DYNAMIC_KEYS = ("activations", "transient", "logits")
+STEP_KEYS = ("grad_copies",)
+
+
+def dynamic_gib(parts: dict[str, float]) -> float:
+    """What the peak holds beyond the state: forward/backward's memory or the optimizer step's, the larger."""
+    return max(sum(parts.get(k, 0.0) for k in DYNAMIC_KEYS), sum(parts.get(k, 0.0) for k in STEP_KEYS))
 
 
 @dataclass(frozen=True)
@@ -38,7 +55,8 @@ class Calibration:
     """Multiplicative / additive corrections applied by ``estimate(..., calibration=...)``."""
 
     activation_factor: float = 1.0  # scales activations, transients and logits
-    overhead_gib: float = 0.0  # added to the non-torch overhead (and to fits)
+    overhead_gib: float = 0.0  # added to the predicted reserved memory (and so to fits)
+    state_factor: float = 1.0  # scales weights, grads, optimizer state and FP8 weight copies
     step_time_factor: float = 1.0  # scales the predicted step time
     samples: int = 0
 
@@ -57,10 +75,11 @@ class Sample:
         return sum(self.breakdown.get(k, 0.0) for k in STATE_KEYS)
 
     def dynamic(self) -> float:
-        return sum(self.breakdown.get(k, 0.0) for k in DYNAMIC_KEYS)
+        return dynamic_gib(self.breakdown)
 
     def predicted_memory(self, cal: Calibration) -> float:
-        return self.state() + self.fragmentation * cal.activation_factor * self.dynamic() + cal.overhead_gib
+        return (cal.state_factor * self.state() + self.fragmentation * cal.activation_factor * self.dynamic()
+                + cal.overhead_gib)
 
 
 @dataclass(frozen=True)
@@ -77,8 +96,8 @@ class FitReport:
 
         c = self.calibration
         return [
-            f"calibration from {c.samples} trial(s): activations x{c.activation_factor:.3f}, "
-            f"overhead {c.overhead_gib:+.2f} GiB, step time x{c.step_time_factor:.3f}",
+            f"calibration from {c.samples} trial(s): model state x{c.state_factor:.3f}, activations "
+            f"x{c.activation_factor:.3f}, overhead {c.overhead_gib:+.2f} GiB, step time x{c.step_time_factor:.3f}",
             f"memory median abs error: {pct(self.memory_error_before)} -> {pct(self.memory_error_after)}",
             f"step time median abs error: {pct(self.step_error_before)} -> {pct(self.step_error_after)}",
         ]
@@ -89,28 +108,60 @@ def _median_rel_error(pairs: Sequence[tuple[float, float]]) -> float | None:
     return statistics.median(errors) if errors else None
 
 
-def _clamp(x: float) -> float:
-    return min(MAX_FACTOR, max(MIN_FACTOR, x))
+def _clamp(x: float, lo: float = MIN_FACTOR, hi: float = MAX_FACTOR) -> float:
+    return min(hi, max(lo, x))
+
+
+def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
+    """Solve the normal equations of ``rows @ x = ys``; None when the columns are (nearly) dependent."""
+    k = len(rows[0])
+    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))]
+         for i in range(k)]
+    for col in range(k):  # Gauss-Jordan with partial pivoting on a k x k system (k <= 3)
+        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
+        scale = max(abs(a[i][i]) for i in range(k)) or 1.0
+        if abs(a[pivot][col]) < 1e-9 * scale:
+            return None
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(k):
+            if r != col:
+                f = a[r][col] / a[col][col]
+                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
+    return [a[i][k] / a[i][i] for i in range(k)]
+
+
+def _fit_memory(mem: Sequence[Sample]) -> tuple[float, float, float]:
+    """(state factor, activation factor, overhead GiB) for ``measured = s*state + a*frag*dynamic + c``."""
+    states = [s.state() for s in mem]
+    dynamics = [s.fragmentation * s.dynamic() for s in mem]
+    ys = [float(s.measured_peak_gib or 0.0) for s in mem]
+    # Relative residuals (each row divided by its measurement): a 1 GiB miss matters on a 10 GiB peak, not on 80.
+    w = [1.0 / y for y in ys]
+    fitted: list[float] | None = None
+    if len(mem) >= MIN_SAMPLES_FOR_OFFSET:
+        fitted = _least_squares([[st * k, dy * k, k] for st, dy, k in zip(states, dynamics, w)], [1.0] * len(ys))
+    if fitted is None and len(mem) >= MIN_SAMPLES_FOR_SPLIT:
+        fitted = _least_squares([[st * k, dy * k] for st, dy, k in zip(states, dynamics, w)], [1.0] * len(ys))
+        fitted = None if fitted is None else [*fitted, 0.0]
+    if fitted is not None:
+        s, a, c = _clamp(fitted[0], MIN_STATE_FACTOR, MAX_STATE_FACTOR), _clamp(fitted[1]), fitted[2]
+        if c and (s, a) != (fitted[0], fitted[1]):  # clamped: the offset takes the mean residual, nothing else
+            c = statistics.fmean(y - s * st - a * dy for y, st, dy in zip(ys, states, dynamics))
+        return s, a, c
+    # Too few samples, or no spread in the state/dynamic mix: one ratio on the whole prediction.
+    totals = [st + dy for st, dy in zip(states, dynamics)]
+    k = sum(p * y for p, y in zip(totals, ys)) / sum(p * p for p in totals)
+    return _clamp(k, MIN_STATE_FACTOR, MAX_STATE_FACTOR), _clamp(k), 0.0
 
 
 def fit(samples: Sequence[Sample]) -> FitReport:
     """Fit a Calibration to measured samples and report the median error before and after."""
-    mem = [s for s in samples if s.measured_peak_gib and s.dynamic() > 0]
-    a, c = 1.0, 0.0
-    if mem:
-        # y = measured - state = frag * dynamic * a + c
-        xs = [s.fragmentation * s.dynamic() for s in mem]
-        ys = [float(s.measured_peak_gib or 0.0) - s.state() for s in mem]
-        if len(mem) >= MIN_SAMPLES_FOR_OFFSET and statistics.pvariance(xs) > 0:
-            mx, my = statistics.fmean(xs), statistics.fmean(ys)
-            a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            a = _clamp(a)
-            c = my - a * mx
-        else:
-            a = _clamp(sum(xs[i] * ys[i] for i in range(len(xs))) / sum(x * x for x in xs))
+    mem = [s for s in samples if s.measured_peak_gib and s.state() + s.dynamic() > 0]
+    s_factor, a, c = _fit_memory(mem) if mem else (1.0, 1.0, 0.0)
     timed = [s for s in samples if s.measured_step_s and s.predicted_step_s]
     t = statistics.median(float(s.measured_step_s or 0) / float(s.predicted_step_s or 1) for s in timed) if timed else 1.0
-    cal = Calibration(activation_factor=a, overhead_gib=c, step_time_factor=t, samples=len(samples))
+    cal = Calibration(activation_factor=a, overhead_gib=c, step_time_factor=t, state_factor=s_factor,
+                      samples=len(samples))
     identity = Calibration()
     mem_pairs = lambda k: [(s.predicted_memory(k), float(s.measured_peak_gib or 0)) for s in mem]  # noqa: E731
     step_pairs = [(float(s.predicted_step_s or 0), float(s.measured_step_s or 0)) for s in timed]
@@ -144,5 +195,5 @@ def load(path: Path, key: str) -> Calibration | None:
     entry = json.loads(path.read_text()).get(key)
     if entry is None:
         return None
-    return Calibration(**{k: entry[k] for k in ("activation_factor", "overhead_gib", "step_time_factor", "samples")
-                          if k in entry})
+    names = ("activation_factor", "overhead_gib", "step_time_factor", "state_factor", "samples")
+    return Calibration(**{k: entry[k] for k in names if k in entry})

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from sweeper.estimate.calibration import STATE_KEYS, Calibration
+from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
@@ -49,13 +49,23 @@ class Estimate:
     step_time_s: float | None
     tokens_per_s: float | None
     breakdown: dict[str, float] = field(default_factory=dict)  # GiB per component on the worst rank
+    # Where the measured peak may lie given the estimator's measured error (EstimatorConstants.memory_*_prediction)
+    memory_band_gib: tuple[float, float] = (0.0, 0.0)
+    may_fit: bool = True  # the band's lower end + non-torch overhead fits: never pruned as out of memory
 
-    def to_json(self) -> dict[str, float | bool | None]:
+    @property
+    def uncertain(self) -> bool:
+        """Predicted over the limit, but inside the estimator's error band: launched as a calibration probe."""
+        return self.may_fit and not self.fits
+
+    def to_json(self) -> dict[str, Any]:
         return {
             "memory_gib": round(self.memory_gib, 3),
             "fits": self.fits,
             "step_time_s": None if self.step_time_s is None else round(self.step_time_s, 4),
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
+            "memory_band_gib": [round(x, 3) for x in self.memory_band_gib],
+            "may_fit": self.may_fit,
         }
 
 
@@ -89,23 +99,32 @@ class StageMemory:
     """Predicted allocated memory of one rank of a pipeline stage, in GiB per component (no fragmentation, no
     memory outside torch's allocator): what ``torch.cuda.max_memory_allocated`` would report at its peak."""
 
-    parts: dict[str, float]  # weights, grads, optimizer, fp8_weights, activations, transient, logits
+    # weights, grads, optimizer, fp8_weights (state); activations, transient, logits (forward/backward);
+    # grad_copies (the optimizer step)
+    parts: dict[str, float]
     in_flight_microbatches: float
     params: StageParams  # the parameters this rank holds
 
     @property
     def state_gib(self) -> float:
-        """Weights, grads and optimizer state: what stays allocated between steps."""
+        """Weights, grads and optimizer state: made once, kept for the whole run."""
         return sum(self.parts[k] for k in STATE_KEYS)
 
     @property
-    def allocated_gib(self) -> float:
-        return sum(self.parts.values())
+    def between_steps_gib(self) -> float:
+        """Allocated between two steps (what Megatron's report_memory prints after an iteration): the state and
+        the optimizer's FP32 grad copies, which live from the optimizer step until the next zero_grad."""
+        return self.state_gib + sum(self.parts[k] for k in STEP_KEYS)
 
     @property
     def dynamic_gib(self) -> float:
-        """Activations, transients and logits: allocated and freed within every step."""
-        return self.allocated_gib - self.state_gib
+        """What the peak holds beyond the state: forward/backward's activations, transients and logits, or the
+        optimizer step's grad copies, whichever is larger."""
+        return dynamic_gib(self.parts)
+
+    @property
+    def allocated_gib(self) -> float:
+        return self.state_gib + self.dynamic_gib
 
     def reserved_gib(self, fragmentation: float) -> float:
         """What ``torch.cuda.max_memory_reserved`` would report: the state as allocated (a few large tensors
@@ -144,18 +163,18 @@ def stage_memory(
     layout: Layout,
     seq_length: int,
     constants: EstimatorConstants = EstimatorConstants(),
-    activation_factor: float = 1.0,
+    calibration: Calibration | None = None,
     compute_capability: str | None = None,
 ) -> tuple[StageMemory, ...]:
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
     ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
     _check_divisible(layout, seq_length)
     shape = _activation_shape(model, layout, seq_length, constants)
-    return _stage_memory(model, layout, shape, constants, activation_factor, compute_capability)
+    return _stage_memory(model, layout, shape, constants, calibration or Calibration(), compute_capability)
 
 
 def _stage_memory(
-    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, activation_factor: float,
+    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, calibration: Calibration,
     compute_capability: str | None,
 ) -> tuple[StageMemory, ...]:
     vpp = lo.vpp if lo.pp > 1 else 1
@@ -167,14 +186,16 @@ def _stage_memory(
         state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
                                   compute_capability)
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
+        s, f = calibration.state_factor, calibration.activation_factor
         parts = {
-            "weights": state.weights / GIB,
-            "grads": state.grads / GIB,
-            "optimizer": state.optimizer / GIB,
-            "fp8_weights": state.fp8_weights / GIB,
-            "activations": activation_factor * a.per_microbatch * in_flight / GIB,
-            "transient": activation_factor * a.transient / GIB,
-            "logits": activation_factor * a.logits / GIB,
+            "weights": s * state.weights / GIB,
+            "grads": s * state.grads / GIB,
+            "optimizer": s * state.optimizer / GIB,
+            "fp8_weights": s * state.fp8_weights / GIB,
+            "grad_copies": s * state.grad_copies / GIB,
+            "activations": f * a.per_microbatch * in_flight / GIB,
+            "transient": f * a.transient / GIB,
+            "logits": f * a.logits / GIB,
         }
         out.append(StageMemory(parts, in_flight, p))
     return tuple(out)
@@ -193,8 +214,7 @@ def estimate(
     lo = layout
     _check_divisible(lo, seq_length)
     shape = _activation_shape(model, lo, seq_length, constants)
-    stages = _stage_memory(model, lo, shape, constants, calibration.activation_factor if calibration else 1.0,
-                           cluster.compute_capability)
+    stages = _stage_memory(model, lo, shape, constants, calibration or Calibration(), cluster.compute_capability)
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
 
     worst: dict[str, float] = {}
@@ -230,13 +250,17 @@ def estimate(
     if calibration:
         seconds *= calibration.step_time_factor
     tokens = lo.gbs * seq_length
-    fits = worst_reserved + non_torch <= (1.0 - headroom) * cluster.gpu_memory_gib
+    limit = (1.0 - headroom) * cluster.gpu_memory_gib
+    band = (worst_reserved / (1 + constants.memory_over_prediction),
+            worst_reserved / (1 - constants.memory_under_prediction))
     return Estimate(
         memory_gib=worst_reserved,
-        fits=fits,
+        fits=worst_reserved + non_torch <= limit,
         step_time_s=seconds,
         tokens_per_s=tokens / seconds if seconds > 0 else None,
         breakdown=worst,
+        memory_band_gib=band,
+        may_fit=band[0] + non_torch <= limit,
     )
 
 

@@ -98,6 +98,9 @@ class StateBytes:
     grads: float
     optimizer: float
     fp8_weights: float
+    # FP32 copies of the main grads the optimizer makes for its step when the grad buffer is BF16/FP16
+    # (``optimizer_grad_copy_bytes``): alive from the step to the next zero_grad, not during forward/backward.
+    grad_copies: float = 0.0
 
 
 def weight_bytes_per_param(precision: str) -> int:
@@ -174,6 +177,17 @@ def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capa
     return copy, second
 
 
+def optimizer_grad_copy_bytes(precision: str, grad_reduce_in_fp32: bool = True) -> int:
+    """Bytes per optimizer-owned parameter of the FP32 gradient the optimizer step allocates.
+
+    megatron/core/optimizer/distrib_optimizer.py ``_copy_model_grads_to_main_grads`` (and optimizer.py's
+    Float16OptimizerWithFloat16Params likewise) sets ``shard_main_param.grad = shard_model_grad.float()``: a new
+    FP32 tensor when the grad buffer is BF16/FP16, the buffer itself (no copy) when it is FP32. ``zero_grad``
+    (set_to_none) frees them at the start of the next iteration, so they are alive between steps and in the
+    step, never together with activations. The precision-aware optimizer reads ``decoupled_grad``, a view."""
+    return FP32_BYTES if grad_bytes_per_param(precision, grad_reduce_in_fp32) < FP32_BYTES else 0
+
+
 def optimizer_bytes_per_param(precision: str, moment_bytes: float = FP32_BYTES) -> float:
     """Adam's two moments, plus the FP32 master weights whenever the model weights are not FP32 already."""
     return 2 * moment_bytes + (0 if precision == "fp32" else FP32_BYTES)
@@ -193,10 +207,8 @@ def model_state_bytes(
     TE's FP8 weight copies (None: a Hopper-like device)."""
     total = params.total
     opt = optimizer_bytes_per_param(precision, constants.adam_moment_bytes)
-    if distributed_optimizer:
-        optimizer = opt * (params.dense / dense_shards + params.expert / expert_shards)
-    else:
-        optimizer = opt * total
+    owned = params.dense / dense_shards + params.expert / expert_shards if distributed_optimizer else total
+    optimizer = opt * owned
     weights = weight_bytes_per_param(precision) * total
     fp8 = 0.0
     if precision in ("fp8", "mxfp8"):
@@ -210,6 +222,7 @@ def model_state_bytes(
         grads=grad_bytes_per_param(precision, constants.grad_reduce_in_fp32) * total,
         optimizer=optimizer,
         fp8_weights=fp8,
+        grad_copies=optimizer_grad_copy_bytes(precision, constants.grad_reduce_in_fp32) * owned,
     )
 
 

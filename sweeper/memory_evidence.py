@@ -1,0 +1,70 @@
+"""Pruning on memory under uncertainty: what the estimator's error band and the measured trials allow (issue 13).
+
+A sweep must never throw away a layout that would have run. So a layout is pruned as out of memory only when
+
+- even the lower end of the estimator's error band (``Estimate.memory_band_gib``, from the errors measured on
+  published runs) exceeds the limit, and no measured neighbour proves it fits: a trial of the same sweep that
+  passed with its device peak under the limit although its layout was predicted to need at least as much; or
+- it is inside the band (predicted over the limit, but possibly fitting) and a trial of the same sweep whose
+  layout was predicted to need no more ran out of memory: an inferred decision, recorded with that trial's number.
+
+Comparisons use the uncalibrated prediction of both layouts, so a calibration refit never reorders the evidence.
+Every pruned layout is listed with its prediction, its band and the reason (``sweep.json`` ``memory_pruned``, the
+report).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sweeper.estimate import Estimate
+
+
+@dataclass(frozen=True)
+class Measured:
+    number: int
+    layout: str  # Layout.short()
+    predicted_gib: float  # uncalibrated prediction of its layout
+    peak_gib: float | None
+
+
+@dataclass
+class MemoryEvidence:
+    limit_gib: float  # (1 - memory_headroom) * gpu_memory_gib
+    fitted: list[Measured] = field(default_factory=list)  # passed, device peak under the limit
+    ran_out: list[Measured] = field(default_factory=list)  # failed with kind oom
+
+    def add(self, number: int, layout: str, raw: Estimate, result: Any) -> None:
+        """Remember a finished trial (a TrialResult) as evidence about layouts predicted near it."""
+        peak = result.metrics.peak_memory_gib
+        seen = Measured(number, layout, raw.memory_gib, peak)
+        if result.passed and result.memory_kind == "device" and peak is not None and peak <= self.limit_gib:
+            self.fitted.append(seen)
+        elif result.failure_kind == "oom":
+            self.ran_out.append(seen)
+
+    def proof_of_fit(self, raw: Estimate) -> Measured | None:
+        """A measured trial that passed although predicted to need at least as much as ``raw``."""
+        return next((m for m in self.fitted if m.predicted_gib >= raw.memory_gib), None)
+
+    def proof_of_oom(self, raw: Estimate) -> Measured | None:
+        """A trial that ran out of memory although predicted to need no more than ``raw``."""
+        return next((m for m in self.ran_out if m.predicted_gib <= raw.memory_gib), None)
+
+    def verdict(self, predicted: Estimate, raw: Estimate) -> str | None:
+        """None when the layout may be launched on memory grounds, else why it is pruned (one line).
+        ``predicted`` is the (calibrated) estimate the sweep uses, ``raw`` the uncalibrated one."""
+        if predicted.fits:
+            return None
+        low, high = predicted.memory_band_gib
+        band = f"predicted {predicted.memory_gib:.1f} GiB per GPU (error band {low:.1f}-{high:.1f} GiB)"
+        if predicted.may_fit:
+            oom = self.proof_of_oom(raw)
+            if oom is None:
+                return None
+            return (f"{band} is at least what trial #{oom.number} ({oom.layout}) was predicted to need "
+                    f"({oom.predicted_gib:.1f} GiB), and that trial ran out of memory (inferred)")
+        if self.proof_of_fit(raw) is not None:
+            return None
+        return f"{band} exceeds {self.limit_gib:.1f} GiB even at the band's lower end"

@@ -1,0 +1,63 @@
+"""Pruning on memory under uncertainty (issue 13): the band, and what measured trials prove about their neighbours.
+
+The trial results here are TrialResult values written by hand: this tests the pruning logic, not a trial.
+"""
+
+from __future__ import annotations
+
+from sweeper.estimate import Estimate
+from sweeper.memory_evidence import MemoryEvidence
+from sweeper.results import TrialMetrics, TrialResult
+
+LIMIT = 86.4  # 90% of 96 GiB
+
+
+def _estimate(gib: float, limit: float = LIMIT, over: float = 0.2, under: float = 0.2) -> Estimate:
+    band = (gib / (1 + over), gib / (1 - under))
+    return Estimate(memory_gib=gib, fits=gib <= limit, step_time_s=1.0, tokens_per_s=1.0,
+                    memory_band_gib=band, may_fit=band[0] <= limit)
+
+
+def _passed(peak: float, kind: str = "device") -> TrialResult:
+    return TrialResult(status="passed", metrics=TrialMetrics(peak_memory_gib=peak), memory_kind=kind)
+
+
+def _oom() -> TrialResult:
+    return TrialResult(status="failed", failure_kind="oom", error="CUDA out of memory")
+
+
+def test_a_layout_inside_the_band_is_launched_and_one_over_it_is_pruned() -> None:
+    evidence = MemoryEvidence(LIMIT)
+    assert evidence.verdict(_estimate(80.0), _estimate(80.0)) is None  # fits
+    assert evidence.verdict(_estimate(100.0), _estimate(100.0)) is None  # 100 / 1.2 = 83.3 may fit
+    why = evidence.verdict(_estimate(110.0), _estimate(110.0))  # 110 / 1.2 = 91.7 does not
+    assert why is not None and "110.0 GiB" in why and "91.7-137.5" in why and "lower end" in why
+
+
+def test_a_measured_neighbour_that_fits_overrules_the_band() -> None:
+    evidence = MemoryEvidence(LIMIT)
+    evidence.add(3, "TP1-PP1-EP8", _estimate(115.0), _passed(84.0))
+    assert evidence.verdict(_estimate(110.0), _estimate(110.0)) is None  # predicted to need less than #3
+    assert evidence.verdict(_estimate(120.0), _estimate(120.0)) is not None  # more than #3: still pruned
+    # Host RSS (the CPU backend) proves nothing about GPU memory; nor does a peak over the limit.
+    cpu = MemoryEvidence(LIMIT)
+    cpu.add(1, "a", _estimate(115.0), _passed(1.0, kind="host"))
+    cpu.add(2, "b", _estimate(115.0), _passed(90.0))
+    assert cpu.verdict(_estimate(110.0), _estimate(110.0)) is not None
+
+
+def test_an_oom_prunes_band_layouts_predicted_to_need_more_and_says_so() -> None:
+    evidence = MemoryEvidence(LIMIT)
+    evidence.add(5, "TP1-PP1-EP4", _estimate(95.0), _oom())
+    why = evidence.verdict(_estimate(98.0), _estimate(98.0))
+    assert why is not None and "#5" in why and "inferred" in why
+    assert evidence.verdict(_estimate(92.0), _estimate(92.0)) is None  # less than #5 needed: still a probe
+    assert evidence.verdict(_estimate(80.0), _estimate(80.0)) is None  # predicted to fit: never inferred away
+
+
+def test_comparisons_use_the_uncalibrated_prediction() -> None:
+    """A calibration that lowers a prediction does not move it past the evidence: both sides are uncalibrated."""
+    evidence = MemoryEvidence(LIMIT)
+    evidence.add(2, "x", _estimate(115.0), _passed(80.0))
+    calibrated, raw = _estimate(112.0), _estimate(118.0)
+    assert evidence.verdict(calibrated, raw) is not None  # raw 118 > 115: #2 proves nothing about it
