@@ -27,6 +27,7 @@ from sweeper.estimate.calibration import Sample, fit
 from sweeper.layout import Layout
 from sweeper.models.catalog import resolve_model
 from sweeper.models.params import total_params
+from sweeper.run_settings import RunSettings
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_memory.json"
 GOAL_MEDIAN, GOAL_MAX = 0.10, 0.20  # issue #3: peak memory within 10% median, no case worse than 20%
@@ -39,7 +40,8 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
     constants = EstimatorConstants(**case.get("constants", {}))
     layout = Layout.from_dict(case["layout"])
     model = resolve_model(case["model"])
-    stage = stage_memory(model, layout, int(case["seq_length"]), constants)[case["stage"]]
+    run = RunSettings(**case.get("run", {}))
+    stage = stage_memory(model, layout, int(case["seq_length"]), constants, run=run)[case["stage"]]
     predicted = {
         "parts": stage.parts,
         "allocated_gib": stage.between_steps_gib,

@@ -41,7 +41,7 @@ class Calibrator:
         if not result.passed or result.memory_kind != "device" or result.metrics.peak_memory_gib is None:
             return None
         raw = estimate(self.cfg.model, layout, self.cfg.cluster, self.cfg.training.seq_length,
-                       constants=self.cfg.estimate, headroom=self.cfg.search.memory_headroom)
+                       constants=self.cfg.estimate, headroom=self.cfg.search.memory_headroom, run=self.cfg.run)
         self.samples.append(Sample(
             breakdown=raw.breakdown, fragmentation=self.cfg.estimate.allocator_fragmentation,
             predicted_step_s=raw.step_time_s, measured_peak_gib=result.metrics.peak_memory_gib,

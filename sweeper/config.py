@@ -26,6 +26,7 @@ from pydantic import (
 
 from sweeper.errors import UsageError
 from sweeper.estimate.constants import EstimatorConstants
+from sweeper.run_settings import RunSettings
 from sweeper.layout import LayoutError, canonical_recompute
 from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
 from sweeper.models.spec import ModelSpec
@@ -205,6 +206,7 @@ class SweepConfig(_Strict):
     search: SearchConfig = SearchConfig()
     tracking: TrackingConfig = TrackingConfig()
     estimate: EstimatorConstants = EstimatorConstants()
+    run: RunSettings = RunSettings()  # run settings that move memory (issue 13): estimator, smoke run, exports
     source: Path | None = None  # the YAML this came from (set by load_config)
 
     @field_validator("name")

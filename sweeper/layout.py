@@ -234,7 +234,7 @@ _PRECISION_FLAGS: dict[str, list[str]] = {
     "fp32": [],
     "fp16": ["--fp16"],
     "bf16": ["--bf16"],
-    "fp8": ["--bf16", "--fp8-format=hybrid", "--fp8-recipe=delayed"],
+    "fp8": ["--bf16", "--fp8-format=hybrid"],  # the recipe is a run setting (RunSettings.megatron_args)
     "mxfp8": ["--bf16", "--fp8-format=e4m3", "--fp8-recipe=mxfp8"],
 }
 # Megatron-Bridge's mixed-precision recipe names (megatron/bridge/training/mixed_precision.py).

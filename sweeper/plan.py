@@ -53,7 +53,7 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
     if not reasons:
         predicted = estimate(
             cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-            headroom=cfg.search.memory_headroom, calibration=calibration,
+            headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run,
         )
     return PlanEntry(layout, reasons, predicted)
 

@@ -85,6 +85,7 @@ class SweepInfo:
     started_at: str | None = None
     ended_at: str | None = None
     mlflow: dict[str, Any] | None = None
+    memory_pruned: list[dict[str, Any]] | None = None  # layouts never launched on memory grounds (issue 13)
 
     @property
     def memory_limit_gib(self) -> float | None:
@@ -347,6 +348,7 @@ def build_html(sweep_dir: Path) -> str:
         fig_html.div(figures.failures_and_pruned(kind_counts(rows, "failed"), kind_counts(rows, "pruned")),
                      "No failed or pruned attempt."),
         figures.pruned_reasons_table(rows),
+        figures.memory_pruned_table(info.memory_pruned or []),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
         fig_html.div(figures.axis_effects(rows), "No axis took more than one value among passed trials."),
         f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows),

@@ -301,6 +301,21 @@ def pruned_reasons_table(rows: Sequence[TrialRow], top: int = 10) -> str:
     return "<h3>Top pruned reasons</h3>" + html_table(["reason (numbers masked)", "count", "example"], body)
 
 
+def memory_pruned_table(pruned: Sequence[dict[str, Any]]) -> str:
+    """The layouts a sweep never launched because of memory: prediction, the estimator's error band, the reason
+    (sweep.json ``memory_pruned``, written by the sweep as it re-assesses the space)."""
+    if not pruned:
+        return '<p class="note">No valid layout was pruned on predicted memory.</p>'
+    body = []
+    for p in pruned:
+        band = p.get("memory_band_gib") or [None, None]
+        body.append([esc(str(p.get("layout"))), num(p.get("memory_gib"), "{:.1f}"),
+                     f"{num(band[0], '{:.1f}')}-{num(band[1], '{:.1f}')}", esc(str(p.get("reason", "")))])
+    table = html_table(["layout", "predicted GiB", "error band GiB", "reason"], body)
+    return (f"<details><summary>{len(pruned)} valid layouts pruned on predicted memory (prediction, band, reason)"
+            f"</summary>{table}</details>")
+
+
 def attempts_table(rows: Sequence[TrialRow]) -> str:
     """Every attempt in trial order (explore before confirm), user text escaped, long errors cut to a tooltip."""
     ordered = sorted(rows, key=lambda r: (r.number, r.phase == "confirm", r.attempt))

@@ -78,6 +78,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
     result = TrialResult.from_json(winner.explore["result"])
     predicted = winner.explore.get("predicted") or {}
     layout = winner.layout
+    cc = cfg.cluster.compute_capability
     return {
         "name": cfg.name,
         "model": cfg.model.name,
@@ -85,8 +86,9 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "trial": winner.number,
         "layout": layout.to_dict(),
         "layout_string": layout.to_string(),
-        "megatron_args": layout.megatron_args(),
-        "megatron_bridge_overrides": layout.bridge_overrides(),
+        "megatron_args": layout.megatron_args() + cfg.run.megatron_args(layout.precision, cc),
+        "megatron_bridge_overrides": layout.bridge_overrides() + cfg.run.bridge_overrides(layout.precision, cc),
+        "run": {"framework": cfg.run.framework, **cfg.run.model_dump(exclude_defaults=True)},
         "measured": dict(vars(result.metrics)),
         "measured_median_over_runs": {
             cfg.search.objective: winner.median(cfg.search.objective),

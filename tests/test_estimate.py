@@ -25,6 +25,7 @@ from sweeper.estimate.pipeline import stage_counts, stage_layers
 from sweeper.layout import Layout
 from sweeper.models.catalog import PRESETS, preset
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -273,7 +274,10 @@ def test_grad_buffer_dtype_follows_grad_reduce_in_fp32() -> None:
     """FP32 main grads by default (Megatron-LM's and Megatron-Bridge's BF16 default), BF16 when turned off."""
     lo = Layout(world_size=8, mbs=1, gbs=64)
     fp32 = estimate(LLAMA, lo, H100, 4096).breakdown["grads"]
-    bf16 = estimate(LLAMA, lo, H100, 4096, EstimatorConstants(grad_reduce_in_fp32=False)).breakdown["grads"]
+    bf16 = estimate(LLAMA, lo, H100, 4096, run=RunSettings(grad_reduce_in_fp32=False)).breakdown["grads"]
+    core = estimate(LLAMA, lo, H100, 4096, run=RunSettings(framework="megatron-core")).breakdown["grads"]
+    bridge = estimate(LLAMA, lo, H100, 4096, run=RunSettings(framework="megatron-bridge")).breakdown["grads"]
+    assert core == pytest.approx(bf16) and bridge == pytest.approx(fp32)  # each framework's default
     assert fp32 == pytest.approx(2 * bf16)
     fp16 = estimate(LLAMA, Layout(world_size=8, mbs=1, gbs=64, precision="fp16"), H100, 4096).breakdown["grads"]
     assert fp16 == pytest.approx(bf16)
@@ -284,7 +288,7 @@ def test_bf16_grads_cost_fp32_copies_in_the_optimizer_step_not_with_activations(
     makes an FP32 copy of each owned grad shard when the buffer is BF16 (none when it is FP32); it lives from the
     step to the next zero_grad, so the peak holds the larger of it and forward/backward's memory."""
     lo = Layout(world_size=8, ep=8, mbs=1, gbs=64)  # EDP 1: every expert's grad is owned here, unsharded
-    bf16 = stage_memory(NEMOTRON, lo, 4096, EstimatorConstants(grad_reduce_in_fp32=False))[0]
+    bf16 = stage_memory(NEMOTRON, lo, 4096, run=RunSettings(grad_reduce_in_fp32=False))[0]
     fp32 = stage_memory(NEMOTRON, lo, 4096)[0]
     assert fp32.parts["grad_copies"] == 0.0
     owned = bf16.params.dense / 8 + bf16.params.expert / 1
@@ -293,7 +297,17 @@ def test_bf16_grads_cost_fp32_copies_in_the_optimizer_step_not_with_activations(
     assert bf16.allocated_gib == pytest.approx(bf16.state_gib + max(forward, bf16.parts["grad_copies"]))
     assert bf16.between_steps_gib == pytest.approx(bf16.state_gib + bf16.parts["grad_copies"])
     # At seq 1024 the step's copies, not the activations, set the peak.
-    short = stage_memory(NEMOTRON, lo, 1024, EstimatorConstants(grad_reduce_in_fp32=False))[0]
+    short = stage_memory(NEMOTRON, lo, 1024, run=RunSettings(grad_reduce_in_fp32=False))[0]
+    # The precision-aware optimizer reads the BF16 grads in place; CPU offload keeps the offloaded share on the host.
+    aware = RunSettings(grad_reduce_in_fp32=False, precision_aware_optimizer=True, exp_avg_dtype="bf16",
+                        exp_avg_sq_dtype="bf16")
+    pao = stage_memory(NEMOTRON, lo, 4096, run=aware)[0]
+    assert pao.parts["grad_copies"] == 0.0
+    assert pao.parts["optimizer"] == pytest.approx(bf16.parts["optimizer"] * (4 + 2 + 2) / 12)
+    offload = RunSettings(grad_reduce_in_fp32=False, optimizer_cpu_offload=True, optimizer_offload_fraction=0.75)
+    half = stage_memory(NEMOTRON, lo, 4096, run=offload)[0]
+    assert half.parts["optimizer"] == pytest.approx(0.25 * bf16.parts["optimizer"])
+    assert half.parts["grad_copies"] == pytest.approx(0.25 * bf16.parts["grad_copies"])
     assert short.dynamic_gib == pytest.approx(short.parts["grad_copies"])
 
 
@@ -318,16 +332,21 @@ def test_fp8_weight_copies_follow_recipe_device_and_param_gather() -> None:
     on 10.x; MXFP8 keeps row- and column-wise copies with scales; --fp8-param-gather stores the weight in FP8."""
     from sweeper.estimate.memory import fp8_weight_bytes
 
-    c = EstimatorConstants()
+    c, lm, bridge = EstimatorConstants(), RunSettings(), RunSettings(framework="megatron-bridge")
     assert fp8_weight_bytes("fp8", c, "9.0") == (2.0, 2.0)  # delayed: BF16 weight + FP8 copy + transpose
     assert fp8_weight_bytes("fp8", c, "12.0") == (2.0, 2.0)  # tensorwise, TN-only GEMMs on sm120
     assert fp8_weight_bytes("fp8", c, "10.0") == (2.0, 1.0)  # tensorwise, any layout on sm100
     assert fp8_weight_bytes("mxfp8", c, "10.0") == (2.0, pytest.approx(2 * 33 / 32))
-    gather = EstimatorConstants(fp8_param_gather=True)
-    assert fp8_weight_bytes("fp8", gather, "9.0") == (1.0, 1.0)
-    assert fp8_weight_bytes("fp8", gather, "10.0") == (1.0, 0.0)
+    gather = RunSettings(fp8_param_gather=True)
+    assert fp8_weight_bytes("fp8", c, "9.0", gather) == (1.0, 1.0)
+    assert fp8_weight_bytes("fp8", c, "10.0", gather) == (1.0, 0.0)
+    # Bridge's FP8 recipes gather FP8 params by default (not blockwise); Megatron-LM's default does not.
+    assert fp8_weight_bytes("fp8", c, "9.0", bridge) == (1.0, 1.0)
+    assert fp8_weight_bytes("fp8", c, "9.0", lm) == (2.0, 2.0)
+    assert fp8_weight_bytes("fp8", c, "9.0", RunSettings(framework="megatron-bridge", fp8_recipe="blockwise")
+                            ) == (2.0, 2.0)
     lo = Layout(world_size=8, mbs=1, gbs=64, precision="fp8")
-    plain, gathered = estimate(LLAMA, lo, H100, 4096), estimate(LLAMA, lo, H100, 4096, gather)
+    plain, gathered = estimate(LLAMA, lo, H100, 4096), estimate(LLAMA, lo, H100, 4096, run=gather)
     layer_params = stage_params(LLAMA, 1, 1)[0].layers.total
     saved = (plain.breakdown["weights"] + plain.breakdown["fp8_weights"]
              - gathered.breakdown["weights"] - gathered.breakdown["fp8_weights"])
@@ -351,12 +370,12 @@ CAMPAIGN = [
 # The campaign's grad buffers were BF16 (megatron-core's DistributedDataParallelConfig default): with FP32 main
 # grads, Nemotron TP2·EP4·SP holds 91 GiB of exact model state per GPU (7.3B expert parameters x (2 + 4 + 12/2)
 # bytes plus the dense part), which cannot have run on a 96 GB card.
-CAMPAIGN_CONSTANTS = EstimatorConstants(grad_reduce_in_fp32=False)
+CAMPAIGN_RUN = RunSettings(framework="megatron-bridge", grad_reduce_in_fp32=False)  # search_spaces/ say so too
 
 
 def _campaign(name: str, sizes: dict[str, Any], precision: str) -> Estimate:
     lo = Layout(world_size=8, mbs=1, gbs=64, precision=precision, **sizes)
-    return estimate(preset(name), lo, RTX_PRO_NODE, 4096, CAMPAIGN_CONSTANTS, headroom=0.0)
+    return estimate(preset(name), lo, RTX_PRO_NODE, 4096, headroom=0.0, run=CAMPAIGN_RUN)
 
 
 @pytest.mark.parametrize(("name", "sizes", "precision"), CAMPAIGN, ids=[f"{n}:{s}:{p}" for n, s, p in CAMPAIGN])

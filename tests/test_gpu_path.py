@@ -15,6 +15,8 @@ from unittest import mock
 
 import pytest
 
+from sweeper.run_settings import RunSettings
+
 from sweeper.backends.megatron import gpu
 from sweeper.backends.megatron.failures import UnsupportedError, classify
 from sweeper.backends.megatron.support import unsupported_reason
@@ -79,11 +81,16 @@ def test_blockwise_on_request_from_hopper_up():
         gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), HOPPER, fp8_recipe="fancy")
 
 
-def test_requested_recipe_comes_from_the_environment(monkeypatch):
-    monkeypatch.setenv(gpu.FP8_RECIPE_ENV, " Blockwise ")
-    assert gpu.requested_fp8_recipe() == "blockwise"
-    monkeypatch.delenv(gpu.FP8_RECIPE_ENV)
-    assert gpu.requested_fp8_recipe() is None
+def test_the_requested_recipe_is_the_run_setting(monkeypatch):
+    """run.fp8_recipe (the YAML) reaches the GPU plan; auto leaves the pick to the device."""
+    seen = []
+    monkeypatch.setattr(gpu, "gpu_plan", lambda spec, layout, capability, **kw: seen.append(kw["fp8_recipe"]))
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: HOPPER)
+    gpu.device_plan(preset("tiny-gpt"), lo(precision="fp8"), RunSettings(fp8_recipe="blockwise"))
+    gpu.device_plan(preset("tiny-gpt"), lo(precision="fp8"), RunSettings())
+    assert seen == ["blockwise", None]
 
 
 def test_fp8_refused_below_8_9():
@@ -182,7 +189,7 @@ def test_build_constructs_the_gpu_config_for_real(name, layout):
     from sweeper.backends.megatron import build
 
     spec = preset(name)
-    with mock.patch.object(gpu, "device_plan", lambda s, l: gpu.gpu_plan(s, l, HOPPER, causal_conv1d=False)):
+    with mock.patch.object(gpu, "device_plan", lambda s, l, run: gpu.gpu_plan(s, l, HOPPER, causal_conv1d=False)):
         config = build.transformer_config(spec, layout, cuda=True, te=True)
     assert config.use_cpu_initialization is False
     if spec.multi_latent_attention:

@@ -206,7 +206,8 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
     assert args.get("--decoder-first-pipeline-num-layers") == (str(split[0]) if split else None)
     assert ("--bf16" in args) == (lo.precision in ("bf16", "fp8", "mxfp8"))
     assert ("--fp16" in args) == (lo.precision == "fp16")
-    assert args.get("--fp8-recipe") == {"fp8": "delayed", "mxfp8": "mxfp8"}.get(lo.precision)
+    # The FP8 recipe is a run setting (RunSettings.megatron_args); the layout names MXFP8's own recipe only.
+    assert args.get("--fp8-recipe") == {"mxfp8": "mxfp8"}.get(lo.precision)
     assert args.get("--recompute-granularity") == (None if lo.recompute == "none" else lo.recompute_granularity)
     modules = args.get("--recompute-modules", "core_attn" if lo.recompute == "selective" else "").split()
     assert set(modules) <= RECOMPUTE_MODULE_CHOICES and tuple(modules) == lo.recompute_modules

@@ -33,6 +33,7 @@ class SmokeRequest:
     # True: instead of loading reference_checkpoint, create it (initial weights + reference.json with the loss and
     # gradient norm on the fixed batch); see sweeper/backends/megatron/equivalence.py for the protocol.
     make_reference: bool = False
+    run: dict[str, Any] = field(default_factory=dict)  # RunSettings.model_dump(): grad dtype, optimizer, FP8 weights
     inject: Inject | None = None  # fault injection for tests (simulated clusters only)
     inject_rank: int = 0
 

@@ -29,34 +29,13 @@ class EstimatorConstants(BaseModel):
     # self.grad_data = torch.zeros(self.numel, ...)) and the optimizer's shards once, before the first step.
     # With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the slack is close to 1.0.
     allocator_fragmentation: PositiveFloat = 1.15
-    # Main-gradient (DDP grad buffer) dtype under BF16/FP8 training: FP32 when true, the parameter dtype (BF16)
-    # when false. true is the default of both frameworks a user trains with: Megatron-LM core_v0.16.1
-    # (megatron/training/arguments.py validate_args: with --bf16, accumulate_allreduce_grads_in_fp32 is turned on
-    # unless --grad-reduce-in-bf16; it becomes DistributedDataParallelConfig.grad_reduce_in_fp32 in training.py
-    # get_model) and Megatron-Bridge 0.3.1 (training/mixed_precision.py: MixedPrecisionConfig.grad_reduce_in_fp32 =
-    # True and bf16_mixed(), which setup() copies onto the DDP config). megatron-core's own
-    # DistributedDataParallelConfig defaults to False (BF16 grad buffers), which a hand-written megatron-core loop
-    # gets. FP16 keeps FP16 grads (Megatron-LM without --accumulate-allreduce-grads-in-fp32, Bridge's fp16_mixed);
-    # FP32 keeps FP32.
-    grad_reduce_in_fp32: bool = True
-    # Bytes of each of Adam's two moments per parameter: 4 (FP32, Megatron's default); 2 with
-    # --use-precision-aware-optimizer --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16.
-    adam_moment_bytes: float = Field(4.0, gt=0)
     # Bytes per element of the last stage's logits path for one micro-batch: the fp32 copy that
     # vocab_parallel_cross_entropy makes and keeps as the softmax for backward (4) plus the bf16 logits /
     # bf16 logits-gradient that live next to it (2).
     logits_bytes_per_element: float = Field(6.0, ge=0)
-    # FP8 scaling recipe of precision fp8 (--fp8-recipe): "auto" is what sweeper's GPU smoke run picks,
-    # tensorwise (current scaling) on compute capability >= 10.0 and delayed below; precision mxfp8 is always
-    # mxfp8. Decides how many quantised copies of each weight Transformer Engine keeps (memory.fp8_weight_bytes).
-    fp8_recipe: Literal["auto", "delayed", "tensorwise", "blockwise"] = "auto"
-    # --fp8-param-gather (Bridge: mixed_precision.fp8_param_gather): the model's linear weights are stored in FP8
-    # (TE's fp8_model_init; DDP's param buffer is uint8) instead of BF16 plus a cached FP8 copy. Off by default in
-    # Megatron-LM and in Bridge's MixedPrecisionConfig; Bridge's named FP8 recipes (bf16_with_fp8_delayed_scaling_
-    # mixed, bf16_with_fp8_current_scaling_mixed, bf16_with_mxfp8_mixed) turn it on.
-    fp8_param_gather: bool = False
     # Override of the bytes per linear-layer weight TE keeps besides the BF16 weight under FP8/MXFP8 (None: derived
-    # from the recipe, the device and fp8_param_gather, memory.fp8_weight_bytes).
+    # from the recipe, the device and run.fp8_param_gather, memory.fp8_weight_bytes). The run settings that move
+    # memory (grad dtype, moment dtypes, offload, FP8 weights) are the YAML's ``run:`` (sweeper.run_settings).
     fp8_weight_cache_bytes_per_param: float | None = Field(None, ge=0)
     # Transient copies of the routed tokens a MoE all-to-all dispatcher holds while one layer runs
     # (permuted send buffer + received buffer), in units of (routed tokens x hidden x 2 bytes).
@@ -93,6 +72,6 @@ class EstimatorConstants(BaseModel):
     comm_efficiency: float = Field(0.70, gt=0, le=1)
     # Fraction of context-parallel KV exchange hidden behind attention compute (TE overlaps the ring steps).
     cp_comm_overlap: float = Field(0.5, ge=0, le=1)
-    # Fraction of data-parallel gradient reduce / parameter gather hidden behind backward/forward
-    # (0 = Megatron-Core's default DDP config; ~0.8 with --overlap-grad-reduce --overlap-param-gather).
-    dp_comm_overlap: float = Field(0.0, ge=0, le=1)
+    # Fraction of data-parallel gradient reduce / parameter gather hidden behind backward/forward when the run
+    # overlaps them (run.overlap_grad_reduce, e.g. Bridge's pretrain default); nothing is hidden when it does not.
+    dp_comm_overlap: float = Field(0.8, ge=0, le=1)

@@ -37,6 +37,7 @@ from sweeper.estimate.memory import (
 from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 if TYPE_CHECKING:
     from sweeper.config import ClusterConfig
@@ -165,17 +166,18 @@ def stage_memory(
     constants: EstimatorConstants = EstimatorConstants(),
     calibration: Calibration | None = None,
     compute_capability: str | None = None,
+    run: RunSettings = RunSettings(),
 ) -> tuple[StageMemory, ...]:
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
     ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
     _check_divisible(layout, seq_length)
     shape = _activation_shape(model, layout, seq_length, constants)
-    return _stage_memory(model, layout, shape, constants, calibration or Calibration(), compute_capability)
+    return _stage_memory(model, layout, shape, constants, calibration or Calibration(), compute_capability, run)
 
 
 def _stage_memory(
     model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, calibration: Calibration,
-    compute_capability: str | None,
+    compute_capability: str | None, run: RunSettings,
 ) -> tuple[StageMemory, ...]:
     vpp = lo.vpp if lo.pp > 1 else 1
     params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, lo.first_stage_layers, lo.last_stage_layers)
@@ -184,7 +186,7 @@ def _stage_memory(
     out = []
     for rank, (p, a) in enumerate(zip(params, acts)):
         state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
-                                  compute_capability)
+                                  compute_capability, run)
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         s, f = calibration.state_factor, calibration.activation_factor
         parts = {
@@ -209,12 +211,14 @@ def estimate(
     constants: EstimatorConstants = EstimatorConstants(),
     headroom: float = 0.10,
     calibration: Calibration | None = None,
+    run: RunSettings = RunSettings(),
 ) -> Estimate:
-    """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster``."""
+    """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster`` under the run
+    settings ``run`` (the YAML's ``run:``)."""
     lo = layout
     _check_divisible(lo, seq_length)
     shape = _activation_shape(model, lo, seq_length, constants)
-    stages = _stage_memory(model, lo, shape, constants, calibration or Calibration(), cluster.compute_capability)
+    stages = _stage_memory(model, lo, shape, constants, calibration or Calibration(), cluster.compute_capability, run)
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
 
     worst: dict[str, float] = {}
@@ -244,6 +248,7 @@ def estimate(
         seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
         dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
         distributed_optimizer=lo.distributed_optimizer, first=lo.first_stage_layers, last=lo.last_stage_layers,
+        overlap_grad_reduce=run.overlaps_grad_reduce,
     )
     seconds = _step_time_cached(model, inputs, device, links, tuple(st.params.dense for st in stages),
                                 tuple(st.params.expert for st in stages), constants)

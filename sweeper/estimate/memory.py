@@ -1,9 +1,10 @@
 """Per-rank memory: parameters placed by the pipeline split, model-state bytes and activations per micro-batch.
 
 Parameters are exact (``sweeper.models.params`` mirrors Megatron-Core's modules). Model state follows
-Megatron's mixed-precision recipe: BF16/FP16 weights in the DDP parameter buffer, main gradients in the DDP grad
-buffer (FP32 with BF16 by default: ``EstimatorConstants.grad_reduce_in_fp32``), FP32 master weights and two Adam
-moments in the optimizer, sharded by the distributed optimizer over DP*CP (dense) and EDP (experts). Under FP8 and
+Megatron's mixed-precision recipe and the run settings (``sweeper.run_settings``, the YAML's ``run:``): BF16/FP16
+weights in the DDP parameter buffer, main gradients in the DDP grad buffer (FP32 or BF16: ``grad_reduce_in_fp32``),
+FP32 master weights and two Adam moments (FP32, or the precision-aware optimizer's dtypes) in the optimizer, sharded
+by the distributed optimizer over DP*CP (dense) and EDP (experts), less what is offloaded to the host. Under FP8 and
 MXFP8, Transformer Engine's quantised weight copies are counted per recipe and device (``fp8_weight_bytes``).
 
 Activations count the tensors autograd keeps per micro-batch and block (the accounting of Korthikanti et al.,
@@ -20,6 +21,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from sweeper.estimate.constants import EstimatorConstants
+from sweeper.run_settings import RunSettings
 from sweeper.estimate.pipeline import stage_layer_kinds
 from sweeper.layout import recompute_modules
 from sweeper.models.params import (
@@ -107,18 +109,6 @@ def weight_bytes_per_param(precision: str) -> int:
     return FP32_BYTES if precision == "fp32" else BF16_BYTES
 
 
-def grad_bytes_per_param(precision: str, grad_reduce_in_fp32: bool = True) -> int:
-    """DDP grad-buffer bytes per parameter: megatron/core/distributed/distributed_data_parallel.py
-    ``_allocate_buffers_for_parameters`` makes ``grad_dtype = torch.float if grad_reduce_in_fp32 else
-    param.dtype``. BF16 and FP8 (which trains BF16 weights) follow ``grad_reduce_in_fp32``; FP16 keeps FP16
-    gradients (neither framework turns FP32 accumulation on for it); FP32 is FP32."""
-    if precision == "fp32":
-        return FP32_BYTES
-    if precision == "fp16":
-        return BF16_BYTES
-    return FP32_BYTES if grad_reduce_in_fp32 else BF16_BYTES
-
-
 def _columnwise_copy(recipe: str, compute_capability: str | None) -> bool:
     """Whether TE keeps a second (transposed / column-wise) FP8 copy of a weight for the backward GEMMs.
 
@@ -136,19 +126,8 @@ def _columnwise_copy(recipe: str, compute_capability: str | None) -> bool:
     return not ((10, 0) <= cc < (12, 0) or cc >= (13, 0))
 
 
-def fp8_recipe(precision: str, constants: EstimatorConstants, compute_capability: str | None) -> str:
-    """The FP8 recipe a run of ``precision`` uses (as sweeper's GPU smoke run picks it for "auto")."""
-    if precision == "mxfp8":
-        return "mxfp8"
-    if constants.fp8_recipe != "auto":
-        return constants.fp8_recipe
-    if compute_capability is None:
-        return "delayed"
-    return "tensorwise" if int(compute_capability.partition(".")[0]) >= 10 else "delayed"
-
-
-def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capability: str | None
-                     ) -> tuple[float, float]:
+def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capability: str | None,
+                     run: RunSettings = RunSettings()) -> tuple[float, float]:
     """(bytes of the model weight, bytes of TE's extra quantised copies) per linear-layer parameter under FP8.
 
     Without --fp8-param-gather the weight stays BF16 in DDP's param buffer and TE caches its FP8 workspace across
@@ -166,18 +145,18 @@ def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capa
     buffer (param_and_grad_buffer.py ``shared_buffer``), so only the MXFP8 row-wise and column-wise data remain."""
     if constants.fp8_weight_cache_bytes_per_param is not None:
         return float(BF16_BYTES), constants.fp8_weight_cache_bytes_per_param
-    recipe = fp8_recipe(precision, constants, compute_capability)
+    recipe = run.recipe(precision, compute_capability) or "delayed"
     scales = 1 / 32 if recipe == "mxfp8" else 0.0
     copy = 1.0 + scales
     second = copy if _columnwise_copy(recipe, compute_capability) else 0.0
-    if not constants.fp8_param_gather:
+    if not run.fp8_params(precision, compute_capability):
         return float(BF16_BYTES), copy + second
     if recipe == "mxfp8":
         return 0.0, copy + second
     return copy, second
 
 
-def optimizer_grad_copy_bytes(precision: str, grad_reduce_in_fp32: bool = True) -> int:
+def optimizer_grad_copy_bytes(precision: str, run: RunSettings = RunSettings()) -> int:
     """Bytes per optimizer-owned parameter of the FP32 gradient the optimizer step allocates.
 
     megatron/core/optimizer/distrib_optimizer.py ``_copy_model_grads_to_main_grads`` (and optimizer.py's
@@ -185,12 +164,17 @@ def optimizer_grad_copy_bytes(precision: str, grad_reduce_in_fp32: bool = True) 
     FP32 tensor when the grad buffer is BF16/FP16, the buffer itself (no copy) when it is FP32. ``zero_grad``
     (set_to_none) frees them at the start of the next iteration, so they are alive between steps and in the
     step, never together with activations. The precision-aware optimizer reads ``decoupled_grad``, a view."""
-    return FP32_BYTES if grad_bytes_per_param(precision, grad_reduce_in_fp32) < FP32_BYTES else 0
+    if run.precision_aware_optimizer:
+        return 0
+    return 0 if run.grad_buffer_fp32(precision) else FP32_BYTES
 
 
-def optimizer_bytes_per_param(precision: str, moment_bytes: float = FP32_BYTES) -> float:
-    """Adam's two moments, plus the FP32 master weights whenever the model weights are not FP32 already."""
-    return 2 * moment_bytes + (0 if precision == "fp32" else FP32_BYTES)
+def optimizer_bytes_per_param(precision: str, run: RunSettings = RunSettings()) -> float:
+    """Adam's two moments (``run.moment_bytes``: FP32 unless the precision-aware optimizer says otherwise), plus the
+    FP32 master weights whenever the model weights are not FP32 already. The precision-aware optimizer's master
+    weights are counted as FP32 (megatron-core keeps them so on every path but TE FusedAdam's int16 remainders under
+    the delayed recipe, which saves 2 bytes: the conservative side)."""
+    return run.moment_bytes + (0 if precision == "fp32" else FP32_BYTES)
 
 
 def model_state_bytes(
@@ -201,28 +185,30 @@ def model_state_bytes(
     expert_shards: int,
     constants: EstimatorConstants,
     compute_capability: str | None = None,
+    run: RunSettings = RunSettings(),
 ) -> StateBytes:
-    """Bytes of weights, grads and optimizer state on one rank. ``dense_shards`` is DP*CP and ``expert_shards``
-    is EDP: the groups the distributed optimizer shards over (ignored without it). ``compute_capability`` decides
-    TE's FP8 weight copies (None: a Hopper-like device)."""
+    """Bytes of weights, grads and optimizer state on one rank (device memory). ``dense_shards`` is DP*CP and
+    ``expert_shards`` is EDP: the groups the distributed optimizer shards over (ignored without it).
+    ``compute_capability`` decides TE's FP8 weight copies (None: a Hopper-like device). The offloaded fraction of the
+    optimizer shard (``run.offloaded_fraction``) and of its FP32 grad copies lives on the host."""
     total = params.total
-    opt = optimizer_bytes_per_param(precision, constants.adam_moment_bytes)
     owned = params.dense / dense_shards + params.expert / expert_shards if distributed_optimizer else total
-    optimizer = opt * owned
+    on_device = owned * (1.0 - run.offloaded_fraction)
+    optimizer = optimizer_bytes_per_param(precision, run) * on_device
     weights = weight_bytes_per_param(precision) * total
     fp8 = 0.0
     if precision in ("fp8", "mxfp8"):
         # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.
         quantised = params.layers.total
-        weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability)
+        weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability, run)
         weights += (weight_bytes - BF16_BYTES) * quantised
         fp8 = extra * quantised
     return StateBytes(
         weights=weights,
-        grads=grad_bytes_per_param(precision, constants.grad_reduce_in_fp32) * total,
+        grads=(FP32_BYTES if run.grad_buffer_fp32(precision) else BF16_BYTES) * total,
         optimizer=optimizer,
         fp8_weights=fp8,
-        grad_copies=optimizer_grad_copy_bytes(precision, constants.grad_reduce_in_fp32) * owned,
+        grad_copies=optimizer_grad_copy_bytes(precision, run) * on_device,
     )
 
 

@@ -133,6 +133,7 @@ class TimeInputs:
     distributed_optimizer: bool
     first: int | None
     last: int | None
+    overlap_grad_reduce: bool = False  # run.overlap_grad_reduce: DP communication hidden behind compute
 
 
 def step_time(
@@ -215,5 +216,5 @@ def step_time(
         dp_time += ring(expert * grad_bytes, x.edp, links.edp) + ring(expert * param_bytes, x.edp, links.edp)
     else:  # all-reduce = reduce-scatter + all-gather of the grads
         dp_time = 2 * ring(dense * grad_bytes, dense_group, dense_link) + 2 * ring(expert * grad_bytes, x.edp, links.edp)
-    total += dp_time * (1 - constants.dp_comm_overlap)
+    total += dp_time * (1 - (constants.dp_comm_overlap if x.overlap_grad_reduce else 0.0))
     return total

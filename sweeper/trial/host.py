@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sweeper.backends.megatron.support import backend_name, unsupported_reason
+from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.cluster import ClusterHandle, connect, plan_placement
 from sweeper.cluster.placement import PlacementError
 from sweeper.config import SweepConfig
@@ -37,6 +37,10 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
     from sweeper.rules import check, with_pipeline_split
     from sweeper.space import enumerate_layouts
 
+    run_reason = run_unsupported_reason(cfg.run, cuda=False, te=False)
+    if run_reason:
+        return (f"no layout of this space can run on the CPU backend of a simulated cluster: {run_reason}. To run "
+                f"it: --address ADDR (a Ray cluster with GPUs), or leave that run setting out")
     reasons: Counter[str] = Counter()
     for layout in enumerate_layouts(cfg):
         layout = with_pipeline_split(layout, cfg.model)

@@ -142,6 +142,7 @@ def _request(
         # and turns a hang into a misleading comm error.
         timeout_s=limit,
         memory_limit_gib=float(cfg.cluster.gpu_memory_gib) if handle.is_simulated else None,
+        run=cfg.run.model_dump(),
         inject=inject,  # type: ignore[arg-type]
         inject_rank=inject_rank,
     )

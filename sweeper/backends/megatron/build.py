@@ -28,6 +28,7 @@ from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
 from sweeper.layout import Layout
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,7 +52,8 @@ def params_dtype(layout: Layout) -> torch.dtype:
     return _DTYPES.get(layout.precision, torch.bfloat16)
 
 
-def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool) -> TransformerConfig:
+def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
+                       run: RunSettings = RunSettings()) -> TransformerConfig:
     """Megatron's TransformerConfig; its __post_init__ asserts the layout rules (heads % TP, ...)."""
     dtype = params_dtype(layout)
     moe: dict[str, Any] = {}
@@ -85,7 +87,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     if te:  # GPU path (gpu.py): this device's FP8 recipe, MLA / Mamba fields, CP through TE; not run on a GPU yet
         from sweeper.backends.megatron import gpu
 
-        plan = gpu.device_plan(spec, layout)
+        plan = gpu.device_plan(spec, layout, run)
         fp8, config_class = plan.config_kwargs, gpu.config_class(plan)
     return config_class(
         num_layers=spec.num_layers,
@@ -146,7 +148,8 @@ class Built:
 
 
 def build(
-    spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int, vocab_size: int | None = None
+    spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int, vocab_size: int | None = None,
+    run: RunSettings = RunSettings(),
 ) -> Built:
     """Config, model chunks wrapped in Megatron DDP, and Megatron's (distributed) Adam optimizer.
 
@@ -154,12 +157,12 @@ def build(
     the equivalence gate passes the reference's, which must match the checkpoint's shapes."""
     from megatron.core import tensor_parallel
 
-    config = transformer_config(spec, layout, cuda=cuda, te=te)
+    config = transformer_config(spec, layout, cuda=cuda, te=te, run=run)
     model_class: Any = GPTModel
     if te:  # GPU path (gpu.py): MambaModel, or Megatron-Bridge's own model for model: {hf: DIR}
         from sweeper.backends.megatron import gpu
 
-        config, model_class = gpu.gpu_model(spec, layout, config)
+        config, model_class = gpu.gpu_model(spec, layout, config, run)
     elif spec.is_hybrid:  # torch Mamba2 kernels and a local hybrid stack spec (cpu_mamba.py)
         from sweeper.backends.megatron import cpu_mamba
 
@@ -196,9 +199,12 @@ def build(
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
 
+    # The run settings' grad dtype, as the estimator counts it (run_settings.RunSettings.grad_buffer_fp32). The
+    # overlap flags only hide communication; gloo's CPU path reduces synchronously.
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=layout.precision != "fp32",
-        overlap_grad_reduce=False,
+        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
+        overlap_grad_reduce=cuda and run.overlaps_grad_reduce,
+        overlap_param_gather=cuda and run.overlaps_param_gather and layout.distributed_optimizer,
         use_distributed_optimizer=layout.distributed_optimizer,
     )
     model = [
@@ -224,6 +230,7 @@ def build(
             params_dtype=dtype,
             initial_loss_scale=2.0**16,
             use_distributed_optimizer=layout.distributed_optimizer,
+            **run.optimizer_kwargs(),
         ),
         model,
     )

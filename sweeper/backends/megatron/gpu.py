@@ -18,8 +18,8 @@ FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the reci
   by scripts/gpu_check.sh on a Blackwell GPU.
 - ``blockwise`` (Float8BlockScaling, DeepSeek-V3 style 1x128/128x128, format e4m3) only when asked for, on ≥ 9.0.
 - mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (LAYOUT_RULES.md: rejected on 12.x too).
-An explicit recipe can be requested with the environment variable SWEEPER_FP8_RECIPE (delayed|tensorwise|blockwise),
-set on every node before the trial's workers start.
+An explicit recipe is the YAML's ``run.fp8_recipe`` (delayed|tensorwise|blockwise; sweeper.run_settings), which
+the estimator and the exports read too.
 """
 
 from __future__ import annotations
@@ -35,11 +35,11 @@ from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_mo
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 Capability = tuple[int, int]
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
 FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise")
-FP8_RECIPE_ENV = "SWEEPER_FP8_RECIPE"
 # catalog.resolve_model names a ``model: {hf: DIR}`` spec "hf:<absolute DIR>": the only field of ModelSpec that
 # travels to the rank unchanged, so the GPU trial knows to build Megatron-Bridge's model from that folder.
 HF_NAME_PREFIX = "hf:"
@@ -79,7 +79,7 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
     cc = capability_text(capability)
     if precision == "mxfp8":
         if recipe not in (None, "mxfp8"):
-            raise GpuPrecisionError(f"precision mxfp8 has its own recipe; {FP8_RECIPE_ENV}={recipe} does not apply")
+            raise GpuPrecisionError(f"precision mxfp8 has its own recipe; run.fp8_recipe={recipe} does not apply")
         if capability[0] != 10:
             raise GpuPrecisionError(
                 f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on {cc}"
@@ -191,17 +191,12 @@ def module_imports(name: str) -> bool:
     return True
 
 
-def requested_fp8_recipe() -> str | None:
-    value = os.environ.get(FP8_RECIPE_ENV, "").strip().lower()
-    return value or None
-
-
-def device_plan(spec: ModelSpec, layout: Layout) -> GpuPlan:
-    """gpu_plan for this process's current CUDA device. Not run on a GPU yet."""
+def device_plan(spec: ModelSpec, layout: Layout, run: RunSettings) -> GpuPlan:
+    """gpu_plan for this process's current CUDA device under the run settings. Not run on a GPU yet."""
     import torch
 
     capability = torch.cuda.get_device_capability()
-    return gpu_plan(spec, layout, capability, fp8_recipe=requested_fp8_recipe(),
+    return gpu_plan(spec, layout, capability, fp8_recipe=None if run.fp8_recipe == "auto" else run.fp8_recipe,
                     causal_conv1d=not spec.is_hybrid or module_imports("causal_conv1d"))
 
 
@@ -272,10 +267,10 @@ def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan) -> Any:
 
 
 # -- model builders for build.py ---------------------------------------------------------------------------------
-def gpu_model(spec: ModelSpec, layout: Layout, config: Any) -> tuple[Any, Callable[..., Any]]:
+def gpu_model(spec: ModelSpec, layout: Layout, config: Any, run: RunSettings) -> tuple[Any, Callable[..., Any]]:
     """(config, model class) for build.py on a GPU with TE: Bridge's provider and its ``provide`` for a
     ``model: {hf: DIR}`` spec; otherwise build.py's config and GPTModel or the MambaModel builder. Not run on a GPU yet."""
-    plan = device_plan(spec, layout)
+    plan = device_plan(spec, layout, run)
     if bridge_source(spec) is not None:
         provider = bridge_provider(spec, layout, plan)
         return provider, gpu_model_class(spec, plan, provider)

@@ -30,11 +30,12 @@ from sweeper.backends.megatron.failures import (
     classify,
 )
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
-from sweeper.backends.megatron.support import backend_name, unsupported_reason
+from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 INJECT_STEP = 2  # fault injection fires at the second training step (steps count from 1)
 _log = logging.getLogger("sweeper.smoke")
@@ -67,7 +68,8 @@ def run_rank(request: SmokeRequest) -> RankReport:
                 from sweeper.backends.megatron.build import transformer_engine_available
 
                 te = transformer_engine_available()
-            reason = unsupported_reason(spec, layout, cuda=cuda, te=te)
+            reason = (run_unsupported_reason(RunSettings(**request.run), cuda=cuda, te=te)
+                      or unsupported_reason(spec, layout, cuda=cuda, te=te))
             if reason:
                 raise UnsupportedError(reason)
             if request.memory_limit_gib is not None and not cuda:
@@ -112,6 +114,7 @@ def _smoke(
     progress: _Progress,
 ) -> None:
     enter = progress.enter
+    run = RunSettings(**request.run)
 
     def safe_point() -> None:
         if watchdog is not None:
@@ -156,14 +159,15 @@ def _smoke(
     if request.inject == "bug":
         _injected_bug(layout)
     gate = equivalence.plan(request, spec, layout)  # reads the reference: the build takes its vocabulary size
-    built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None)
+    built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None,
+                  run=run)
     report.checks["model_built"] = True
     if is_proxy(spec):
         report.notes.append(PROXY_NOTE)
     if te:  # the FP8 recipe chosen for this device, a missing Mamba fast path (gpu.py; not run on a GPU yet)
         from sweeper.backends.megatron.gpu import device_plan
 
-        report.notes.extend(device_plan(spec, layout).notes)
+        report.notes.extend(device_plan(spec, layout, run).notes)
     report.timings_s["build"] = time.perf_counter() - start
     report.tokens_per_step = layout.gbs * request.seq_length
     report.flops_per_step = report.tokens_per_step * model_flops_per_token(spec, request.seq_length, built.vocab_size)

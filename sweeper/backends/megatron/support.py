@@ -11,12 +11,27 @@ from __future__ import annotations
 from sweeper.layout import Layout
 from sweeper.models.params import total_params
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 CPU_MAX_PARAMS = 1_000_000_000
 
 
 def backend_name(cuda: bool) -> str:
     return "megatron-core-gpu" if cuda else "megatron-core-cpu"
+
+
+def run_unsupported_reason(run: RunSettings, *, cuda: bool, te: bool) -> str | None:
+    """The first run setting (the YAML's ``run:``) this backend cannot build, as a one-line reason; None if none."""
+    if cuda and te:
+        return None
+    backend = backend_name(cuda)
+    if run.precision_aware_optimizer:
+        return (f"run.precision_aware_optimizer unsupported on this backend ({backend}): megatron-core's precision-"
+                "aware optimizer is Transformer Engine's FusedAdam (GPU)")
+    if run.optimizer_cpu_offload:
+        return (f"run.optimizer_cpu_offload unsupported on this backend ({backend}): Megatron's HybridDeviceOptimizer "
+                "moves optimizer state from a GPU to the host")
+    return None
 
 
 def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool) -> str | None:

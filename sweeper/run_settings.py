@@ -1,0 +1,190 @@
+"""Run settings that move memory: the YAML's ``run:`` section, shared by the estimator, the smoke run and the exports.
+
+A layout does not say everything that decides a rank's memory: the grad buffer's dtype, the optimizer's moment
+dtypes and CPU offload, FP8 weights in the parameter buffer. Their defaults differ between the frameworks a user
+trains with, so ``framework`` names the framework and every setting left out (``null``) takes that framework's
+default (read from the source of the versions sweeper pins: megatron-core 0.16.1, Megatron-LM core_v0.16.1,
+Megatron-Bridge 0.3.1):
+
+- ``grad_reduce_in_fp32`` (FP32 main grads under BF16): Megatron-LM with ``--bf16`` turns
+  ``accumulate_allreduce_grads_in_fp32`` on unless ``--grad-reduce-in-bf16`` (arguments.py validate_args);
+  Bridge's ``MixedPrecisionConfig.grad_reduce_in_fp32 = True`` (training/mixed_precision.py; it overwrites
+  ``ddp.grad_reduce_in_fp32``); megatron-core's ``DistributedDataParallelConfig.grad_reduce_in_fp32 = False``.
+- ``fp8_param_gather``: off in Megatron-LM and megatron-core; on in Bridge's FP8 recipes except blockwise
+  (bf16_with_fp8_delayed_scaling_mixed, ..._current_scaling_mixed, bf16_with_mxfp8_mixed).
+- ``overlap_grad_reduce`` / ``overlap_param_gather``: off in Megatron-LM and megatron-core, on in Bridge's
+  pretrain recipes. No memory of their own (the all-gather is in place); they hide DP communication.
+- ``optimizer_offload_fraction``: 1.0 in Megatron-LM (``--optimizer-offload-fraction``), 0.0 in megatron-core's
+  OptimizerConfig and so in Bridge (``optimizer_cpu_offload`` alone moves nothing there).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Framework = Literal["megatron-lm", "megatron-bridge", "megatron-core"]
+MomentDtype = Literal["fp32", "bf16", "fp16", "fp8"]
+Fp8Recipe = Literal["auto", "delayed", "tensorwise", "blockwise"]
+MOMENT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "megatron-lm": {"grad_reduce_in_fp32": True, "fp8_param_gather": False, "overlap": False, "offload": 1.0},
+    "megatron-bridge": {"grad_reduce_in_fp32": True, "fp8_param_gather": True, "overlap": True, "offload": 0.0},
+    "megatron-core": {"grad_reduce_in_fp32": False, "fp8_param_gather": False, "overlap": False, "offload": 0.0},
+}
+
+
+class RunSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    framework: Framework = "megatron-lm"
+    grad_reduce_in_fp32: bool | None = None  # null: the framework's default
+    # --use-precision-aware-optimizer (needs the distributed optimizer and TE's FusedAdam): Adam's moments in
+    # exp_avg_dtype / exp_avg_sq_dtype, the grads read in place (``decoupled_grad``) instead of copied to FP32.
+    precision_aware_optimizer: bool = False
+    exp_avg_dtype: MomentDtype = "fp32"
+    exp_avg_sq_dtype: MomentDtype = "fp32"
+    # --optimizer-cpu-offload: this fraction of each rank's optimizer shard (master weights, moments) lives and
+    # steps on the host (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py). null: the framework's default.
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float | None = Field(None, ge=0, le=1)
+    # --fp8-recipe of precision fp8. auto: tensorwise (current scaling) on compute capability >= 10.0, delayed
+    # below (what sweeper's GPU smoke run builds); precision mxfp8 is always MXFP8.
+    fp8_recipe: Fp8Recipe = "auto"
+    fp8_param_gather: bool | None = None  # --fp8-param-gather; null: the framework's default
+    overlap_grad_reduce: bool | None = None  # --overlap-grad-reduce; null: the framework's default
+    overlap_param_gather: bool | None = None  # --overlap-param-gather; null: the framework's default
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RunSettings:
+        if not self.precision_aware_optimizer and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32", "fp32"):
+            raise ValueError("exp_avg_dtype / exp_avg_sq_dtype other than fp32 need precision_aware_optimizer: true "
+                             "(Megatron's --use-precision-aware-optimizer)")
+        if self.overlap_param_gather and self.overlap_grad_reduce is False:
+            raise ValueError("overlap_param_gather needs overlap_grad_reduce (Megatron-LM: --overlap-param-gather "
+                             "requires --overlap-grad-reduce)")
+        return self
+
+    # -- resolved values (the framework's default where the YAML says nothing) ---------------------------------------
+    @property
+    def grads_in_fp32(self) -> bool:
+        value = self.grad_reduce_in_fp32
+        return _DEFAULTS[self.framework]["grad_reduce_in_fp32"] if value is None else value
+
+    def grad_buffer_fp32(self, precision: str) -> bool:
+        """Whether DDP's grad buffer is FP32 for a run of ``precision``: FP32 runs are; FP16 keeps FP16 grads
+        (neither framework turns FP32 accumulation on for it); BF16 and FP8/MXFP8 (BF16 weights) follow
+        ``grad_reduce_in_fp32``."""
+        if precision in ("fp32", "fp16"):
+            return precision == "fp32"
+        return self.grads_in_fp32
+
+    def optimizer_kwargs(self) -> dict[str, Any]:
+        """megatron.core.optimizer.OptimizerConfig fields for these settings (GPU path; the CPU backend refuses
+        the precision-aware optimizer and CPU offload, ``sweeper.backends.megatron.support``)."""
+        out: dict[str, Any] = {}
+        if self.precision_aware_optimizer:
+            import torch
+
+            dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
+            out.update(use_precision_aware_optimizer=True, exp_avg_dtype=dtypes[self.exp_avg_dtype],
+                       exp_avg_sq_dtype=dtypes[self.exp_avg_sq_dtype])
+        if self.optimizer_cpu_offload:
+            out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=self.offloaded_fraction)
+        return out
+
+    def recipe(self, precision: str, compute_capability: str | None) -> str | None:
+        """The FP8 recipe a run of ``precision`` uses on a device of ``compute_capability`` (None: not FP8)."""
+        if precision == "mxfp8":
+            return "mxfp8"
+        if precision != "fp8":
+            return None
+        if self.fp8_recipe != "auto":
+            return self.fp8_recipe
+        if compute_capability is None:
+            return "delayed"
+        return "tensorwise" if int(compute_capability.partition(".")[0]) >= 10 else "delayed"
+
+    def fp8_params(self, precision: str, compute_capability: str | None) -> bool:
+        """Whether FP8/MXFP8 weights are stored and gathered in FP8 (--fp8-param-gather)."""
+        recipe = self.recipe(precision, compute_capability)
+        if recipe is None:
+            return False
+        if self.fp8_param_gather is not None:
+            return self.fp8_param_gather
+        return bool(_DEFAULTS[self.framework]["fp8_param_gather"]) and recipe != "blockwise"
+
+    @property
+    def overlaps_grad_reduce(self) -> bool:
+        value = self.overlap_grad_reduce
+        return _DEFAULTS[self.framework]["overlap"] if value is None else value
+
+    @property
+    def overlaps_param_gather(self) -> bool:
+        value = self.overlap_param_gather
+        return self.overlaps_grad_reduce and (_DEFAULTS[self.framework]["overlap"] if value is None else value)
+
+    @property
+    def offloaded_fraction(self) -> float:
+        """Fraction of the optimizer shard on the host (0 without optimizer_cpu_offload)."""
+        if not self.optimizer_cpu_offload:
+            return 0.0
+        value = self.optimizer_offload_fraction
+        return float(_DEFAULTS[self.framework]["offload"] if value is None else value)
+
+    @property
+    def moment_bytes(self) -> float:
+        """Bytes per parameter of Adam's two moments together (the offloaded part keeps FP32 moments on the host,
+        hybrid_optimizer.py ignores the moment dtypes)."""
+        return float(MOMENT_BYTES[self.exp_avg_dtype] + MOMENT_BYTES[self.exp_avg_sq_dtype])
+
+    # -- exports -------------------------------------------------------------------------------------------------
+    def megatron_args(self, precision: str, compute_capability: str | None) -> list[str]:
+        """Megatron-LM flags for these settings (beside the layout's ``Layout.megatron_args``)."""
+        args: list[str] = []
+        recipe = self.recipe(precision, compute_capability)
+        if recipe is not None and precision == "fp8":
+            args.append(f"--fp8-recipe={recipe}")
+        if precision in ("bf16", "fp8", "mxfp8") and not self.grad_buffer_fp32(precision):
+            args.append("--grad-reduce-in-bf16")
+        if self.fp8_params(precision, compute_capability):
+            args.append("--fp8-param-gather")
+        if self.precision_aware_optimizer:
+            args += ["--use-precision-aware-optimizer", f"--exp-avg-dtype={self.exp_avg_dtype}",
+                     f"--exp-avg-sq-dtype={self.exp_avg_sq_dtype}"]
+        if self.optimizer_cpu_offload:
+            args += ["--optimizer-cpu-offload", f"--optimizer-offload-fraction={self.offloaded_fraction:g}"]
+        if self.overlaps_grad_reduce:
+            args.append("--overlap-grad-reduce")
+        if self.overlaps_param_gather:
+            args.append("--overlap-param-gather")
+        return args
+
+    def bridge_overrides(self, precision: str, compute_capability: str | None) -> list[str]:
+        """Megatron-Bridge overrides (``mixed_precision`` wins over ``ddp`` for the grad dtype and FP8 params, so
+        both are set)."""
+        out: list[str] = []
+        recipe = self.recipe(precision, compute_capability)
+        if recipe is not None:
+            out.append(f"mixed_precision.fp8_recipe={recipe}")
+        if precision in ("bf16", "fp8", "mxfp8"):
+            grads = str(self.grads_in_fp32).lower()
+            out += [f"mixed_precision.grad_reduce_in_fp32={grads}", f"ddp.grad_reduce_in_fp32={grads}"]
+        if recipe is not None:
+            gather = str(self.fp8_params(precision, compute_capability)).lower()
+            out += [f"mixed_precision.fp8_param_gather={gather}", f"ddp.fp8_param_gather={gather}"]
+        out.append(f"optimizer.use_precision_aware_optimizer={str(self.precision_aware_optimizer).lower()}")
+        if self.precision_aware_optimizer:
+            out += [f"optimizer.exp_avg_dtype={_TORCH_DTYPE[self.exp_avg_dtype]}",
+                    f"optimizer.exp_avg_sq_dtype={_TORCH_DTYPE[self.exp_avg_sq_dtype]}"]
+        if self.optimizer_cpu_offload:
+            out += ["optimizer.optimizer_cpu_offload=true",
+                    f"optimizer.optimizer_offload_fraction={self.offloaded_fraction:g}"]
+        out += [f"ddp.overlap_grad_reduce={str(self.overlaps_grad_reduce).lower()}",
+                f"ddp.overlap_param_gather={str(self.overlaps_param_gather).lower()}"]
+        return out
+
+
+_TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16", "fp8": "torch.uint8"}

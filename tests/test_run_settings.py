@@ -1,0 +1,88 @@
+"""Run settings (the YAML's ``run:``, issue 13): framework defaults, checks, exports, and where they reach."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from sweeper.backends.megatron.support import run_unsupported_reason
+from sweeper.config import load_config
+from sweeper.run_settings import RunSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_each_framework_fills_what_the_yaml_leaves_out() -> None:
+    lm, bridge, core = RunSettings(), RunSettings(framework="megatron-bridge"), RunSettings(framework="megatron-core")
+    assert (lm.grads_in_fp32, bridge.grads_in_fp32, core.grads_in_fp32) == (True, True, False)
+    assert (lm.overlaps_grad_reduce, bridge.overlaps_grad_reduce, core.overlaps_grad_reduce) == (False, True, False)
+    assert (lm.fp8_params("fp8", "9.0"), bridge.fp8_params("fp8", "9.0")) == (False, True)
+    assert bridge.fp8_params("bf16", "9.0") is False  # no FP8, no FP8 weights
+    offload = {"optimizer_cpu_offload": True}
+    assert RunSettings(**offload).offloaded_fraction == 1.0
+    assert RunSettings(framework="megatron-bridge", **offload).offloaded_fraction == 0.0  # Bridge moves nothing
+    assert RunSettings(grad_reduce_in_fp32=False, framework="megatron-bridge").grads_in_fp32 is False
+
+
+def test_grad_buffer_dtype_per_precision() -> None:
+    run = RunSettings(grad_reduce_in_fp32=False)
+    assert [run.grad_buffer_fp32(p) for p in ("fp32", "fp16", "bf16", "fp8", "mxfp8")] == [True, False, False,
+                                                                                          False, False]
+    assert RunSettings().grad_buffer_fp32("bf16") is True
+
+
+def test_recipe_follows_the_device_unless_named() -> None:
+    assert RunSettings().recipe("fp8", "9.0") == "delayed"
+    assert RunSettings().recipe("fp8", "12.0") == "tensorwise"
+    assert RunSettings(fp8_recipe="blockwise").recipe("fp8", "9.0") == "blockwise"
+    assert RunSettings().recipe("mxfp8", "10.0") == "mxfp8" and RunSettings().recipe("bf16", "9.0") is None
+
+
+def test_inconsistent_settings_are_refused_with_megatrons_words() -> None:
+    with pytest.raises(ValidationError, match="need precision_aware_optimizer"):
+        RunSettings(exp_avg_dtype="bf16")
+    with pytest.raises(ValidationError, match="requires --overlap-grad-reduce"):
+        RunSettings(overlap_param_gather=True, overlap_grad_reduce=False)
+
+
+def test_exports_carry_the_settings_as_megatron_flags_and_bridge_overrides() -> None:
+    run = RunSettings(framework="megatron-bridge", grad_reduce_in_fp32=False, precision_aware_optimizer=True,
+                      exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    args = run.megatron_args("fp8", "9.0")
+    assert args[:3] == ["--fp8-recipe=delayed", "--grad-reduce-in-bf16", "--fp8-param-gather"]
+    assert "--exp-avg-dtype=bf16" in args and "--overlap-grad-reduce" in args and "--overlap-param-gather" in args
+    overrides = run.bridge_overrides("fp8", "9.0")
+    for expected in ("mixed_precision.grad_reduce_in_fp32=false", "ddp.grad_reduce_in_fp32=false",
+                     "mixed_precision.fp8_param_gather=true", "optimizer.exp_avg_dtype=torch.bfloat16",
+                     "ddp.overlap_grad_reduce=true"):
+        assert expected in overrides
+    assert RunSettings().megatron_args("bf16", "9.0") == []  # Megatron-LM's defaults need no flag
+
+
+def test_the_cpu_backend_refuses_what_only_a_gpu_builds() -> None:
+    assert run_unsupported_reason(RunSettings(), cuda=False, te=False) is None
+    reason = run_unsupported_reason(RunSettings(precision_aware_optimizer=True), cuda=False, te=False)
+    assert reason and reason.startswith("run.precision_aware_optimizer unsupported on this backend")
+    assert run_unsupported_reason(RunSettings(precision_aware_optimizer=True), cuda=True, te=True) is None
+
+
+def test_a_yaml_run_section_reaches_the_estimator(tmp_path: Path) -> None:
+    data = yaml.safe_load((ROOT / "search_spaces" / "quickstart.yaml").read_text())
+    data["run"] = {"framework": "megatron-core"}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    assert cfg.run.framework == "megatron-core" and cfg.run.grads_in_fp32 is False
+    data["run"] = {"framework": "megatron-lm", "grad_dtype": "bf16"}
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(Exception, match="run.grad_dtype"):
+        load_config(path)
+
+
+def test_flagship_spaces_name_their_framework() -> None:
+    for name in ("nemotron.yaml", "deepseek_v2_lite.yaml"):
+        run = load_config(ROOT / "search_spaces" / name).run
+        assert run.framework == "megatron-bridge" and run.grads_in_fp32 is False
