@@ -28,6 +28,22 @@ class LayoutError(ValueError):
     """A layout string or value that cannot describe any layout (bad key, bad number)."""
 
 
+@dataclass(frozen=True)
+class PipelineSplit:
+    """Megatron's pipeline-split options of one layout: even (all default), uneven first/last stage sizes, the
+    embedding/loss accounted as layers, or an explicit pipeline_model_parallel_layout string."""
+
+    first: int | None = None
+    last: int | None = None
+    embedding: bool = False
+    loss: bool = False
+    layout: str | None = None
+
+    @property
+    def even(self) -> bool:
+        return self == PipelineSplit()
+
+
 @dataclass(frozen=True, order=True)
 class Layout:
     world_size: int
@@ -46,6 +62,13 @@ class Layout:
     # Uneven pipeline split (Megatron's num_layers_in_first/last_pipeline_stage); None = even split.
     first_stage_layers: int | None = None
     last_stage_layers: int | None = None
+    # Megatron's account_for_embedding/loss_in_pipeline_split: the embedding and the loss each count as one layer
+    # when the layers are split over pipeline ranks (126 layers + 2 on PP8: 16 slots per rank).
+    account_for_embedding: bool = False
+    account_for_loss: bool = False
+    # Megatron's pipeline_model_parallel_layout, e.g. "Et|(tt|)*62tL": every (virtual) stage's layers, "|" between
+    # stages, stage i = vpp_rank * PP + pp_rank (megatron/core/transformer/pipeline_parallel_layer_layout.py).
+    pipeline_layout: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "mbs", "gbs"):
@@ -55,6 +78,15 @@ class Layout:
         if self.precision not in PRECISIONS:
             raise LayoutError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         object.__setattr__(self, "recompute", canonical_recompute(self.recompute))
+        if self.pipeline_layout is not None and (not self.pipeline_layout.strip() or "," in self.pipeline_layout):
+            raise LayoutError(f"pipeline_layout: must be a Megatron layout string without commas, e.g. "
+                              f"'Et|(tt|)*62tL', got {self.pipeline_layout!r}")
+
+    @property
+    def split(self) -> PipelineSplit:
+        """How the decoder layers are split over pipeline ranks (``sweeper.estimate.pipeline`` places them)."""
+        return PipelineSplit(self.first_stage_layers, self.last_stage_layers, self.account_for_embedding,
+                             self.account_for_loss, self.pipeline_layout)
 
     # -- derived sizes -------------------------------------------------------------------------------------------
     @property
@@ -105,6 +137,9 @@ class Layout:
             first_stage_layers=self.first_stage_layers,
             last_stage_layers=self.last_stage_layers,
         )
+        if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
+            out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
+                       pipeline_layout=self.pipeline_layout)
         return out
 
     @classmethod
@@ -128,6 +163,11 @@ class Layout:
         parts.append(f"MBS{self.mbs}")
         if self.recompute != "none":
             parts.append(f"RC-{self.recompute}")
+        if self.account_for_embedding or self.account_for_loss:
+            parts.append("ACC-" + "+".join(n for n, on in (("E", self.account_for_embedding),
+                                                           ("L", self.account_for_loss)) if on))
+        if self.pipeline_layout:
+            parts.append(f"PPL[{self.pipeline_layout}]")
         if not self.distributed_optimizer:
             parts.append("noDO")
         parts.append(self.precision)
@@ -150,6 +190,11 @@ class Layout:
             f"recompute={self.recompute}",
             f"distributed_optimizer={str(self.distributed_optimizer).lower()}",
         ]
+        if self.account_for_embedding or self.account_for_loss:
+            items += [f"account_for_embedding={str(self.account_for_embedding).lower()}",
+                      f"account_for_loss={str(self.account_for_loss).lower()}"]
+        if self.pipeline_layout:
+            items.append(f"pipeline_layout={self.pipeline_layout}")
         return ",".join(items)
 
     def parallel_sizes(self) -> dict[str, int | None]:
@@ -161,6 +206,16 @@ class Layout:
             "context_parallel_size": self.cp,
             "expert_model_parallel_size": self.ep,
             "expert_tensor_parallel_size": self.etp,
+        }
+
+    def pipeline_split_config(self) -> dict[str, Any]:
+        """The pipeline split under Megatron-Core's TransformerConfig names (transformer_config.py)."""
+        return {
+            "num_layers_in_first_pipeline_stage": self.first_stage_layers,
+            "num_layers_in_last_pipeline_stage": self.last_stage_layers,
+            "account_for_embedding_in_pipeline_split": self.account_for_embedding,
+            "account_for_loss_in_pipeline_split": self.account_for_loss,
+            "pipeline_model_parallel_layout": self.pipeline_layout,
         }
 
     def recompute_config(self) -> dict[str, Any]:
@@ -182,8 +237,14 @@ class Layout:
             f"--micro-batch-size={self.mbs}",
             f"--global-batch-size={self.gbs}",
         ]
-        if self.vpp > 1:
+        if self.pipeline_layout:  # it sets the virtual stages itself (exclusive with the VPP flags)
+            args.append(f"--pipeline-model-parallel-layout={self.pipeline_layout}")
+        elif self.vpp > 1:
             args.append(f"--num-virtual-stages-per-pipeline-rank={self.vpp}")
+        if self.account_for_embedding:
+            args.append("--account-for-embedding-in-pipeline-split")
+        if self.account_for_loss:
+            args.append("--account-for-loss-in-pipeline-split")
         if self.first_stage_layers is not None:
             args.append(f"--decoder-first-pipeline-num-layers={self.first_stage_layers}")
         if self.last_stage_layers is not None:
@@ -221,6 +282,12 @@ class Layout:
             out.append(f"model.num_layers_in_first_pipeline_stage={self.first_stage_layers}")
         if self.last_stage_layers is not None:
             out.append(f"model.num_layers_in_last_pipeline_stage={self.last_stage_layers}")
+        if self.account_for_embedding:
+            out.append("model.account_for_embedding_in_pipeline_split=true")
+        if self.account_for_loss:
+            out.append("model.account_for_loss_in_pipeline_split=true")
+        if self.pipeline_layout:
+            out.append(f'model.pipeline_model_parallel_layout="{self.pipeline_layout}"')
         if self.recompute != "none":
             out.append(f"model.recompute_granularity={self.recompute_granularity}")
         if self.recompute_granularity == "selective" and self.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
@@ -247,8 +314,8 @@ _BRIDGE_PRECISION: dict[str, str] = {
 }
 
 _INT_KEYS = ("gpus", "tp", "pp", "vpp", "cp", "dp", "ep", "etp", "edp", "mbs", "gbs")
-_BOOL_KEYS = ("sp", "distributed_optimizer")
-_ALL_KEYS = _INT_KEYS + _BOOL_KEYS + ("precision", "recompute")
+_BOOL_KEYS = ("sp", "distributed_optimizer", "account_for_embedding", "account_for_loss")
+_ALL_KEYS = _INT_KEYS + _BOOL_KEYS + ("precision", "recompute", "pipeline_layout")
 
 
 def parse_assignments(text: str, what: str = "--layout") -> dict[str, Any]:
@@ -281,6 +348,8 @@ def _parse_value(key: str, raw: str, what: str) -> Any:
         if low not in ("true", "false", "1", "0", "on", "off", "yes", "no"):
             raise LayoutError(f"{what}: {key} must be true or false, got '{raw}'")
         return low in ("true", "1", "on", "yes")
+    if key == "pipeline_layout":
+        return raw  # case matters (E, L, t, m); Layout checks it is not empty
     if key == "recompute":
         try:
             return canonical_recompute(raw.lower())

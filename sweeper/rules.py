@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from sweeper.config import ClusterConfig
+from sweeper.estimate.pipeline import check_layout
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
 
@@ -203,12 +204,53 @@ def mamba_heads_and_groups(c: RuleContext) -> str | None:
 
 # -- pipeline split (transformer_block.py, transformer_config.py "Uneven PP") -------------------------------------
 @rule
+def pipeline_split_options(c: RuleContext) -> str | None:
+    """transformer_config.py __post_init__: the options exclude each other; hybrid models ignore two of them."""
+    lo = c.layout
+    accounted = lo.account_for_embedding or lo.account_for_loss
+    uneven = lo.first_stage_layers is not None or lo.last_stage_layers is not None
+    if lo.pipeline_layout and (accounted or uneven):
+        return ("pipeline_model_parallel_layout cannot be set with other pipeline layout arguments "
+                "(num_layers_in_first/last_pipeline_stage, account_for_embedding/loss_in_pipeline_split)")
+    if accounted and uneven:
+        return ("num_layers_in_first_pipeline_stage and num_layers_in_last_pipeline_stage cannot be set at the same "
+                "time with account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split")
+    if (accounted or lo.pipeline_layout) and c.model.is_hybrid:
+        return ("a hybrid Mamba model ignores account_for_embedding/loss_in_pipeline_split and "
+                "pipeline_model_parallel_layout (MambaStack._select_layers_for_pipeline_parallel splits num_layers "
+                "// PP), so the split would not be the one asked for")
+    if (accounted or lo.pipeline_layout) and lo.pp == 1:
+        return "pipeline-split options need pipeline_model_parallel_size > 1"
+    return None
+
+
+@rule
 def pipeline_split(c: RuleContext) -> str | None:
     lo, layers = c.layout, c.model.num_layers
     if lo.pp == 1:
         return None
     if layers < lo.pp:
         return f"num_layers ({layers}) is smaller than pipeline_model_parallel_size ({lo.pp})"
+    if lo.pipeline_layout:
+        try:
+            stages = check_layout(lo.pipeline_layout, lo.pp, layers)
+        except ValueError as exc:
+            return str(exc)
+        if len(stages) // lo.pp != lo.vpp:
+            return (f"virtual_pipeline_model_parallel_size ({lo.vpp}) conflicts with pipeline_model_parallel_layout "
+                    f"({len(stages)} stages on {lo.pp} pipeline ranks: {len(stages) // lo.pp} per rank)")
+        return None
+    if lo.account_for_embedding or lo.account_for_loss:
+        slots = layers + lo.account_for_embedding + lo.account_for_loss
+        if slots % lo.pp:
+            return (f"num_layers ({layers}) after enabling account_for_embedding_in_pipeline_split or "
+                    f"account_for_loss_in_pipeline_split ({slots}) must be divisible by pipeline_model_parallel_size "
+                    f"({lo.pp})")
+        if (slots // lo.pp) % lo.vpp:
+            return (f"number of layers on each pipeline rank ({slots // lo.pp}, after enabling "
+                    f"account_for_embedding/loss_in_pipeline_split) must be divisible by "
+                    f"virtual_pipeline_model_parallel_size ({lo.vpp})")
+        return None
     if lo.first_stage_layers is None and lo.last_stage_layers is None:
         if layers % lo.pp == 0:
             per_stage = layers // lo.pp
@@ -222,10 +264,11 @@ def pipeline_split(c: RuleContext) -> str | None:
                 f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({lo.pp}); megatron-core "
                 "0.16 would silently drop layers of a hybrid Mamba model (integer division), so sweeper refuses it"
             )
-        if uneven_split(layers, lo.pp, lo.vpp) is None:
+        if uneven_split(layers, lo.pp, lo.vpp) is None and accounted_split(layers, lo.pp, lo.vpp) is None:
             return (
-                f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({lo.pp}) and no uneven "
-                f"first/last-stage split fits" + (f" with virtual pipeline size {lo.vpp}" if lo.vpp > 1 else "")
+                f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({lo.pp}), and neither an "
+                f"uneven first/last-stage split nor accounting for the embedding and the loss in the split fits"
+                + (f" with virtual pipeline size {lo.vpp}" if lo.vpp > 1 else "")
             )
         return f"num_layers ({layers}) needs an uneven pipeline split; call rules.with_pipeline_split first"
     first, last = lo.first_stage_layers, lo.last_stage_layers
@@ -272,16 +315,31 @@ def uneven_split(layers: int, pp: int, vpp: int = 1) -> tuple[int, int] | None:
     return None if best is None else (best[2], best[3])
 
 
+def accounted_split(layers: int, pp: int, vpp: int = 1) -> tuple[bool, bool] | None:
+    """(account_for_embedding, account_for_loss) that make ``layers`` split over PP x VPP, both preferred (NVIDIA's
+    recipes: Llama-3.1-405B's 126 layers + 2 on PP8 x VPP8 give 2 per virtual stage); None when none does."""
+    for embedding, loss in ((True, True), (True, False), (False, True)):
+        slots = layers + embedding + loss
+        if slots % pp == 0 and (slots // pp) % vpp == 0 and slots // pp // vpp >= 1:
+            return embedding, loss
+    return None
+
+
 def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
-    """The layout with Megatron's uneven first/last stage sizes filled in when the layers do not divide by PP."""
+    """The layout with Megatron's pipeline split filled in when the layers do not divide by PP x VPP and the layout
+    names no split itself: the uneven first/last stage sizes (27 layers on PP2: 14/13), else the embedding and the
+    loss accounted as layers (126 layers on PP8 x VPP8)."""
     from dataclasses import replace
 
-    if layout.pp == 1 or model.num_layers % layout.pp == 0:
+    if layout.pp == 1 or not layout.split.even or model.num_layers % layout.pp == 0:
         return layout
     split = uneven_split(model.num_layers, layout.pp, layout.vpp)
-    if split is None:
-        return layout
-    return replace(layout, first_stage_layers=split[0], last_stage_layers=split[1])
+    if split is not None:
+        return replace(layout, first_stage_layers=split[0], last_stage_layers=split[1])
+    accounted = None if model.is_hybrid else accounted_split(model.num_layers, layout.pp, layout.vpp)
+    if accounted is not None:
+        return replace(layout, account_for_embedding=accounted[0], account_for_loss=accounted[1])
+    return layout
 
 
 # -- MoE (moe_layer.py, transformer_config.py) --------------------------------------------------------------------

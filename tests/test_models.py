@@ -31,6 +31,7 @@ ACTIVE_INCLUDES_INPUT_EMBEDDING = {
     "llama3-8b": True,
     "qwen3-30b-a3b": True,
     "mixtral-8x7b": True,
+    "llama3.1-405b": True,
 }
 PUBLISHED = [name for name, spec in PRESETS.items() if spec.published_total_params_b is not None]
 
@@ -53,6 +54,8 @@ def test_active_params_match_published(name: str) -> None:
 def test_exact_counts_of_known_models() -> None:
     # Llama-3-8B: 8,030,261,248 parameters (the HF checkpoint's safetensors total).
     assert total_params(PRESETS["llama3-8b"]) == 8_030_261_248
+    # Llama-3.1-405B: 405,853,388,800 (HF safetensors total).
+    assert total_params(PRESETS["llama3.1-405b"]) == 405_853_388_800
     # Mixtral-8x7B: 46,702,792,704 (HF safetensors total).
     assert total_params(PRESETS["mixtral-8x7b"]) == 46_702_792_704
 

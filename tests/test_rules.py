@@ -24,6 +24,8 @@ HYBRID = ModelSpec(
 )
 MLA = DENSE.model_copy(update=dict(multi_latent_attention=True, num_query_groups=None))
 H100x2 = ClusterConfig(nodes=2, gpus_per_node=8, compute_capability="9.0")
+H100x8 = ClusterConfig(nodes=8, gpus_per_node=8, compute_capability="9.0")
+LLAMA_405B = preset("llama3.1-405b")
 SEQ = 4096
 
 
@@ -140,8 +142,24 @@ CASES: dict[str, list[Case]] = {
         (DENSE, L(16, pp=16), H100x2, SEQ, "num_layers (8) is smaller than pipeline_model_parallel_size (16)"),
         (preset("deepseek-v2-lite"), L(16, pp=2), H100x2, SEQ, "needs an uneven pipeline split"),
         (preset("deepseek-v2-lite"), L(16, pp=2, first_stage_layers=14, last_stage_layers=13), H100x2, SEQ, None),
-        (preset("deepseek-v2-lite"), L(16, pp=4, vpp=2), H100x2, SEQ, "no uneven first/last-stage split fits with "
-         "virtual pipeline size 2"),
+        (preset("deepseek-v2-lite"), L(16, pp=4, vpp=2), H100x2, SEQ, "neither an uneven first/last-stage split nor "
+         "accounting for the embedding and the loss in the split fits with virtual pipeline size 2"),
+        # Megatron's embedding/loss accounting: 126 layers + 2 on PP8 x VPP8 (NVIDIA's Llama-3.1-405B recipes).
+        (LLAMA_405B, L(64, pp=8, vpp=8, account_for_embedding=True, account_for_loss=True), H100x8, SEQ, None),
+        (LLAMA_405B, L(64, pp=8, vpp=8), H100x8, SEQ, "needs an uneven pipeline split"),
+        (LLAMA_405B, L(64, pp=8, vpp=8, account_for_embedding=True), H100x8, SEQ,
+         "after enabling account_for_embedding_in_pipeline_split or account_for_loss_in_pipeline_split (127) must "
+         "be divisible by pipeline_model_parallel_size (8)"),
+        (LLAMA_405B, L(64, pp=8, vpp=16, account_for_embedding=True, account_for_loss=True), H100x8, SEQ, None),
+        (LLAMA_405B, L(64, pp=8, vpp=32, account_for_embedding=True, account_for_loss=True), H100x8, SEQ,
+         "number of layers on each pipeline rank (16, after enabling account_for_embedding/loss_in_pipeline_split)"
+         " must be divisible by virtual_pipeline_model_parallel_size (32)"),
+        (LLAMA_405B, L(64, pp=8, vpp=8, pipeline_layout="Et|(tt|)*62tL"), H100x8, SEQ, None),
+        (LLAMA_405B, L(64, pp=8, vpp=4, pipeline_layout="Et|(tt|)*62tL"), H100x8, SEQ,
+         "virtual_pipeline_model_parallel_size (4) conflicts with pipeline_model_parallel_layout"),
+        (LLAMA_405B, L(64, pp=8, vpp=8, pipeline_layout="Et|(tt|)*62L"), H100x8, SEQ,
+         "Number of decoder layers (125) in pipeline_model_parallel_layout must match num_layers (126)"),
+        (LLAMA_405B, L(64, pp=8, pipeline_layout="Et|tx|L"), H100x8, SEQ, "Invalid layer character: 'x'"),
         (preset("deepseek-v2-lite"), L(16, pp=4, first_stage_layers=7, last_stage_layers=7), H100x2, SEQ,
          "uneven split 7/13/7 does not fit 27 layers on 4 pipeline stages"),
         (preset("deepseek-v2-lite"), L(16, pp=2, vpp=3, first_stage_layers=14, last_stage_layers=13), H100x2, SEQ,
@@ -154,6 +172,16 @@ CASES: dict[str, list[Case]] = {
         (HYBRID, L(12, pp=3), H100x2, SEQ, "would silently drop layers of a hybrid Mamba model"),
         # ...but it honours an explicit first/last split, which rules.with_pipeline_split fills in.
         (HYBRID, rules.with_pipeline_split(L(12, pp=3), HYBRID), H100x2, SEQ, None),
+    ],
+    "pipeline_split_options": [
+        (LLAMA_405B, L(64, pp=8, vpp=8, account_for_embedding=True, account_for_loss=True), H100x8, SEQ, None),
+        (LLAMA_405B, L(64, pp=8, account_for_embedding=True, first_stage_layers=15), H100x8, SEQ,
+         "cannot be set at the same time with account_for_embedding_in_pipeline_split"),
+        (LLAMA_405B, L(64, pp=8, pipeline_layout="Et|(tt|)*62tL", account_for_loss=True), H100x8, SEQ,
+         "pipeline_model_parallel_layout cannot be set with other pipeline layout arguments"),
+        (HYBRID, L(12, pp=2, account_for_embedding=True), H100x2, SEQ,
+         "a hybrid Mamba model ignores account_for_embedding/loss_in_pipeline_split"),
+        (DENSE, L(16, account_for_embedding=True), H100x2, SEQ, "pipeline-split options need"),
     ],
     "ep_needs_experts": [
         (MOE, L(16, ep=8), H100x2, SEQ, None),

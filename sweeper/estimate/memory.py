@@ -23,7 +23,7 @@ from functools import lru_cache
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.run_settings import RunSettings
 from sweeper.estimate.pipeline import stage_layer_kinds
-from sweeper.layout import recompute_modules
+from sweeper.layout import PipelineSplit, recompute_modules
 from sweeper.models.params import (
     ShardParams,
     block_params,
@@ -75,10 +75,12 @@ def stage_params(
     first: int | None = None,
     last: int | None = None,
     local_spec: bool = False,
+    split: PipelineSplit | None = None,
 ) -> tuple[StageParams, ...]:
-    """Parameters of one rank of each pipeline stage (all TP/EP ranks of a stage hold the same count)."""
+    """Parameters of one rank of each pipeline stage (all TP/EP ranks of a stage hold the same count).
+    ``split`` (``Layout.split``) replaces ``first``/``last`` with all of Megatron's pipeline-split options."""
     out = []
-    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last)):
+    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last, split)):
         layers = ShardParams()
         for kind, n in kinds:
             for block in kind:
@@ -383,6 +385,7 @@ def stage_activations(
     first: int | None,
     last: int | None,
     constants: EstimatorConstants,
+    split: PipelineSplit | None = None,
 ) -> tuple[StageActivations, ...]:
     kinds_used = {b for kind in spec.layer_blocks for b in kind}
     blocks = {b: block_activation(spec, b, s) for b in kinds_used}
@@ -394,7 +397,7 @@ def stage_activations(
     if spec.is_moe:
         dispatch = constants.moe_dispatch_buffer_copies * routed_tokens(spec, s) * spec.hidden_size * s.act_bytes
     out = []
-    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last)):
+    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last, split)):
         per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
         if s.recompute == "full":
             kept = sum(n for _, n in kinds) * kept_per_layer

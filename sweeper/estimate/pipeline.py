@@ -3,16 +3,24 @@
 GPT models follow ``get_num_layers_to_build``/``get_transformer_layer_offset``: an even split, or an uneven one
 with ``num_layers_in_first/last_pipeline_stage`` and the rest spread evenly over the middle stages; with
 interleaving (VPP) every stage's count is cut into VPP chunks and chunk ``v`` of every rank comes after all
-chunks ``v-1``. Hybrid Mamba models (``MambaStack._select_layers_for_pipeline_parallel``) use the same counts
-without VPP. Layer counts Megatron would assert on (or silently truncate, for hybrids) raise ValueError here.
+chunks ``v-1``. ``account_for_embedding/loss_in_pipeline_split`` count the embedding (first virtual stage of rank
+0) and the loss (last virtual stage of the last rank) as one layer each: ``num_layers + 1 + 1`` slots split evenly,
+one fewer decoder layer where they sit. ``pipeline_model_parallel_layout`` names every virtual stage's layers
+(``PipelineParallelLayerLayout``: stage ``v * PP + rank``). Hybrid Mamba models
+(``MambaStack._select_layers_for_pipeline_parallel``) use the even or uneven counts without VPP and ignore the
+other two options. Layer counts Megatron would assert on (or silently truncate, for hybrids) raise ValueError here.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from functools import lru_cache
 
+from sweeper.layout import PipelineSplit
 from sweeper.models.spec import Block, ModelSpec
+
+EVEN = PipelineSplit()
 
 Chunk = tuple[int, ...]  # layer indices (0-based) of one virtual stage
 
@@ -44,11 +52,54 @@ def stage_counts(num_layers: int, pp: int, first: int | None = None, last: int |
     return tuple(counts)
 
 
+@lru_cache(maxsize=256)
+def parse_layout(text: str, pp: int) -> tuple[str, ...]:
+    """The stages of a pipeline_model_parallel_layout string, as megatron-core 0.16.1 reads it
+    (pipeline_parallel_layer_layout.py ``parse_str_to_list``): commas dropped, ``(...)*n`` then ``x*n`` unrolled,
+    split on ``|``; characters E (embedding), L (loss), t (decoder layer), m (multi-token prediction)."""
+    flat = text.replace(",", "")
+    flat = re.sub(r"\(([^)]+)\)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), flat)
+    flat = re.sub(r"(.)\*(\d+)", lambda m: m.group(1) * int(m.group(2)), flat)
+    bad = sorted(set(flat) - set("ELtm|"))
+    if bad:
+        raise ValueError(f"pipeline_model_parallel_layout: Invalid layer character: {bad[0]!r}")
+    stages = tuple(flat.split("|"))
+    if len(stages) % pp:
+        raise ValueError(f"pipeline_model_parallel_layout has {len(stages)} stages, not a multiple of "
+                         f"pipeline_model_parallel_size ({pp})")
+    return stages
+
+
+def check_layout(text: str, pp: int, num_layers: int) -> tuple[str, ...]:
+    """The stages of a layout string that Megatron's ``validate_layer_layout`` accepts for a model of
+    ``num_layers`` decoder layers and no MTP layers; ValueError with Megatron's reason otherwise."""
+    stages = parse_layout(text, pp)
+    flat = "".join(stages)
+    if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
+        raise ValueError("pipeline_model_parallel_layout must start with the embedding (E) and end with the loss "
+                         "(L), each exactly once")
+    if flat.count("t") != num_layers:
+        raise ValueError(f"Number of decoder layers ({flat.count('t')}) in pipeline_model_parallel_layout must "
+                         f"match num_layers ({num_layers})")
+    if "m" in flat:
+        raise ValueError("pipeline_model_parallel_layout places multi-token-prediction layers (m); this model has "
+                         "none (mtp_num_layers 0)")
+    return stages
+
+
 @lru_cache(maxsize=1024)
 def stage_layers(
-    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None,
+    split: PipelineSplit | None = None,
 ) -> tuple[tuple[Chunk, ...], ...]:
-    """For each pipeline rank, its virtual stages' layer indices (one chunk when VPP is 1)."""
+    """For each pipeline rank, its virtual stages' layer indices (one chunk when VPP is 1). ``split`` (Megatron's
+    options, ``Layout.split``) takes the place of ``first``/``last`` when given."""
+    split = split or PipelineSplit(first, last)
+    if split.layout is not None:
+        return _layout_layers(split.layout, num_layers, pp)
+    if split.embedding or split.loss:
+        return _accounted_layers(num_layers, pp, vpp, split.embedding, split.loss)
+    first, last = split.first, split.last
     counts = stage_counts(num_layers, pp, first, last)
     if any(c % vpp for c in counts):
         raise ValueError(f"layers per pipeline stage {counts} are not divisible by virtual stages ({vpp})")
@@ -66,17 +117,64 @@ def stage_layers(
     return tuple(out)
 
 
+def _accounted_layers(num_layers: int, pp: int, vpp: int, embedding: bool, loss: bool
+                      ) -> tuple[tuple[Chunk, ...], ...]:
+    """transformer_block.py ``get_num_layers_to_build`` and transformer_layer.py ``get_transformer_layer_offset``
+    with account_for_embedding/loss: ``num_layers + e + l`` slots, ``slots / PP / VPP`` per virtual stage, one
+    fewer decoder layer on the first virtual stage of rank 0 (embedding) and the last of the last rank (loss)."""
+    slots = num_layers + embedding + loss
+    if slots % pp or (slots // pp) % vpp:
+        raise ValueError(f"num_layers ({num_layers}) + embedding/loss ({slots}) does not split into {pp} pipeline "
+                         f"ranks x {vpp} virtual stages")
+    per_chunk = slots // pp // vpp
+    out: list[tuple[Chunk, ...]] = []
+    for rank in range(pp):
+        chunks = []
+        for v in range(vpp):
+            start = v * (slots // vpp) + rank * per_chunk
+            count = per_chunk
+            if embedding and (v, rank) == (0, 0):
+                count -= 1
+            else:
+                start -= embedding
+            if loss and (v, rank) == (vpp - 1, pp - 1):
+                count -= 1
+            chunks.append(tuple(range(start, start + count)))
+        out.append(tuple(chunks))
+    return tuple(out)
+
+
+def _layout_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[Chunk, ...], ...]:
+    """Layer indices per rank and virtual stage of a pipeline_model_parallel_layout (decoder layers numbered in
+    stage order, stage ``v * PP + rank``)."""
+    stages = check_layout(text, pp, num_layers)
+    vpp = len(stages) // pp
+    chunks: dict[tuple[int, int], Chunk] = {}
+    next_layer = 0
+    for i, stage in enumerate(stages):
+        count = stage.count("t")
+        chunks[(i % pp, i // pp)] = tuple(range(next_layer, next_layer + count))
+        next_layer += count
+    return tuple(tuple(chunks[(rank, v)] for v in range(vpp)) for rank in range(pp))
+
+
+def layout_vpp(text: str, pp: int) -> int:
+    """The virtual stages per rank a layout string implies (Megatron derives VPP from it)."""
+    return len(parse_layout(text, pp)) // pp
+
+
 LayerKind = tuple[Block, ...]
 
 
 @lru_cache(maxsize=4096)
 def stage_layer_kinds(
-    spec: ModelSpec, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+    spec: ModelSpec, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None,
+    split: PipelineSplit | None = None,
 ) -> tuple[tuple[tuple[LayerKind, int], ...], ...]:
     """For each pipeline rank, how many layers of each kind (its tuple of blocks) it holds over all its virtual
     stages. Estimating per kind instead of per layer keeps ``estimate`` fast on 50-layer hybrid models."""
     out = []
-    for rank_chunks in stage_layers(spec.num_layers, pp, vpp, first, last):
+    for rank_chunks in stage_layers(spec.num_layers, pp, vpp, first, last, split):
         kinds = Counter(spec.layer_blocks[i] for chunk in rank_chunks for i in chunk)
         out.append(tuple(sorted(kinds.items())))
     return tuple(out)

@@ -15,7 +15,7 @@ from functools import lru_cache
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.estimate.devices import Device
 from sweeper.estimate.pipeline import stage_layer_kinds
-from sweeper.layout import recompute_modules
+from sweeper.layout import PipelineSplit, recompute_modules
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
 
@@ -134,6 +134,7 @@ class TimeInputs:
     first: int | None
     last: int | None
     overlap_grad_reduce: bool = False  # run.overlap_grad_reduce: DP communication hidden behind compute
+    split: PipelineSplit | None = None  # Layout.split: Megatron's pipeline-split options (overrides first/last)
 
 
 def step_time(
@@ -192,7 +193,7 @@ def step_time(
         per_block[b] = (compute, comm)
 
     slowest = 0.0
-    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, x.first, x.last)):
+    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, x.first, x.last, x.split)):
         compute = sum(n * per_block[b][0] for kind, n in kinds for b in kind)
         comm = sum(n * per_block[b][1] for kind, n in kinds for b in kind)
         if rank == x.pp - 1:

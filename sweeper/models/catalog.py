@@ -92,6 +92,20 @@ PRESETS: dict[str, ModelSpec] = {
             published_total_params_b=8.03,
             published_active_params_b=8.03,
         ),
+        # meta-llama/Llama-3.1-405B config.json: 126 layers, which split over PP8 only with Megatron's embedding/loss
+        # accounting (NVIDIA's recipes: PP8 x VPP8, 2 layers per virtual stage) or an uneven first/last stage.
+        ModelSpec(
+            name="llama3.1-405b",
+            num_layers=126,
+            hidden_size=16384,
+            ffn_hidden_size=53248,
+            num_attention_heads=128,
+            num_query_groups=8,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            published_total_params_b=405.85,  # 405,853,388,800 in the HF checkpoint
+            published_active_params_b=405.85,
+        ),
         # Qwen/Qwen3-30B-A3B config.json: 128 experts top-8, QK-norm, head_dim 128 (not hidden/heads).
         ModelSpec(
             name="qwen3-30b-a3b",

@@ -222,8 +222,7 @@ def bridge_overrides(layout: Layout, plan: GpuPlan) -> dict[str, Any]:
     out: dict[str, Any] = dict(
         **layout.parallel_sizes(),
         sequence_parallel=layout.sp,
-        num_layers_in_first_pipeline_stage=layout.first_stage_layers,
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
+        **layout.pipeline_split_config(),
         # FP8/MXFP8 keep BF16 parameters, as build.params_dtype does.
         bf16=layout.precision not in ("fp32", "fp16"),
         fp16=layout.precision == "fp16",
