@@ -9,6 +9,7 @@ and copied into the sweep folder, so the next sweep on the same cluster starts c
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from sweeper.config import SweepConfig
@@ -35,9 +36,16 @@ class Calibrator:
         self.samples: list[Sample] = []
         self.current: Calibration | None = load(cache_path(), key(cfg))
         self.report: FitReport | None = None
+        self.hot_rank_raised = False  # set when a trial's routing raised the hot-rank factor (the sweep re-assesses)
 
     def add(self, layout: Layout, result: TrialResult) -> FitReport | None:
-        """Refit with one more measured trial; None when the trial cannot calibrate (failed, host memory)."""
+        """Refit with one more measured trial; None when the trial cannot calibrate memory (failed, host memory).
+        A MoE trial's measured routing imbalance raises the hot-rank factor on any backend (the router is the
+        same megatron-core code on CPU and GPU)."""
+        factor = result.metrics.moe_hot_rank_factor
+        if factor is not None and factor > ((self.current and self.current.moe_hot_rank_factor) or 1.0):
+            self.current = replace(self.current or Calibration(), moe_hot_rank_factor=factor)
+            self.hot_rank_raised = True
         if not result.passed or result.memory_kind != "device" or result.metrics.peak_memory_gib is None:
             return None
         raw = estimate(self.cfg.model, layout, self.cfg.cluster, self.cfg.training.seq_length,
@@ -48,7 +56,8 @@ class Calibrator:
             measured_step_s=result.metrics.step_time_s,
         ))
         self.report = fit(self.samples)
-        self.current = self.report.calibration
+        hot = self.current.moe_hot_rank_factor if self.current else None
+        self.current = replace(self.report.calibration, moe_hot_rank_factor=hot)
         save(cache_path(), key(self.cfg), self.current)
         save(self.sweep_file, key(self.cfg), self.current)
         return self.report

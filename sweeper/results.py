@@ -30,6 +30,8 @@ class TrialMetrics:
     peak_memory_gib: float | None = None  # max over ranks; device reserved on GPU, host RSS on CPU (see memory_kind)
     loss_first: float | None = None
     loss_last: float | None = None
+    # MoE with EP > 1: the busiest EP rank's routed tokens over the mean, worst over layers and forwards (issue 13)
+    moe_hot_rank_factor: float | None = None
 
 
 @dataclass

@@ -379,7 +379,8 @@ class Sweep:
                 console.print(f"[blue]estimator[/] {line}")
         evidence = (len(self.evidence.fitted), len(self.evidence.ran_out))
         self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
-        if fitted is not None or evidence != (len(self.evidence.fitted), len(self.evidence.ran_out)):
+        raised, self.calibrator.hot_rank_raised = self.calibrator.hot_rank_raised, False
+        if fitted is not None or raised or evidence != (len(self.evidence.fitted), len(self.evidence.ran_out)):
             self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
             self.study.set_candidates(self._candidates())
         if run.layout == self.probe:

@@ -129,7 +129,14 @@ def test_dp2_same_numbers_with_and_without_distributed_optimizer(tmp_path: Path)
 
 @pytest.mark.e2e
 def test_moe_ep2(tmp_path: Path) -> None:
-    _assert_passed(_run(_request(tmp_path, Layout(world_size=2, ep=2, gbs=4), "tiny-moe"), 2))
+    reports = _run(_request(tmp_path, Layout(world_size=2, ep=2, gbs=4), "tiny-moe"), 2)
+    _assert_passed(reports)
+    # The router's load on the two EP ranks, measured over the EP group: both ranks agree on it, and it lies
+    # between even (1) and everything on one rank (EP x min(top-k, local experts) / top-k).
+    spec = preset("tiny-moe")
+    bound = 2 * min(spec.moe_router_topk, spec.num_moe_experts // 2) / spec.moe_router_topk
+    factors = {r.moe_hot_rank_factor for r in reports}
+    assert len(factors) == 1 and 1.0 <= factors.pop() <= bound
 
 
 @pytest.mark.e2e

@@ -20,7 +20,7 @@ import pytest
 
 from sweeper.config import ClusterConfig
 from sweeper.estimate import Calibration, Estimate, EstimatorConstants, estimate, stage_memory
-from sweeper.estimate.memory import in_flight_microbatches, stage_params
+from sweeper.estimate.memory import ActivationShape, in_flight_microbatches, stage_params
 from sweeper.estimate.pipeline import stage_counts, stage_layers
 from sweeper.layout import Layout
 from sweeper.models.catalog import PRESETS, preset
@@ -311,6 +311,25 @@ def test_bf16_grads_cost_fp32_copies_in_the_optimizer_step_not_with_activations(
     assert short.dynamic_gib == pytest.approx(short.parts["grad_copies"])
 
 
+def test_routed_memory_follows_the_hottest_ep_rank_within_its_bound() -> None:
+    """Dropless MoE: the busiest EP rank's share scales the routed-token memory; EP 1 has no imbalance; the
+    factor never exceeds every token of every EP rank landing on one rank's experts."""
+    from sweeper.estimate.memory import hot_rank_factor
+
+    def routed(ep: int, factor: float, calibration: Calibration | None = None) -> float:
+        lo = Layout(world_size=8, ep=ep, mbs=1, gbs=64)
+        return estimate(NEMOTRON, lo, H100, 4096, EstimatorConstants(moe_hot_rank_factor=factor),
+                        calibration=calibration).breakdown["activations"]
+
+    assert routed(1, 3.0) == pytest.approx(routed(1, 1.0))
+    assert routed(8, 2.0) > routed(8, 1.0)
+    assert routed(8, 1.0, Calibration(moe_hot_rank_factor=2.0)) == pytest.approx(routed(8, 2.0))
+    shape = ActivationShape(tokens=4096, mbs=1, tp=1, sp=False, cp=1, ep=8, etp=1, precision="bf16",
+                            recompute="none", seq_length=4096, hot_rank_factor=100.0)
+    k = NEMOTRON.moe_router_topk
+    assert hot_rank_factor(NEMOTRON, shape) == 8 * min(k, NEMOTRON.num_moe_experts // 8) / k
+
+
 def test_the_error_band_decides_what_may_fit() -> None:
     """fits is the central prediction; may_fit (never pruned) holds while the band's lower end fits."""
     lo = Layout(world_size=8, ep=8, mbs=1, gbs=64)
@@ -522,7 +541,8 @@ def test_calibration_roundtrip(tmp_path: Path) -> None:
     path = tmp_path / "calibration.json"
     key = calibration_key("2x8-rtx-pro-6000", "nemotron-3-nano-30b-a3b")
     assert load(path, key) is None
-    cal = Calibration(activation_factor=0.9, overhead_gib=0.4, step_time_factor=1.7, samples=5)
+    cal = Calibration(activation_factor=0.9, overhead_gib=0.4, step_time_factor=1.7, state_factor=0.9,
+                      moe_hot_rank_factor=1.6, samples=5)
     save(path, key, cal)
     save(path, "other/model", Calibration())
     assert load(path, key) == cal
@@ -670,3 +690,24 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     print(json.dumps(_probe(json.loads(sys.argv[1]))))
+
+
+def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_path: Path) -> None:
+    """A CPU trial measures host memory (no memory calibration) but its router's load is real megatron-core:
+    the calibrator keeps the largest measured hot-rank factor and never lowers it. (Hand-written TrialResults.)"""
+    from sweeper.calibrate import Calibrator
+    from sweeper.config import load_config
+    from sweeper.results import TrialMetrics, TrialResult
+
+    cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")
+    calibrator = Calibrator(cfg, tmp_path)
+    lo = Layout(world_size=2, ep=2, gbs=8)
+    cpu = TrialResult(status="passed", memory_kind="host",
+                      metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.7))
+    assert calibrator.add(lo, cpu) is None  # host RSS does not calibrate memory...
+    assert calibrator.current is not None and calibrator.current.moe_hot_rank_factor == 1.7  # ...routing does
+    assert calibrator.hot_rank_raised
+    calibrator.hot_rank_raised = False
+    calibrator.add(lo, TrialResult(status="passed", memory_kind="host",
+                                   metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.3)))
+    assert calibrator.current.moe_hot_rank_factor == 1.7 and not calibrator.hot_rank_raised

@@ -54,6 +54,7 @@ class RankReport:
     flops_per_step: float = 0.0  # Megatron's formula, whole model, one global batch
     peak_memory_bytes: int = 0
     memory_kind: Literal["device", "host"] = "host"
+    moe_hot_rank_factor: float | None = None  # busiest EP rank's routed tokens over the mean (routing.py)
     checkpoint_dir: str | None = None
     equivalence: dict[str, float] | None = None  # {"loss": ..., "grad_norm": ...} on the reference batch
     notes: list[str] = field(default_factory=list)

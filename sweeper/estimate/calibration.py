@@ -57,6 +57,9 @@ class Calibration:
     activation_factor: float = 1.0  # scales activations, transients and logits
     overhead_gib: float = 0.0  # added to the predicted reserved memory (and so to fits)
     state_factor: float = 1.0  # scales weights, grads, optimizer state and FP8 weight copies
+    # The largest MoE hot-rank factor trials measured (the smoke run's router statistics, any backend); the
+    # estimator routes max(this, EstimatorConstants.moe_hot_rank_factor) tokens to the busiest EP rank.
+    moe_hot_rank_factor: float | None = None
     step_time_factor: float = 1.0  # scales the predicted step time
     samples: int = 0
 
@@ -195,5 +198,5 @@ def load(path: Path, key: str) -> Calibration | None:
     entry = json.loads(path.read_text()).get(key)
     if entry is None:
         return None
-    names = ("activation_factor", "overhead_gib", "step_time_factor", "state_factor", "samples")
+    names = ("activation_factor", "overhead_gib", "step_time_factor", "state_factor", "moe_hot_rank_factor", "samples")
     return Calibration(**{k: entry[k] for k in names if k in entry})

@@ -148,7 +148,8 @@ def _microbatches(layout: Layout) -> int:
 
 
 def _activation_shape(
-    model: ModelSpec, layout: Layout, seq_length: int, constants: EstimatorConstants
+    model: ModelSpec, layout: Layout, seq_length: int, constants: EstimatorConstants,
+    calibration: Calibration | None = None,
 ) -> ActivationShape:
     ep, etp = (layout.ep, layout.etp) if model.is_moe else (1, 1)
     return ActivationShape(
@@ -156,6 +157,7 @@ def _activation_shape(
         cp=layout.cp, ep=ep, etp=etp, precision=layout.precision, recompute=layout.recompute,
         seq_length=seq_length, unfused_attention=constants.attention_backend == "unfused",
         hidden_dropout=constants.hidden_dropout > 0, attention_dropout=constants.attention_dropout > 0,
+        hot_rank_factor=max(constants.moe_hot_rank_factor, (calibration and calibration.moe_hot_rank_factor) or 1.0),
     )
 
 
@@ -219,7 +221,7 @@ def estimate(
     settings ``run`` (the YAML's ``run:``)."""
     lo = layout
     _check_divisible(lo, seq_length)
-    shape = _activation_shape(model, lo, seq_length, constants)
+    shape = _activation_shape(model, lo, seq_length, constants, calibration)
     stages = _stage_memory(model, lo, shape, constants, calibration or Calibration(), cluster.compute_capability, run)
     non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
 

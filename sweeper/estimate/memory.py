@@ -232,6 +232,7 @@ class ActivationShape:
     unfused_attention: bool = False
     hidden_dropout: bool = False
     attention_dropout: bool = False
+    hot_rank_factor: float = 1.0  # busiest EP rank's routed tokens over the mean (EstimatorConstants, calibration)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -311,9 +312,19 @@ def mlp_activation(spec: ModelSpec, s: ActivationShape) -> float:
 
 
 def routed_tokens(spec: ModelSpec, s: ActivationShape) -> float:
-    """Token copies this rank's experts process per micro-batch: its own (SP-sharded) tokens times top-k,
-    exchanged evenly across EP and gathered across the ETP group."""
-    return s.tokens / s.seq_div * spec.moe_router_topk * s.etp
+    """Token copies this rank's experts process per micro-batch: its own (SP-sharded) tokens times top-k, gathered
+    across the ETP group, times how much more the busiest EP rank receives than the mean (``hot_rank_factor``)."""
+    return s.tokens / s.seq_div * spec.moe_router_topk * s.etp * hot_rank_factor(spec, s)
+
+
+def hot_rank_factor(spec: ModelSpec, s: ActivationShape) -> float:
+    """Routed tokens on the busiest EP rank over the mean. Dropless MoE sizes its buffers by what a rank receives,
+    so the peak follows the hottest rank, not the mean. Bounded by physics: a rank's E/EP local experts take each
+    token at most min(top-k, E/EP) times, from all EP ranks. With EP 1 every expert is local: no imbalance."""
+    if s.ep == 1 or spec.num_moe_experts is None:
+        return 1.0
+    k, local = spec.moe_router_topk, spec.num_moe_experts // s.ep
+    return min(s.hot_rank_factor, s.ep * min(k, local) / k)
 
 
 def moe_activation(spec: ModelSpec, s: ActivationShape) -> float:

@@ -148,6 +148,9 @@ def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int) -> T
     losses = _losses(reports)
     if losses:
         metrics.loss_first, metrics.loss_last = losses[0], losses[-1]
+    factors = [r.moe_hot_rank_factor for r in reports if r.moe_hot_rank_factor is not None]
+    if factors:
+        metrics.moe_hot_rank_factor = max(factors)
     return metrics
 
 

@@ -30,6 +30,7 @@ from sweeper.backends.megatron.failures import (
     classify,
 )
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
+from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.layout import Layout
@@ -183,6 +184,7 @@ def _smoke(
 
     # -- steps ---------------------------------------------------------------------------------------------------------
     enter("steps")
+    probe = RoutingProbe(built.model) if spec.is_moe and layout.ep > 1 else None
     is_injected = request.inject is not None and report.rank == request.inject_rank
     steps_start = time.perf_counter()
     for step in range(1, request.steps + 1):
@@ -218,6 +220,8 @@ def _smoke(
             enter("steps")
     report.timings_s["steps"] = time.perf_counter() - steps_start
     report.checks["finite"] = all(math.isfinite(x) for x in report.losses)
+    if probe is not None:  # one all-reduce over the EP group: how unevenly the router loaded the EP ranks
+        report.moe_hot_rank_factor = probe.hot_rank_factor(layout.ep, device)
 
     # -- replicas: every copy of a replicated parameter bit-identical (before the checkpoint keeps one of them) --
     enter("replicas")
