@@ -24,6 +24,7 @@ from typing import Any
 
 from sweeper.estimate import Calibration, EstimatorConstants, stage_memory
 from sweeper.estimate.calibration import Sample, fit
+from sweeper.estimate.estimator import _nccl_groups
 from sweeper.layout import Layout
 from sweeper.models.catalog import resolve_model
 from sweeper.models.params import total_params
@@ -33,6 +34,10 @@ DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_memory
 GOAL_MEDIAN, GOAL_MAX = 0.10, 0.20  # issue #3: peak memory within 10% median, no case worse than 20%
 # The headline may not rest on small models (issue 13): errors are also reported per total-parameter class.
 SIZE_CLASSES = (("< 7B", 0.0, 7e9), ("7B-30B", 7e9, 30e9), ("30B+", 30e9, float("inf")))
+# Device memory as the driver reports it (nvidia-smi's total, MiB / 1024), by the cases' "gpu" text: every case ran,
+# so none may be predicted out of memory. GB200's 186 GB read as 10^9 bytes (the smaller, stricter reading).
+GPU_MEMORY_GIB = (("GB200", 186e9 / 2**30), ("GH200", 97871 / 1024), ("A100 64GB", 64.0), ("A100 80GB", 80.0),
+                  ("H100 80GB", 81559 / 1024))
 
 
 def compare(case: dict[str, Any]) -> dict[str, Any]:
@@ -49,7 +54,14 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
         "max_reserved_gib": stage.reserved_gib(constants.allocator_fragmentation),
     }
     measured = case["measured"]
+    capacity = next((gib for name, gib in GPU_MEMORY_GIB if name in case["gpu"]), None)
+    non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
+    need = predicted["max_reserved_gib"] + non_torch
     return {
+        "capacity_gib": capacity,
+        "predicted_oom": None if capacity is None else need > capacity,
+        "pruned_even_at_band_low": None if capacity is None else (
+            predicted["max_reserved_gib"] / (1 + constants.memory_over_prediction) + non_torch > capacity),
         "id": case["id"],
         "params": total_params(model),
         "layout": layout.short(),
@@ -110,7 +122,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
     large = [abs(r["error"][k]) for r in rows if r["modelled"] and r["params"] >= 7e9
              for k in ("max_allocated_gib", "max_reserved_gib") if k in r["error"]]
     large_summary = _summary(large)
+    with_capacity = [r for r in rows if r["capacity_gib"] is not None and r["modelled"]]
     return {
+        "published_layouts_predicted_oom": [r["id"] for r in with_capacity if r["predicted_oom"]],
+        "published_layouts_pruned": [r["id"] for r in with_capacity if r["pruned_even_at_band_low"]],
+        "published_layouts_with_capacity": len(with_capacity),
         "peak_by_size": by_size,
         "peak_7b_plus": large_summary,
         "state": _summary(abs_errors("allocated_gib")),
@@ -158,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    {name:7} median {100 * c['median']:5.1f}%  max {100 * c['max']:5.1f}%  over {c['n']} figures "
                   f"of {c['cases']} cases; signed error from {100 * c['worst_under_prediction']:+.1f}% to "
                   f"{100 * c['worst_over_prediction']:+.1f}%")
+    oom, pruned = summary["published_layouts_predicted_oom"], summary["published_layouts_pruned"]
+    print(f"  modelled published layouts (all ran) predicted out of memory on their GPU: {len(oom)} of "
+          f"{summary['published_layouts_with_capacity']}{' (' + ', '.join(oom) + ')' if oom else ''}; pruned even "
+          f"at the error band's lower end: {len(pruned)}")
     order = summary["order"]
     print(f"  order: {order['same_order']} of {order['pairs']} pairs of measured peaks predicted in the same order")
     loo = summary["calibration_leave_one_out"]

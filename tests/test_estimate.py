@@ -563,6 +563,11 @@ def test_published_peak_memory_within_the_goal() -> None:
     assert summary["state"]["median"] <= 0.06, summary["state"]
     order = summary["order"]
     assert order["same_order"] >= 0.9 * order["pairs"], order
+    # Issue 13: the headline holds on the runs of 7B+ parameters apart from the small models, and no modelled
+    # published layout (every one of them ran) is predicted out of memory on its GPU.
+    large = summary["peak_7b_plus"]
+    assert large["n"] >= 8 and large["median"] <= 0.10 and large["max"] <= 0.20, large
+    assert summary["published_layouts_predicted_oom"] == [] and summary["published_layouts_pruned"] == []
 
 
 def test_step_time_ranks_published_layouts_as_measured() -> None:
