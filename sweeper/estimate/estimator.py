@@ -12,6 +12,14 @@ kept, megatron/core/optimizer/distrib_optimizer.py ``_build_model_and_main_param
 allocator's slack lives among the many short-lived tensors of forward/backward only. ``fits`` also charges the
 memory that lives outside torch's allocator (CUDA context, NCCL buffers), because the GPU must hold it too.
 
+What each figure includes (and which the sources report): ``torch.cuda.max_memory_allocated`` is the peak of bytes
+in live tensors; ``max_memory_reserved`` the peak of the segments the caching allocator holds from cudaMalloc
+(allocated plus its cached free blocks; close to allocated with ``expandable_segments``); nvidia-smi shows reserved
+plus what lives outside torch's allocator (the CUDA context and loaded kernels, NCCL's communicator buffers,
+library workspaces not allocated through torch) and any other process on the GPU. Megatron's ``report_memory``
+prints allocated / max allocated / reserved / max reserved; Megatron-LM's CI golden values log allocated and max
+allocated; sweeper's GPU smoke run reports max reserved. ``benchmarks/estimate_accuracy.py`` keeps them apart.
+
 Layouts whose sizes do not divide (dp == 0, layers not splitting over stages, heads not splitting over TP)
 raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layouts the rules accept.
 """
