@@ -46,7 +46,8 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
     layout = Layout.from_dict(case["layout"])
     model = resolve_model(case["model"])
     run = RunSettings(**case.get("run", {}))
-    stage = stage_memory(model, layout, int(case["seq_length"]), constants, run=run)[case["stage"]]
+    stage = stage_memory(model, layout, int(case["seq_length"]), constants, run=run,
+                         compute_capability=case.get("compute_capability"))[case["stage"]]
     predicted = {
         "parts": stage.parts,
         "allocated_gib": stage.between_steps_gib,

@@ -264,7 +264,7 @@ def test_fragmentation_applies_to_dynamic_memory_only() -> None:
     fragmentation x (activations + transients + logits)."""
     e = _est(tp=1, sp=False)
     b = e.breakdown
-    state = b["weights"] + b["grads"] + b["optimizer"] + b["fp8_weights"]
+    state = b["weights"] + b["grads"] + b["optimizer"] + b["fp8_weights"] + b["workspaces"]
     dynamic = b["activations"] + b["transient"] + b["logits"]
     assert e.memory_gib == pytest.approx(state + EstimatorConstants().allocator_fragmentation * dynamic)
     assert b["fragmentation"] == pytest.approx((EstimatorConstants().allocator_fragmentation - 1) * dynamic)

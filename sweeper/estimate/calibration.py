@@ -40,7 +40,7 @@ MIN_SAMPLES_FOR_OFFSET = 4
 # frees (activations, transients, logits), and what the optimizer step allocates while no activation is alive
 # (FP32 copies of BF16 main grads, ``memory.StateBytes.grad_copies``). The peak holds the state and the larger of
 # the other two.
-STATE_KEYS = ("weights", "grads", "optimizer", "fp8_weights")
+STATE_KEYS = ("weights", "grads", "optimizer", "fp8_weights", "workspaces")
 DYNAMIC_KEYS = ("activations", "transient", "logits")
 STEP_KEYS = ("grad_copies",)
 

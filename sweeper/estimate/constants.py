@@ -22,6 +22,11 @@ class EstimatorConstants(BaseModel):
     nccl_buffer_gib_per_group: float = Field(0.06, ge=0)
 
     # -- memory inside torch's allocator ---------------------------------------------------------------------------
+    # Workspaces allocated through torch's allocator once and kept: cuBLAS's per-handle workspace
+    # (CUBLAS_WORKSPACE_CONFIG ":4096:8", 32 MiB), cuBLASLt's, Transformer Engine's GEMM workspace (32 MiB on
+    # Hopper) and Megatron-Core's global memory buffer for SP/TP gathers. About 0.1 GiB: the model state of every
+    # small Megatron-LM CI run in tests/data is under-predicted by 0.10-0.13 GiB without it.
+    workspace_gib: float = Field(0.1, ge=0)
     # torch's caching allocator keeps freed blocks cached: reserved exceeds allocated by this factor on the memory
     # that is allocated and freed within each step (activations, logits, transients). It does not apply to the
     # model state: Megatron allocates every parameter and main gradient of a dtype as one contiguous tensor

@@ -108,7 +108,7 @@ class StageMemory:
     """Predicted allocated memory of one rank of a pipeline stage, in GiB per component (no fragmentation, no
     memory outside torch's allocator): what ``torch.cuda.max_memory_allocated`` would report at its peak."""
 
-    # weights, grads, optimizer, fp8_weights (state); activations, transient, logits (forward/backward);
+    # weights, grads, optimizer, fp8_weights, workspaces (state); activations, transient, logits (forward/backward);
     # grad_copies (the optimizer step)
     parts: dict[str, float]
     in_flight_microbatches: float
@@ -206,6 +206,7 @@ def _stage_memory(
             "grads": s * state.grads / GIB,
             "optimizer": s * state.optimizer / GIB,
             "fp8_weights": s * state.fp8_weights / GIB,
+            "workspaces": s * constants.workspace_gib,
             "grad_copies": s * state.grad_copies / GIB,
             "activations": f * a.per_microbatch * in_flight / GIB,
             "transient": f * a.transient / GIB,
