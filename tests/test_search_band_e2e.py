@@ -1,11 +1,12 @@
 """End to end (issue 13): a sweep launches and measures a layout inside the estimator's error band instead of pruning
 it, and prunes, with prediction, band and reason on record, only the one whose band's lower end is over the limit.
 
-A real sweep on a simulated 1 x 2-GPU Ray cluster, real megatron-core on CPU. The tiny MoE's predictions are a few
-MiB, so the space scales its per-step memory with ``estimate.allocator_fragmentation`` (1000) and drops the
-non-torch overhead, which puts the three micro-batch sizes on the three sides of a 1.4 GiB simulated GPU
-(limit 90%: 1.26 GiB): mbs 1 is predicted to fit (~0.67 GiB), mbs 2 (~1.34 GiB, band from ~1.12) may fit, mbs 4
-(~2.7 GiB, band from ~2.2) cannot. The ranks' host memory (~0.8 GiB) stays under the simulated 1.4 GiB.
+A real sweep on a simulated 1 x 2-GPU Ray cluster, real megatron-core on CPU. The tiny dense GPT's predictions are
+a few MiB, so the space scales its per-step memory with ``estimate.allocator_fragmentation`` (1000) and drops the
+fixed overheads, which puts the three micro-batch sizes on the three sides of a 1.4 GiB simulated GPU (limit 90%:
+1.26 GiB): mbs 1 is predicted to fit (~0.69 GiB), mbs 2 (~1.38 GiB, band from ~1.15) may fit, mbs 4 (~2.8 GiB, band
+from ~2.3) cannot. Dense, so no measured routing imbalance moves the predictions during the sweep. The ranks' host
+memory (~0.8 GiB) stays under the simulated 1.4 GiB.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ pytestmark = pytest.mark.e2e
 def test_a_layout_inside_the_band_is_launched_and_measured_not_pruned(tmp_path: Path) -> None:
     space = yaml.safe_load((ROOT / "search_spaces" / "quickstart.yaml").read_text())
     space.update(
-        name="band",
+        name="band", model="tiny-gpt",
         cluster={**space["cluster"], "nodes": 1, "gpus_per_node": 2, "gpu_memory_gib": 1.4},
         training={**space["training"], "steps": 3, "warmup_steps": 1, "checkpoint": False},
-        space={"gpus": [2], "ep": [2], "mbs": [1, 2, 4], "precision": ["bf16"]},
+        space={"gpus": [2], "mbs": [1, 2, 4], "precision": ["bf16"]},
         search={"max_trials": 4, "confirm_top": 0, "memory_headroom": 0.10},
-        estimate={"allocator_fragmentation": 1000.0, "cuda_context_gib": 0.0, "nccl_buffer_gib_per_group": 0.0},
+        estimate={"allocator_fragmentation": 1000.0, "cuda_context_gib": 0.0, "nccl_buffer_gib_per_group": 0.0,
+                  "workspace_gib": 0.0},
     )
     path = tmp_path / "band.yaml"
     path.write_text(yaml.safe_dump(space))
@@ -57,8 +59,8 @@ def test_a_layout_inside_the_band_is_launched_and_measured_not_pruned(tmp_path: 
 
     meta = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     pruned = {p["layout"]: p for p in meta["memory_pruned"]}
-    assert list(pruned) == ["TP1-PP1-EP2-DP2-MBS4-bf16"], pruned
-    entry = pruned["TP1-PP1-EP2-DP2-MBS4-bf16"]
+    assert list(pruned) == ["TP1-PP1-DP2-MBS4-bf16"], pruned
+    entry = pruned["TP1-PP1-DP2-MBS4-bf16"]
     assert entry["memory_band_gib"][0] > 1.26 and "lower end" in entry["reason"]
     report = (tmp_path / "sweep" / "report.html").read_text()
-    assert "pruned on predicted memory" in report and "TP1-PP1-EP2-DP2-MBS4-bf16" in report
+    assert "pruned on predicted memory" in report and "TP1-PP1-DP2-MBS4-bf16" in report
