@@ -4,8 +4,9 @@ A measured peak is modelled as
 
     measured_reserved = s * state + a * fragmentation * dynamic + c
 
-with ``state`` = weights + grads + optimizer + FP8 weight copies and ``dynamic`` = activations + transients +
-logits of the predicted worst rank. The state is not multiplied by the fragmentation: Megatron allocates it as a
+with ``state`` = weights + grads + optimizer + FP8 weight copies + workspaces and ``dynamic`` = the larger of
+forward/backward's activations + transients + logits and the optimizer step's FP32 grad copies, on the predicted
+worst rank. The state is not multiplied by the fragmentation: Megatron allocates it as a
 few large tensors at start-up (DDP's param and grad buffers, the optimizer's shards), which the caching allocator
 holds without slack (``StageMemory.reserved_gib`` uses the same model). The state's bytes follow from the
 parameter counts and the run settings, but a run whose settings differ from what the YAML says (BF16 grads where
@@ -56,7 +57,7 @@ class Calibration:
 
     activation_factor: float = 1.0  # scales activations, transients and logits
     overhead_gib: float = 0.0  # added to the predicted reserved memory (and so to fits)
-    state_factor: float = 1.0  # scales weights, grads, optimizer state and FP8 weight copies
+    state_factor: float = 1.0  # scales the model state (weights, grads, optimizer, FP8 copies, workspaces, grad copies)
     # The largest MoE hot-rank factor trials measured (the smoke run's router statistics, any backend); the
     # estimator routes max(this, EstimatorConstants.moe_hot_rank_factor) tokens to the busiest EP rank.
     moe_hot_rank_factor: float | None = None
