@@ -17,7 +17,8 @@ from sweeper.layout import Layout
 from sweeper.rules import check
 from sweeper.space import enumerate_layouts, matches
 
-_NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None}
+_NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None,
+                  "memory_band_gib": None, "may_fit": None}
 
 
 @dataclass(frozen=True)

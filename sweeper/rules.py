@@ -229,8 +229,6 @@ def pipeline_split(c: RuleContext) -> str | None:
     lo, layers = c.layout, c.model.num_layers
     if lo.pp == 1:
         return None
-    if layers < lo.pp:
-        return f"num_layers ({layers}) is smaller than pipeline_model_parallel_size ({lo.pp})"
     if lo.pipeline_layout:
         try:
             stages = check_layout(lo.pipeline_layout, lo.pp, layers)
@@ -251,6 +249,8 @@ def pipeline_split(c: RuleContext) -> str | None:
                     f"account_for_embedding/loss_in_pipeline_split) must be divisible by "
                     f"virtual_pipeline_model_parallel_size ({lo.vpp})")
         return None
+    if layers < lo.pp:  # (accounting or a layout string may leave a stage with no decoder layer: checked above)
+        return f"num_layers ({layers}) is smaller than pipeline_model_parallel_size ({lo.pp})"
     if lo.first_stage_layers is None and lo.last_stage_layers is None:
         if layers % lo.pp == 0:
             per_stage = layers // lo.pp
@@ -316,11 +316,14 @@ def uneven_split(layers: int, pp: int, vpp: int = 1) -> tuple[int, int] | None:
 
 
 def accounted_split(layers: int, pp: int, vpp: int = 1) -> tuple[bool, bool] | None:
-    """(account_for_embedding, account_for_loss) that make ``layers`` split over PP x VPP, both preferred (NVIDIA's
-    recipes: Llama-3.1-405B's 126 layers + 2 on PP8 x VPP8 give 2 per virtual stage); None when none does."""
+    """(account_for_embedding, account_for_loss) that make ``layers`` split over PP x VPP with a decoder layer on
+    every virtual stage, both preferred (NVIDIA's recipes: Llama-3.1-405B's 126 layers + 2 on PP8 x VPP8 give 2 per
+    virtual stage, 1 beside the embedding and 1 beside the loss); None when none does."""
     for embedding, loss in ((True, True), (True, False), (False, True)):
         slots = layers + embedding + loss
-        if slots % pp == 0 and (slots // pp) % vpp == 0 and slots // pp // vpp >= 1:
+        # Every virtual stage keeps at least one decoder layer (Megatron allows an empty one; sweeper does not pick
+        # it for the user: a stage holding only the embedding or only the loss is a poor split).
+        if slots % pp == 0 and (slots // pp) % vpp == 0 and slots // pp // vpp >= 2:
             return embedding, loss
     return None
 

@@ -93,9 +93,8 @@ class Tracker:
             Param("world_size", str(layout.world_size)),
             Param("data_parallel_size", str(layout.dp)),
             Param("expert_data_parallel_size", str(layout.edp)),
-            Param("num_layers_in_first_pipeline_stage", _text(layout.first_stage_layers)),
-            Param("num_layers_in_last_pipeline_stage", _text(layout.last_stage_layers)),
         ]
+        params += [Param(name, _text(value)) for name, value in layout.pipeline_split_config().items()]
         metrics = []
         if predicted and predicted.get("memory_gib") is not None:
             metrics.append(Metric("predicted_memory_gib", float(predicted["memory_gib"]), _now_ms(), 0))

@@ -1,8 +1,8 @@
 """Cross-check: ``sweeper.rules`` accepts exactly the layouts megatron-core 0.16.1 accepts.
 
 Hypothesis draws tiny models (heads, query groups, hidden, FFN, layers, experts, top-k, router groups, bias,
-hybrid Mamba patterns) and layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, MBS/GBS, sequence
-length). For each, Megatron is asked in its own code, under a fake process group of that world size on CPU:
+hybrid Mamba patterns) and layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss
+accounting, MBS/GBS, sequence length). For each, Megatron is asked in its own code, under a fake process group of that world size on CPU:
 
 1. ``TransformerConfig(...)`` with the same fields (``__post_init__``: heads/query groups vs TP, SP without TP,
    EP without experts, uneven-split arithmetic, top-k 1 without pre-softmax, router groups, bias with ETP>1);
@@ -42,6 +42,9 @@ Documented Megatron gaps / interpretations (the rules are deliberately not "fixe
   whose first + last exceed the layers, with a middle that "divides" (e.g. -2 over 2 stages), passes
   ``TransformerConfig`` and builds a wrong layer count (or a negative count on a middle stage). The test counts
   "Megatron would silently build a layer count other than num_layers" as a rejection, which is what sweeper refuses.
+- Hybrid models with account_for_embedding/loss_in_pipeline_split: TransformerConfig accepts them and
+  ``MambaStack._select_layers_for_pipeline_parallel`` ignores them (it splits num_layers // PP or by first/last), so
+  the split built is not the one asked for: counted as a rejection, which is what sweeper refuses.
 - ``moe_router_num_groups`` without ``moe_router_group_topk`` is not checked by Megatron; ModelSpec has no
   group-topk field and means group-limited routing whenever router groups are set, so the test passes
   ``moe_router_group_topk=1`` with them.
@@ -174,8 +177,7 @@ def transformer_config(case: Case) -> TransformerConfig:
         expert_model_parallel_size=lo.ep,
         expert_tensor_parallel_size=lo.etp,
         sequence_parallel=lo.sp,
-        num_layers_in_first_pipeline_stage=lo.first_stage_layers,
-        num_layers_in_last_pipeline_stage=lo.last_stage_layers,
+        **lo.pipeline_split_config(),
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
         gradient_accumulation_fusion=False,
@@ -249,6 +251,8 @@ def _hybrid_layers(config: TransformerConfig, m: ModelSpec) -> None:
     pp = config.pipeline_model_parallel_size
     if pp == 1:
         return
+    if config.account_for_embedding_in_pipeline_split or config.account_for_loss_in_pipeline_split:
+        raise Rejected("MambaStack: ignores account_for_*_in_pipeline_split (it builds a split other than asked)")
     built: list[str] = []
     for rank in range(pp):
         stack = SimpleNamespace(config=config, pp_group=SimpleNamespace(rank=lambda r=rank: r, size=lambda: pp))
@@ -398,11 +402,20 @@ def cases(draw, models) -> Case:
         sp=draw(st.booleans()) if draw(st.integers(0, 3)) == 0 else tp > 1,
         mbs=draw(st.sampled_from([1, 2])), gbs=draw(st.sampled_from([8, 12, 16, 24, 48])),
     )
-    if pp > 1 and draw(st.integers(0, 3)) == 0:
+    split = draw(st.integers(0, 7)) if pp > 1 else 7
+    if split <= 1:
         # An explicit (possibly wrong) uneven split, as a --layout or a Bridge recipe could give.
         first = draw(st.none() | st.integers(1, model.num_layers))
         last = draw(st.none() | st.integers(1, model.num_layers))
         layout = replace(layout, first_stage_layers=first, last_stage_layers=last)
+    elif split == 2:
+        # Megatron's embedding/loss accounting, one or both, as Bridge's recipes set it (possibly not dividing).
+        embedding, loss = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
+        if embedding and (model.num_layers + 1 + loss) // (pp * vpp) <= 1:
+            # Rank 0 would build no decoder layer, and the model is built on rank 0 only: Megatron's model-level
+            # checks (widths, experts vs EP) would not run, so the comparison would say nothing. Loss only.
+            embedding, loss = False, True
+        layout = replace(layout, account_for_embedding=embedding, account_for_loss=loss)
     else:
         layout = rules.with_pipeline_split(layout, model)
     return Case(model, layout, draw(st.sampled_from([16, 24, 32, 48, 64, 96])))
@@ -454,6 +467,11 @@ EXAMPLES = [
     (Case(_dense(num_layers=5), _L(world_size=2, pp=2), 64), False),  # even split asserted at build
     (Case(_dense(num_layers=5), rules.with_pipeline_split(_L(world_size=2, pp=2), _dense(num_layers=5)), 64), True),
     (Case(_dense(), _L(world_size=2, pp=2, vpp=4), 64), False),
+    # 126 layers on PP8 x VPP8 in miniature: 14 layers + embedding + loss on PP4 x VPP2 (2 slots per virtual stage).
+    (Case(_dense(num_layers=14), _L(world_size=4, pp=4, vpp=2, gbs=8), 64), False),
+    (Case(_dense(num_layers=14), rules.with_pipeline_split(_L(world_size=4, pp=4, vpp=2, gbs=8),
+                                                           _dense(num_layers=14)), 64), True),
+    (Case(_dense(num_layers=14), _L(world_size=4, pp=4, vpp=2, gbs=8, account_for_embedding=True), 64), False),
     (Case(_dense(), _L(world_size=4, ep=2), 64), False),
     (Case(_dense(**MOE), _L(world_size=8, tp=2, ep=2, sp=True), 64), True),
     (Case(_dense(**MOE), _L(world_size=8, tp=2, ep=2, sp=False), 64), False),  # MoE forward check
