@@ -284,3 +284,31 @@ def test_grid_sampler_launches_every_launchable_layout_in_grid_order_once(
     sweep.run()
     assert [lo for lo, _ in host.calls] == grid
     assert [Layout.from_dict(r["layout"]) for r in _explore_records(sweep)] == grid
+
+
+def test_an_oom_prunes_band_layouts_predicted_to_need_more_and_the_report_says_why(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Issue 13: mbs 4 is predicted over the limit but inside the error band (launchable); the seeded mbs 2,
+    predicted to need less, runs out of memory (stand-in), so mbs 4 is pruned as inferred, with #1 named, before
+    it is launched; mbs 1 still runs."""
+    space = {
+        **SPACE, "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gib": 1.4, "compute_capability": "9.0"},
+        "space": {"gpus": [2], "ep": [2], "mbs": [1, 2, 4]},
+        "search": {"max_trials": 20, "confirm_top": 0, "seeds": ["gpus=2,ep=2,mbs=2"]},
+        # Scales the tiny model's per-step memory so that the three micro-batch sizes straddle 90% of 1.4 GiB.
+        "estimate": {"allocator_fragmentation": 600.0, "cuda_context_gib": 0.0, "nccl_buffer_gib_per_group": 0.0,
+                     "workspace_gib": 0.0, "memory_over_prediction": 0.6},
+    }
+    path = tmp_path / "band.yaml"
+    path.write_text(yaml.safe_dump(space))
+    cfg = load_config(path)
+    mbs2, mbs4 = (Layout(world_size=2, ep=2, mbs=m, gbs=8).short() for m in (2, 4))
+    host = StandInHost(nodes=1, fail={mbs2: "oom"}, delay=0.1)
+    sweep = make_sweep(cfg, host)
+    assert any(e.layout.short() == mbs4 and e.uncertain for e in sweep.launchable)  # a candidate at first
+    assert sweep.run() == 0
+    launched = [lo.short() for lo, _ in host.calls]
+    assert launched[0] == mbs2 and mbs4 not in launched
+    meta = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    reasons = {p["layout"]: p["reason"] for p in meta["memory_pruned"]}
+    assert "trial #1" in reasons[mbs4] and "ran out of memory (inferred)" in reasons[mbs4]
