@@ -21,7 +21,6 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from sweeper.estimate.constants import EstimatorConstants
-from sweeper.run_settings import RunSettings
 from sweeper.estimate.pipeline import stage_layer_kinds
 from sweeper.layout import PipelineSplit, recompute_modules
 from sweeper.models.params import (
@@ -32,6 +31,7 @@ from sweeper.models.params import (
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
+from sweeper.run_settings import RunSettings
 
 GIB = float(1 << 30)
 BF16_BYTES = 2

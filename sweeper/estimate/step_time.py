@@ -10,7 +10,6 @@ inside one node in Megatron's rank order (tp -> cp -> ep/dp -> pp; expert side e
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 from sweeper.estimate.constants import EstimatorConstants
 from sweeper.estimate.devices import Device
