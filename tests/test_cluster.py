@@ -144,11 +144,14 @@ def test_a_port_that_never_answers_fails_after_the_timeout() -> None:
 def test_an_address_that_drops_connections_fails_after_the_timeout() -> None:
     """A host that never answers the TCP handshake (a firewall dropping packets), made on loopback: a listening
     socket whose accept queue is full drops further SYNs."""
-    with _full_listener() as port:
+    with _full_listener() as (port, drops):
+        # Where the kernel completes the handshake anyway, the same bound holds with the open-port wording.
+        expected = (r": no answer within 1\.5 s \(cluster.connect_timeout_s: 1\.5\)$" if drops else
+                    r": the port is open but no Ray GCS replied within 1\.\d* s \(cluster.connect_timeout_s: 1\.5\)$")
         started = time.monotonic()
-        with pytest.raises(ClusterError, match=r": no answer within 1\.5 s \(cluster.connect_timeout_s: 1\.5\)$"):
+        with pytest.raises(ClusterError, match=expected):
             resolve_target(ClusterConfig(connect_timeout_s=1.5), address_override=f"127.0.0.1:{port}")
-        assert 1.4 < time.monotonic() - started < 8
+        assert (1.4 if drops else 1.0) < time.monotonic() - started < 8
 
 
 def test_an_http_server_is_not_taken_for_ray() -> None:
@@ -322,8 +325,9 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _full_listener() -> Iterator[int]:
-    """A loopback port whose accept queue is full, so the kernel drops new connection attempts unanswered."""
+def _full_listener() -> Iterator[tuple[int, bool]]:
+    """A loopback port whose accept queue is full, and whether the kernel then drops new connection attempts
+    unanswered (Linux does; a kernel that still completes the handshake makes it a port that never answers)."""
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(socket.socket())
         server.bind(("127.0.0.1", 0))
@@ -338,10 +342,9 @@ def _full_listener() -> Iterator[int]:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.3).close()
             except TimeoutError:
-                break
-        else:
-            pytest.skip("this kernel answers connections to a full accept queue")
-        yield port
+                yield port, True
+                return
+        yield port, False
 
 
 @contextlib.contextmanager
