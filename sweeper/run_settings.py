@@ -88,9 +88,9 @@ class RunSettings(BaseModel):
         if self.precision_aware_optimizer:
             import torch
 
-            dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.uint8}
-            out.update(use_precision_aware_optimizer=True, exp_avg_dtype=dtypes[self.exp_avg_dtype],
-                       exp_avg_sq_dtype=dtypes[self.exp_avg_sq_dtype])
+            out.update(use_precision_aware_optimizer=True,
+                       exp_avg_dtype=getattr(torch, _TORCH_DTYPE[self.exp_avg_dtype]),
+                       exp_avg_sq_dtype=getattr(torch, _TORCH_DTYPE[self.exp_avg_sq_dtype]))
         if self.optimizer_cpu_offload:
             out.update(optimizer_cpu_offload=True, optimizer_offload_fraction=self.offloaded_fraction)
         return out
@@ -177,8 +177,8 @@ class RunSettings(BaseModel):
             out += [f"mixed_precision.fp8_param_gather={gather}", f"ddp.fp8_param_gather={gather}"]
         out.append(f"optimizer.use_precision_aware_optimizer={str(self.precision_aware_optimizer).lower()}")
         if self.precision_aware_optimizer:
-            out += [f"optimizer.exp_avg_dtype={_TORCH_DTYPE[self.exp_avg_dtype]}",
-                    f"optimizer.exp_avg_sq_dtype={_TORCH_DTYPE[self.exp_avg_sq_dtype]}"]
+            out += [f"optimizer.exp_avg_dtype=torch.{_TORCH_DTYPE[self.exp_avg_dtype]}",
+                    f"optimizer.exp_avg_sq_dtype=torch.{_TORCH_DTYPE[self.exp_avg_sq_dtype]}"]
         if self.optimizer_cpu_offload:
             out += ["optimizer.optimizer_cpu_offload=true",
                     f"optimizer.optimizer_offload_fraction={self.offloaded_fraction:g}"]
@@ -187,4 +187,5 @@ class RunSettings(BaseModel):
         return out
 
 
-_TORCH_DTYPE = {"fp32": "torch.float32", "bf16": "torch.bfloat16", "fp16": "torch.float16", "fp8": "torch.uint8"}
+# Megatron's moment dtype names -> the torch dtype OptimizerConfig takes (FP8 moments are uint8 tensors with scales).
+_TORCH_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "uint8"}

@@ -190,10 +190,8 @@ def _stage_memory(
     compute_capability: str | None, run: RunSettings,
 ) -> tuple[StageMemory, ...]:
     vpp = lo.vpp if lo.pp > 1 else 1
-    split = None if lo.split.even else lo.split
-    params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, lo.first_stage_layers, lo.last_stage_layers,
-                          split=split)
-    acts = stage_activations(model, shape, lo.pp, vpp, lo.first_stage_layers, lo.last_stage_layers, constants, split)
+    params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, split=lo.split)
+    acts = stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
     microbatches = _microbatches(lo)
     out = []
     for rank, (p, a) in enumerate(zip(params, acts)):
@@ -260,8 +258,7 @@ def estimate(
     inputs = TimeInputs(
         seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
         dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
-        distributed_optimizer=lo.distributed_optimizer, first=lo.first_stage_layers, last=lo.last_stage_layers,
-        overlap_grad_reduce=run.overlaps_grad_reduce, split=None if lo.split.even else lo.split,
+        distributed_optimizer=lo.distributed_optimizer, split=lo.split, overlap_grad_reduce=run.overlaps_grad_reduce,
     )
     seconds = _step_time_cached(model, inputs, device, links, tuple(st.params.dense for st in stages),
                                 tuple(st.params.expert for st in stages), constants)

@@ -393,10 +393,8 @@ def stage_activations(
     s: ActivationShape,
     pp: int,
     vpp: int,
-    first: int | None,
-    last: int | None,
+    split: PipelineSplit,
     constants: EstimatorConstants,
-    split: PipelineSplit | None = None,
 ) -> tuple[StageActivations, ...]:
     kinds_used = {b for kind in spec.layer_blocks for b in kind}
     blocks = {b: block_activation(spec, b, s) for b in kinds_used}
@@ -408,7 +406,7 @@ def stage_activations(
     if spec.is_moe:
         dispatch = constants.moe_dispatch_buffer_copies * routed_tokens(spec, s) * spec.hidden_size * s.act_bytes
     out = []
-    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last, split)):
+    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split)):
         per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
         if s.recompute == "full":
             kept = sum(n for _, n in kinds) * kept_per_layer

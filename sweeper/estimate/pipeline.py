@@ -20,8 +20,6 @@ from functools import lru_cache
 from sweeper.layout import PipelineSplit
 from sweeper.models.spec import Block, ModelSpec
 
-EVEN = PipelineSplit()
-
 Chunk = tuple[int, ...]  # layer indices (0-based) of one virtual stage
 
 
@@ -156,11 +154,6 @@ def _layout_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[Chunk, ..
         chunks[(i % pp, i // pp)] = tuple(range(next_layer, next_layer + count))
         next_layer += count
     return tuple(tuple(chunks[(rank, v)] for v in range(vpp)) for rank in range(pp))
-
-
-def layout_vpp(text: str, pp: int) -> int:
-    """The virtual stages per rank a layout string implies (Megatron derives VPP from it)."""
-    return len(parse_layout(text, pp)) // pp
 
 
 LayerKind = tuple[Block, ...]

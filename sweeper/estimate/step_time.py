@@ -130,10 +130,8 @@ class TimeInputs:
     precision: str
     recompute: str
     distributed_optimizer: bool
-    first: int | None
-    last: int | None
+    split: PipelineSplit = PipelineSplit()  # Layout.split: Megatron's pipeline-split options
     overlap_grad_reduce: bool = False  # run.overlap_grad_reduce: DP communication hidden behind compute
-    split: PipelineSplit | None = None  # Layout.split: Megatron's pipeline-split options (overrides first/last)
 
 
 def step_time(
@@ -192,7 +190,7 @@ def step_time(
         per_block[b] = (compute, comm)
 
     slowest = 0.0
-    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, x.first, x.last, x.split)):
+    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
         compute = sum(n * per_block[b][0] for kind, n in kinds for b in kind)
         comm = sum(n * per_block[b][1] for kind, n in kinds for b in kind)
         if rank == x.pp - 1:
