@@ -26,10 +26,10 @@ from pydantic import (
 
 from sweeper.errors import UsageError
 from sweeper.estimate.constants import EstimatorConstants
-from sweeper.run_settings import RunSettings
 from sweeper.layout import LayoutError, canonical_recompute
 from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
 from sweeper.models.spec import ModelSpec
+from sweeper.run_settings import RunSettings
 
 # gt=0.0 (a float) tells the error formatter to say "greater than 0" rather than "a positive integer".
 PositiveFloat = Annotated[float, Field(gt=0.0)]
