@@ -36,6 +36,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+def default_fp8_recipe(compute_capability_major: int) -> str:
+    """The FP8 recipe of precision fp8 when none is named: tensorwise (current scaling) on compute capability
+    >= 10.0, delayed below. The estimator, the exports and the GPU smoke run (backends/megatron/gpu.py) all take it."""
+    return "tensorwise" if compute_capability_major >= 10 else "delayed"
+
+
 class RunSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -105,7 +111,7 @@ class RunSettings(BaseModel):
             return self.fp8_recipe
         if compute_capability is None:
             return "delayed"
-        return "tensorwise" if int(compute_capability.partition(".")[0]) >= 10 else "delayed"
+        return default_fp8_recipe(int(compute_capability.partition(".")[0]))
 
     def fp8_params(self, precision: str, compute_capability: str | None) -> bool:
         """Whether FP8/MXFP8 weights are stored and gathered in FP8 (--fp8-param-gather)."""

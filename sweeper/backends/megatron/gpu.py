@@ -35,7 +35,7 @@ from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_mo
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.layout import Layout
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.run_settings import RunSettings, default_fp8_recipe
 
 Capability = tuple[int, int]
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
@@ -89,7 +89,7 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
         return {}, None, None
     if capability < (8, 9):
         raise GpuPrecisionError(f"FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); this GPU is {cc}")
-    chosen = recipe or ("tensorwise" if capability >= (10, 0) else "delayed")
+    chosen = recipe or default_fp8_recipe(capability[0])
     if chosen not in FP8_RECIPES:
         raise GpuPrecisionError(f"unknown FP8 recipe {chosen!r} (known: {', '.join(FP8_RECIPES)})")
     if chosen == "blockwise" and capability < (9, 0):
