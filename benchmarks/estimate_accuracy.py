@@ -24,7 +24,7 @@ from typing import Any
 
 from sweeper.estimate import Calibration, EstimatorConstants, stage_memory
 from sweeper.estimate.calibration import Sample, fit
-from sweeper.estimate.estimator import _nccl_groups
+from sweeper.estimate.estimator import non_torch_gib
 from sweeper.layout import Layout
 from sweeper.models.catalog import resolve_model
 from sweeper.models.params import total_params
@@ -56,7 +56,7 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
     }
     measured = case["measured"]
     capacity = next((gib for name, gib in GPU_MEMORY_GIB if name in case["gpu"]), None)
-    non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
+    non_torch = non_torch_gib(layout, constants)
     need = predicted["max_reserved_gib"] + non_torch
     return {
         "capacity_gib": capacity,

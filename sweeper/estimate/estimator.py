@@ -84,6 +84,11 @@ def _nccl_groups(layout: Layout) -> int:
     return 1 + sum(1 for s in sizes if s > 1)
 
 
+def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
+    """Memory outside torch's allocator that the GPU must hold too: the CUDA context and NCCL's buffers."""
+    return constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
+
+
 @lru_cache(maxsize=8192)
 def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float) -> Links:
     intra, inter = intra_gbs * 1e9 * efficiency, inter_gbs * 1e9 * efficiency
@@ -230,7 +235,7 @@ def estimate(
     _check_divisible(lo, seq_length)
     shape = _activation_shape(model, lo, seq_length, constants, calibration)
     stages = _stage_memory(model, lo, shape, constants, calibration or Calibration(), cluster.compute_capability, run)
-    non_torch = constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(lo)
+    non_torch = non_torch_gib(lo, constants)
 
     worst: dict[str, float] = {}
     worst_reserved = -1.0
