@@ -24,7 +24,7 @@ from typing import Any
 
 from sweeper.estimate import Calibration, EstimatorConstants, stage_memory
 from sweeper.estimate.calibration import Sample, fit
-from sweeper.estimate.estimator import non_torch_gib
+from sweeper.estimate.estimator import memory_band, non_torch_gib
 from sweeper.layout import Layout
 from sweeper.models.catalog import resolve_model
 from sweeper.models.params import total_params
@@ -62,7 +62,7 @@ def compare(case: dict[str, Any]) -> dict[str, Any]:
         "capacity_gib": capacity,
         "predicted_oom": None if capacity is None else need > capacity,
         "pruned_even_at_band_low": None if capacity is None else (
-            predicted["max_reserved_gib"] / (1 + constants.memory_over_prediction) + non_torch > capacity),
+            memory_band(predicted["max_reserved_gib"], constants)[0] + non_torch > capacity),
         "id": case["id"],
         "params": total_params(model),
         "layout": layout.short(),

@@ -84,6 +84,12 @@ def _nccl_groups(layout: Layout) -> int:
     return 1 + sum(1 for s in sizes if s > 1)
 
 
+def memory_band(reserved_gib: float, constants: EstimatorConstants) -> tuple[float, float]:
+    """Where a measured peak may lie around the predicted ``reserved_gib``, given the estimator's measured error."""
+    return (reserved_gib / (1 + constants.memory_over_prediction),
+            reserved_gib / (1 - constants.memory_under_prediction))
+
+
 def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
     """Memory outside torch's allocator that the GPU must hold too: the CUDA context and NCCL's buffers."""
     return constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
@@ -271,8 +277,7 @@ def estimate(
         seconds *= calibration.step_time_factor
     tokens = lo.gbs * seq_length
     limit = (1.0 - headroom) * cluster.gpu_memory_gib
-    band = (worst_reserved / (1 + constants.memory_over_prediction),
-            worst_reserved / (1 - constants.memory_under_prediction))
+    band = memory_band(worst_reserved, constants)
     return Estimate(
         memory_gib=worst_reserved,
         fits=worst_reserved + non_torch <= limit,
