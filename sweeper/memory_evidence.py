@@ -35,14 +35,18 @@ class MemoryEvidence:
     fitted: list[Measured] = field(default_factory=list)  # passed, device peak under the limit
     ran_out: list[Measured] = field(default_factory=list)  # failed with kind oom
 
-    def add(self, number: int, layout: str, raw: Estimate, result: Any) -> None:
-        """Remember a finished trial (a TrialResult) as evidence about layouts predicted near it."""
+    def add(self, number: int, layout: str, raw: Estimate, result: Any) -> bool:
+        """Remember a finished trial (a TrialResult) as evidence about layouts predicted near it; True when it is
+        evidence (a device peak under the limit, or an OOM), so the space needs re-assessing."""
         peak = result.metrics.peak_memory_gib
         seen = Measured(number, layout, raw.memory_gib, peak)
         if result.passed and result.memory_kind == "device" and peak is not None and peak <= self.limit_gib:
             self.fitted.append(seen)
         elif result.failure_kind == "oom":
             self.ran_out.append(seen)
+        else:
+            return False
+        return True
 
     def proof_of_fit(self, raw: Estimate) -> Measured | None:
         """A measured trial that passed although predicted to need at least as much as ``raw``."""

@@ -377,10 +377,9 @@ class Sweep:
         if fitted is not None:
             for line in fitted.lines():
                 console.print(f"[blue]estimator[/] {line}")
-        evidence = (len(self.evidence.fitted), len(self.evidence.ran_out))
-        self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
+        evidence = self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
         raised, self.calibrator.hot_rank_raised = self.calibrator.hot_rank_raised, False
-        if fitted is not None or raised or evidence != (len(self.evidence.fitted), len(self.evidence.ran_out)):
+        if fitted is not None or raised or evidence:
             self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
             self.study.set_candidates(self._candidates())
         if run.layout == self.probe:
