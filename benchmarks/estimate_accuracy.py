@@ -25,10 +25,10 @@ from typing import Any
 from sweeper.estimate import Calibration, EstimatorConstants, stage_memory
 from sweeper.estimate.calibration import Sample, fit
 from sweeper.estimate.estimator import memory_band, non_torch_gib
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import resolve_model
 from sweeper.models.params import total_params
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_memory.json"
 GOAL_MEDIAN, GOAL_MAX = 0.10, 0.20  # issue #3: peak memory within 10% median, no case worse than 20%

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import optuna
 
-from sweeper.config import SweepConfig, load_config
-from sweeper.layout import Layout
-from sweeper.plan import assess
-from sweeper.space import enumerate_layouts
-from sweeper.study import LayoutStudy
+from sweeper.config.schema import SweepConfig, load_config
+from sweeper.space.layout import Layout
+from sweeper.plan.assess import assess
+from sweeper.plan.space import enumerate_layouts
+from sweeper.search.study import LayoutStudy
 
 
 def landscape(cfg: SweepConfig) -> dict[Layout, float]:

@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sweeper.config import ClusterConfig
+from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import estimate
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.step_time import model_flops_per_token
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import resolve_model
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_throughput.json"

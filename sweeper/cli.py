@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from sweeper.config import SweepConfig, check_address_override, load_config, proxy_config, resolve_space_path
+from sweeper.config.schema import SweepConfig, check_address_override, load_config, proxy_config, resolve_space_path
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
-from sweeper.layout import LayoutError
+from sweeper.space.layout import LayoutError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     except SweeperError as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
-    except LayoutError as exc:  # a --layout / --only string (sweeper.layout predates SweeperError)
+    except LayoutError as exc:  # a --layout / --only string (sweeper.space.layout predates SweeperError)
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
@@ -111,20 +111,20 @@ def _parser() -> argparse.ArgumentParser:
 
 # -- plan ---------------------------------------------------------------------------------------------------------
 def cmd_plan(args: argparse.Namespace) -> int:
-    from sweeper.space import only_filter
+    from sweeper.plan.space import only_filter
 
     if args.limit < 0:
         raise UsageError(f"--limit: must be 0 (all) or a positive integer, got {args.limit}")
     cfg = _load(args)
     only = only_filter(args.only)
-    from sweeper.plan import build_plan
+    from sweeper.plan.assess import build_plan
 
     entries = build_plan(cfg, only)
     if args.json:
         json.dump([e.to_json() for e in entries], sys.stdout)
         sys.stdout.write("\n")
         return EXIT_OK
-    from sweeper.views import print_plan
+    from sweeper.ui.views import print_plan
 
     print_plan(cfg, entries, limit=args.limit)
     return EXIT_OK
@@ -132,18 +132,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # -- trial --------------------------------------------------------------------------------------------------------
 def cmd_trial(args: argparse.Namespace) -> int:
-    from sweeper.space import layout_from_string
+    from sweeper.plan.space import layout_from_string
 
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     layout = layout_from_string(cfg, args.layout)
-    from sweeper.workflow import run_single_trial
+    from sweeper.trial.single import run_single_trial
 
     result = run_single_trial(cfg, layout, out=args.out, address=args.address)
     if args.json:
         print(json.dumps(result.to_json()))
     else:
-        from sweeper.views import print_trial
+        from sweeper.ui.views import print_trial
 
         print_trial(cfg, layout, result)
     return EXIT_OK if result.passed else EXIT_FAILED
@@ -157,7 +157,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"--parallel: must be a positive integer, got {args.parallel}")
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
-    from sweeper.search import SearchOptions, parse_injections, run_search
+    from sweeper.search.loop import SearchOptions, parse_injections, run_search
 
     parse_injections(args.inject, simulated=True)  # their syntax first: bad input is refused before any probing
     from sweeper.cluster import resolve_target
@@ -186,7 +186,7 @@ def cmd_search(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     if not (args.dir / "trials.jsonl").is_file():
         raise UsageError(f"{args.dir}: not a sweep folder (no trials.jsonl)")
-    from sweeper.report import render_report
+    from sweeper.report.render import render_report
 
     path = render_report(args.dir)
     print(path)
@@ -195,12 +195,12 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 # -- doctor -------------------------------------------------------------------------------------------------------
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from sweeper.workflow import run_doctor
+    from sweeper.trial.single import run_doctor
 
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     report = run_doctor(cfg, address=args.address)
-    from sweeper.views import print_doctor
+    from sweeper.ui.views import print_doctor
 
     print_doctor(report)
     return EXIT_OK if report.ok else EXIT_FAILED

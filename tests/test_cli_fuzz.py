@@ -25,11 +25,11 @@ from hypothesis import strategies as st
 
 import sweeper.cluster.connection
 import sweeper.cluster.discovery
-import sweeper.search
-import sweeper.workflow
+import sweeper.search.loop
+import sweeper.trial.single
 from sweeper.cli import main
-from sweeper.config import check_address
-from sweeper.layout import PRECISIONS, LayoutError, canonical_recompute
+from sweeper.config.schema import check_address
+from sweeper.space.layout import PRECISIONS, LayoutError, canonical_recompute
 
 GOOD: dict[str, Any] = {
     "name": "fuzz",
@@ -58,8 +58,8 @@ def tripwire() -> Iterator[None]:
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise Launched("a malformed input reached the point where work starts")
 
-    targets = [(sweeper.search, "run_search"), (sweeper.workflow, "run_single_trial"),
-               (sweeper.workflow, "run_doctor"), (sweeper.cluster.connection, "connect"),
+    targets = [(sweeper.search.loop, "run_search"), (sweeper.trial.single, "run_single_trial"),
+               (sweeper.trial.single, "run_doctor"), (sweeper.cluster.connection, "connect"),
                (sweeper.cluster.discovery, "probe")]
     saved = [(module, name, getattr(module, name)) for module, name in targets]
     for module, name, _ in saved:
@@ -259,7 +259,7 @@ def _known(section: str, key: str) -> bool:
 
         return key in ModelSpec.model_fields or key in ("preset", "hf", "hf_config")
     if section == "estimate":
-        from sweeper.estimate.constants import EstimatorConstants
+        from sweeper.config.estimator import EstimatorConstants
 
         return key in EstimatorConstants.model_fields
     return key in KNOWN_KEYS[section]

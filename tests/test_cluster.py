@@ -43,7 +43,7 @@ from sweeper.cluster import (
     resolve_target,
     trial_placement,
 )
-from sweeper.config import ClusterConfig
+from sweeper.config.schema import ClusterConfig
 from sweeper.errors import UsageError
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from megatron_ranks import _context, free_port, run_ranks  # noqa: E402
 
 from sweeper.backends.base import RankReport, SmokeRequest  # noqa: E402
 from sweeper.backends.megatron.support import unsupported_reason  # noqa: E402
-from sweeper.layout import Layout  # noqa: E402
+from sweeper.space.layout import Layout  # noqa: E402
 from sweeper.models.catalog import preset  # noqa: E402
 from sweeper.models.proxy import proxy  # noqa: E402
 

@@ -26,7 +26,7 @@ from sweeper.backends.megatron.equivalence import (
     rel_err,
     tolerance,
 )
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
 
 SEQ = 32

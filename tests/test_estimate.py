@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
-from sweeper.config import ClusterConfig
+from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import Calibration, Estimate, EstimatorConstants, estimate, stage_memory
 from sweeper.estimate.memory import ActivationShape, in_flight_microbatches, stage_params
-from sweeper.estimate.pipeline import stage_counts, stage_layers
-from sweeper.layout import Layout
+from sweeper.space.pipeline import stage_counts, stage_layers
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import PRESETS, preset
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -458,9 +458,9 @@ def test_estimator_imports_no_torch() -> None:
 
 def test_nemotron_space_is_estimated_fast() -> None:
     """The 2x8 Nemotron space: every valid layout estimated well inside plan's 2 s budget."""
-    from sweeper.config import load_config
-    from sweeper.rules import check
-    from sweeper.space import enumerate_layouts
+    from sweeper.config.schema import load_config
+    from sweeper.plan.rules import check
+    from sweeper.plan.space import enumerate_layouts
 
     cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
     valid = [lo for lo in enumerate_layouts(cfg) if not check(cfg.model, lo, cfg.cluster, cfg.training.seq_length)]
@@ -700,9 +700,9 @@ if __name__ == "__main__":
 def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_path: Path) -> None:
     """A CPU trial measures host memory (no memory calibration) but its router's load is real megatron-core:
     the calibrator keeps the largest measured hot-rank factor and never lowers it. (Hand-written TrialResults.)"""
-    from sweeper.calibrate import Calibrator
-    from sweeper.config import load_config
-    from sweeper.results import TrialMetrics, TrialResult
+    from sweeper.estimate.calibrator import Calibrator
+    from sweeper.config.schema import load_config
+    from sweeper.record.schema import TrialMetrics, TrialResult
 
     cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")
     calibrator = Calibrator(cfg, tmp_path)

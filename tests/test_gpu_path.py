@@ -18,9 +18,9 @@ import pytest
 from sweeper.backends.megatron import gpu
 from sweeper.backends.megatron.failures import UnsupportedError, classify
 from sweeper.backends.megatron.support import unsupported_reason
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import ModelError, preset, resolve_model
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 HOPPER, ADA, AMPERE, B200, RTX_PRO_6000 = (9, 0), (8, 9), (8, 0), (10, 0), (12, 0)

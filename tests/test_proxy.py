@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from sweeper import rules
-from sweeper.config import load_config
+from sweeper.plan import rules
+from sweeper.config.schema import load_config
 from sweeper.models.catalog import preset
 from sweeper.models.params import total_params
 from sweeper.models.proxy import is_proxy, proxy
-from sweeper.rules import RuleContext
-from sweeper.space import enumerate_layouts
+from sweeper.plan.rules import RuleContext
+from sweeper.plan.space import enumerate_layouts
 
 SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
 

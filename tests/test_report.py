@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from sweeper.layout import Layout
-from sweeper.report import REPORT_FILE, load_trials, pareto_front, render_report
-from sweeper.results import TrialChecks, TrialMetrics, TrialResult
+from sweeper.space.layout import Layout
+from sweeper.report.render import REPORT_FILE, load_trials, pareto_front, render_report
+from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
 
 GPU_MEMORY_GIB = 80.0
 HEADROOM = 0.10  # limit = 72.0 GiB
@@ -173,7 +173,7 @@ def test_torn_last_line_is_skipped_and_reported(tmp_path: Path) -> None:
 
 
 def test_pareto_front_is_stable_and_non_dominated(tmp_path: Path) -> None:
-    from sweeper.report import _classify
+    from sweeper.report.render import _classify
 
     write_fixture_sweep(tmp_path)
     rows, _ = load_trials(tmp_path / "trials.jsonl")

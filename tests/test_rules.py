@@ -1,4 +1,4 @@
-"""One focused test per rule in sweeper.rules: a layout it accepts, a layout it rejects, and the reason's wording.
+"""One focused test per rule in sweeper.plan.rules: a layout it accepts, a layout it rejects, and the reason's wording.
 
 The table below is keyed by rule name; ``test_every_rule_has_cases`` fails when a rule is added without cases.
 Each case calls the rule function alone, so a case shows that exact rule's verdict, not another rule's.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from sweeper import rules
-from sweeper.config import ClusterConfig
-from sweeper.layout import Layout
+from sweeper.plan import rules
+from sweeper.config.schema import ClusterConfig
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
 from sweeper.models.spec import ModelSpec
 

@@ -1,4 +1,4 @@
-"""Cross-check: ``sweeper.rules`` accepts exactly the layouts megatron-core 0.16.1 accepts.
+"""Cross-check: ``sweeper.plan.rules`` accepts exactly the layouts megatron-core 0.16.1 accepts.
 
 Hypothesis draws tiny models (heads, query groups, hidden, FFN, layers, experts, top-k, router groups, bias,
 hybrid Mamba patterns) and layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss
@@ -25,7 +25,7 @@ created (the fake backend cannot stand in for gloo); the vocabulary is padded to
 Megatron-LM's front end does. An error raised *after* the MoE layer's SP check (the CPU forward hits CUDA-only
 code) means the check passed. No CUDA RNG patch was needed: ``use_cpu_initialization`` never touches it.
 
-Disagreements this test found, fixed in sweeper/rules.py:
+Disagreements this test found, fixed in sweeper/plan/rules.py:
 - FFN / expert FFN / fused QKV widths not divisible by TP / ETP / TP (``divide`` asserts at model build; the QKV
   case bites when query groups < TP): new rule ``linear_widths_divisible``.
 - An explicit uneven split with VPP: first/last/middle-per-rank counts must each divide by VPP, and explicit
@@ -73,9 +73,9 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from sweeper import rules  # noqa: E402
-from sweeper.config import ClusterConfig  # noqa: E402
-from sweeper.layout import Layout  # noqa: E402
+from sweeper.plan import rules  # noqa: E402
+from sweeper.config.schema import ClusterConfig  # noqa: E402
+from sweeper.space.layout import Layout  # noqa: E402
 from sweeper.models.spec import ModelSpec  # noqa: E402
 
 warnings.filterwarnings("ignore")

@@ -9,8 +9,8 @@ import yaml
 from pydantic import ValidationError
 
 from sweeper.backends.megatron.support import run_unsupported_reason
-from sweeper.config import load_config
-from sweeper.run_settings import RunSettings
+from sweeper.config.schema import load_config
+from sweeper.config.run_settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 

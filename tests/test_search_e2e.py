@@ -15,9 +15,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from sweeper.config import load_config
-from sweeper.layout import Layout
-from sweeper.rules import check
+from sweeper.config.schema import load_config
+from sweeper.space.layout import Layout
+from sweeper.plan.rules import check
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e

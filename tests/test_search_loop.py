@@ -16,13 +16,13 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from sweeper.config import SweepConfig, load_config
-from sweeper.layout import Layout
-from sweeper.results import TrialChecks, TrialMetrics, TrialResult
-from sweeper.search import SearchOptions, Sweep
-from sweeper.study import AXES
-from sweeper.sweepdir import SweepDir
-from sweeper.tracking import Tracker
+from sweeper.config.schema import SweepConfig, load_config
+from sweeper.space.layout import Layout
+from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.search.loop import SearchOptions, Sweep
+from sweeper.search.study import AXES
+from sweeper.record.sweepdir import SweepDir
+from sweeper.record.tracking import Tracker
 from sweeper.trial.host import Reservation
 
 SPACE = {
@@ -154,7 +154,7 @@ def test_rule_rejected_layouts_are_pruned_never_launched(cfg: SweepConfig, tmp_p
     sweep = make_sweep(cfg, host)
     sweep.run()
     launched = {lo for lo, _ in host.calls}
-    from sweeper.rules import check
+    from sweeper.plan.rules import check
 
     for lo in launched:
         assert check(cfg.model, lo, cfg.cluster, cfg.training.seq_length) == []
@@ -232,8 +232,8 @@ def _explore_records(sweep: Sweep) -> list[dict[str, Any]]:
 
 def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_each_refusal_once(
         tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
-    from sweeper.rules import check
-    from sweeper.space import layout_from_string
+    from sweeper.plan.rules import check
+    from sweeper.plan.space import layout_from_string
 
     cfg = _load(tmp_path, MANY_INVALID)
     host = StandInHost(nodes=2, gpus=4, delay=0.05)
@@ -272,8 +272,8 @@ def test_a_space_the_backend_cannot_run_at_all_ends_without_asking(
 
 def test_grid_sampler_launches_every_launchable_layout_in_grid_order_once(
         tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
-    from sweeper.plan import assess
-    from sweeper.space import enumerate_layouts
+    from sweeper.plan.assess import assess
+    from sweeper.plan.space import enumerate_layouts
 
     cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 40, "confirm_top": 0, "sampler": "grid"}})
     grid = [lo for lo in enumerate_layouts(cfg) if assess(cfg, lo).launchable]

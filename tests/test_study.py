@@ -14,11 +14,11 @@ import pytest
 import yaml
 from optuna.trial import TrialState
 
-from sweeper.config import SweepConfig, load_config
-from sweeper.layout import Layout
-from sweeper.plan import assess
-from sweeper.space import enumerate_layouts
-from sweeper.study import CONSTRAINT, LayoutStudy
+from sweeper.config.schema import SweepConfig, load_config
+from sweeper.space.layout import Layout
+from sweeper.plan.assess import assess
+from sweeper.plan.space import enumerate_layouts
+from sweeper.search.study import CONSTRAINT, LayoutStudy
 
 # 2,304 combinations, 148 of them valid for tiny-moe (4 experts, 2 query groups, 4 layers).
 MANY_INVALID: dict[str, Any] = {

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
-from sweeper.config import ClusterConfig, SweepConfig, TrainingConfig
-from sweeper.layout import Layout
+from sweeper.config.schema import ClusterConfig, SweepConfig, TrainingConfig
+from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
 from sweeper.trial.aggregate import RankOutcome, aggregate, root_cause
 

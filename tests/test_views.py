@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from rich.console import Console
 
-from sweeper import views
+from sweeper.ui import views
 
 
 def test_doctor_table_has_a_row_per_node_and_flags_disagreement(monkeypatch) -> None:  # noqa: ANN001

@@ -44,7 +44,7 @@ class RankReport:
     node_id: str
     backend: str  # "megatron-core-cpu" | "megatron-core-gpu"
     ok: bool
-    failure_kind: str | None = None  # one of sweeper.results.FAILURE_KINDS
+    failure_kind: str | None = None  # one of sweeper.record.schema.FAILURE_KINDS
     error: str | None = None  # one line: the root cause in the user's terms
     checks: dict[str, Any] = field(default_factory=dict)  # the TrialChecks fields this rank could prove
     step_times_s: list[float] = field(default_factory=list)

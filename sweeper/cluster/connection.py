@@ -32,7 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sweeper.cluster.discovery import Kind, Mode, Target, choose_mode, cuda_visible, resolve_target
 from sweeper.cluster.simulated import DEFAULT_RECORD_DIR, NODE_LABEL_KEY, SimulatedCluster, cleanup_stale_clusters
-from sweeper.config import ClusterConfig
+from sweeper.config.schema import ClusterConfig
 from sweeper.errors import ClusterError
 
 __all__ = ["ClusterError", "ClusterHandle", "GpuInfo", "Mode", "NodeInfo", "Target", "choose_mode", "connect",

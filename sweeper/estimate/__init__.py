@@ -6,7 +6,7 @@ ray or megatron: ``plan`` must stay instant.
 """
 
 from sweeper.estimate.calibration import Calibration
-from sweeper.estimate.constants import EstimatorConstants
+from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.estimator import Estimate, StageMemory, estimate, stage_memory
 
 __all__ = ["Calibration", "Estimate", "EstimatorConstants", "StageMemory", "estimate", "stage_memory"]

@@ -31,7 +31,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
-from sweeper.estimate.constants import EstimatorConstants
+from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
     GIB,
@@ -43,12 +43,12 @@ from sweeper.estimate.memory import (
     stage_params,
 )
 from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 if TYPE_CHECKING:
-    from sweeper.config import ClusterConfig
+    from sweeper.config.schema import ClusterConfig
 
 
 @dataclass(frozen=True)

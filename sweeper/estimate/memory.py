@@ -1,7 +1,7 @@
 """Per-rank memory: parameters placed by the pipeline split, model-state bytes and activations per micro-batch.
 
 Parameters are exact (``sweeper.models.params`` mirrors Megatron-Core's modules). Model state follows
-Megatron's mixed-precision recipe and the run settings (``sweeper.run_settings``, the YAML's ``run:``): BF16/FP16
+Megatron's mixed-precision recipe and the run settings (``sweeper.config.run_settings``, the YAML's ``run:``): BF16/FP16
 weights in the DDP parameter buffer, main gradients in the DDP grad buffer (FP32 or BF16: ``grad_reduce_in_fp32``),
 FP32 master weights and two Adam moments (FP32, or the precision-aware optimizer's dtypes) in the optimizer, sharded
 by the distributed optimizer over DP*CP (dense) and EDP (experts), less what is offloaded to the host. Under FP8 and
@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-from sweeper.estimate.constants import EstimatorConstants
-from sweeper.estimate.pipeline import stage_layer_kinds
-from sweeper.layout import PipelineSplit, recompute_modules
+from sweeper.config.estimator import EstimatorConstants
+from sweeper.space.pipeline import stage_layer_kinds
+from sweeper.space.layout import PipelineSplit, recompute_modules
 from sweeper.models.params import (
     ShardParams,
     block_params,
@@ -31,7 +31,7 @@ from sweeper.models.params import (
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 GIB = float(1 << 30)
 BF16_BYTES = 2

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sweeper.estimate.constants import EstimatorConstants
+from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
-from sweeper.estimate.pipeline import stage_layer_kinds
-from sweeper.layout import PipelineSplit, recompute_modules
+from sweeper.space.pipeline import stage_layer_kinds
+from sweeper.space.layout import PipelineSplit, recompute_modules
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
 

@@ -264,7 +264,7 @@ def _validated(data: dict[str, Any]) -> ModelSpec:
     try:
         return ModelSpec.model_validate(data)
     except ValidationError as exc:
-        from sweeper.config import _dotted, _explain
+        from sweeper.config.schema import _dotted, _explain
 
         err = exc.errors()[0]
         loc = tuple(err["loc"])

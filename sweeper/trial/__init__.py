@@ -4,7 +4,7 @@
 node before a sweep. Only ``sweeper.cluster`` and ``sweeper.trial`` import Ray.
 """
 
-from sweeper.trial.doctor import DoctorReport, NodeCheck, doctor
+from sweeper.cluster.doctor import DoctorReport, NodeCheck, doctor
 from sweeper.trial.runner import DEFAULT_BACKEND, RunningTrial, run_trial
 
 __all__ = ["DEFAULT_BACKEND", "DoctorReport", "NodeCheck", "RunningTrial", "doctor", "run_trial"]

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, fields
 
 from sweeper.backends.base import RankReport
-from sweeper.results import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
+from sweeper.record.schema import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
 
 # Lower explains more. Kinds not listed (a rank's own failure) rank 0.
 _COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}

@@ -21,11 +21,11 @@ from pathlib import Path
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.cluster import ClusterHandle, connect, plan_placement
 from sweeper.cluster.placement import PlacementError
-from sweeper.config import SweepConfig
-from sweeper.layout import Layout
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
-from sweeper.results import TrialResult
-from sweeper.trial.doctor import DoctorReport, doctor
+from sweeper.record.schema import TrialResult
+from sweeper.cluster.doctor import DoctorReport, doctor
 from sweeper.trial.runner import keep_together, run_trial
 
 
@@ -34,8 +34,8 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
     layouts, the one-line reason (the most common one) and what would make the space run; None otherwise."""
     from collections import Counter
 
-    from sweeper.rules import check, with_pipeline_split
-    from sweeper.space import enumerate_layouts
+    from sweeper.plan.rules import check, with_pipeline_split
+    from sweeper.plan.space import enumerate_layouts
 
     run_reason = run_unsupported_reason(cfg.run, cuda=False, te=False)
     if run_reason:

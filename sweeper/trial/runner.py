@@ -33,9 +33,9 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from sweeper.backends.base import SmokeRequest
 from sweeper.cluster.connection import ClusterHandle
 from sweeper.cluster.placement import PlacementError, PlacementTimeout, TrialPlacement, trial_placement
-from sweeper.config import SweepConfig
-from sweeper.layout import Layout
-from sweeper.results import TrialResult
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout
+from sweeper.record.schema import TrialResult
 from sweeper.trial.actor import RankActor, RankSlot
 from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
 

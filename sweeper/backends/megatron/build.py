@@ -25,10 +25,10 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

@@ -49,7 +49,7 @@ import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import SmokeFailure
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
 
 REFERENCE_FILE = "reference.json"

@@ -1,6 +1,6 @@
 """Failure classification: turn whatever a rank raised into (failure_kind, one-line root cause).
 
-The kinds are sweeper.results.FAILURE_KINDS. The smoke run raises the typed errors below for conditions it
+The kinds are sweeper.record.schema.FAILURE_KINDS. The smoke run raises the typed errors below for conditions it
 detects itself; everything else (Megatron assertions, torch and gloo/NCCL errors) is classified by type, by
 message and by the phase of the run it happened in (an assertion while building the model means Megatron
 rejected the layout; the same in a collective means communication broke) and by its origin: an exception raised

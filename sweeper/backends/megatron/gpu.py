@@ -18,7 +18,7 @@ FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the reci
   by scripts/gpu_check.sh on a Blackwell GPU.
 - ``blockwise`` (Float8BlockScaling, DeepSeek-V3 style 1x128/128x128, format e4m3) only when asked for, on ≥ 9.0.
 - mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (LAYOUT_RULES.md: rejected on 12.x too).
-An explicit recipe is the YAML's ``run.fp8_recipe`` (delayed|tensorwise|blockwise; sweeper.run_settings), which
+An explicit recipe is the YAML's ``run.fp8_recipe`` (delayed|tensorwise|blockwise; sweeper.config.run_settings), which
 the estimator and the exports read too.
 """
 
@@ -33,9 +33,9 @@ from typing import Any, Literal
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.failures import UnsupportedError
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings, default_fp8_recipe
+from sweeper.config.run_settings import RunSettings, default_fp8_recipe
 
 Capability = tuple[int, int]
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]

@@ -33,10 +33,10 @@ from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_by
 from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.estimate.step_time import model_flops_per_token
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 INJECT_STEP = 2  # fault injection fires at the second training step (steps count from 1)
 _log = logging.getLogger("sweeper.smoke")

@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from sweeper.backends.megatron.build import Built
 from sweeper.backends.megatron.failures import NonFiniteError
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ and so does multi-latent attention (Megatron's local MLA spec with a K/V-width-a
 
 from __future__ import annotations
 
-from sweeper.layout import Layout
+from sweeper.space.layout import Layout
 from sweeper.models.params import total_params
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 CPU_MAX_PARAMS = 1_000_000_000
 

@@ -1,7 +1,7 @@
 """Layout: one parallel layout of one trial, the value every part of sweeper passes around.
 
 A frozen dataclass in the manner of torchtitan's ParallelDims: the sizes a user chooses are fields, the sizes
-Megatron derives (DP, EDP) are properties. A Layout can be invalid for a model (``sweeper.rules`` says why), so
+Megatron derives (DP, EDP) are properties. A Layout can be invalid for a model (``sweeper.plan.rules`` says why), so
 construction only checks that every size is a positive integer. It serialises to the ``--layout`` string, to
 Megatron-LM command-line flags and to Megatron-Bridge overrides.
 """
@@ -84,7 +84,7 @@ class Layout:
 
     @property
     def split(self) -> PipelineSplit:
-        """How the decoder layers are split over pipeline ranks (``sweeper.estimate.pipeline`` places them)."""
+        """How the decoder layers are split over pipeline ranks (``sweeper.space.pipeline`` places them)."""
         return PipelineSplit(self.first_stage_layers, self.last_stage_layers, self.account_for_embedding,
                              self.account_for_loss, self.pipeline_layout)
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sweeper.config import SweepConfig
-from sweeper.layout import Layout
-from sweeper.plan import assess
-from sweeper.space import enumerate_layouts
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout
+from sweeper.plan.assess import assess
+from sweeper.plan.space import enumerate_layouts
 
 REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
 PLACE_TIMEOUT_S = 120.0

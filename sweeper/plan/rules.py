@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from sweeper.config import ClusterConfig
-from sweeper.estimate.pipeline import check_layout
-from sweeper.layout import Layout
+from sweeper.config.schema import ClusterConfig
+from sweeper.space.pipeline import check_layout
+from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
 
 

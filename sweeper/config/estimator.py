@@ -40,7 +40,7 @@ class EstimatorConstants(BaseModel):
     logits_bytes_per_element: float = Field(6.0, ge=0)
     # Override of the bytes per linear-layer weight TE keeps besides the BF16 weight under FP8/MXFP8 (None: derived
     # from the recipe, the device and run.fp8_param_gather, memory.fp8_weight_bytes). The run settings that move
-    # memory (grad dtype, moment dtypes, offload, FP8 weights) are the YAML's ``run:`` (sweeper.run_settings).
+    # memory (grad dtype, moment dtypes, offload, FP8 weights) are the YAML's ``run:`` (sweeper.config.run_settings).
     fp8_weight_cache_bytes_per_param: float | None = Field(None, ge=0)
     # Transient copies of the routed tokens a MoE all-to-all dispatcher holds while one layer runs
     # (permuted send buffer + received buffer), in units of (routed tokens x hidden x 2 bytes).

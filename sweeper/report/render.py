@@ -4,7 +4,7 @@
 ``sweep.json`` (sweep metadata; may be missing), classifies every attempt (passed and within the memory headroom,
 passed but over it, failed, pruned), and writes ``report.html`` atomically so that a browser or a concurrent
 ``sweeper report`` never sees half a file. A sweep that crashed mid-write leaves a torn last line; it is skipped and
-the report says how many lines it could not read. Figures come from ``sweeper.report_figures``; plotly.js is inlined
+the report says how many lines it could not read. Figures come from ``sweeper.report.figures``; plotly.js is inlined
 once so the page opens offline.
 """
 
@@ -17,12 +17,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sweeper import report_figures as figures
-from sweeper.layout import Layout, LayoutError
+from sweeper.report import figures
+from sweeper.space.layout import Layout, LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.report_figures import esc, kind_counts, num
-from sweeper.results import TrialChecks, TrialMetrics, TrialResult
-from sweeper.sweepdir import write_atomic
+from sweeper.report.figures import esc, kind_counts, num
+from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.record.sweepdir import write_atomic
 
 TRIALS_FILE = "trials.jsonl"
 SWEEP_FILE = "sweep.json"

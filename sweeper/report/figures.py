@@ -1,7 +1,7 @@
-"""Figures (plotly) and tables (HTML) of the sweep report, built from the rows ``sweeper.report`` loaded.
+"""Figures (plotly) and tables (HTML) of the sweep report, built from the rows ``sweeper.report.render`` loaded.
 
 Presentation only: every decision (which attempt is stable, which trials are on the Pareto front) is made in
-``sweeper.report`` and arrives here as plain row fields. User text (layout names, error messages) is escaped before it
+``sweeper.report.render`` and arrives here as plain row fields. User text (layout names, error messages) is escaped before it
 reaches a figure, because plotly renders a subset of HTML in hover labels.
 """
 
@@ -21,7 +21,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 if TYPE_CHECKING:
-    from sweeper.report import TrialRow
+    from sweeper.report.render import TrialRow
 
 # One colour per report category, shared by the scatter and the attempts table so a reader matches them by eye.
 CATEGORY_COLORS: dict[str, str] = {

@@ -23,20 +23,20 @@ from typing import Any
 
 from rich.console import Console
 
-from sweeper.calibrate import Calibrator
-from sweeper.config import SweepConfig
+from sweeper.estimate.calibrator import Calibrator
+from sweeper.config.schema import SweepConfig
 from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.estimate import Estimate
-from sweeper.layout import Layout, LayoutError
-from sweeper.memory_evidence import MemoryEvidence
+from sweeper.space.layout import Layout, LayoutError
+from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.models.proxy import is_proxy
-from sweeper.plan import PlanEntry, assess
-from sweeper.progress import Progress
-from sweeper.results import TrialResult
-from sweeper.selection import best_layout_document, candidates, choose, is_stable, objective_value
-from sweeper.space import enumerate_layouts, layout_from_string
-from sweeper.study import LayoutStudy
-from sweeper.sweepdir import SweepDir
+from sweeper.plan.assess import PlanEntry, assess
+from sweeper.search.progress import Progress
+from sweeper.record.schema import TrialResult
+from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
+from sweeper.plan.space import enumerate_layouts, layout_from_string
+from sweeper.search.study import LayoutStudy
+from sweeper.record.sweepdir import SweepDir
 
 console = Console(stderr=True)
 INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
@@ -127,7 +127,7 @@ class Sweep:
 
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
-        band and the measured trials, ``sweeper.memory_evidence``), and this backend can run them; fastest
+        band and the measured trials, ``sweeper.search.memory_evidence``), and this backend can run them; fastest
         predicted first. Everything else is never proposed (``sweeper plan`` lists it with its reasons; the
         layouts pruned on memory go to sweep.json's ``memory_pruned`` and the report)."""
         plan = [assess(self.cfg, lo, self.calibrator.current) for lo in enumerate_layouts(self.cfg)]
@@ -202,7 +202,7 @@ class Sweep:
         return self._finish("finished")
 
     def _make_reference(self) -> None:
-        from sweeper.reference import ensure_reference
+        from sweeper.trial.reference import ensure_reference
 
         outcome = ensure_reference(self.cfg, self.handle, self.dir.root / "reference")
         self.reference = outcome.path
@@ -481,7 +481,7 @@ class Sweep:
             ["not calibrated: no trial measured device memory (the CPU backend measures host RSS)"],
         )
         self.dir.write_meta(meta)
-        from sweeper.report import render_report
+        from sweeper.report.render import render_report
 
         report = render_report(self.dir.root)
         self.tracker.finish_sweep("KILLED" if status == "interrupted" else "FINISHED",
@@ -514,7 +514,7 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             layout_from_string(cfg, text)
         except LayoutError as exc:
             raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
-    from sweeper.tracking import Tracker
+    from sweeper.record.tracking import Tracker
     from sweeper.trial.host import open_host
 
     tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first

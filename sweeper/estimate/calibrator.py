@@ -12,11 +12,11 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from sweeper.config import SweepConfig
+from sweeper.config.schema import SweepConfig
 from sweeper.estimate import estimate
 from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
-from sweeper.layout import Layout
-from sweeper.results import TrialResult
+from sweeper.space.layout import Layout
+from sweeper.record.schema import TrialResult
 
 
 def cache_path() -> Path:

@@ -19,7 +19,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
-from sweeper.config import SweepConfig
+from sweeper.config.schema import SweepConfig
 
 ABSENT = "absent"
 _VERSION_KEYS = ("python", "torch", "megatron_core", "transformer_engine")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from sweeper.config import SweepConfig
-from sweeper.layout import Layout
-from sweeper.results import TrialResult
-from sweeper.rules import check
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout
+from sweeper.record.schema import TrialResult
+from sweeper.plan.rules import check
 
 RESERVE_TIMEOUT_S = 60.0
 
@@ -25,7 +25,7 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
         reason = host.unsupported(cfg.model, layout)
         if reason is not None:
             return TrialResult(status="failed", failure_kind="unsupported", error=reason, backend=host.backend_name)
-        from sweeper.reference import ensure_reference
+        from sweeper.trial.reference import ensure_reference
 
         reference = ensure_reference(cfg, host, Path("sweeps") / cfg.name / "reference")
         slot = host.reserve_within(layout, RESERVE_TIMEOUT_S)

@@ -11,10 +11,10 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from sweeper.config import SweepConfig
-from sweeper.layout import Layout
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.results import TrialResult
+from sweeper.record.schema import TrialResult
 
 
 @dataclass

@@ -16,8 +16,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from sweeper.layout import Layout
-from sweeper.results import TrialResult
+from sweeper.space.layout import Layout
+from sweeper.record.schema import TrialResult
 
 # Layout fields under the names a Megatron user knows (TransformerConfig / Megatron-LM flags).
 _PARAM_NAMES = {

@@ -17,7 +17,7 @@ import re
 from collections import Counter
 from functools import lru_cache
 
-from sweeper.layout import PipelineSplit
+from sweeper.space.layout import PipelineSplit
 from sweeper.models.spec import Block, ModelSpec
 
 Chunk = tuple[int, ...]  # layer indices (0-based) of one virtual stage

@@ -25,11 +25,11 @@ from pydantic import (
 )
 
 from sweeper.errors import UsageError
-from sweeper.estimate.constants import EstimatorConstants
-from sweeper.layout import LayoutError, canonical_recompute
+from sweeper.config.estimator import EstimatorConstants
+from sweeper.space.layout import LayoutError, canonical_recompute
 from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
 from sweeper.models.spec import ModelSpec
-from sweeper.run_settings import RunSettings
+from sweeper.config.run_settings import RunSettings
 
 # gt=0.0 (a float) tells the error formatter to say "greater than 0" rather than "a positive integer".
 PositiveFloat = Annotated[float, Field(gt=0.0)]
@@ -229,7 +229,7 @@ class SweepConfig(_Strict):
 
     @model_validator(mode="after")
     def _seeds(self) -> SweepConfig:
-        from sweeper.space import layout_from_string
+        from sweeper.plan.space import layout_from_string
 
         for i, text in enumerate(self.search.seeds):  # a bad seed is bad input: refused before any command runs
             try:
@@ -282,7 +282,7 @@ def proxy_config(cfg: SweepConfig) -> SweepConfig:
     return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
 
 
-SHIPPED_SPACES = Path(__file__).resolve().parent.parent / "search_spaces"
+SHIPPED_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 
 
 def resolve_space_path(path: str | Path) -> Path:

@@ -8,10 +8,10 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from sweeper.config import SweepConfig
-    from sweeper.layout import Layout
-    from sweeper.plan import PlanEntry
-    from sweeper.results import TrialResult
+    from sweeper.config.schema import SweepConfig
+    from sweeper.space.layout import Layout
+    from sweeper.plan.assess import PlanEntry
+    from sweeper.record.schema import TrialResult
 
 console = Console()
 
@@ -21,7 +21,7 @@ def _num(value: float | None, fmt: str = "{:.1f}") -> str:
 
 
 def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> None:
-    from sweeper.plan import invalid_reasons
+    from sweeper.plan.assess import invalid_reasons
 
     valid = [e for e in entries if e.valid]
     fits = [e for e in valid if e.predicted and e.predicted.fits]

@@ -10,9 +10,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from sweeper.config import SweepConfig
-from sweeper.layout import Layout, LayoutError, parse_assignments
-from sweeper.rules import with_pipeline_split
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout, LayoutError, parse_assignments
+from sweeper.plan.rules import with_pipeline_split
 
 
 def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
