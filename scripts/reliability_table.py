@@ -1,4 +1,4 @@
-"""Run the fault tests (tests/test_faults.py: real sweeps on simulated Ray clusters with injected faults) and print
+"""Run the fault tests (tests/search/test_faults.py: real sweeps on simulated Ray clusters with injected faults) and print
 the README's reliability table from what each test observed.
 
     python scripts/reliability_table.py

@@ -77,7 +77,7 @@ def _assert_passed(result: dict) -> None:
 # In CI: the campaign layout that covers the most in one trial (MLA, TP with SP, PP with Megatron's uneven 14/13
 # split, EP2; 6 min on 2 cores, the one-rank reference included). CI has 40 minutes on 2 cores, and a Nemotron
 # proxy trial takes 10.5 min with its reference (Mamba under TP and SP runs in CI at 2-rank size,
-# tests/test_backend_megatron.py); every other layout runs with ``-m slow``.
+# tests/backends/test_backend_megatron.py); every other layout runs with ``-m slow``.
 CAMPAIGN = [
     ("deepseek", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=bf16"),
 ]

@@ -63,7 +63,7 @@ FIT_LR_PER_STD = 0.025
 # Largest relative error (loss and gradient norm) a layout may show against the reference, by precision. Layouts
 # differ only in summation order (TP partial sums, DP averaging, EP token order), so the error is rounding noise
 # of the compute precision, amplified a little through depth; the trial uses the looser of its own precision's
-# and the reference's. Measured on CPU (tiny-gpt, FP32 reference on one rank; tests/test_equivalence.py): FP32
+# and the reference's. Measured on CPU (tiny-gpt, FP32 reference on one rank; tests/backends/test_equivalence.py): FP32
 # layouts 0..5e-7, FP16 TP2 3.6e-4, BF16 TP2/PP2/DP2 3.5e-3..4.0e-3; a misplaced TP shard: 4.
 TOLERANCE: dict[str, float] = {
     # 24-bit mantissa (unit roundoff 6e-8): 1e-3 is the project's requirement, three orders above what is measured.

@@ -14,7 +14,7 @@ from sweeper.models.proxy import is_proxy, proxy
 from sweeper.plan.rules import RuleContext
 from sweeper.plan.space import enumerate_layouts
 
-SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 
 
 @pytest.mark.parametrize("name", ["nemotron-3-nano-30b-a3b", "deepseek-v2-lite", "qwen3-30b-a3b", "llama3-8b"])

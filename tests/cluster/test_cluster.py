@@ -46,7 +46,7 @@ from sweeper.cluster import (
 from sweeper.config.schema import ClusterConfig
 from sweeper.errors import UsageError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- pure: placement plans ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from sweeper.space.layout import Layout
 from sweeper.models.catalog import ModelError, preset, resolve_model
 from sweeper.config.run_settings import RunSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOPPER, ADA, AMPERE, B200, RTX_PRO_6000 = (9, 0), (8, 9), (8, 0), (10, 0), (12, 0)
 
 

@@ -1,6 +1,6 @@
 """The layout equivalence gate: a reference made on one rank, loaded (resharded) into other layouts.
 
-e2e cases run real megatron-core ranks on gloo (tests/megatron_ranks.py, no Ray): one FP32 reference per model
+e2e cases run real megatron-core ranks on gloo (tests/backends/megatron_ranks.py, no Ray): one FP32 reference per model
 (tiny-gpt, tiny-moe) on a single rank, then TP/PP/DP/VPP/CP/SP and EP layouts load it and must reproduce its loss
 and gradient norm within the FP32 tolerance (1e-3; measured errors are printed, run with -s); a layout whose TP
 shards are deliberately misplaced must fail as ``equivalence``. Unit tests cover the plan (what a layout can take),

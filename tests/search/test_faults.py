@@ -24,7 +24,7 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECORDS = Path("/tmp/sweeper-clusters")
 pytestmark = pytest.mark.e2e
 

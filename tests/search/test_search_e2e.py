@@ -19,7 +19,7 @@ from sweeper.config.schema import load_config
 from sweeper.space.layout import Layout
 from sweeper.plan.rules import check
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 MAX_TRIALS = 4
 

@@ -2,7 +2,7 @@
 the memory / step-time model's structure (pipeline placement, in-flight micro-batches, divisors, speed).
 
 The Megatron checks build each pipeline stage's GPTModel (all its virtual stages) under a fake process group in
-one subprocess (``python tests/test_estimate.py CASES_JSON`` runs ``_probe``), because parallel_state is global
+one subprocess (``python tests/estimate/test_estimate.py CASES_JSON`` runs ``_probe``), because parallel_state is global
 and megatron's import is slow; the subprocess prints the parameter count and the DDP buffers of each stage.
 """
 
@@ -27,7 +27,7 @@ from sweeper.models.catalog import PRESETS, preset
 from sweeper.models.spec import ModelSpec
 from sweeper.config.run_settings import RunSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # -- cases built by real megatron-core -----------------------------------------------------------------------------
 _TINY = PRESETS["tiny-gpt"].model_dump()
@@ -587,7 +587,7 @@ def test_accuracy_benchmark_prints_the_table() -> None:
     assert "peak allocated GiB" in out and "goal (peak median" in out
 
 
-# -- the probe (runs in a subprocess: python tests/test_estimate.py CASES_JSON) ------------------------------------
+# -- the probe (runs in a subprocess: python tests/estimate/test_estimate.py CASES_JSON) ------------------------------------
 def _stub_core_attention(spec: Any) -> None:
     # megatron-core 0.16's local DotProductAttention does not accept MLA's k_channels/v_channels (MLA expects
     # TE's attention); the core has no parameters, so a parameterless stand-in keeps the count exact.

@@ -1,6 +1,6 @@
 """The megatron-core backend: real ranks on gloo/CPU (e2e) plus unit tests of its pure parts.
 
-The e2e cases run ``run_rank`` in W real processes (tests/megatron_ranks.py, no Ray) on tiny models for a few
+The e2e cases run ``run_rank`` in W real processes (tests/backends/megatron_ranks.py, no Ray) on tiny models for a few
 steps and check what every rank reports: same loss on all ranks, finite values, checkpoint written and read
 back bitwise, and the failure kind plus a one-line reason when a layout cannot run.
 """
@@ -301,7 +301,7 @@ def test_injected_crash_or_hang_surfaces_as_comm_error_on_the_peer(tmp_path: Pat
 
 @pytest.mark.e2e
 def test_unsupported_feature_fails_before_anything_heavy(tmp_path: Path) -> None:
-    # FP8 needs Transformer Engine on a GPU (SP and CP run on the CPU since tests/test_cpu_parallel.py).
+    # FP8 needs Transformer Engine on a GPU (SP and CP run on the CPU since tests/backends/test_cpu_parallel.py).
     reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2, precision="fp8")), 2)
     _assert_failed(reports, "unsupported")
     assert "unsupported on this backend (megatron-core-cpu)" in reports[0].error

@@ -18,7 +18,7 @@ from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.plan.assess import build_plan
 from sweeper.plan.space import layout_from_string
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ACCOUNTED = PipelineSplit(embedding=True, loss=True)
 
 

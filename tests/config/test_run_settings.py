@@ -12,7 +12,7 @@ from sweeper.backends.megatron.support import run_unsupported_reason
 from sweeper.config.schema import load_config
 from sweeper.config.run_settings import RunSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_each_framework_fills_what_the_yaml_leaves_out() -> None:
