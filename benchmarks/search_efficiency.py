@@ -25,7 +25,8 @@ from pathlib import Path
 
 import optuna
 
-from sweeper.config.schema import SweepConfig, load_config
+from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig
 from sweeper.space.layout import Layout
 from sweeper.plan.assess import assess
 from sweeper.plan.space import enumerate_layouts

@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sweeper.config.schema import load_config  # noqa: E402
-from sweeper.plan.space import layout_from_string  # noqa: E402
+from sweeper.config.load import load_config  # noqa: E402
+from sweeper.config.schema import layout_from_string  # noqa: E402
 
 SPACE = """\
 name: trial-overhead

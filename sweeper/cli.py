@@ -16,9 +16,11 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from sweeper.config.schema import SweepConfig, check_address_override, load_config, proxy_config, resolve_space_path
+from sweeper.config.address import check_address_override
+from sweeper.config.load import load_config, proxy_config, resolve_space_path
+from sweeper.config.schema import SweepConfig
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
-from sweeper.space.layout import LayoutError
+from sweeper.errors import LayoutError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -132,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 # -- trial --------------------------------------------------------------------------------------------------------
 def cmd_trial(args: argparse.Namespace) -> int:
-    from sweeper.plan.space import layout_from_string
+    from sweeper.config.schema import layout_from_string
 
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)

@@ -8,6 +8,10 @@ a sweeper bug and keeps its traceback.
 
 from __future__ import annotations
 
+import reprlib
+from collections.abc import Mapping
+from typing import Any
+
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 
@@ -35,3 +39,75 @@ class ClusterError(SweeperError, RuntimeError):
     """
 
     exit_code = EXIT_FAILED
+
+
+class ConfigError(UsageError):
+    """Bad user input in the search YAML; the message is one line that names the field (exit 2)."""
+
+
+class ModelError(UsageError):
+    """A model (preset name, inline spec or HF config.json) that cannot be read; ``where`` is the key path inside
+    ``model`` (e.g. ``.num_layers``), so the YAML loader can name the field."""
+
+    def __init__(self, message: str, where: str = "") -> None:
+        super().__init__(message)
+        self.where = where
+
+
+class LayoutError(UsageError):
+    """A layout string or value that cannot describe any layout (bad key, bad number): exit 2."""
+
+
+# -- one-line messages for pydantic validation errors (the YAML schema, inline model specs) ------------------------
+def field_path(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as the user wrote it: ``space.tp[0]``."""
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "(top level)"
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 2, 4, 4, 60, 60
+
+
+def _short_repr(value: Any) -> str:
+    # Bounded in depth and length: the value may be a YAML alias that refers to itself or expands enormously.
+    return _REPR.repr(value)
+
+
+def explain_error(err: Mapping[str, Any]) -> str:
+    """One pydantic error (``ValidationError.errors()`` item) as a phrase: ``must be a positive integer, got -2``."""
+    kind, ctx, value = err["type"], err.get("ctx", {}), err.get("input")
+    got = f", got {_short_repr(value)}"
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required"
+    if kind == "greater_than" and ctx.get("gt") == 0 and not isinstance(ctx.get("gt"), float):
+        return f"must be a positive integer{got}"
+    if kind == "greater_than":
+        return f"must be greater than {ctx.get('gt')}{got}"
+    if kind in ("greater_than_equal", "less_than", "less_than_equal"):
+        op = {"greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}[kind]
+        bound = ctx.get("ge", ctx.get("lt", ctx.get("le")))
+        return f"must be {op} {bound}{got}"
+    if kind in ("int_type", "int_parsing", "int_from_float"):
+        return f"must be an integer{got}"
+    if kind in ("float_type", "float_parsing"):
+        return f"must be a number{got}"
+    if kind == "finite_number":
+        return f"must be a finite number{got}"
+    if kind in ("bool_type", "bool_parsing"):
+        return f"must be true or false{got}"
+    if kind in ("string_type",):
+        return f"must be a string{got}"
+    if kind == "list_type":
+        return f"must be a list{got}"
+    if kind in ("model_type", "model_attributes_type", "dict_type"):
+        return f"must be a mapping{got}"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')}{got}"
+    message = str(err.get("msg", "invalid"))
+    message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    return message[:1].lower() + message[1:]

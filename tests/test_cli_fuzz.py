@@ -28,8 +28,9 @@ import sweeper.cluster.discovery
 import sweeper.search.loop
 import sweeper.trial.single
 from sweeper.cli import main
-from sweeper.config.schema import check_address
-from sweeper.space.layout import PRECISIONS, LayoutError, canonical_recompute
+from sweeper.config.address import check_address
+from sweeper.errors import LayoutError
+from sweeper.space.layout import PRECISIONS, canonical_recompute
 
 GOOD: dict[str, Any] = {
     "name": "fuzz",

@@ -23,8 +23,8 @@ import pytest
 import yaml
 
 from sweeper.backends.megatron.equivalence import TOLERANCE
-from sweeper.config.schema import load_config
-from sweeper.plan.space import layout_from_string
+from sweeper.config.load import load_config
+from sweeper.config.schema import layout_from_string
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e

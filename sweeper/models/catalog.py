@@ -12,16 +12,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from sweeper.errors import ModelError, explain_error, field_path
+from sweeper.models.hf import spec_from_hf_config
 from sweeper.models.proxy import proxy
 from sweeper.models.spec import ModelSpec
-
-
-class ModelError(ValueError):
-    """A model section that cannot be resolved; ``where`` is the sub-path (e.g. ``.num_layers``)."""
-
-    def __init__(self, message: str, where: str = "") -> None:
-        super().__init__(message)
-        self.where = where
 
 
 NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
@@ -196,7 +190,6 @@ def resolve_model(value: Any, base_dir: Path = Path(".")) -> ModelSpec:
     if not isinstance(value, dict):
         raise ModelError(f"must be a preset name or a mapping, got {type(value).__name__}")
     if "hf_config" in value:
-        from sweeper.models.hf import spec_from_hf_config
 
         extra = sorted(set(value) - {"hf_config", "name"})
         if extra:
@@ -248,7 +241,6 @@ def _hf_model(value: dict[str, Any], base_dir: Path) -> ModelSpec:
         else:
             raise ModelError(f"{path}: hub-cache folder with {len(snapshots)} snapshots and no refs/main; pass the "
                              "snapshot folder itself", where=".hf")
-    from sweeper.models.hf import spec_from_hf_config
 
     # The name carries the folder to the GPU trial (gpu.HF_NAME_PREFIX): ModelSpec is what travels to the ranks.
     return spec_from_hf_config(path, name=f"hf:{path}")
@@ -264,11 +256,9 @@ def _validated(data: dict[str, Any]) -> ModelSpec:
     try:
         return ModelSpec.model_validate(data)
     except ValidationError as exc:
-        from sweeper.config.schema import _dotted, _explain
-
         err = exc.errors()[0]
         loc = tuple(err["loc"])
-        return _raise(f"{_explain(err)}", "." + _dotted(loc) if loc else "")
+        return _raise(explain_error(err), "." + field_path(loc) if loc else "")
 
 
 def _raise(message: str, where: str) -> ModelSpec:

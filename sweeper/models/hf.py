@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from sweeper.models.catalog import ModelError
+from sweeper.errors import ModelError
 from sweeper.models.spec import ATTENTION, MAMBA, MLP, MOE, ModelSpec
 
 _MISSING = object()

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 from sweeper.config.schema import ClusterConfig
-from sweeper.space.pipeline import check_layout
+from sweeper.space.pipeline import accounted_split, check_layout, uneven_split
 from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
 
@@ -270,7 +269,7 @@ def pipeline_split(c: RuleContext) -> str | None:
                 f"uneven first/last-stage split nor accounting for the embedding and the loss in the split fits"
                 + (f" with virtual pipeline size {lo.vpp}" if lo.vpp > 1 else "")
             )
-        return f"num_layers ({layers}) needs an uneven pipeline split; call rules.with_pipeline_split first"
+        return f"num_layers ({layers}) needs an uneven pipeline split; call space.pipeline.with_pipeline_split first"
     first, last = lo.first_stage_layers, lo.last_stage_layers
     for stage, count in (("first", first), ("last", last)):
         if count is not None and count <= 0:
@@ -290,59 +289,6 @@ def pipeline_split(c: RuleContext) -> str | None:
             f"virtual pipeline parallel degree ({lo.vpp})"
         )
     return None
-
-
-@lru_cache(maxsize=4096)
-def uneven_split(layers: int, pp: int, vpp: int = 1) -> tuple[int, int] | None:
-    """Megatron's num_layers_in_first/last_pipeline_stage for layers that do not divide by PP: the most balanced
-    split with the first stage getting the extra layer (the last stage also holds the output layer and logits),
-    every count a multiple of VPP. 27 layers on PP=2 gives (14, 13)."""
-    best: tuple[int, int, int, int] | None = None  # (imbalance, last - first, first, last)
-    for first in range(1, layers):
-        for last in range(1, layers - first + 1):
-            middle_layers, middle_stages = layers - first - last, pp - 2
-            if (middle_layers > 0) != (middle_stages > 0) or middle_layers < 0:
-                continue
-            per_middle = middle_layers // middle_stages if middle_stages else None
-            if middle_stages and middle_layers % middle_stages:
-                continue
-            counts = [first, last] + ([per_middle] if per_middle is not None else [])
-            if any(n % vpp or n == 0 for n in counts):
-                continue
-            key = (max(counts) - min(counts), last - first, first, last)
-            if best is None or key < best:
-                best = key
-    return None if best is None else (best[2], best[3])
-
-
-def accounted_split(layers: int, pp: int, vpp: int = 1) -> tuple[bool, bool] | None:
-    """(account_for_embedding, account_for_loss) that make ``layers`` split over PP x VPP with a decoder layer on
-    every virtual stage, both preferred (NVIDIA's recipes: Llama-3.1-405B's 126 layers + 2 on PP8 x VPP8 give 2 per
-    virtual stage, 1 beside the embedding and 1 beside the loss); None when none does."""
-    for embedding, loss in ((True, True), (True, False), (False, True)):
-        slots = layers + embedding + loss
-        # Every virtual stage keeps at least one decoder layer (Megatron allows an empty one; sweeper does not pick
-        # it for the user: a stage holding only the embedding or only the loss is a poor split).
-        if slots % pp == 0 and (slots // pp) % vpp == 0 and slots // pp // vpp >= 2:
-            return embedding, loss
-    return None
-
-
-def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
-    """The layout with Megatron's pipeline split filled in when the layers do not divide by PP x VPP and the layout
-    names no split itself: the uneven first/last stage sizes (27 layers on PP2: 14/13), else the embedding and the
-    loss accounted as layers (126 layers on PP8 x VPP8)."""
-    from dataclasses import replace
-
-    if layout.pp == 1 or not layout.split.even or model.num_layers % layout.pp == 0:
-        return layout
-    split = uneven_split(model.num_layers, layout.pp, layout.vpp)
-    if split is not None:
-        return replace(layout, first_stage_layers=split[0], last_stage_layers=split[1])
-    accounted = None if model.is_hybrid else accounted_split(model.num_layers, layout.pp, layout.vpp)
-    if accounted is not None:
-        return replace(layout, account_for_embedding=accounted[0], account_for_loss=accounted[1])
-    return layout
 
 
 # -- MoE (moe_layer.py, transformer_config.py) --------------------------------------------------------------------

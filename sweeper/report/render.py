@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.report import figures
-from sweeper.space.layout import Layout, LayoutError
+from sweeper.errors import LayoutError
+from sweeper.space.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.report.figures import esc, kind_counts, num
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult

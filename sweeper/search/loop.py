@@ -27,14 +27,16 @@ from sweeper.estimate.calibrator import Calibrator
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
 from sweeper.estimate import Estimate
-from sweeper.space.layout import Layout, LayoutError
+from sweeper.errors import LayoutError
+from sweeper.space.layout import Layout
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import PlanEntry, assess
 from sweeper.search.progress import Progress
 from sweeper.record.schema import TrialResult
 from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
-from sweeper.plan.space import enumerate_layouts, layout_from_string
+from sweeper.config.schema import layout_from_string
+from sweeper.plan.space import enumerate_layouts
 from sweeper.search.study import LayoutStudy
 from sweeper.record.sweepdir import SweepDir
 

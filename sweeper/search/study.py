@@ -31,7 +31,7 @@ from optuna.trial import TrialState
 
 from sweeper.config.schema import SweepConfig
 from sweeper.space.layout import Layout
-from sweeper.plan.rules import with_pipeline_split
+from sweeper.space.pipeline import with_pipeline_split
 
 AXES = ("gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "mbs", "precision", "recompute", "distributed_optimizer")
 # Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from sweeper.errors import LayoutError
+
 Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
 # Recompute granularities. "selective" recomputes Megatron's default module (core_attn); "selective:a+b" names
@@ -22,10 +24,6 @@ DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 
 # The keys of the contract's JSON "layout" object, in the contract's order.
 CONTRACT_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp", "vpp", "sp", "mbs", "gbs", "precision", "recompute")
-
-
-class LayoutError(ValueError):
-    """A layout string or value that cannot describe any layout (bad key, bad number)."""
 
 
 @dataclass(frozen=True)
@@ -390,3 +388,8 @@ def canonical_recompute(value: str) -> str:
         )
     modules = tuple(m for m in RECOMPUTE_MODULES if m in names)
     return "selective" if modules == DEFAULT_RECOMPUTE_MODULES else "selective:" + "+".join(modules)
+
+
+def resolve_sp(value: str | bool, tp: int) -> bool:
+    """Sequence parallelism as a space or ``--only`` gives it: ``auto`` is on whenever TP > 1."""
+    return tp > 1 if value == "auto" else bool(value)

@@ -34,7 +34,8 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
     layouts, the one-line reason (the most common one) and what would make the space run; None otherwise."""
     from collections import Counter
 
-    from sweeper.plan.rules import check, with_pipeline_split
+    from sweeper.plan.rules import check
+    from sweeper.space.pipeline import with_pipeline_split
     from sweeper.plan.space import enumerate_layouts
 
     run_reason = run_unsupported_reason(cfg.run, cuda=False, te=False)

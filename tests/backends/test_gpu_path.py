@@ -19,7 +19,8 @@ from sweeper.backends.megatron import gpu
 from sweeper.backends.megatron.failures import UnsupportedError, classify
 from sweeper.backends.megatron.support import unsupported_reason
 from sweeper.space.layout import Layout
-from sweeper.models.catalog import ModelError, preset, resolve_model
+from sweeper.errors import ModelError
+from sweeper.models.catalog import preset, resolve_model
 from sweeper.config.run_settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,7 +9,7 @@ import yaml
 from pydantic import ValidationError
 
 from sweeper.backends.megatron.support import run_unsupported_reason
-from sweeper.config.schema import load_config
+from sweeper.config.load import load_config
 from sweeper.config.run_settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -458,7 +458,7 @@ def test_estimator_imports_no_torch() -> None:
 
 def test_nemotron_space_is_estimated_fast() -> None:
     """The 2x8 Nemotron space: every valid layout estimated well inside plan's 2 s budget."""
-    from sweeper.config.schema import load_config
+    from sweeper.config.load import load_config
     from sweeper.plan.rules import check
     from sweeper.plan.space import enumerate_layouts
 
@@ -701,7 +701,7 @@ def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_p
     """A CPU trial measures host memory (no memory calibration) but its router's load is real megatron-core:
     the calibrator keeps the largest measured hot-rank factor and never lowers it. (Hand-written TrialResults.)"""
     from sweeper.estimate.calibrator import Calibrator
-    from sweeper.config.schema import load_config
+    from sweeper.config.load import load_config
     from sweeper.record.schema import TrialMetrics, TrialResult
 
     cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")

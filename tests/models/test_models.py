@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from sweeper.models.catalog import PRESETS, ModelError
+from sweeper.errors import ModelError
+from sweeper.models.catalog import PRESETS
 from sweeper.models.hf import spec_from_hf_config
 from sweeper.models.params import active_params, padded_vocab_size, total_params
 

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from sweeper.plan import rules
-from sweeper.config.schema import load_config
+from sweeper.space.pipeline import with_pipeline_split
+from sweeper.config.load import load_config
 from sweeper.models.catalog import preset
 from sweeper.models.params import total_params
 from sweeper.models.proxy import is_proxy, proxy
@@ -45,7 +46,7 @@ def test_proxy_gets_the_real_models_verdict_for_every_layout_of_the_space(space:
     layouts = enumerate_layouts(cfg)
     assert len(layouts) > 1000
     for layout in layouts:
-        fired = [[fn.__name__ for fn in rules.RULES if fn(RuleContext(m, rules.with_pipeline_split(layout, m),
+        fired = [[fn.__name__ for fn in rules.RULES if fn(RuleContext(m, with_pipeline_split(layout, m),
                                                                       cfg.cluster, seq))]
                  for m in (real, small)]
         assert fired[0] == fired[1], (layout.short(), fired)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sweeper.plan import rules
+from sweeper.space.pipeline import with_pipeline_split
 from sweeper.config.schema import ClusterConfig
 from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
@@ -171,7 +172,7 @@ CASES: dict[str, list[Case]] = {
         # Hybrid: Megatron's MambaStack splits 8 layers on 3 stages with integer division (drops 2): refused...
         (HYBRID, L(12, pp=3), H100x2, SEQ, "would silently drop layers of a hybrid Mamba model"),
         # ...but it honours an explicit first/last split, which rules.with_pipeline_split fills in.
-        (HYBRID, rules.with_pipeline_split(L(12, pp=3), HYBRID), H100x2, SEQ, None),
+        (HYBRID, with_pipeline_split(L(12, pp=3), HYBRID), H100x2, SEQ, None),
     ],
     "pipeline_split_options": [
         (LLAMA_405B, L(64, pp=8, vpp=8, account_for_embedding=True, account_for_loss=True), H100x8, SEQ, None),
@@ -332,5 +333,5 @@ def test_presets_have_valid_layouts_on_their_spaces() -> None:
     nemotron = preset("nemotron-3-nano-30b-a3b")
     assert rules.check(nemotron, L(16, tp=2, pp=2, ep=8, sp=True, precision="fp8"), cluster, SEQ) == []
     v2 = preset("deepseek-v2-lite")
-    lo = rules.with_pipeline_split(L(16, tp=1, pp=2, ep=8), v2)
+    lo = with_pipeline_split(L(16, tp=1, pp=2, ep=8), v2)
     assert rules.check(v2, lo, H100x2, SEQ) == []

@@ -73,7 +73,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from sweeper.plan import rules  # noqa: E402
+from sweeper.plan import rules
+from sweeper.space.pipeline import with_pipeline_split  # noqa: E402
 from sweeper.config.schema import ClusterConfig  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 from sweeper.models.spec import ModelSpec  # noqa: E402
@@ -417,7 +418,7 @@ def cases(draw, models) -> Case:
             embedding, loss = False, True
         layout = replace(layout, account_for_embedding=embedding, account_for_loss=loss)
     else:
-        layout = rules.with_pipeline_split(layout, model)
+        layout = with_pipeline_split(layout, model)
     return Case(model, layout, draw(st.sampled_from([16, 24, 32, 48, 64, 96])))
 
 
@@ -465,11 +466,11 @@ EXAMPLES = [
     (Case(_dense(), _L(world_size=6, tp=4), 64), False),
     (Case(_dense(), _L(world_size=2, sp=True), 64), False),
     (Case(_dense(num_layers=5), _L(world_size=2, pp=2), 64), False),  # even split asserted at build
-    (Case(_dense(num_layers=5), rules.with_pipeline_split(_L(world_size=2, pp=2), _dense(num_layers=5)), 64), True),
+    (Case(_dense(num_layers=5), with_pipeline_split(_L(world_size=2, pp=2), _dense(num_layers=5)), 64), True),
     (Case(_dense(), _L(world_size=2, pp=2, vpp=4), 64), False),
     # 126 layers on PP8 x VPP8 in miniature: 14 layers + embedding + loss on PP4 x VPP2 (2 slots per virtual stage).
     (Case(_dense(num_layers=14), _L(world_size=4, pp=4, vpp=2, gbs=8), 64), False),
-    (Case(_dense(num_layers=14), rules.with_pipeline_split(_L(world_size=4, pp=4, vpp=2, gbs=8),
+    (Case(_dense(num_layers=14), with_pipeline_split(_L(world_size=4, pp=4, vpp=2, gbs=8),
                                                            _dense(num_layers=14)), 64), True),
     (Case(_dense(num_layers=14), _L(world_size=4, pp=4, vpp=2, gbs=8, account_for_embedding=True), 64), False),
     (Case(_dense(), _L(world_size=4, ep=2), 64), False),

@@ -15,7 +15,7 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from sweeper.config.schema import load_config
+from sweeper.config.load import load_config
 from sweeper.space.layout import Layout
 from sweeper.plan.rules import check
 

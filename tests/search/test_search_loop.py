@@ -16,7 +16,8 @@ from typing import Any, Callable
 import pytest
 import yaml
 
-from sweeper.config.schema import SweepConfig, load_config
+from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig
 from sweeper.space.layout import Layout
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
 from sweeper.search.loop import SearchOptions, Sweep
@@ -233,7 +234,7 @@ def _explore_records(sweep: Sweep) -> list[dict[str, Any]]:
 def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_each_refusal_once(
         tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     from sweeper.plan.rules import check
-    from sweeper.plan.space import layout_from_string
+    from sweeper.config.schema import layout_from_string
 
     cfg = _load(tmp_path, MANY_INVALID)
     host = StandInHost(nodes=2, gpus=4, delay=0.05)

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sweeper.config.schema import load_config
+from sweeper.config.load import load_config
 from sweeper.space.pipeline import stage_layers
 from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.plan.assess import build_plan
-from sweeper.plan.space import layout_from_string
+from sweeper.config.schema import layout_from_string
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNTED = PipelineSplit(embedding=True, loss=True)

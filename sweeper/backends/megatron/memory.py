@@ -15,7 +15,6 @@ import logging
 import os
 import resource
 import threading
-import time
 
 import psutil
 import torch

@@ -1,0 +1,157 @@
+"""Reading a search YAML: ``load_config`` is the only entry point. It returns a validated ``SweepConfig`` with the
+model resolved to a ``ModelSpec``, or raises ``ConfigError`` with one line that names the offending field; and the
+``--proxy`` and shipped-space conveniences the commands offer on top of it."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, get_args
+
+import yaml
+from pydantic import ValidationError
+
+from sweeper.config.schema import FieldError, SweepConfig
+from sweeper.errors import ConfigError, ModelError, explain_error, field_path
+from sweeper.models.catalog import resolve_model
+from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
+from sweeper.models.spec import ModelSpec
+
+
+
+# --proxy: the trials of a proxy sweep are CPU-sized too, and there are few of them (README: "--proxy").
+PROXY_SEQ_LENGTH_CAP = 128
+PROXY_GLOBAL_BATCH_CAP = 32
+PROXY_STEPS = 3
+PROXY_MAX_TRIALS = 4
+
+
+def proxy_config(cfg: SweepConfig) -> SweepConfig:
+    """The space with its model's CPU-size proxy (models/proxy.py) and CPU-size training: the sequence length and
+    global batch become their power-of-two parts (capped), so the layout rules' divisibility checks read the same;
+    at most PROXY_STEPS steps and PROXY_MAX_TRIALS trials. The sweep is named ``<name>-proxy``."""
+    if is_proxy(cfg.model) and cfg.name.endswith(PROXY_SUFFIX):
+        return cfg
+    t = cfg.training
+    steps = min(t.steps, PROXY_STEPS)
+    training = t.model_copy(update=dict(
+        seq_length=power_of_two_part(t.seq_length, PROXY_SEQ_LENGTH_CAP),
+        global_batch_size=power_of_two_part(t.global_batch_size, PROXY_GLOBAL_BATCH_CAP),
+        steps=steps,
+        warmup_steps=min(t.warmup_steps, steps - 1),
+        checkpoint_every=t.checkpoint_every if t.checkpoint_every and t.checkpoint_every < steps else None,
+    ))
+    search = cfg.search.model_copy(update=dict(max_trials=min(cfg.search.max_trials, PROXY_MAX_TRIALS)))
+    name = cfg.name if cfg.name.endswith(PROXY_SUFFIX) else cfg.name + PROXY_SUFFIX
+    return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
+
+
+SHIPPED_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
+
+
+def resolve_space_path(path: str | Path) -> Path:
+    """The search YAML a command names: the path itself, or for a bare file name that is not here (``nemotron.yaml``,
+    or ``nemotron``) the search space of that name shipped in ``search_spaces/``."""
+    path = Path(path)
+    if path.is_file() or path.parent != Path("."):
+        return path
+    for folder in (Path("search_spaces"), SHIPPED_SPACES):
+        for candidate in (folder / path.name, folder / f"{path.name}.yaml"):
+            if candidate.is_file():
+                return candidate
+    return path
+
+
+def load_config(path: str | Path) -> SweepConfig:
+    """Read, validate and resolve a search YAML; raises ConfigError with one line naming the field."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except RecursionError:
+        raise ConfigError(f"{path}: YAML nested too deeply to read") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: YAML syntax error{where}: {problem}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (name, model, cluster, ...), got {type(data).__name__}")
+    if "source" in data:  # set by load_config itself, never read from the YAML
+        raise ConfigError(f"{path}: source: unknown key")
+    problem = _non_finite(data, ())
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
+    if "model" not in data:
+        raise ConfigError(f"{path}: model: required (a preset name, an inline spec or {{hf_config: path}})")
+    problem = _bool_for_number(data["model"])
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
+    try:
+        data = {**data, "model": resolve_model(data["model"], base_dir=path.parent)}
+    except ModelError as exc:
+        raise ConfigError(f"{path}: model{exc.where}: {exc}") from None
+    try:
+        return SweepConfig.model_validate({**data, "source": path}, strict=True)
+    except ValidationError as exc:
+        raise ConfigError(f"{path}: {format_validation_error(exc)}") from None
+
+
+def _non_finite(data: Any, root: tuple[str | int, ...]) -> str | None:
+    """The first .inf / .nan anywhere in the YAML, as ``field: must be a finite number, got inf``.
+
+    Iterative, and each container is visited once: YAML aliases can make a document refer to itself, or expand
+    a few lines into billions of nodes.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(data, root)]
+    seen: set[int] = set()
+    while stack:
+        value, loc = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{field_path(loc)}: must be a finite number, got {value}"
+        if isinstance(value, (dict, list)):
+            if id(value) in seen:
+                continue
+            seen.add(id(value))
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            children = [(item, (*loc, key if isinstance(key, int) else str(key))) for key, item in items]
+            stack.extend(reversed(children))
+    return None
+
+
+def _bool_for_number(model: Any) -> str | None:
+    """A YAML true/false given to a numeric field of an inline model (``num_layers: true`` is not 1 layer).
+
+    The model's own schema is lax about this; the rest of the YAML is validated strictly.
+    """
+    if not isinstance(model, dict):
+        return None
+    for key, value in model.items():
+        field = ModelSpec.model_fields.get(str(key))
+        if field is None or not isinstance(value, bool):
+            continue
+        accepted = set(get_args(field.annotation)) or {field.annotation}
+        if bool not in accepted and accepted & {int, float}:
+            return f"model.{key}: must be a number, got {value!r}"
+    return None
+
+
+def format_validation_error(exc: ValidationError) -> str:
+    """The first error of a pydantic ValidationError as ``space.tp[0]: must be a positive integer, got -2``."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    ctx_error = err.get("ctx", {}).get("error")
+    if isinstance(ctx_error, FieldError):
+        return f"{field_path(ctx_error.loc)}: {ctx_error}"
+    return f"{field_path(_drop_union_tags(loc))}: {explain_error(err)}"
+
+
+def _drop_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
+    # pydantic puts the union member it tried into the path (e.g. 'literal['auto']', 'int'); users never wrote it.
+    return tuple(p for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or p.startswith(("literal[", "function-")))))
+
+
+_TYPE_TAGS = {"int", "bool", "float", "str", "constrained-int", "constrained-float", "list[constrained-int]"}
