@@ -20,7 +20,6 @@ from sweeper.config.address import check_address_override
 from sweeper.config.load import load_config, proxy_config, resolve_space_path
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
-from sweeper.errors import LayoutError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -37,9 +36,6 @@ def main(argv: list[str] | None = None) -> int:
     except SweeperError as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code
-    except LayoutError as exc:  # a --layout / --only string (sweeper.space.layout predates SweeperError)
-        print(f"error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
