@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from sweeper.config.address import check_address_override
 from sweeper.config.load import load_config, proxy_config, resolve_space_path
@@ -25,6 +25,10 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No abbreviations: `--p` is not `--proxy` (a script's typo must not silently pick a different sweep).
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
     def error(self, message: str) -> NoReturn:  # argparse prints usage + message over two lines; we print one
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
