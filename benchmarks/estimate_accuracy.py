@@ -6,7 +6,8 @@ For the pipeline rank each source reports, three comparisons where the source ha
 - peak allocated: ``max_memory_allocated`` against ``stage_memory(...).allocated_gib``;
 - peak reserved: ``max_memory_reserved`` against ``stage_memory(...).reserved_gib(fragmentation)``: the model
   state as allocated plus the dynamic part (activations, transients, logits) x the allocator fragmentation.
-Cases with unmodelled features are printed but kept out of the headlines. The order check counts the pairs of cases whose measured peaks the prediction puts in the same order.
+Cases with unmodelled features are printed but kept out of the headlines. The order check counts the pairs of cases
+whose measured peaks the prediction puts in the same order.
 Calibration is checked leave-one-out: each modelled peak-allocated case is predicted with factors fitted
 (``sweeper.estimate.calibration.fit``) on all the others.
 Run: ``python benchmarks/estimate_accuracy.py`` (``--json`` for the numbers only).
@@ -22,13 +23,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from sweeper.config.run_settings import RunSettings
 from sweeper.estimate import Calibration, EstimatorConstants, stage_memory
 from sweeper.estimate.calibration import Sample, fit
 from sweeper.estimate.estimator import memory_band, non_torch_gib
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import resolve_model
 from sweeper.models.params import total_params
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_memory.json"
 GOAL_MEDIAN, GOAL_MAX = 0.10, 0.20  # issue #3: peak memory within 10% median, no case worse than 20%
@@ -158,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))
         return 0
-    print(f"{'case':40} {'stage':>5}   {'model state GiB':^21}   {'peak allocated GiB':^21}   {'peak reserved GiB':^21}")
+    print(f"{'case':40} {'stage':>5}   {'model state GiB':^21}   {'peak allocated GiB':^21}   "
+          f"{'peak reserved GiB':^21}")
     print(f"{'':40} {'':>5}   {'pred   meas     err':^21}   {'pred   meas     err':^21}   {'pred   meas     err':^21}")
     for case, row in zip(cases, rows):
         mark = "" if row["modelled"] else "  (unmodelled: " + "; ".join(case["unmodelled"]) + ")"

@@ -27,10 +27,10 @@ import optuna
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.plan.assess import assess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.search.study import LayoutStudy
+from sweeper.space.layout import Layout
 
 
 def landscape(cfg: SweepConfig) -> dict[Layout, float]:

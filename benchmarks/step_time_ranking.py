@@ -20,8 +20,8 @@ from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import estimate
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.step_time import model_flops_per_token
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import resolve_model
+from sweeper.space.layout import Layout
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "measured_throughput.json"
 

@@ -1,5 +1,5 @@
-"""Run the fault tests (tests/search/test_faults.py: real sweeps on simulated Ray clusters with injected faults) and print
-the README's reliability table from what each test observed.
+"""Run the fault tests (tests/search/test_faults.py: real sweeps on simulated Ray clusters with injected faults) and
+print the README's reliability table from what each test observed.
 
     python scripts/reliability_table.py
 """
@@ -26,7 +26,8 @@ def main() -> int:
             cwd=ROOT, env={**os.environ, "SWEEPER_FAULT_REPORT": str(report)},
         )
         rows = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
-    print(f"\n{len(rows)} fault scenarios passed in {time.monotonic() - started:.0f} s (pytest exit {proc.returncode})\n")
+    elapsed = time.monotonic() - started
+    print(f"\n{len(rows)} fault scenarios passed in {elapsed:.0f} s (pytest exit {proc.returncode})\n")
     print("| fault | what happens | what is kept |")
     print("|---|---|---|")
     for row in rows:

@@ -67,7 +67,8 @@ def _load(args: argparse.Namespace) -> SweepConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sweeper", description="Find the best stable Megatron parallel layout for a model on a cluster.")
+    parser = _Parser(prog="sweeper",
+                     description="Find the best stable Megatron parallel layout for a model on a cluster.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     plan = sub.add_parser("plan", help="list every layout of the space, valid or not, with predicted memory")

@@ -73,7 +73,9 @@ class DoctorReport:
         return out
 
 
-def doctor(cfg: SweepConfig, handle: ClusterHandle, trial_root: Path | None = None, timeout_s: float = 120.0) -> DoctorReport:
+def doctor(
+    cfg: SweepConfig, handle: ClusterHandle, trial_root: Path | None = None, timeout_s: float = 120.0
+) -> DoctorReport:
     """Check every alive GPU node; ``trial_root`` is where trials will write (default: the current directory)."""
     root = str(Path(trial_root or Path.cwd()).resolve())
     paths = list(cfg.training.data_paths) + ([cfg.training.tokenizer_path] if cfg.training.tokenizer_path else [])
@@ -144,7 +146,8 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig) -> list[str]:
             if not exists:
                 problems.append(f"{node.label}: {path} does not exist")
         if node.gpu_count < cfg.cluster.gpus_per_node:
-            problems.append(f"{node.label}: {node.gpu_count} GPUs, cluster.gpus_per_node says {cfg.cluster.gpus_per_node}")
+            problems.append(f"{node.label}: {node.gpu_count} GPUs, "
+                            f"cluster.gpus_per_node says {cfg.cluster.gpus_per_node}")
         if node.megatron_core == ABSENT:
             problems.append(f"{node.label}: megatron-core is not installed")
     if len(checks) < cfg.cluster.nodes:

@@ -65,7 +65,8 @@ class SimulatedCluster:
         record_dir: Path | None = DEFAULT_RECORD_DIR,
     ) -> None:
         if nodes < 1 or gpus_per_node < 1:
-            raise ValueError(f"a simulated cluster needs nodes >= 1 and gpus_per_node >= 1, got {nodes} x {gpus_per_node}")
+            raise ValueError(
+                f"a simulated cluster needs nodes >= 1 and gpus_per_node >= 1, got {nodes} x {gpus_per_node}")
         self.initial_nodes = nodes
         self.gpus_per_node = gpus_per_node
         # Logical CPUs only: each rank actor reserves one, and a spare lets node-pinned probe tasks run beside it.

@@ -17,8 +17,6 @@ from sweeper.models.catalog import resolve_model
 from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
 from sweeper.models.spec import ModelSpec
 
-
-
 # --proxy: the trials of a proxy sweep are CPU-sized too, and there are few of them (README: "--proxy").
 PROXY_SEQ_LENGTH_CAP = 128
 PROXY_GLOBAL_BATCH_CAP = 32
@@ -79,7 +77,8 @@ def load_config(path: str | Path) -> SweepConfig:
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path}: cannot read: {exc}") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections (name, model, cluster, ...), got {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: expected a mapping of sections (name, model, cluster, ...), got {type(data).__name__}")
     if "source" in data:  # set by load_config itself, never read from the YAML
         raise ConfigError(f"{path}: source: unknown key")
     problem = _non_finite(data, ())
@@ -151,7 +150,8 @@ def format_validation_error(exc: ValidationError) -> str:
 
 def _drop_union_tags(loc: tuple[Any, ...]) -> tuple[Any, ...]:
     # pydantic puts the union member it tried into the path (e.g. 'literal['auto']', 'int'); users never wrote it.
-    return tuple(p for p in loc if not (isinstance(p, str) and (p in _TYPE_TAGS or p.startswith(("literal[", "function-")))))
+    return tuple(p for p in loc
+                 if not (isinstance(p, str) and (p in _TYPE_TAGS or p.startswith(("literal[", "function-")))))
 
 
 _TYPE_TAGS = {"int", "bool", "float", "str", "constrained-int", "constrained-float", "list[constrained-int]"}

@@ -5,8 +5,8 @@ memory of every pipeline stage); ``Calibration`` refines it from measured trials
 ray or megatron: ``plan`` must stay instant.
 """
 
-from sweeper.estimate.calibration import Calibration
 from sweeper.config.estimator import EstimatorConstants
+from sweeper.estimate.calibration import Calibration
 from sweeper.estimate.estimator import Estimate, StageMemory, estimate, stage_memory
 
 __all__ = ["Calibration", "Estimate", "EstimatorConstants", "StageMemory", "estimate", "stage_memory"]

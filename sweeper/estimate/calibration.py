@@ -163,7 +163,8 @@ def fit(samples: Sequence[Sample]) -> FitReport:
     mem = [s for s in samples if s.measured_peak_gib and s.state() + s.dynamic() > 0]
     s_factor, a, c = _fit_memory(mem) if mem else (1.0, 1.0, 0.0)
     timed = [s for s in samples if s.measured_step_s and s.predicted_step_s]
-    t = statistics.median(float(s.measured_step_s or 0) / float(s.predicted_step_s or 1) for s in timed) if timed else 1.0
+    ratios = [float(s.measured_step_s or 0) / float(s.predicted_step_s or 1) for s in timed]
+    t = statistics.median(ratios) if ratios else 1.0
     cal = Calibration(activation_factor=a, overhead_gib=c, step_time_factor=t, state_factor=s_factor,
                       samples=len(samples))
     identity = Calibration()

@@ -15,8 +15,8 @@ from pathlib import Path
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import estimate
 from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
-from sweeper.space.layout import Layout
 from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
 
 
 def cache_path() -> Path:

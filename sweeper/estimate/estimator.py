@@ -30,8 +30,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
 from sweeper.config.estimator import EstimatorConstants
+from sweeper.config.run_settings import RunSettings
+from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
     GIB,
@@ -43,9 +44,8 @@ from sweeper.estimate.memory import (
     stage_params,
 )
 from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
-from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
     from sweeper.config.schema import ClusterConfig

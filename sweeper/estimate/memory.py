@@ -21,8 +21,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from sweeper.config.estimator import EstimatorConstants
-from sweeper.space.pipeline import stage_layer_kinds
-from sweeper.space.layout import PipelineSplit, recompute_modules
+from sweeper.config.run_settings import RunSettings
 from sweeper.models.params import (
     ShardParams,
     block_params,
@@ -31,7 +30,8 @@ from sweeper.models.params import (
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import PipelineSplit, recompute_modules
+from sweeper.space.pipeline import stage_layer_kinds
 
 GIB = float(1 << 30)
 BF16_BYTES = 2

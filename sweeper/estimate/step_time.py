@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
-from sweeper.space.pipeline import stage_layer_kinds
-from sweeper.space.layout import PipelineSplit, recompute_modules
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
+from sweeper.space.layout import PipelineSplit, recompute_modules
+from sweeper.space.pipeline import stage_layer_kinds
 
 GB = 1e9
 TFLOP = 1e12
@@ -213,6 +213,7 @@ def step_time(
         dp_time = ring(dense * grad_bytes, dense_group, dense_link) + ring(dense * param_bytes, dense_group, dense_link)
         dp_time += ring(expert * grad_bytes, x.edp, links.edp) + ring(expert * param_bytes, x.edp, links.edp)
     else:  # all-reduce = reduce-scatter + all-gather of the grads
-        dp_time = 2 * ring(dense * grad_bytes, dense_group, dense_link) + 2 * ring(expert * grad_bytes, x.edp, links.edp)
+        dp_time = (2 * ring(dense * grad_bytes, dense_group, dense_link)
+                   + 2 * ring(expert * grad_bytes, x.edp, links.edp))
     total += dp_time * (1 - (constants.dp_comm_overlap if x.overlap_grad_reduce else 0.0))
     return total

@@ -17,7 +17,6 @@ from sweeper.models.hf import spec_from_hf_config
 from sweeper.models.proxy import proxy
 from sweeper.models.spec import ModelSpec
 
-
 NEMOTRON_3_NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 
 PRESETS: dict[str, ModelSpec] = {

@@ -13,9 +13,9 @@ from typing import Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, estimate
 from sweeper.estimate.calibration import Calibration
-from sweeper.space.layout import Layout
 from sweeper.plan.rules import check
 from sweeper.plan.space import enumerate_layouts, matches
+from sweeper.space.layout import Layout
 
 _NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None,
                   "memory_band_gib": None, "may_fit": None}

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sweeper.config.schema import ClusterConfig
-from sweeper.space.pipeline import accounted_split, check_layout, uneven_split
-from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
+from sweeper.space.layout import Layout
+from sweeper.space.pipeline import accounted_split, check_layout, uneven_split
 
 
 @dataclass(frozen=True)
@@ -424,7 +424,8 @@ def global_batch_divisible(c: RuleContext) -> str | None:
 def fp8_hardware(c: RuleContext) -> str | None:
     cc = c.cluster.capability
     if c.layout.precision == "fp8" and cc < (8, 9):
-        return f"FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); the cluster is {c.cluster.compute_capability}"
+        return ("FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); "
+                f"the cluster is {c.cluster.compute_capability}")
     if c.layout.precision == "mxfp8" and cc[0] != 10:
         return (
             f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on "

@@ -16,8 +16,8 @@ from typing import Any
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
-from sweeper.space.layout import Layout
 from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
 
 # Layout fields under the names a Megatron user knows (TransformerConfig / Megatron-LM flags).
 _PARAM_NAMES = {
@@ -76,7 +76,9 @@ class Tracker:
         return [run.info.run_id for run in runs]
 
     # -- trials ---------------------------------------------------------------------------------------------------
-    def start_trial(self, number: int, attempt: int, layout: Layout, phase: str, predicted: dict[str, Any] | None) -> str:
+    def start_trial(
+        self, number: int, attempt: int, layout: Layout, phase: str, predicted: dict[str, Any] | None
+    ) -> str:
         assert self.parent_run_id is not None
         tags = {
             "mlflow.parentRunId": self.parent_run_id,

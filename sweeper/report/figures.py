@@ -1,7 +1,8 @@
 """Figures (plotly) and tables (HTML) of the sweep report, built from the rows ``sweeper.report.render`` loaded.
 
 Presentation only: every decision (which attempt is stable, which trials are on the Pareto front) is made in
-``sweeper.report.render`` and arrives here as plain row fields. User text (layout names, error messages) is escaped before it
+``sweeper.report.render`` and arrives here as plain row fields. User text (layout names, error messages) is escaped
+before it
 reaches a figure, because plotly renders a subset of HTML in hover labels.
 """
 

@@ -17,13 +17,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sweeper.report import figures
 from sweeper.errors import LayoutError
-from sweeper.space.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.report.figures import esc, kind_counts, num
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
 from sweeper.record.sweepdir import write_atomic
+from sweeper.report import figures
+from sweeper.report.figures import esc, kind_counts, num
+from sweeper.space.layout import Layout
 
 TRIALS_FILE = "trials.jsonl"
 SWEEP_FILE = "sweep.json"

@@ -23,22 +23,20 @@ from typing import Any
 
 from rich.console import Console
 
-from sweeper.estimate.calibrator import Calibrator
-from sweeper.config.schema import SweepConfig
-from sweeper.errors import EXIT_FAILED, EXIT_OK, UsageError
+from sweeper.config.schema import SweepConfig, layout_from_string
+from sweeper.errors import EXIT_FAILED, EXIT_OK, LayoutError, UsageError
 from sweeper.estimate import Estimate
-from sweeper.errors import LayoutError
-from sweeper.space.layout import Layout
-from sweeper.search.memory_evidence import MemoryEvidence
+from sweeper.estimate.calibrator import Calibrator
 from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import PlanEntry, assess
-from sweeper.search.progress import Progress
-from sweeper.record.schema import TrialResult
-from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
-from sweeper.config.schema import layout_from_string
 from sweeper.plan.space import enumerate_layouts
-from sweeper.search.study import LayoutStudy
+from sweeper.record.schema import TrialResult
 from sweeper.record.sweepdir import SweepDir
+from sweeper.search.memory_evidence import MemoryEvidence
+from sweeper.search.progress import Progress
+from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
+from sweeper.search.study import LayoutStudy
+from sweeper.space.layout import Layout
 
 console = Console(stderr=True)
 INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
@@ -372,9 +370,10 @@ class Sweep:
         self.dir.append_trial(record)
         self.records.append(record)
         colour = "green" if result.passed else "red"
-        console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} "
-                      + (f"{result.failure_kind}: {result.error}" if result.failure_kind else
-                         f"{result.metrics.tokens_per_s or 0:,.0f} tokens/s, peak {result.metrics.peak_memory_gib or 0:.2f} GiB"))
+        m = result.metrics
+        outcome = (f"{result.failure_kind}: {result.error}" if result.failure_kind else
+                   f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
+        console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}")
         fitted = self.calibrator.add(run.layout, result)
         if fitted is not None:
             for line in fitted.lines():
@@ -508,7 +507,8 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
     """The `search` command: exit 0 with a stable layout, 1 without one, 2 on bad input (raised as UsageError)."""
     sweep_dir = SweepDir(options.out)
     if sweep_dir.exists() and not options.resume:
-        raise UsageError(f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
+        raise UsageError(
+            f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
     if options.resume and not sweep_dir.exists():
         raise UsageError(f"--resume: {options.out} holds no sweep to resume")
     for i, text in enumerate(cfg.search.seeds):  # bad seeds are bad input: refused before anything is written

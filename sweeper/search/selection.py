@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
 
 
 @dataclass

@@ -19,7 +19,8 @@ PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
 # the modules (Megatron's --recompute-modules), e.g. "selective:moe_act+layernorm".
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
 # Megatron-Core's recompute_modules choices, in the order the canonical "selective:..." spelling lists them.
-RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
+RECOMPUTE_MODULES: tuple[str, ...] = (
+    "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 
 # The keys of the contract's JSON "layout" object, in the contract's order.

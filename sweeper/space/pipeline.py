@@ -20,8 +20,8 @@ from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
 
-from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.models.spec import Block, ModelSpec
+from sweeper.space.layout import Layout, PipelineSplit
 
 Chunk = tuple[int, ...]  # layer indices (0-based) of one virtual stage
 

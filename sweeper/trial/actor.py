@@ -74,7 +74,7 @@ class RankActor:
                 backend="unknown",
                 ok=False,
                 failure_kind=classify_exception(exc),
-                error=f"backend raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": "),
+                error=f"backend raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}".rstrip(": "),
             )
         if not isinstance(report, RankReport):
             return RankReport(rank=self.rank, node_id=node, backend="unknown", ok=False, failure_kind="infra",

@@ -20,12 +20,12 @@ from pathlib import Path
 
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.cluster import ClusterHandle, connect, plan_placement
+from sweeper.cluster.doctor import DoctorReport, doctor
 from sweeper.cluster.placement import PlacementError
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
 from sweeper.record.schema import TrialResult
-from sweeper.cluster.doctor import DoctorReport, doctor
+from sweeper.space.layout import Layout
 from sweeper.trial.runner import keep_together, run_trial
 
 
@@ -35,8 +35,8 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
     from collections import Counter
 
     from sweeper.plan.rules import check
-    from sweeper.space.pipeline import with_pipeline_split
     from sweeper.plan.space import enumerate_layouts
+    from sweeper.space.pipeline import with_pipeline_split
 
     run_reason = run_unsupported_reason(cfg.run, cuda=False, te=False)
     if run_reason:

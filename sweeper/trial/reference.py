@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.plan.assess import assess
 from sweeper.plan.space import enumerate_layouts
+from sweeper.space.layout import Layout
 
 REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
 PLACE_TIMEOUT_S = 120.0

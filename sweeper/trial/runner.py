@@ -34,8 +34,8 @@ from sweeper.backends.base import SmokeRequest
 from sweeper.cluster.connection import ClusterHandle
 from sweeper.cluster.placement import PlacementError, PlacementTimeout, TrialPlacement, trial_placement
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
 from sweeper.trial.actor import RankActor, RankSlot
 from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
 
@@ -91,7 +91,8 @@ def run_trial(
     trial_dir = Path(trial_dir).resolve()
     trial_dir.mkdir(parents=True, exist_ok=True)
     trial_id = f"{trial_dir.name}-{uuid.uuid4().hex[:6]}"
-    request = _request(cfg, layout, handle, trial_dir, limit, inject if inject in BACKEND_INJECTS else None, inject_rank)
+    backend_inject = inject if inject in BACKEND_INJECTS else None
+    request = _request(cfg, layout, handle, trial_dir, limit, backend_inject, inject_rank)
     request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference)
 
     try:
@@ -319,7 +320,8 @@ def _gather(
 
 def _name_lost_nodes(outcomes: list[RankOutcome], slots: list[RankSlot], handle: ClusterHandle) -> None:
     """A rank that died with its node is a node loss; say so (Ray reports both as an unreachable actor)."""
-    dead = {slot.node_id for slot, o in zip(slots, outcomes) if o.died is not None and not handle.node_alive(slot.node_id)}
+    dead = {slot.node_id for slot, o in zip(slots, outcomes)
+            if o.died is not None and not handle.node_alive(slot.node_id)}
     for slot, outcome in zip(slots, outcomes):
         if outcome.died is not None and slot.node_id in dead:
             outcome.died = f"node {outcome.node} lost while the rank ran ({outcome.died})"

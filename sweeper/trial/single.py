@@ -6,9 +6,9 @@ import time
 from pathlib import Path
 
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
-from sweeper.record.schema import TrialResult
 from sweeper.plan.rules import check
+from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
 
 RESERVE_TIMEOUT_S = 60.0
 

@@ -9,9 +9,9 @@ from rich.table import Table
 
 if TYPE_CHECKING:
     from sweeper.config.schema import SweepConfig
-    from sweeper.space.layout import Layout
     from sweeper.plan.assess import PlanEntry
     from sweeper.record.schema import TrialResult
+    from sweeper.space.layout import Layout
 
 console = Console()
 

@@ -17,11 +17,11 @@ from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import CheckpointError, NonFiniteError, SimulatedOOMError, classify, one_line
 from sweeper.backends.megatron.support import unsupported_reason
 from sweeper.estimate.step_time import model_flops_per_token
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
 from sweeper.record.schema import FAILURE_KINDS
+from sweeper.space.layout import Layout
 
 # --------------------------------------------------------------------------------------------------------------
 # helpers

@@ -20,13 +20,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # the rank-spawning helper lives next to this file
 
-from megatron_ranks import _context, free_port, run_ranks  # noqa: E402
+from megatron_ranks import _context, free_port, run_ranks
 
-from sweeper.backends.base import RankReport, SmokeRequest  # noqa: E402
-from sweeper.backends.megatron.support import unsupported_reason  # noqa: E402
-from sweeper.space.layout import Layout  # noqa: E402
-from sweeper.models.catalog import preset  # noqa: E402
-from sweeper.models.proxy import proxy  # noqa: E402
+from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.models.catalog import preset
+from sweeper.models.proxy import proxy
+from sweeper.space.layout import Layout
 
 # --------------------------------------------------------------------------------------------------------------
 # helpers: run a function in W gloo ranks
@@ -252,8 +252,8 @@ def test_cpu_backend_accepts_sp_and_cp_but_still_refuses_gpu_only_features() -> 
 def test_local_spec_swaps_only_what_the_layout_needs() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from sweeper.backends.megatron.build import transformer_config
     from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention

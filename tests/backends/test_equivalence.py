@@ -26,8 +26,8 @@ from sweeper.backends.megatron.equivalence import (
     rel_err,
     tolerance,
 )
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
+from sweeper.space.layout import Layout
 
 SEQ = 32
 REF_SEQUENCES = 4  # the reference batch: a multiple of every DP size below (and >= PP for VPP)

@@ -18,10 +18,10 @@ import pytest
 from sweeper.backends.megatron import gpu
 from sweeper.backends.megatron.failures import UnsupportedError, classify
 from sweeper.backends.megatron.support import unsupported_reason
-from sweeper.space.layout import Layout
+from sweeper.config.run_settings import RunSettings
 from sweeper.errors import ModelError
 from sweeper.models.catalog import preset, resolve_model
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 HOPPER, ADA, AMPERE, B200, RTX_PRO_6000 = (9, 0), (8, 9), (8, 0), (10, 0), (12, 0)
@@ -189,7 +189,7 @@ def test_build_constructs_the_gpu_config_for_real(name, layout):
     from sweeper.backends.megatron import build
 
     spec = preset(name)
-    with mock.patch.object(gpu, "device_plan", lambda s, l, run: gpu.gpu_plan(s, l, HOPPER, causal_conv1d=False)):
+    with mock.patch.object(gpu, "device_plan", lambda s, lo, run: gpu.gpu_plan(s, lo, HOPPER, causal_conv1d=False)):
         config = build.transformer_config(spec, layout, cuda=True, te=True)
     assert config.use_cpu_initialization is False
     if spec.multi_latent_attention:

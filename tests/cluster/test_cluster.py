@@ -115,7 +115,7 @@ def test_installed_ray_meets_the_floor_and_has_what_sweeper_uses() -> None:
     from ray.cluster_utils import Cluster
     from ray.core.generated import gcs_pb2, gcs_service_pb2
 
-    assert callable(ray._private.state.available_resources_per_node)  # noqa: SLF001
+    assert callable(ray._private.state.available_resources_per_node)
     assert callable(Cluster.add_node) and callable(Cluster.remove_node)
     assert "GetAllNodeInfo" in gcs_service_pb2.DESCRIPTOR.services_by_name["NodeInfoGcsService"].methods_by_name
     assert "labels" in gcs_pb2.GcsNodeInfo.DESCRIPTOR.fields_by_name
@@ -470,7 +470,7 @@ def _pids_without(cluster, node) -> set[int]:
     from sweeper.cluster.simulated import _node_pids
 
     return {p for n in cluster.nodes if n is not node for p in _node_pids(n.raylet)} | set(
-        _node_pids(cluster._cluster.head_node)  # noqa: SLF001 - test introspection
+        _node_pids(cluster._cluster.head_node)
     )
 
 

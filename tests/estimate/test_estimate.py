@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 
+from sweeper.config.run_settings import RunSettings
 from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import Calibration, Estimate, EstimatorConstants, estimate, stage_memory
 from sweeper.estimate.memory import ActivationShape, in_flight_microbatches, stage_params
-from sweeper.space.pipeline import stage_counts, stage_layers
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import PRESETS, preset
 from sweeper.models.spec import ModelSpec
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
+from sweeper.space.pipeline import stage_counts, stage_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -602,13 +602,14 @@ def _stub_core_attention(spec: Any) -> None:
 
 def _probe(cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Build every pipeline stage of every case (rank 0 of the stage) and report its parameters and DDP buffers."""
-    import torch, torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    import torch
+    import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from torch.testing._internal.distributed.fake_pg import FakeStore
     try:
         from sweeper.backends.megatron import cpu_compat
         cpu_compat.install()
@@ -643,8 +644,10 @@ def _probe(cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
                 gated_linear_unit=m.get("gated_linear_unit", True), normalization=m.get("normalization", "RMSNorm"),
                 add_bias_linear=m.get("add_bias_linear", False), add_qkv_bias=m.get("add_qkv_bias", False),
                 qk_layernorm=m.get("qk_layernorm", False))
-            if m.get("num_query_groups"): kw["num_query_groups"] = m["num_query_groups"]
-            if m.get("kv_channels"): kw["kv_channels"] = m["kv_channels"]
+            if m.get("num_query_groups"):
+                kw["num_query_groups"] = m["num_query_groups"]
+            if m.get("kv_channels"):
+                kw["kv_channels"] = m["kv_channels"]
             if m.get("num_moe_experts"):
                 kw.update(num_moe_experts=m["num_moe_experts"], moe_router_topk=m.get("moe_router_topk", 2),
                           moe_ffn_hidden_size=m.get("moe_ffn_hidden_size") or m["ffn_hidden_size"],
@@ -700,8 +703,8 @@ if __name__ == "__main__":
 def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_path: Path) -> None:
     """A CPU trial measures host memory (no memory calibration) but its router's load is real megatron-core:
     the calibrator keeps the largest measured hot-rank factor and never lowers it. (Hand-written TrialResults.)"""
-    from sweeper.estimate.calibrator import Calibrator
     from sweeper.config.load import load_config
+    from sweeper.estimate.calibrator import Calibrator
     from sweeper.record.schema import TrialMetrics, TrialResult
 
     cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")

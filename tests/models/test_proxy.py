@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.plan import rules
-from sweeper.space.pipeline import with_pipeline_split
 from sweeper.config.load import load_config
 from sweeper.models.catalog import preset
 from sweeper.models.params import total_params
 from sweeper.models.proxy import is_proxy, proxy
+from sweeper.plan import rules
 from sweeper.plan.rules import RuleContext
 from sweeper.plan.space import enumerate_layouts
+from sweeper.space.pipeline import with_pipeline_split
 
 SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 
-from sweeper.plan import rules
-from sweeper.space.pipeline import with_pipeline_split
 from sweeper.config.schema import ClusterConfig
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
 from sweeper.models.spec import ModelSpec
+from sweeper.plan import rules
+from sweeper.space.layout import Layout
+from sweeper.space.pipeline import with_pipeline_split
 
 DENSE = ModelSpec(
     num_layers=8, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4, vocab_size=1000
@@ -30,7 +30,7 @@ LLAMA_405B = preset("llama3.1-405b")
 SEQ = 4096
 
 
-def L(world_size: int = 16, **kw: object) -> Layout:  # noqa: N802  (reads like the Layout it builds)
+def L(world_size: int = 16, **kw: object) -> Layout:
     return Layout(world_size=world_size, **{"gbs": 64, **kw})  # type: ignore[arg-type]
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from sweeper.space.layout import Layout
-from sweeper.report.render import REPORT_FILE, load_trials, pareto_front, render_report
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.report.render import REPORT_FILE, load_trials, pareto_front, render_report
+from sweeper.space.layout import Layout
 
 GPU_MEMORY_GIB = 80.0
 HEADROOM = 0.10  # limit = 72.0 GiB

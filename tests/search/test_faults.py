@@ -23,7 +23,6 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-
 ROOT = Path(__file__).resolve().parents[2]
 RECORDS = Path("/tmp/sweeper-clusters")
 pytestmark = pytest.mark.e2e

@@ -6,8 +6,8 @@ The trial results here are TrialResult values written by hand: this tests the pr
 from __future__ import annotations
 
 from sweeper.estimate import Estimate
-from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.record.schema import TrialMetrics, TrialResult
+from sweeper.search.memory_evidence import MemoryEvidence
 
 LIMIT = 86.4  # 90% of 96 GiB
 

@@ -16,8 +16,8 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from sweeper.config.load import load_config
-from sweeper.space.layout import Layout
 from sweeper.plan.rules import check
+from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e

@@ -18,12 +18,12 @@ import yaml
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
-from sweeper.search.loop import SearchOptions, Sweep
-from sweeper.search.study import AXES
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
+from sweeper.search.loop import SearchOptions, Sweep
+from sweeper.search.study import AXES
+from sweeper.space.layout import Layout
 from sweeper.trial.host import Reservation
 
 SPACE = {
@@ -233,8 +233,8 @@ def _explore_records(sweep: Sweep) -> list[dict[str, Any]]:
 
 def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_each_refusal_once(
         tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
-    from sweeper.plan.rules import check
     from sweeper.config.schema import layout_from_string
+    from sweeper.plan.rules import check
 
     cfg = _load(tmp_path, MANY_INVALID)
     host = StandInHost(nodes=2, gpus=4, delay=0.05)

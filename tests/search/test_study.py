@@ -16,10 +16,10 @@ from optuna.trial import TrialState
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
 from sweeper.plan.assess import assess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.search.study import CONSTRAINT, LayoutStudy
+from sweeper.space.layout import Layout
 
 # 2,304 combinations, 148 of them valid for tiny-moe (4 experts, 2 query groups, 4 layers).
 MANY_INVALID: dict[str, Any] = {

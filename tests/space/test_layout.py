@@ -10,13 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sweeper.config.schema import ClusterConfig, SpaceConfig, SweepConfig, TrainingConfig
+from sweeper.config.schema import ClusterConfig, SpaceConfig, SweepConfig, TrainingConfig, layout_from_string
 from sweeper.errors import LayoutError
-from sweeper.space.layout import Layout, parse_assignments
 from sweeper.models.catalog import preset
-from sweeper.space.pipeline import uneven_split, with_pipeline_split
-from sweeper.config.schema import layout_from_string
 from sweeper.plan.space import enumerate_layouts, matches, only_filter
+from sweeper.space.layout import Layout, parse_assignments
+from sweeper.space.pipeline import uneven_split, with_pipeline_split
 
 
 def _cfg(model: str = "tiny-gpt", nodes: int = 2, per_node: int = 8, gbs: int = 64, **space) -> SweepConfig:

@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from sweeper.config.load import load_config
-from sweeper.space.pipeline import stage_layers
-from sweeper.space.layout import Layout, PipelineSplit
-from sweeper.plan.assess import build_plan
 from sweeper.config.schema import layout_from_string
+from sweeper.plan.assess import build_plan
+from sweeper.space.layout import Layout, PipelineSplit
+from sweeper.space.pipeline import stage_layers
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNTED = PipelineSplit(embedding=True, loss=True)

@@ -20,8 +20,8 @@ import pytest
 
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.config.schema import ClusterConfig, SweepConfig, TrainingConfig
-from sweeper.space.layout import Layout
 from sweeper.models.catalog import preset
+from sweeper.space.layout import Layout
 from sweeper.trial.aggregate import RankOutcome, aggregate, root_cause
 
 STANDIN = f"{__name__}:standin_backend"

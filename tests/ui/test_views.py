@@ -9,7 +9,7 @@ from rich.console import Console
 from sweeper.ui import views
 
 
-def test_doctor_table_has_a_row_per_node_and_flags_disagreement(monkeypatch) -> None:  # noqa: ANN001
+def test_doctor_table_has_a_row_per_node_and_flags_disagreement(monkeypatch) -> None:
     console = Console(record=True, width=200)
     monkeypatch.setattr(views, "console", console)
     rows = [{"node": "sim-0", "torch": "2.13.0", "paths": "ok"}, {"node": "sim-1", "torch": "2.9.1 !", "paths": "ok"}]

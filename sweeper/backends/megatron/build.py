@@ -25,10 +25,10 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
-from sweeper.space.layout import Layout
+from sweeper.config.run_settings import RunSettings
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -37,7 +37,7 @@ def transformer_engine_available() -> bool:
     """True when Transformer Engine imports (the GPU layer spec needs it)."""
     try:
         import transformer_engine  # noqa: F401
-    except Exception:  # TE raises more than ImportError when its CUDA libraries are missing
+    except Exception:  # noqa: BLE001 - TE raises more than ImportError when its CUDA libraries are missing
         return False
     return True
 

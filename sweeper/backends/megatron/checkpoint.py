@@ -39,7 +39,7 @@ def _use_in_process_results_queue() -> None:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
     if getattr(filesystem_async, "_results_queue", "missing") is None:
-        filesystem_async._results_queue = queue.Queue()
+        filesystem_async._results_queue = queue.Queue()  # noqa: SLF001 - the module global it forgot to set
 
 
 def save(built: Built, directory: Path) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -68,7 +68,9 @@ _CUDA_TYPE_NAMES = {
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA devices to the CPU in every torch call (the mechanism torch.set_default_device uses)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             # .cuda() of a tensor already "on the device" returns the tensor itself, as CUDA torch does.
@@ -149,8 +151,8 @@ def _patch_megatron() -> None:
         mla.HAVE_TE = False
     # "CUDA" RNG state on a CPU build is the CPU generator's state: tracker forks and activation recompute
     # (CheckpointFunction) save/restore it through these two functions.
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # noqa: SLF001
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # noqa: SLF001
     mrandom.CudaRNGStatesTracker = _make_cpu_tracker(mrandom.CudaRNGStatesTracker)
     # A tracker created before install (e.g. by an import) would be the CUDA one; force the next one to be ours.
     mrandom.initialize_rng_tracker(force_reset=True)

@@ -41,16 +41,20 @@ import json
 import logging
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import SmokeFailure
-from sweeper.space.layout import Layout
 from sweeper.models.spec import ModelSpec
+from sweeper.space.layout import Layout
+
+if TYPE_CHECKING:
+    from sweeper.backends.megatron.build import Built
 
 REFERENCE_FILE = "reference.json"
 FORMAT = 1
@@ -205,7 +209,7 @@ def fixed_batch(seed: int, sequences: int, seq_length: int, vocab_size: int, dev
     ]
 
 
-def measure(built, batches: list, seq_length: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
+def measure(built: Built, batches: list, seq_length: int) -> tuple[float, float]:
     """(loss, gradient norm) of one forward/backward on ``batches``; the weights are left unchanged."""
     from sweeper.backends.megatron.steps import forward_backward
 
@@ -224,7 +228,7 @@ def run(
     request: SmokeRequest,
     spec: ModelSpec,
     layout: Layout,
-    built,  # type: ignore[no-untyped-def]  # build.Built
+    built: Built,
     report: RankReport,
     device: torch.device,
     enter: Callable[[str], None],
@@ -288,7 +292,7 @@ def run(
         )
 
 
-def _fit(built, batches: list, seq_length: int, steps: int, lr: float) -> float:  # type: ignore[no-untyped-def]
+def _fit(built: Built, batches: list, seq_length: int, steps: int, lr: float) -> float:
     """A few Adam steps on the fixed batch (the reference's weights then encode it); returns the loss before."""
     from sweeper.backends.megatron.steps import forward_backward
 
@@ -307,7 +311,7 @@ def _fit(built, batches: list, seq_length: int, steps: int, lr: float) -> float:
     return first
 
 
-def _unit_gain(built, spec: ModelSpec) -> None:  # type: ignore[no-untyped-def]
+def _unit_gain(built: Built, spec: ModelSpec) -> None:
     """Rescale the freshly initialised weight matrices to std ~1/sqrt(hidden) (unit gain).
 
     Megatron initialises with std 0.02, which is unit gain for hidden ~2500; in a small model it makes every
@@ -325,7 +329,7 @@ def _unit_gain(built, spec: ModelSpec) -> None:  # type: ignore[no-untyped-def]
     built.optimizer.reload_model_params()
 
 
-def _swap_shards(built) -> None:  # type: ignore[no-untyped-def]
+def _swap_shards(built: Built) -> None:
     """Test fault: a wrong layout. Every decoder layer's fc1 weight takes the next TP rank's shard (TP=1: its two
     halves swap), while fc2 keeps its own: hidden units meet the wrong output columns."""
     from megatron.core import parallel_state

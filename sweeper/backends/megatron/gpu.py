@@ -33,9 +33,9 @@ from typing import Any, Literal
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.failures import UnsupportedError
-from sweeper.space.layout import Layout
-from sweeper.models.spec import ModelSpec
 from sweeper.config.run_settings import RunSettings, default_fp8_recipe
+from sweeper.models.spec import ModelSpec
+from sweeper.space.layout import Layout
 
 Capability = tuple[int, int]
 Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
@@ -268,7 +268,8 @@ def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan) -> Any:
 # -- model builders for build.py ---------------------------------------------------------------------------------
 def gpu_model(spec: ModelSpec, layout: Layout, config: Any, run: RunSettings) -> tuple[Any, Callable[..., Any]]:
     """(config, model class) for build.py on a GPU with TE: Bridge's provider and its ``provide`` for a
-    ``model: {hf: DIR}`` spec; otherwise build.py's config and GPTModel or the MambaModel builder. Not run on a GPU yet."""
+    ``model: {hf: DIR}`` spec; otherwise build.py's config and GPTModel or the MambaModel builder. Not run on a GPU
+    yet."""
     plan = device_plan(spec, layout, run)
     if bridge_source(spec) is not None:
         provider = bridge_provider(spec, layout, plan)

@@ -13,9 +13,11 @@ import math
 import os
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -32,11 +34,16 @@ from sweeper.backends.megatron.failures import (
 from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
+from sweeper.config.run_settings import RunSettings
 from sweeper.estimate.step_time import model_flops_per_token
-from sweeper.space.layout import Layout
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.models.spec import ModelSpec
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
+
+if TYPE_CHECKING:
+    from sweeper.backends.megatron.build import Built
+
+T = TypeVar("T")
 
 INJECT_STEP = 2  # fault injection fires at the second training step (steps count from 1)
 _log = logging.getLogger("sweeper.smoke")
@@ -244,8 +251,9 @@ def _smoke(
     report.ok = True
 
 
-def _save_and_reload(  # type: ignore[no-untyped-def]
-    request: SmokeRequest, built, report: RankReport, step: int, enter, safe_point
+def _save_and_reload(
+    request: SmokeRequest, built: Built, report: RankReport, step: int, enter: Callable[[Phase], None],
+    safe_point: Callable[[], None],
 ) -> None:
     """torch_dist save of the weights after ``step``, then reload into the poisoned model and compare bitwise.
 
@@ -288,7 +296,7 @@ def _injected_bug(layout: Layout) -> None:
     layout.parallel_sizes(layout)  # type: ignore[call-arg]
 
 
-def _timed(report: RankReport, key: str, action):  # type: ignore[no-untyped-def]
+def _timed(report: RankReport, key: str, action: Callable[[], T]) -> T:
     start = time.perf_counter()
     try:
         return action()

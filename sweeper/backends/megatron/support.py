@@ -8,10 +8,10 @@ and so does multi-latent attention (Megatron's local MLA spec with a K/V-width-a
 
 from __future__ import annotations
 
-from sweeper.space.layout import Layout
+from sweeper.config.run_settings import RunSettings
 from sweeper.models.params import total_params
 from sweeper.models.spec import ModelSpec
-from sweeper.config.run_settings import RunSettings
+from sweeper.space.layout import Layout
 
 CPU_MAX_PARAMS = 1_000_000_000
 
