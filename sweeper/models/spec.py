@@ -8,8 +8,9 @@ Megatron user recognises them and the backend can pass them through without tran
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from functools import cached_property
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
@@ -115,6 +116,13 @@ class ModelSpec(BaseModel):
     def mamba_heads(self) -> int:
         """Mamba2 heads; Megatron's default is expand(2) * hidden / head_dim."""
         return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelSpec:
+        """pydantic copies ``__dict__``, cached properties included: a copy with other fields must derive its own."""
+        copy = super().model_copy(update=update, deep=deep)
+        if update:
+            copy.__dict__.pop("layer_blocks", None)
+        return copy
 
     @cached_property
     def layer_blocks(self) -> tuple[tuple[Block, ...], ...]:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from sweeper.errors import ModelError
-from sweeper.models.catalog import PRESETS
+from sweeper.models.catalog import PRESETS, preset
 from sweeper.models.hf import spec_from_hf_config
 from sweeper.models.params import active_params, padded_vocab_size, total_params
 
@@ -182,3 +182,11 @@ def test_resolve_model_accepts_hf_config(tmp_path: Path) -> None:
     _write(tmp_path, LLAMA3_8B_HF)
     spec = resolve_model({"hf_config": "config.json", "name": "mine"}, base_dir=tmp_path)
     assert spec.name == "mine" and spec.num_layers == 32
+
+
+def test_a_copy_with_other_fields_derives_its_own_layer_blocks() -> None:
+    moe = preset("deepseek-v2-lite")
+    assert moe.count("moe") == 26  # layer_blocks is cached on the preset now
+    dense = moe.model_copy(update=dict(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
+                                       moe_shared_expert_intermediate_size=None))
+    assert dense.count("moe") == 0 and dense.count("mlp") == dense.num_layers
