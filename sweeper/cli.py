@@ -27,7 +27,8 @@ __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # No abbreviations: `--p` is not `--proxy` (a script's typo must not silently pick a different sweep).
-        super().__init__(*args, allow_abbrev=False, **kwargs)
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:  # argparse prints usage + message over two lines; we print one
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")

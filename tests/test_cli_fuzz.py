@@ -30,7 +30,8 @@ import sweeper.trial.single
 from sweeper.cli import main
 from sweeper.config.address import check_address
 from sweeper.errors import LayoutError
-from sweeper.space.layout import PRECISIONS, canonical_recompute
+from sweeper.space.axes import PRECISIONS
+from sweeper.space.layout import canonical_recompute
 
 GOOD: dict[str, Any] = {
     "name": "fuzz",

@@ -19,6 +19,7 @@ to torch) and from the configuration on the simulated one, labelled ``simulated`
 from __future__ import annotations
 
 import contextlib
+import logging
 import shutil
 import subprocess
 import sys
@@ -159,14 +160,14 @@ def connect(
         if target.kind == "simulated":
             simulated = SimulatedCluster(cluster_cfg.nodes, cluster_cfg.gpus_per_node, record_dir=record_dir).start()
             address = simulated.address
-            ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
         elif target.kind == "local":
             address = "local"
-            ray.init(address="local", logging_level="WARNING")
+            ray.init(address="local", logging_level=logging.WARNING)
         else:
             address = str(target.address)
             try:
-                ray.init(address=address, logging_level="WARNING")
+                ray.init(address=address, logging_level=logging.WARNING)
             except (ConnectionError, RuntimeError, ValueError) as exc:  # e.g. a Ray version mismatch
                 raise ClusterError(f"cannot join the Ray cluster at {address}: {_first_line(exc)}") from None
         yield ClusterHandle(mode=target.kind, address=address, cluster_cfg=cluster_cfg, simulated=simulated,

@@ -128,7 +128,7 @@ def _ask_gcs(address: str, host: str, port: int, timeout_s: float) -> Probe:
     with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as channel:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         try:
-            reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout_s)
+            reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=timeout_s)  # type: ignore[attr-defined]
         except grpc.RpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:

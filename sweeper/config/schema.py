@@ -9,15 +9,16 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, create_model, field_validator, model_validator
 
 from sweeper.config.address import check_address
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
 from sweeper.errors import LayoutError
 from sweeper.models.spec import ModelSpec
+from sweeper.space.axes import PRECISIONS, SEARCHED, Axis
 from sweeper.space.layout import Layout, canonical_recompute, parse_assignments, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
 
@@ -92,23 +93,12 @@ class TrainingConfig(_Strict):
         return self
 
 
-Axis = list[PositiveInt]
+class _SpaceBase(_Strict):
+    """The ``space:`` section: for every searched axis of ``space.axes``, the values to try."""
 
-
-class SpaceConfig(_Strict):
-    gpus: Axis | None = None  # None = every GPU of the cluster
-    tp: Axis = [1]
-    pp: Axis = [1]
-    vpp: Axis = [1]
-    cp: Axis = [1]
-    ep: Axis = [1]
-    etp: Axis = [1]
-    sp: list[Literal["auto"] | bool] = ["auto"]
-    mbs: Axis = [1]
-    precision: list[Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]] = ["bf16"]
-    # none | selective | full | selective:<modules>, e.g. selective:moe_act+layernorm (Megatron's recompute modules)
-    recompute: list[str] = ["none"]
-    distributed_optimizer: list[bool] = [True]
+    def values(self, axis: str) -> list[Any]:
+        """The values listed for ``axis`` (``gpus``: None when the section leaves it to the cluster)."""
+        return list(getattr(self, axis)) if getattr(self, axis) is not None else []
 
     @field_validator("*", mode="after")
     @classmethod
@@ -117,13 +107,36 @@ class SpaceConfig(_Strict):
             raise ValueError("must list at least one value")
         return value
 
-    @field_validator("recompute", mode="after")
+    @field_validator("recompute", mode="after", check_fields=False)
     @classmethod
     def _recompute(cls, value: list[str]) -> list[str]:
         try:  # the canonical spelling (a Layout holds the same), duplicates dropped
             return list(dict.fromkeys(canonical_recompute(str(v)) for v in value))
         except LayoutError as exc:
             raise ValueError(str(exc).removeprefix("recompute: ")) from None
+
+
+_VALUE_TYPES: dict[str, Any] = {
+    "int": PositiveInt,
+    "bool": bool,
+    "precision": Literal[PRECISIONS],
+    "recompute": str,
+}
+
+
+def _space_field(axis: Axis) -> tuple[Any, Any]:
+    value = _VALUE_TYPES[axis.kind]
+    if axis.name == "sp":
+        value = Literal["auto"] | bool
+    if axis.space_default is None:  # gpus: every GPU of the cluster
+        return list[value] | None, Field(None, description=axis.doc)  # type: ignore[valid-type]
+    return list[value], Field(list(axis.space_default), description=axis.doc)  # type: ignore[valid-type]
+
+
+if TYPE_CHECKING:
+    SpaceConfig = _SpaceBase
+else:
+    SpaceConfig = create_model("SpaceConfig", __base__=_SpaceBase, **{a.name: _space_field(a) for a in SEARCHED})
 
 
 class SearchConfig(_Strict):
@@ -166,7 +179,7 @@ class SweepConfig(_Strict):
 
     @model_validator(mode="after")
     def _fits_cluster(self) -> SweepConfig:
-        for i, gpus in enumerate(self.space.gpus or []):
+        for i, gpus in enumerate(self.space.values("gpus")):
             if gpus > self.cluster.total_gpus:
                 raise FieldError(
                     ("space", "gpus", i),
@@ -186,7 +199,7 @@ class SweepConfig(_Strict):
 
     @property
     def world_sizes(self) -> list[int]:
-        return sorted(set(self.space.gpus or [self.cluster.total_gpus]))
+        return sorted(set(self.space.values("gpus") or [self.cluster.total_gpus]))
 
     @property
     def experiment_name(self) -> str:
@@ -205,12 +218,8 @@ def layout_from_string(cfg: SweepConfig, text: str) -> Layout:
     """A full Layout from a partial ``--layout`` string: unspecified axes take the space's first value, the world
     size comes from ``gpus=``, or ``dp=`` (W = TP*PP*CP*DP), or else the space's largest world size."""
     given = parse_assignments(text, what="--layout")
-    s = cfg.space
-    axes: dict[str, Any] = {
-        "tp": s.tp[0], "pp": s.pp[0], "vpp": s.vpp[0], "cp": s.cp[0], "ep": s.ep[0], "etp": s.etp[0],
-        "sp": s.sp[0], "mbs": s.mbs[0], "precision": s.precision[0], "recompute": s.recompute[0],
-        "distributed_optimizer": s.distributed_optimizer[0], "gbs": cfg.training.global_batch_size,
-    }
+    axes: dict[str, Any] = {a.name: cfg.space.values(a.name)[0] for a in SEARCHED if a.name != "gpus"}
+    axes["gbs"] = cfg.training.global_batch_size
     axes.update({k: v for k, v in given.items() if k not in ("gpus", "dp", "edp")})
     model_parallel = axes["tp"] * axes["pp"] * axes["cp"]
     if "gpus" in given:

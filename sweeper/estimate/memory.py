@@ -197,7 +197,7 @@ def model_state_bytes(
     owned = params.dense / dense_shards + params.expert / expert_shards if distributed_optimizer else total
     on_device = owned * (1.0 - run.offloaded_fraction)
     optimizer = optimizer_bytes_per_param(precision, run) * on_device
-    weights = weight_bytes_per_param(precision) * total
+    weights = float(weight_bytes_per_param(precision) * total)
     fp8 = 0.0
     if precision in ("fp8", "mxfp8"):
         # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.

@@ -11,22 +11,20 @@ import itertools
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
+from sweeper.space.axes import AXIS, SEARCHED
 from sweeper.space.layout import Layout, parse_assignments, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
 
 
 def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
-    s = cfg.space
+    names = [a.name for a in SEARCHED]
+    choices = [cfg.world_sizes if name == "gpus" else cfg.space.values(name) for name in names]
     seen: dict[Layout, None] = {}
-    for gpus, tp, pp, vpp, cp, ep, etp, sp, mbs, precision, recompute, dist_opt in itertools.product(
-        cfg.world_sizes, s.tp, s.pp, s.vpp, s.cp, s.ep, s.etp, s.sp, s.mbs, s.precision, s.recompute,
-        s.distributed_optimizer,
-    ):
-        layout = Layout(
-            world_size=gpus, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=resolve_sp(sp, tp), mbs=mbs,
-            gbs=cfg.training.global_batch_size, precision=precision, recompute=recompute,
-            distributed_optimizer=dist_opt,
-        )
+    for values in itertools.product(*choices):
+        axes = dict(zip(names, values, strict=True))
+        world = axes.pop("gpus")
+        sp = resolve_sp(axes.pop("sp"), axes["tp"])
+        layout = Layout(world_size=world, sp=sp, gbs=cfg.training.global_batch_size, **axes)
         seen.setdefault(with_pipeline_split(layout, cfg.model), None)
     return list(seen)
 
@@ -40,7 +38,7 @@ def only_filter(text: str | None) -> dict[str, Any]:
 
 def matches(layout: Layout, only: dict[str, Any]) -> bool:
     for key, value in only.items():
-        actual = layout.world_size if key == "gpus" else getattr(layout, key)
+        actual = AXIS[key].value(layout)
         if key == "sp":
             value = resolve_sp(value, layout.tp)
         if actual != value:

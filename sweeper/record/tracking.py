@@ -17,23 +17,9 @@ from mlflow.entities import Metric, Param, RunTag
 from mlflow.tracking import MlflowClient
 
 from sweeper.record.schema import TrialResult
+from sweeper.space.axes import AXES
 from sweeper.space.layout import Layout
 
-# Layout fields under the names a Megatron user knows (TransformerConfig / Megatron-LM flags).
-_PARAM_NAMES = {
-    "tp": "tensor_model_parallel_size",
-    "pp": "pipeline_model_parallel_size",
-    "vpp": "virtual_pipeline_model_parallel_size",
-    "cp": "context_parallel_size",
-    "ep": "expert_model_parallel_size",
-    "etp": "expert_tensor_parallel_size",
-    "sp": "sequence_parallel",
-    "mbs": "micro_batch_size",
-    "gbs": "global_batch_size",
-    "precision": "precision",
-    "recompute_granularity": "recompute_granularity",
-    "distributed_optimizer": "use_distributed_optimizer",
-}
 LOG_TAIL_BYTES = 20_000
 
 
@@ -89,14 +75,9 @@ class Tracker:
             "sweeper.kind": "trial",
         }
         run = self.client.create_run(self.experiment_id, run_name=f"{number}.{attempt} {layout.short()}", tags=tags)
-        params = [Param(_PARAM_NAMES[k], _text(getattr(layout, k))) for k in _PARAM_NAMES]
-        params += [
-            Param("recompute_modules", ",".join(layout.recompute_modules) or "null"),
-            Param("world_size", str(layout.world_size)),
-            Param("data_parallel_size", str(layout.dp)),
-            Param("expert_data_parallel_size", str(layout.edp)),
-        ]
-        params += [Param(name, _text(value)) for name, value in layout.pipeline_split_config().items()]
+        # Every axis under the name a Megatron user knows (TransformerConfig / Megatron-LM), from the axis table.
+        params = [Param(a.megatron, _text(a.megatron_value(layout))) for a in AXES if a.megatron]
+        params.append(Param("recompute_modules", ",".join(layout.recompute_modules) or "null"))
         metrics = []
         if predicted and predicted.get("memory_gib") is not None:
             metrics.append(Metric("predicted_memory_gib", float(predicted["memory_gib"]), _now_ms(), 0))

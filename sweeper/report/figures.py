@@ -21,6 +21,8 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from sweeper.space.axes import AXIS, SEARCHED
+
 if TYPE_CHECKING:
     from sweeper.report.render import TrialRow
 
@@ -31,8 +33,8 @@ CATEGORY_COLORS: dict[str, str] = {
     "failed": "#d1495b",
     "pruned": "#8d99ae",
 }
-# Axes a Megatron user tunes; "gpus" is the trial world size.
-EFFECT_AXES: tuple[str, ...] = ("tp", "pp", "cp", "ep", "etp", "vpp", "mbs", "precision", "recompute", "gpus", "sp")
+# Axes a Megatron user tunes: the searched axes of the axis table ("gpus" is the trial world size).
+EFFECT_AXES: tuple[str, ...] = tuple(a.name for a in SEARCHED)
 _PRECISION_ORDER = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
 _RECOMPUTE_ORDER = ("none", "selective", "full")
 _HOVER_ERROR_CHARS = 160
@@ -173,7 +175,7 @@ def failures_and_pruned(failed: Counter[str], pruned: Counter[str]) -> go.Figure
 
 def _axis_value(row: TrialRow, axis: str) -> Any:
     if row.layout is not None:
-        return row.layout.world_size if axis == "gpus" else getattr(row.layout, axis)
+        return AXIS[axis].value(row.layout)
     return row.layout_raw.get(axis)
 
 

@@ -35,7 +35,8 @@ from sweeper.record.sweepdir import SweepDir
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
 from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
-from sweeper.search.study import LayoutStudy
+from sweeper.search.study import LayoutStudy, Mode
+from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
 
 console = Console(stderr=True)
@@ -121,7 +122,7 @@ class Sweep:
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
         self.launchable = self._launchable()
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
-        mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
+        mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
         self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self._candidates())
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run())
 
@@ -549,13 +550,14 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
 
 
 def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:
-    s, c = cfg.space, cfg.cluster
+    c = cfg.cluster
+    space = " ".join(f"{a.name}={cfg.world_sizes if a.name == 'gpus' else cfg.space.values(a.name)}"
+                     for a in SEARCHED if a.name != "distributed_optimizer")
     return {
         "model": cfg.model.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
         "gpu_memory_gib": c.gpu_memory_gib, "compute_capability": c.compute_capability,
         "seq_length": cfg.training.seq_length, "global_batch_size": cfg.training.global_batch_size,
-        "steps": cfg.training.steps, "space": f"gpus={cfg.world_sizes} tp={s.tp} pp={s.pp} vpp={s.vpp} cp={s.cp} "
-        f"ep={s.ep} etp={s.etp} sp={s.sp} mbs={s.mbs} precision={s.precision} recompute={s.recompute}",
+        "steps": cfg.training.steps, "space": space,
         "max_trials": cfg.search.max_trials, "objective": cfg.search.objective,
         "memory_headroom": cfg.search.memory_headroom,
     }
@@ -568,7 +570,7 @@ def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
         console.print(f"[yellow]{signal.Signals(signum).name}: stopping launches, cancelling running trials[/]")
         stop.set()
 
-    previous = {}
+    previous: dict[int, Any] = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, handler)
     return previous

@@ -30,10 +30,11 @@ from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
 from sweeper.config.schema import SweepConfig
-from sweeper.space.layout import Layout
+from sweeper.space.axes import AXIS, SEARCHED
+from sweeper.space.layout import Layout, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
 
-AXES = ("gpus", "tp", "pp", "vpp", "cp", "ep", "etp", "sp", "mbs", "precision", "recompute", "distributed_optimizer")
+AXES: tuple[str, ...] = tuple(a.name for a in SEARCHED)  # one Optuna parameter per searched axis
 # Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.
 CONSTRAINT = "infeasible"
 Mode = Literal["ordered", "random", "tpe"]
@@ -87,24 +88,15 @@ class LayoutStudy:
 
     # -- layouts <-> Optuna params ---------------------------------------------------------------------------------
     def params_of(self, layout: Layout) -> dict[str, Any]:
-        params: dict[str, Any] = {}
-        for axis in AXES:
-            if axis == "sp":
-                params["sp"] = "auto" if "auto" in self.choices["sp"] and layout.sp == (layout.tp > 1) else layout.sp
-            elif axis == "gpus":
-                params["gpus"] = layout.world_size
-            else:
-                params[axis] = getattr(layout, axis)
+        params = {axis: AXIS[axis].value(layout) for axis in AXES}
+        if "auto" in self.choices["sp"] and layout.sp == resolve_sp("auto", layout.tp):
+            params["sp"] = "auto"
         return params
 
     def layout_of(self, params: dict[str, Any]) -> Layout:
-        sp = params["sp"]
-        layout = Layout(
-            world_size=params["gpus"], tp=params["tp"], pp=params["pp"], vpp=params["vpp"], cp=params["cp"],
-            ep=params["ep"], etp=params["etp"], sp=(params["tp"] > 1) if sp == "auto" else bool(sp),
-            mbs=params["mbs"], gbs=self.cfg.training.global_batch_size, precision=params["precision"],
-            recompute=params["recompute"], distributed_optimizer=params["distributed_optimizer"],
-        )
+        axes = {AXIS[axis].field: params[axis] for axis in AXES}
+        axes["sp"] = resolve_sp(axes["sp"], axes["tp"])
+        layout = Layout(gbs=self.cfg.training.global_batch_size, **axes)
         return with_pipeline_split(layout, self.cfg.model)
 
     def enqueue(self, layout: Layout, again: bool = False) -> None:
@@ -215,9 +207,6 @@ class LayoutStudy:
 
 
 def _choices(cfg: SweepConfig) -> dict[str, list[Any]]:
-    s = cfg.space
-    return {
-        "gpus": cfg.world_sizes, "tp": s.tp, "pp": s.pp, "vpp": s.vpp, "cp": s.cp, "ep": s.ep, "etp": s.etp,
-        "sp": list(dict.fromkeys(s.sp)), "mbs": s.mbs, "precision": s.precision, "recompute": s.recompute,
-        "distributed_optimizer": s.distributed_optimizer,
-    }
+    choices = {axis: cfg.space.values(axis) for axis in AXES if axis != "gpus"}
+    choices["sp"] = list(dict.fromkeys(choices["sp"]))  # auto and true may be the same layouts
+    return {"gpus": cfg.world_sizes, **choices}

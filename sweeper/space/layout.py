@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from sweeper.errors import LayoutError
+from sweeper.space.axes import AXES, AXIS, CONTRACT_KEYS, PARALLEL_SIZES, PARSED, PIPELINE_SPLIT, PRECISIONS
 
 Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
 # Recompute granularities. "selective" recomputes Megatron's default module (core_attn); "selective:a+b" names
 # the modules (Megatron's --recompute-modules), e.g. "selective:moe_act+layernorm".
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
@@ -23,8 +23,6 @@ RECOMPUTE_MODULES: tuple[str, ...] = (
     "core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 DEFAULT_RECOMPUTE_MODULES: tuple[str, ...] = ("core_attn",)
 
-# The keys of the contract's JSON "layout" object, in the contract's order.
-CONTRACT_KEYS = ("tp", "pp", "cp", "dp", "ep", "etp", "edp", "vpp", "sp", "mbs", "gbs", "precision", "recompute")
 
 
 @dataclass(frozen=True)
@@ -198,24 +196,11 @@ class Layout:
 
     def parallel_sizes(self) -> dict[str, int | None]:
         """The parallel sizes under Megatron-Core's names (``initialize_model_parallel`` / ``TransformerConfig``)."""
-        return {
-            "tensor_model_parallel_size": self.tp,
-            "pipeline_model_parallel_size": self.pp,
-            "virtual_pipeline_model_parallel_size": self.vpp if self.vpp > 1 else None,
-            "context_parallel_size": self.cp,
-            "expert_model_parallel_size": self.ep,
-            "expert_tensor_parallel_size": self.etp,
-        }
+        return {AXIS[n].megatron or n: _unless(AXIS[n].value(self), AXIS[n].omit) for n in PARALLEL_SIZES}
 
     def pipeline_split_config(self) -> dict[str, Any]:
         """The pipeline split under Megatron-Core's TransformerConfig names (transformer_config.py)."""
-        return {
-            "num_layers_in_first_pipeline_stage": self.first_stage_layers,
-            "num_layers_in_last_pipeline_stage": self.last_stage_layers,
-            "account_for_embedding_in_pipeline_split": self.account_for_embedding,
-            "account_for_loss_in_pipeline_split": self.account_for_loss,
-            "pipeline_model_parallel_layout": self.pipeline_layout,
-        }
+        return {AXIS[n].megatron or n: AXIS[n].value(self) for n in PIPELINE_SPLIT}
 
     def recompute_config(self) -> dict[str, Any]:
         """Recompute settings under Megatron-Core's TransformerConfig names (empty without recompute)."""
@@ -227,31 +212,14 @@ class Layout:
 
     def megatron_args(self) -> list[str]:
         """Megatron-LM ``pretrain_gpt.py`` / ``pretrain_mamba.py`` flags for this layout."""
-        args = [
-            f"--tensor-model-parallel-size={self.tp}",
-            f"--pipeline-model-parallel-size={self.pp}",
-            f"--context-parallel-size={self.cp}",
-            f"--expert-model-parallel-size={self.ep}",
-            f"--expert-tensor-parallel-size={self.etp}",
-            f"--micro-batch-size={self.mbs}",
-            f"--global-batch-size={self.gbs}",
-        ]
-        if self.pipeline_layout:  # it sets the virtual stages itself (exclusive with the VPP flags)
-            args.append(f"--pipeline-model-parallel-layout={self.pipeline_layout}")
-        elif self.vpp > 1:
-            args.append(f"--num-virtual-stages-per-pipeline-rank={self.vpp}")
-        if self.account_for_embedding:
-            args.append("--account-for-embedding-in-pipeline-split")
-        if self.account_for_loss:
-            args.append("--account-for-loss-in-pipeline-split")
-        if self.first_stage_layers is not None:
-            args.append(f"--decoder-first-pipeline-num-layers={self.first_stage_layers}")
-        if self.last_stage_layers is not None:
-            args.append(f"--decoder-last-pipeline-num-layers={self.last_stage_layers}")
-        if self.sp:
-            args.append("--sequence-parallel")
-        if self.distributed_optimizer:
-            args.append("--use-distributed-optimizer")
+        args: list[str] = []
+        for axis in AXES:
+            value = axis.value(self)
+            if axis.flag is None or value is None or value is False or value == axis.omit:
+                continue
+            if axis.name == "vpp" and self.pipeline_layout:  # the layout sets the virtual stages itself
+                continue
+            args.append(f"--{axis.flag}" if value is True else f"--{axis.flag}={value}")
         args += _PRECISION_FLAGS[self.precision]
         if self.recompute_granularity == "selective":
             args.append("--recompute-granularity=selective")
@@ -263,30 +231,21 @@ class Layout:
 
     def bridge_overrides(self) -> list[str]:
         """Megatron-Bridge recipe overrides (Hydra-style ``section.field=value``)."""
-        out = [
-            f"model.tensor_model_parallel_size={self.tp}",
-            f"model.pipeline_model_parallel_size={self.pp}",
-            f"model.virtual_pipeline_model_parallel_size={self.vpp if self.vpp > 1 else 'null'}",
-            f"model.context_parallel_size={self.cp}",
-            f"model.expert_model_parallel_size={self.ep}",
-            f"model.expert_tensor_parallel_size={self.etp}",
-            f"model.sequence_parallel={str(self.sp).lower()}",
-            f"train.micro_batch_size={self.mbs}",
-            f"train.global_batch_size={self.gbs}",
-            f"ddp.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
-            f"optimizer.use_distributed_optimizer={str(self.distributed_optimizer).lower()}",
-            f"mixed_precision={_BRIDGE_PRECISION[self.precision]}",
-        ]
-        if self.first_stage_layers is not None:
-            out.append(f"model.num_layers_in_first_pipeline_stage={self.first_stage_layers}")
-        if self.last_stage_layers is not None:
-            out.append(f"model.num_layers_in_last_pipeline_stage={self.last_stage_layers}")
-        if self.account_for_embedding:
-            out.append("model.account_for_embedding_in_pipeline_split=true")
-        if self.account_for_loss:
-            out.append("model.account_for_loss_in_pipeline_split=true")
-        if self.pipeline_layout:
-            out.append(f'model.pipeline_model_parallel_layout="{self.pipeline_layout}"')
+        out: list[str] = []
+        for axis in AXES:
+            value = axis.value(self)
+            if not axis.bridge or value is None or (value is False and not axis.bridge_always):
+                continue
+            if value == axis.bridge_null:
+                text = "null"
+            elif isinstance(value, bool):
+                text = str(value).lower()
+            elif isinstance(value, str):
+                text = f'"{value}"'
+            else:
+                text = str(value)
+            out += [f"{key}={text}" for key in axis.bridge]
+        out.append(f"mixed_precision={_BRIDGE_PRECISION[self.precision]}")
         if self.recompute != "none":
             out.append(f"model.recompute_granularity={self.recompute_granularity}")
         if self.recompute_granularity == "selective" and self.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
@@ -294,6 +253,10 @@ class Layout:
         if self.recompute == "full":
             out += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
         return out
+
+
+def _unless(value: Any, omit: Any) -> Any:
+    return None if value == omit else value
 
 
 _PRECISION_FLAGS: dict[str, list[str]] = {
@@ -312,9 +275,7 @@ _BRIDGE_PRECISION: dict[str, str] = {
     "mxfp8": "bf16_with_mxfp8_mixed",
 }
 
-_INT_KEYS = ("gpus", "tp", "pp", "vpp", "cp", "dp", "ep", "etp", "edp", "mbs", "gbs")
-_BOOL_KEYS = ("sp", "distributed_optimizer", "account_for_embedding", "account_for_loss")
-_ALL_KEYS = _INT_KEYS + _BOOL_KEYS + ("precision", "recompute", "pipeline_layout")
+_PARSED = {a.name: a for a in PARSED}
 
 
 def parse_assignments(text: str, what: str = "--layout") -> dict[str, Any]:
@@ -327,8 +288,8 @@ def parse_assignments(text: str, what: str = "--layout") -> dict[str, Any]:
         key = key.lower()
         if not sep or not key or not raw:
             raise LayoutError(f"{what}: '{item.strip()}' is not key=value")
-        if key not in _ALL_KEYS:
-            raise LayoutError(f"{what}: unknown key '{key}' (known: {', '.join(_ALL_KEYS)})")
+        if key not in _PARSED:
+            raise LayoutError(f"{what}: unknown key '{key}' (known: {', '.join(_PARSED)})")
         if key in out:
             raise LayoutError(f"{what}: '{key}' given twice")
         out[key] = _parse_value(key, raw, what)
@@ -336,20 +297,21 @@ def parse_assignments(text: str, what: str = "--layout") -> dict[str, Any]:
 
 
 def _parse_value(key: str, raw: str, what: str) -> Any:
-    if key in _INT_KEYS:
+    kind = _PARSED[key].kind
+    if kind == "int":
         if not (raw.isascii() and raw.isdigit()) or int(raw) < 1:  # "²".isdigit() is true, int("²") fails
             raise LayoutError(f"{what}: {key} must be a positive integer, got '{raw}'")
         return int(raw)
-    if key in _BOOL_KEYS:
+    if kind == "bool":
         low = raw.lower()
         if key == "sp" and low == "auto":
             return "auto"
         if low not in ("true", "false", "1", "0", "on", "off", "yes", "no"):
             raise LayoutError(f"{what}: {key} must be true or false, got '{raw}'")
         return low in ("true", "1", "on", "yes")
-    if key == "pipeline_layout":
+    if kind == "text":
         return raw  # case matters (E, L, t, m); Layout checks it is not empty
-    if key == "recompute":
+    if kind == "recompute":
         try:
             return canonical_recompute(raw.lower())
         except LayoutError as exc:

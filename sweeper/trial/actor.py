@@ -40,7 +40,7 @@ class RankSlot:
 
 
 # Two threads: ``run`` holds one for the whole smoke run; ``checks`` answers on the other while it runs.
-@ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)
+@ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)  # type: ignore[call-overload]  # Ray's stubs lack max_concurrency
 class RankActor:
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank

@@ -38,7 +38,7 @@ class ReferenceOutcome:
 def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
     """The simplest layout this cluster can run for the reference, or None."""
     sequences = math.lcm(*cfg.world_sizes)  # a multiple of every trial's DP (DP always divides its world size)
-    precision = "fp32" if host.simulated else cfg.space.precision[0]
+    precision = "fp32" if host.simulated else cfg.space.values("precision")[0]
     single = Layout(world_size=1, gbs=sequences, precision=precision)
     candidates = [single] + sorted(
         (replace(lo, gbs=sequences, precision=precision, mbs=1, recompute="none") for lo in enumerate_layouts(cfg)),

@@ -164,7 +164,7 @@ def _run_ranks(
     cancel: threading.Event | None,
 ) -> TrialResult:
     actors = [
-        RankActor.options(
+        RankActor.options(  # type: ignore[attr-defined]  # added by @ray.remote
             num_gpus=1,
             num_cpus=CPUS_PER_RANK,
             scheduling_strategy=placement.strategy(rank),

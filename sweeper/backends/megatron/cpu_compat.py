@@ -126,13 +126,13 @@ def _patch_torch_cuda() -> None:
     # Megatron allocates on torch.cuda.current_device(). Returning the CPU device (not an index) matters: custom
     # autograd functions allocate this way in backward, which runs while the device mode is suspended (a mode is
     # popped while its own __torch_function__ runs, and torch.autograd.backward is such a call).
-    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment]
+    torch.cuda.current_device = lambda: _CPU  # type: ignore[assignment,return-value]
     torch.cuda.Stream = _NoOpStream  # type: ignore[assignment,misc]
     torch.cuda.Event = _NoOpStream  # type: ignore[assignment,misc]
     torch.cuda.current_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
-    torch.cuda.synchronize = lambda *a, **k: None  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *a, **k: None
 
 
 def _patch_megatron() -> None:
@@ -159,7 +159,7 @@ def _patch_megatron() -> None:
 
 
 def _make_cpu_tracker(base: type) -> type:
-    class CpuRNGStatesTracker(base):  # type: ignore[misc,valid-type]
+    class CpuRNGStatesTracker(base):
         """Megatron's RNG tracker (same state names, same fork semantics) holding CPU generator states."""
 
         def add(self, name: str, seed: int) -> None:

@@ -225,7 +225,7 @@ def mamba_split_conv1d_scan_combined(
     headdim: int | None = None,
     ngroups: int = 1,
     norm_before_gate: bool = True,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
     """The mixer's training path with mamba_ssm's signature: split ``zxbcdt`` (b,l, z | x B C | dt), causal
     depthwise conv + activation over ``x B C``, the SSD scan with ``softplus(dt + dt_bias)``, then either
     ``y * silu(z)`` (no ``rmsnorm_weight``) or the gated RMSNorm over groups of ``d_inner / ngroups``, then the
@@ -268,7 +268,7 @@ def mamba_split_conv1d_scan_combined(
         dt_limit=dt_limit,
         return_final_states=return_final_states,
     )
-    y, final = result if return_final_states else (result, None)
+    y, final = result if isinstance(result, tuple) else (result, None)
     y = y.reshape(b, seqlen, d_inner)
     if rmsnorm_weight is not None:
         y = gated_rms_norm(y, rmsnorm_weight, None, z=z, eps=rmsnorm_eps, group_size=d_inner // ngroups,
@@ -313,6 +313,8 @@ def gated_rms_norm(
 
 class GatedRMSNorm(torch.nn.Module):
     """mamba_ssm's gated ``RMSNorm`` module (same constructor, parameters and ``forward(x, z=None)``)."""
+
+    bias: torch.Tensor | None  # registered as None: Megatron's norm has no bias
 
     def __init__(
         self,

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Literal
 import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest
-from sweeper.backends.megatron.failures import SmokeFailure
+from sweeper.backends.megatron.failures import Phase, SmokeFailure
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
@@ -231,7 +231,7 @@ def run(
     built: Built,
     report: RankReport,
     device: torch.device,
-    enter: Callable[[str], None],
+    enter: Callable[[Phase], None],
 ) -> None:
     """Make the reference, or load it and compare (raises EquivalenceError beyond tolerance)."""
     from sweeper.backends.megatron import checkpoint as ckpt

@@ -70,11 +70,11 @@ def check_replicas(built: Built, step: int, device: torch.device) -> int:
         for i, (name, _) in enumerate(params):
             if any(not torch.equal(other[i], gathered[0][i]) for other in gathered[1:]):
                 local_bad.append(f"{name} differs across its {kind.name} group (global ranks {ranks})")
-    findings: list[object] = [None] * torch.distributed.get_world_size()
+    findings: list[tuple[str | None, int, int] | None] = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(findings, (local_bad[0] if local_bad else None, len(local_bad), compared))
-    bad = [(rank, f) for rank, f in enumerate(findings) if f[1]]  # type: ignore[index]
+    bad = [(rank, f) for rank, f in enumerate(findings) if f is not None and f[1]]
     if bad:
-        rank, (first, count, total) = bad[0]  # type: ignore[misc]
+        rank, (first, count, total) = bad[0]
         raise ReplicaDivergenceError(
             f"replica divergence after step {step}: {first}; rank {rank} has {count} of {total} replicated "
             f"tensors differing from their copies"
@@ -102,7 +102,8 @@ def _replicated_params(built: Built) -> dict[str, list[tuple[str, torch.Tensor]]
     return out
 
 
-_EXPERT_MODULES = tuple(cls for cls in (SequentialMLP, GroupedMLP, TEGroupedMLP) if isinstance(cls, type))
+_EXPERT_MODULES: tuple[type[torch.nn.Module], ...] = tuple(
+    cls for cls in (SequentialMLP, GroupedMLP, TEGroupedMLP) if isinstance(cls, type))
 
 
 def _checksum(param: torch.Tensor) -> torch.Tensor:
