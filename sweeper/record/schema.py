@@ -1,12 +1,22 @@
-"""TrialResult: what one smoke trial proved, in the shape of the `trial --json` contract (ARCHITECTURE.md).
+"""What a sweep records, as types: ``TrialResult`` (the ``trial --json`` contract), ``TrialRecord`` (one line of
+``trials.jsonl``) and ``SweepMeta`` (``sweep.json``), in the shapes docs/ARCHITECTURE.md gives.
 
-Plain dataclasses so the sweep, the tracker and the report can use results without importing Ray or torch.
+The sweep writes them and the selection, the progress line and the report read them only through these types
+(``record.sweepdir`` does the file work). Reading is tolerant: a newer writer's extra keys are dropped from the
+result and kept in ``sweep.json``; a value of the wrong type in ``sweep.json`` (a hand edit) reads as unknown.
+Plain dataclasses for results, so Ray ships them without pydantic; ``docs/schemas/`` holds the JSON Schemas,
+generated from these types (``python -m sweeper.record.schema``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import json
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 Status = Literal["passed", "failed", "pruned"]
 # replica_divergence: copies of a replicated parameter (across DP/CP, EDP, TP/ETP or the tied embedding) differ
@@ -76,12 +86,138 @@ class TrialResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrialResult:
-        data = dict(data)
-        data["metrics"] = TrialMetrics(**data.get("metrics") or {})
-        data["checks"] = TrialChecks(**data.get("checks") or {})
-        known = set(cls.__dataclass_fields__)
-        return cls(**{k: v for k, v in data.items() if k in known})
+        """The result a JSON object describes; keys this version does not know (a newer writer's) are dropped."""
+        data = _known(cls, data)
+        data["metrics"] = TrialMetrics(**_known(TrialMetrics, data.get("metrics")))
+        data["checks"] = TrialChecks(**_known(TrialChecks, data.get("checks")))
+        return cls(**data)
 
     @classmethod
     def pruned(cls, reason: str, kind: FailureKind | None = "invalid_layout") -> TrialResult:
         return cls(status="pruned", failure_kind=kind, error=reason)
+
+
+def _known(cls: type, data: Any) -> dict[str, Any]:
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in dict(data or {}).items() if k in names}
+
+
+Phase = Literal["explore", "confirm"]
+
+
+@dataclass
+class TrialRecord:
+    """One line of ``trials.jsonl``: one attempt of one trial (or a layout refused without launching, attempt 0)."""
+
+    number: int
+    layout: dict[str, Any]  # the contract's layout object (``Layout.to_dict``)
+    result: TrialResult
+    attempt: int = 1
+    phase: Phase = "explore"
+    predicted: dict[str, Any] | None = None  # the estimate it was launched with (``Estimate.to_json``)
+    started_at: str | None = None
+    ended_at: str | None = None
+    mlflow_run_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "number": self.number, "layout": self.layout, "result": self.result.to_json(),
+            "predicted": self.predicted, "started_at": self.started_at, "ended_at": self.ended_at,
+            "attempt": self.attempt, "mlflow_run_id": self.mlflow_run_id, "phase": self.phase,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> TrialRecord:
+        """Raises KeyError, TypeError or ValueError for a line that is not a record."""
+        predicted, attempt = data.get("predicted"), data.get("attempt")
+        return cls(
+            number=int(data["number"]),
+            layout=dict(data.get("layout") or {}),
+            result=TrialResult.from_json(data["result"]),
+            attempt=1 if attempt is None else int(attempt),
+            phase="confirm" if data.get("phase") == "confirm" else "explore",
+            predicted=dict(predicted) if isinstance(predicted, dict) else None,
+            started_at=data.get("started_at"),
+            ended_at=data.get("ended_at"),
+            mlflow_run_id=data.get("mlflow_run_id"),
+        )
+
+    @property
+    def predicted_memory_gib(self) -> float | None:
+        return (self.predicted or {}).get("memory_gib")
+
+
+class SweepMeta(BaseModel):
+    """``sweep.json``: what the sweep was run on, how it ended, and what it decided without a trial. Keys this
+    version does not know are kept as they are (``extra="allow"``)."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=False)
+
+    name: str | None = None
+    model: dict[str, Any] | None = None  # the resolved ModelSpec
+    cluster: dict[str, Any] | None = None  # the cluster: section
+    memory_headroom: float | None = None
+    objective: str | None = None
+    status: str | None = None  # running | finished | interrupted | budget | ...
+    started_at: str | None = None
+    ended_at: str | None = None
+    memory_kind: Literal["device", "host"] | None = None
+    mlflow: dict[str, Any] | None = None  # tracking_uri, experiment, parent_run_id
+    best: dict[str, Any] | None = None  # number, layout (short name), the objective's median
+    reference: dict[str, Any] | None = None  # the equivalence gate's reference checkpoint
+    memory_pruned: list[dict[str, Any]] | None = None  # layouts never launched on memory grounds (issue 13)
+    scheduling_efficiency: float | None = None  # GPU-seconds busy over GPU-seconds held
+    calibration: list[str] | None = None  # the estimator's fit, one line per factor
+
+    @property
+    def memory_limit_gib(self) -> float | None:
+        """The stability limit: (1 - memory_headroom) of one GPU's memory, when both were recorded."""
+        gpu = (self.cluster or {}).get("gpu_memory_gib")
+        if not isinstance(gpu, (int, float)) or isinstance(gpu, bool) or self.memory_headroom is None:
+            return None
+        return (1.0 - self.memory_headroom) * float(gpu)
+
+    @classmethod
+    def from_json(cls, data: Any) -> SweepMeta:
+        """Tolerant: a field holding the wrong type (a hand-edited or older file) reads as unknown (None)."""
+        if not isinstance(data, dict):
+            return cls()
+        if isinstance(data.get("model"), str):  # an older writer's preset name
+            data = {**data, "model": {"name": data["model"]}}
+        kept: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in cls.model_fields:
+                kept[key] = value
+                continue
+            try:
+                cls.__pydantic_validator__.validate_assignment(cls.model_construct(), key, value)
+            except ValueError:
+                continue
+            if key == "memory_headroom" and isinstance(value, bool):
+                continue
+            kept[key] = value
+        return cls.model_validate(kept)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_unset=True)  # what was written, nulls included
+
+
+def json_schemas() -> dict[str, dict[str, Any]]:
+    """The JSON Schemas of what sweeper reads (the search YAML) and records, from their types (docs/schemas/)."""
+    from sweeper.config.schema import SweepConfig
+
+    search_yaml = SweepConfig.model_json_schema()
+    search_yaml["properties"].pop("source", None)  # set by load_config, never read from the YAML
+    return {
+        "search_yaml.schema.json": search_yaml,
+        "trial_result.schema.json": TypeAdapter(TrialResult).json_schema(),
+        "trial_record.schema.json": TypeAdapter(TrialRecord).json_schema(),
+        "sweep_meta.schema.json": SweepMeta.model_json_schema(),
+    }
+
+
+if __name__ == "__main__":  # python -m sweeper.record.schema [DIR]: (re)write the schemas
+    out = Path(sys.argv[1] if len(sys.argv) > 1 else "docs/schemas")
+    out.mkdir(parents=True, exist_ok=True)
+    for name, schema in json_schemas().items():
+        (out / name).write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")

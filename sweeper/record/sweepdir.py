@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from sweeper.record.schema import SweepMeta, TrialRecord
+
 
 class SweepDir:
     def __init__(self, root: Path) -> None:
@@ -35,8 +37,8 @@ class SweepDir:
         suffix = "" if phase == "explore" else f"-{phase}"
         return self.trial_dirs / f"{number:04d}-a{attempt}{suffix}"
 
-    def append_trial(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+    def append_trial(self, record: TrialRecord) -> None:
+        line = (json.dumps(record.to_json(), separators=(",", ":")) + "\n").encode()
         fd = os.open(self.trials, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, line)  # one write of one line: appends are not interleaved
@@ -44,37 +46,44 @@ class SweepDir:
         finally:
             os.close(fd)
 
-    def read_trials(self) -> list[dict[str, Any]]:
-        return read_jsonl(self.trials)
+    def read_trials(self) -> list[TrialRecord]:
+        return read_trials(self.trials)[0]
 
-    def read_meta(self) -> dict[str, Any]:
-        if not self.meta.exists():
-            return {}
-        try:
-            return json.loads(self.meta.read_text())
-        except json.JSONDecodeError:
-            return {}
+    def read_meta(self) -> SweepMeta:
+        """sweep.json; an empty one when it is missing or unreadable."""
+        return read_meta(self.meta) or SweepMeta()
 
-    def write_meta(self, meta: dict[str, Any]) -> None:
-        write_atomic(self.meta, json.dumps(meta, indent=2, default=str))
+    def write_meta(self, meta: SweepMeta) -> None:
+        write_atomic(self.meta, json.dumps(meta.to_json(), indent=2, default=str))
 
     def write_best(self, data: dict[str, Any]) -> None:
         write_atomic(self.best, yaml.safe_dump(data, sort_keys=False, width=120))
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every complete JSON line; a torn or corrupt line (a crash mid-write) is skipped."""
+def read_trials(path: Path) -> tuple[list[TrialRecord], int]:
+    """Every readable record of a trials.jsonl, and how many non-empty lines were not one (a torn last line
+    after a crash, a corrupt or foreign line)."""
     if not path.exists():
-        return []
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            value = json.loads(line)
-        except json.JSONDecodeError:
+        return [], 0
+    out: list[TrialRecord] = []
+    skipped = 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not line.strip():
             continue
-        if isinstance(value, dict):
-            out.append(value)
-    return out
+        try:
+            out.append(TrialRecord.from_json(json.loads(line)))
+        except (ValueError, TypeError, KeyError, AttributeError):
+            skipped += 1
+    return out, skipped
+
+
+def read_meta(path: Path) -> SweepMeta | None:
+    """sweep.json, or None when it is missing or not JSON."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return SweepMeta.from_json(data)
 
 
 def write_atomic(path: Path, text: str) -> None:

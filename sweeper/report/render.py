@@ -10,17 +10,16 @@ once so the page opens offline.
 
 from __future__ import annotations
 
-import json
 import statistics
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
-from sweeper.record.sweepdir import write_atomic
+from sweeper.record.schema import SweepMeta, TrialRecord, TrialResult
+from sweeper.record.sweepdir import read_meta, read_trials, write_atomic
 from sweeper.report import figures
 from sweeper.report.figures import esc, kind_counts, num
 from sweeper.space.layout import Layout
@@ -70,99 +69,22 @@ class TrialRow:
             return None
 
 
-@dataclass
-class SweepInfo:
-    """sweep.json, or what is known without it (``recorded`` False)."""
-
-    recorded: bool
-    name: str | None = None
-    model: dict[str, Any] | None = None
-    cluster: dict[str, Any] | None = None
-    memory_headroom: float | None = None
-    objective: str | None = None
-    status: str | None = None
-    best: dict[str, Any] | None = None
-    memory_kind: str | None = None
-    started_at: str | None = None
-    ended_at: str | None = None
-    mlflow: dict[str, Any] | None = None
-    memory_pruned: list[dict[str, Any]] | None = None  # layouts never launched on memory grounds (issue 13)
-
-    @property
-    def memory_limit_gib(self) -> float | None:
-        """The stability limit: (1 - memory_headroom) of one GPU's memory, when both were recorded."""
-        gpu = (self.cluster or {}).get("gpu_memory_gib")
-        if not isinstance(gpu, (int, float)) or self.memory_headroom is None:
-            return None
-        return (1.0 - self.memory_headroom) * float(gpu)
-
-
-def _known(cls: type, data: Any) -> dict[str, Any]:
-    # A newer writer may add metric/check keys; keep the ones this version knows instead of dropping the line.
-    names = {f.name for f in fields(cls)}
-    return {k: v for k, v in (data or {}).items() if k in names}
-
-
-def _parse_row(data: dict[str, Any]) -> TrialRow:
-    raw_result = dict(data["result"])
-    raw_result["metrics"] = _known(TrialMetrics, raw_result.get("metrics"))
-    raw_result["checks"] = _known(TrialChecks, raw_result.get("checks"))
-    layout_raw = dict(data.get("layout") or {})
+def _row(record: TrialRecord) -> TrialRow:
     try:
-        layout: Layout | None = Layout.from_dict(layout_raw)
+        layout: Layout | None = Layout.from_dict(record.layout)
     except (LayoutError, TypeError):
         layout = None
-    predicted = data.get("predicted") or {}
     return TrialRow(
-        number=int(data["number"]),
-        attempt=int(data.get("attempt") or 1),
-        phase=str(data.get("phase") or "explore"),
-        layout=layout,
-        layout_raw=layout_raw,
-        result=TrialResult.from_json(raw_result),
-        predicted_memory_gib=predicted.get("memory_gib"),
-        mlflow_run_id=data.get("mlflow_run_id"),
-        started_at=data.get("started_at"),
-        ended_at=data.get("ended_at"),
+        number=record.number, attempt=record.attempt, phase=record.phase, layout=layout, layout_raw=record.layout,
+        result=record.result, predicted_memory_gib=record.predicted_memory_gib, mlflow_run_id=record.mlflow_run_id,
+        started_at=record.started_at, ended_at=record.ended_at,
     )
 
 
 def load_trials(path: Path) -> tuple[list[TrialRow], int]:
     """The readable rows of trials.jsonl and the number of lines skipped (a torn last line after a crash)."""
-    rows: list[TrialRow] = []
-    skipped = 0
-    if not path.exists():
-        return rows, skipped
-    with path.open(encoding="utf-8", errors="replace") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rows.append(_parse_row(json.loads(line)))
-            except (ValueError, TypeError, KeyError, AttributeError):
-                skipped += 1
-    return rows, skipped
-
-
-def load_sweep(path: Path) -> SweepInfo:
-    """sweep.json as a SweepInfo; a missing or unreadable file gives ``SweepInfo(recorded=False)``."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return SweepInfo(recorded=False)
-    if not isinstance(data, dict):
-        return SweepInfo(recorded=False)
-    names = {f.name for f in fields(SweepInfo)} - {"recorded"}
-    info = SweepInfo(recorded=True, **{k: v for k, v in data.items() if k in names})
-    # A hand-edited or older sweep.json may hold a preset name instead of a spec; keep the report readable.
-    if isinstance(info.model, str):
-        info.model = {"name": info.model}
-    for key in ("model", "cluster", "best", "mlflow"):
-        if not isinstance(getattr(info, key), dict):
-            setattr(info, key, None)
-    if isinstance(info.memory_headroom, bool) or not isinstance(info.memory_headroom, (int, float)):
-        info.memory_headroom = None
-    return info
+    records, skipped = read_trials(path)
+    return [_row(r) for r in records], skipped
 
 
 def _classify(rows: list[TrialRow], limit_gib: float | None) -> None:
@@ -190,7 +112,7 @@ def pareto_front(rows: list[TrialRow]) -> list[TrialRow]:
     return front
 
 
-def _memory_kind(info: SweepInfo, rows: list[TrialRow]) -> str | None:
+def _memory_kind(info: SweepMeta, rows: list[TrialRow]) -> str | None:
     if info.memory_kind in ("device", "host"):
         return info.memory_kind
     kinds = {r.result.memory_kind for r in rows if r.result.memory_kind}
@@ -226,7 +148,7 @@ def _why_no_stable(rows: list[TrialRow]) -> str:
     return "; ".join(parts) + "."
 
 
-def _best_section(info: SweepInfo, rows: list[TrialRow], sweep_dir: Path) -> str:
+def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_dir: Path) -> str:
     best = info.best or {}
     best_number = best.get("number")
     link = (f'<a href="{BEST_LAYOUT_FILE}">{BEST_LAYOUT_FILE}</a>' if (sweep_dir / BEST_LAYOUT_FILE).exists()
@@ -234,7 +156,7 @@ def _best_section(info: SweepInfo, rows: list[TrialRow], sweep_dir: Path) -> str
     if best_number is None:
         fastest = max((r for r in rows if r.category == "passed" and r.tokens_per_s is not None),
                       key=lambda r: r.tokens_per_s or 0.0, default=None)
-        if not info.recorded:
+        if not recorded:
             head = f"<p>{SWEEP_FILE} is missing, so the sweep's own selection is unknown.</p>"
         elif info.status == "running":
             head = "<p>The sweep is still running; no layout selected yet.</p>"
@@ -275,7 +197,8 @@ def _best_section(info: SweepInfo, rows: list[TrialRow], sweep_dir: Path) -> str
     )
 
 
-def _header(info: SweepInfo, rows: list[TrialRow], skipped: int, memory_kind: str | None, sweep_dir: Path) -> str:
+def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int, memory_kind: str | None,
+            sweep_dir: Path) -> str:
     model = info.model or {}
     model_bits = [f"{k}={model[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads", "num_moe_experts",
                                               "moe_router_topk") if model.get(k) is not None]
@@ -297,7 +220,7 @@ def _header(info: SweepInfo, rows: list[TrialRow], skipped: int, memory_kind: st
                                  if mlflow.get(k))) or "not recorded"),
     ]
     notes = []
-    if not info.recorded:
+    if not recorded:
         notes.append(f"{SWEEP_FILE} was not found or could not be read: model, cluster, status and the memory "
                      "limit are unknown, so no attempt is marked 'not stable'.")
     if is_proxy(str(model.get("name", ""))):
@@ -313,13 +236,14 @@ def _header(info: SweepInfo, rows: list[TrialRow], skipped: int, memory_kind: st
     dl = "".join(f"<dt>{esc(k)}</dt><dd>{v}</dd>" for k, v in facts)
     title = esc(info.name or sweep_dir.name)
     return (f"<h1>Sweep report: {title}</h1>{notes_html}<dl>{dl}</dl>"
-            f"<h2 id='best'>Best layout</h2>{_best_section(info, rows, sweep_dir)}"
+            f"<h2 id='best'>Best layout</h2>{_best_section(info, recorded, rows, sweep_dir)}"
             f"<h2 id='counts'>Counts</h2>{figures.counts_table(rows)}")
 
 
 def build_html(sweep_dir: Path) -> str:
     """The report page for ``sweep_dir`` as one string (plotly.js included once)."""
-    info = load_sweep(sweep_dir / SWEEP_FILE)
+    meta = read_meta(sweep_dir / SWEEP_FILE)
+    recorded, info = meta is not None, meta or SweepMeta()
     rows, skipped = load_trials(sweep_dir / TRIALS_FILE)
     limit = info.memory_limit_gib
     _classify(rows, limit)
@@ -339,7 +263,7 @@ def build_html(sweep_dir: Path) -> str:
                      f"attempts.</p>" if median_error is not None else "")
 
     sections = [
-        _header(info, rows, skipped, memory_kind, sweep_dir),
+        _header(info, recorded, rows, skipped, memory_kind, sweep_dir),
         "<h2 id='throughput-memory'>Throughput vs peak memory</h2>",
         fig_html.div(scatter, "No launched attempt recorded a peak memory."),
         "<h2 id='pareto'>Pareto front (max throughput, min memory, stable only)</h2>", pareto_html,

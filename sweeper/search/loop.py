@@ -30,7 +30,7 @@ from sweeper.estimate.calibrator import Calibrator
 from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import PlanEntry, assess
 from sweeper.plan.space import enumerate_layouts
-from sweeper.record.schema import TrialResult
+from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
@@ -84,7 +84,7 @@ def _now() -> str:
 class Running:
     number: int
     attempt: int
-    phase: str
+    phase: Phase
     layout: Layout
     proposal: Any  # optuna Trial (None for confirmation runs)
     predicted: dict[str, Any] | None
@@ -108,11 +108,11 @@ class Sweep:
         self.cancels: dict[int, threading.Event] = {}
         self.retry: list[Running] = []  # infra retries and held proposals, launched first when GPUs free up
         self.deferred: list[Running] = []  # need more GPUs than are alive; wait for capacity to come back
-        self.counted = {r["number"] for r in self.records if r["phase"] == "explore" and r["attempt"] >= 1}
+        self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         # A resumed sweep (perhaps with sweeper fixed) runs again what failed for reasons not the layout's.
-        self.decided = {_key(r["layout"]) for r in self.records if r["result"]["failure_kind"] not in NOT_THE_LAYOUTS}
-        self.next_number = 1 + max((r["number"] for r in self.records), default=0)
+        self.decided = {_key(r.layout) for r in self.records if r.result.failure_kind not in NOT_THE_LAYOUTS}
+        self.next_number = 1 + max((r.number for r in self.records), default=0)
         self.busy_gpu_s = 0.0
         self.t0 = time.monotonic()
         self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
@@ -142,7 +142,7 @@ class Sweep:
             elif not self.handle.unsupported(self.cfg.model, e.layout):
                 entries.append(e)
         meta = self.dir.read_meta()
-        meta["memory_pruned"] = sorted(pruned, key=lambda p: p["memory_gib"])
+        meta.memory_pruned = sorted(pruned, key=lambda p: p["memory_gib"])
         self.dir.write_meta(meta)
         return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
 
@@ -209,7 +209,7 @@ class Sweep:
         self.reference = outcome.path
         console.print(f"[blue]equivalence[/] {outcome.note}")
         meta = self.dir.read_meta()
-        meta["reference"] = outcome.to_json()
+        meta.reference = outcome.to_json()
         self.dir.write_meta(meta)
 
     def _seed_queue(self) -> None:
@@ -314,7 +314,7 @@ class Sweep:
         waiting = self.retry + self.deferred
         return any(r.layout == layout for r in list(self.futures.values()) + waiting)
 
-    def _launch(self, layout: Layout, number: int, attempt: int, phase: str, proposal: Any,
+    def _launch(self, layout: Layout, number: int, attempt: int, phase: Phase, proposal: Any,
                 predicted: dict[str, Any] | None, slot: Any) -> None:
         first = phase == "explore" and number not in self.counted
         if phase == "explore":
@@ -363,11 +363,11 @@ class Sweep:
     def _record(self, run: Running, result: TrialResult) -> None:
         killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
         self.tracker.finish_trial(run.run_id, result, killed=killed)
-        record = {
-            "number": run.number, "layout": run.layout.to_dict(), "result": result.to_json(),
-            "predicted": run.predicted, "started_at": run.started_at, "ended_at": _now(),
-            "attempt": run.attempt, "mlflow_run_id": run.run_id, "phase": run.phase,
-        }
+        record = TrialRecord(
+            number=run.number, layout=run.layout.to_dict(), result=result, predicted=run.predicted,
+            started_at=run.started_at, ended_at=_now(), attempt=run.attempt, mlflow_run_id=run.run_id,
+            phase=run.phase,
+        )
         self.dir.append_trial(record)
         self.records.append(record)
         colour = "green" if result.passed else "red"
@@ -405,19 +405,17 @@ class Sweep:
 
     def _print_progress(self) -> None:
         best = candidates(self.records, self.cfg)
-        top = (best[0].layout.short(), objective_value(TrialResult.from_json(best[0].explore["result"]), self.cfg)) \
-            if best else None
+        top = (best[0].layout.short(), objective_value(best[0].explore.result, self.cfg)) if best else None
         console.print(f"[dim]{self.progress.line(self.records, len(self.futures), self.launched, top)}[/]")
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
                        number: int | None = None) -> None:
         text, kind = reason
         result = TrialResult.pruned(text, kind=kind)  # type: ignore[arg-type]
-        record = {
-            "number": number or self.next_number, "layout": entry.layout.to_dict(), "result": result.to_json(),
-            "predicted": _predicted(entry), "started_at": None, "ended_at": _now(), "attempt": 0,
-            "mlflow_run_id": None, "phase": "explore",
-        }
+        record = TrialRecord(
+            number=number or self.next_number, layout=entry.layout.to_dict(), result=result,
+            predicted=_predicted(entry), ended_at=_now(), attempt=0,
+        )
         if number is None:
             self.next_number += 1
         self.dir.append_trial(record)
@@ -452,7 +450,7 @@ class Sweep:
                 slot = self.handle.reserve(todo[0].layout)
             if slot is not None:
                 budget -= 1
-                self._launch(todo[0].layout, todo[0].number, 1, "confirm", None, todo[0].explore.get("predicted"), slot)
+                self._launch(todo[0].layout, todo[0].number, 1, "confirm", None, todo[0].explore.predicted, slot)
             elif self.futures:
                 self._wait_one()
             else:
@@ -474,20 +472,19 @@ class Sweep:
         elapsed = time.monotonic() - self.t0
         gpus = self.handle.capacity_total() or 1
         meta = self.dir.read_meta()
-        meta.update(
-            status=status, ended_at=_now(), best=None if winner is None else {
-                "number": winner.number, "layout": winner.layout.short(),
-                self.cfg.search.objective: winner.median(self.cfg.search.objective)},
-            scheduling_efficiency=self.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None,
-            calibration=self.calibrator.report.lines() if self.calibrator.report else
-            ["not calibrated: no trial measured device memory (the CPU backend measures host RSS)"],
-        )
+        meta.status, meta.ended_at = status, _now()
+        meta.best = None if winner is None else {
+            "number": winner.number, "layout": winner.layout.short(),
+            self.cfg.search.objective: winner.median(self.cfg.search.objective)}
+        meta.scheduling_efficiency = self.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
+        meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
+            "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         self.dir.write_meta(meta)
         from sweeper.report.render import render_report
 
         report = render_report(self.dir.root)
         self.tracker.finish_sweep("KILLED" if status == "interrupted" else "FINISHED",
-                                  {"status": status, "best": meta["best"]["layout"] if winner else "none"})
+                                  {"status": status, "best": winner.layout.short() if winner else "none"})
         console.print(f"report: {report}")
         if winner is None:
             console.print("[red]no stable layout passed[/] (see the report for why)")
@@ -531,14 +528,13 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
         parent = tracker.start_sweep(
             cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name,
                                            "proxy": str(is_proxy(cfg.model)).lower()},
-            resume_run_id=meta.get("mlflow", {}).get("parent_run_id") if options.resume else None,
+            resume_run_id=(meta.mlflow or {}).get("parent_run_id") if options.resume else None,
         )
-        meta.update(
-            name=cfg.name, model=cfg.model.model_dump(), cluster=cfg.cluster.model_dump(),
-            memory_headroom=cfg.search.memory_headroom, objective=cfg.search.objective, status="running",
-            started_at=meta.get("started_at") or _now(), memory_kind="host" if handle.simulated else "device",
-            mlflow={"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name, "parent_run_id": parent},
-        )
+        meta.name, meta.model, meta.cluster = cfg.name, cfg.model.model_dump(), cfg.cluster.model_dump()
+        meta.memory_headroom, meta.objective, meta.status = cfg.search.memory_headroom, cfg.search.objective, "running"
+        meta.started_at = meta.started_at or _now()
+        meta.memory_kind = "host" if handle.simulated else "device"
+        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name, "parent_run_id": parent}
         sweep_dir.write_meta(meta)
         sweep = Sweep(cfg, options, handle, tracker)
         previous = _install_signal_handlers(sweep.stop)

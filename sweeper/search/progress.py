@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+
+from sweeper.record.schema import TrialRecord
 
 
 @dataclass
@@ -14,11 +15,11 @@ class Progress:
     objective: str
     started: float
 
-    def line(self, records: list[dict[str, Any]], running: int, launched: int, best: tuple[str, float] | None) -> str:
-        explore = [r for r in records if r.get("phase", "explore") == "explore"]
-        passed = sum(1 for r in explore if r["result"]["status"] == "passed")
-        failed = sum(1 for r in explore if r["result"]["status"] == "failed")
-        pruned = sum(1 for r in explore if r["result"]["status"] == "pruned")
+    def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None) -> str:
+        explore = [r for r in records if r.phase == "explore"]
+        passed = sum(1 for r in explore if r.result.status == "passed")
+        failed = sum(1 for r in explore if r.result.status == "failed")
+        pruned = sum(1 for r in explore if r.result.status == "pruned")
         elapsed = time.monotonic() - self.started
         eta = ""
         if 0 < launched < self.max_trials:

@@ -13,7 +13,7 @@ from typing import Any
 
 from sweeper.config.schema import SweepConfig
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.record.schema import TrialResult
+from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.space.layout import Layout
 
 
@@ -21,19 +21,19 @@ from sweeper.space.layout import Layout
 class Candidate:
     number: int
     layout: Layout
-    explore: dict[str, Any]  # the exploration record
-    confirmations: list[dict[str, Any]] = field(default_factory=list)
+    explore: TrialRecord  # the exploration record
+    confirmations: list[TrialRecord] = field(default_factory=list)
 
     def values(self, objective: str) -> list[float]:
-        records = [self.explore] + self.confirmations
-        return [float(r["result"]["metrics"][objective] or 0.0) for r in records]
+        records = [self.explore, *self.confirmations]
+        return [float(getattr(r.result.metrics, objective) or 0.0) for r in records]
 
     def median(self, objective: str) -> float:
         return statistics.median(self.values(objective))
 
     @property
     def confirmed(self) -> bool:
-        return all(r["result"]["status"] == "passed" for r in self.confirmations)
+        return all(r.result.passed for r in self.confirmations)
 
 
 def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
@@ -47,20 +47,19 @@ def objective_value(result: TrialResult, cfg: SweepConfig) -> float:
     return float(getattr(result.metrics, cfg.search.objective) or 0.0)
 
 
-def candidates(records: list[dict[str, Any]], cfg: SweepConfig) -> list[Candidate]:
+def candidates(records: list[TrialRecord], cfg: SweepConfig) -> list[Candidate]:
     """Stable explored trials, best first, with their confirmation records attached."""
     explore: dict[int, Candidate] = {}
-    confirms: dict[int, list[dict[str, Any]]] = {}
+    confirms: dict[int, list[TrialRecord]] = {}
     for rec in records:
-        result = TrialResult.from_json(rec["result"])
-        if rec.get("phase", "explore") == "confirm":
-            confirms.setdefault(rec["number"], []).append(rec)
-        elif is_stable(result, cfg):
-            explore[rec["number"]] = Candidate(rec["number"], Layout.from_dict(rec["layout"]), rec)
+        if rec.phase == "confirm":
+            confirms.setdefault(rec.number, []).append(rec)
+        elif is_stable(rec.result, cfg):
+            explore[rec.number] = Candidate(rec.number, Layout.from_dict(rec.layout), rec)
     for number, recs in confirms.items():
         if number in explore:
             explore[number].confirmations = recs
-    return sorted(explore.values(), key=lambda c: -objective_value(TrialResult.from_json(c.explore["result"]), cfg))
+    return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg))
 
 
 def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True) -> Candidate | None:
@@ -69,14 +68,13 @@ def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True
     ok = [
         c for c in cands
         if (c.confirmations or not confirmed_only) and c.confirmed
-        and all(is_stable(TrialResult.from_json(r["result"]), cfg) for r in c.confirmations)
+        and all(is_stable(r.result, cfg) for r in c.confirmations)
     ]
     return max(ok, key=lambda c: c.median(cfg.search.objective), default=None)
 
 
 def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | None) -> dict[str, Any]:
-    result = TrialResult.from_json(winner.explore["result"])
-    predicted = winner.explore.get("predicted") or {}
+    result = winner.explore.result
     layout = winner.layout
     cc = cfg.cluster.compute_capability
     return {
@@ -95,7 +93,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
             "runs": 1 + len(winner.confirmations),
         },
         "memory": {
-            "predicted_gib": predicted.get("memory_gib"),
+            "predicted_gib": winner.explore.predicted_memory_gib,
             "measured_gib": result.metrics.peak_memory_gib,
             "measured_kind": "host RSS (CPU backend)" if result.memory_kind == "host" else "device reserved",
             "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
@@ -104,7 +102,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "backend": result.backend,
         "mlflow": {
             "tracking_uri": mlflow_uri,
-            "run_id": winner.explore.get("mlflow_run_id"),
-            "confirmation_run_ids": [r.get("mlflow_run_id") for r in winner.confirmations],
+            "run_id": winner.explore.mlflow_run_id,
+            "confirmation_run_ids": [r.mlflow_run_id for r in winner.confirmations],
         },
     }

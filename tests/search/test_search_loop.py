@@ -18,7 +18,7 @@ import yaml
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
-from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
 from sweeper.search.loop import SearchOptions, Sweep
@@ -127,8 +127,9 @@ def make_sweep(tmp_path: Path, mlflow_uri: str, request: pytest.FixtureRequest) 
         out = tmp_path / "sweep"
         SweepDir(out).create()
         tracker = Tracker(mlflow_uri, request.node.name)
-        parent = SweepDir(out).read_meta().get("parent") if resume else None
-        SweepDir(out).write_meta({"parent": tracker.start_sweep(cfg.name, {}, {}, resume_run_id=parent)})
+        parent = (SweepDir(out).read_meta().mlflow or {}).get("parent_run_id") if resume else None
+        parent = tracker.start_sweep(cfg.name, {}, {}, resume_run_id=parent)
+        SweepDir(out).write_meta(SweepMeta(mlflow={"parent_run_id": parent}))
         return Sweep(cfg, SearchOptions(out=out, resume=resume, **kw), host, tracker)
 
     return make
@@ -140,12 +141,12 @@ def test_exhaustive_sweep_runs_each_launchable_layout_once_and_picks_fastest(cfg
     assert sweep.exhaustive
     assert sweep.run() == 0
     explore = [lo for lo, _ in host.calls]
-    launched = [r for r in sweep.records if r["result"]["status"] != "pruned" and r["phase"] == "explore"]
-    assert len(launched) == len({json.dumps(r["layout"], sort_keys=True) for r in launched})  # no layout twice
+    launched = [r for r in sweep.records if r.result.status != "pruned" and r.phase == "explore"]
+    assert len(launched) == len({json.dumps(r.layout, sort_keys=True) for r in launched})  # no layout twice
     assert len(explore) == len(launched) + 1  # + one confirmation run
     best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
-    fastest = max(launched, key=lambda r: r["result"]["metrics"]["tokens_per_s"])
-    assert best["trial"] == fastest["number"]
+    fastest = max(launched, key=lambda r: r.result.metrics.tokens_per_s)
+    assert best["trial"] == fastest.number
     assert "--pipeline-model-parallel-size=2" in best["megatron_args"]
     assert host.max_concurrent >= 2  # 2-GPU trials ran side by side on the 2 x 2 cluster
 
@@ -166,10 +167,10 @@ def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Pat
     host = StandInHost(fail={target: "infra-once"})
     sweep = make_sweep(cfg, host)
     sweep.run()
-    rows = [r for r in sweep.records if Layout.from_dict(r["layout"]).short() == target and r["phase"] == "explore"]
-    assert [r["attempt"] for r in rows] == [1, 2]
-    assert rows[0]["result"]["failure_kind"] == "infra" and rows[1]["result"]["status"] == "passed"
-    assert rows[0]["number"] == rows[1]["number"]
+    rows = [r for r in sweep.records if Layout.from_dict(r.layout).short() == target and r.phase == "explore"]
+    assert [r.attempt for r in rows] == [1, 2]
+    assert rows[0].result.failure_kind == "infra" and rows[1].result.status == "passed"
+    assert rows[0].number == rows[1].number
 
 
 def test_a_sweeper_bug_is_rerun_once_and_never_told_to_optuna_as_the_layouts(
@@ -177,8 +178,8 @@ def test_a_sweeper_bug_is_rerun_once_and_never_told_to_optuna_as_the_layouts(
     target = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
     sweep = make_sweep(cfg, StandInHost(fail={target: "internal"}))
     sweep.run()
-    rows = [r for r in sweep.records if Layout.from_dict(r["layout"]).short() == target]
-    assert [(r["attempt"], r["result"]["failure_kind"]) for r in rows] == [(1, "internal"), (2, "internal")]
+    rows = [r for r in sweep.records if Layout.from_dict(r.layout).short() == target]
+    assert [(r.attempt, r.result.failure_kind) for r in rows] == [(1, "internal"), (2, "internal")]
     # Optuna saw the layout only as FAIL (which TPE ignores): neither a value nor an infeasible verdict.
     told = [t for t in sweep.study.study.get_trials(deepcopy=False)
             if set(t.params) == set(AXES) and sweep.study.layout_of(t.params).short() == target]
@@ -198,7 +199,7 @@ def test_resume_does_not_rerun_finished_trials(cfg: SweepConfig, tmp_path: Path,
     host = StandInHost()
     first = make_sweep(cfg, host, max_trials=3)
     first.run()
-    done = {json.dumps(r["layout"], sort_keys=True) for r in first.records if r["phase"] == "explore"}
+    done = {json.dumps(r.layout, sort_keys=True) for r in first.records if r.phase == "explore"}
     host2 = StandInHost()
     second = make_sweep(cfg, host2, resume=True)
     second.run()
@@ -228,7 +229,7 @@ def _load(tmp_path: Path, space: dict[str, Any]) -> SweepConfig:
 
 
 def _explore_records(sweep: Sweep) -> list[dict[str, Any]]:
-    return [r for r in SweepDir(sweep.options.out).read_trials() if r["phase"] == "explore"]
+    return [r for r in SweepDir(sweep.options.out).read_trials() if r.phase == "explore"]
 
 
 def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_each_refusal_once(
@@ -242,18 +243,18 @@ def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_ea
     assert sweep.study.mode == "tpe" and len(sweep.launchable) == 148
     sweep.run()
     records = _explore_records(sweep)
-    launched = [r for r in records if r["result"]["status"] != "pruned"]
-    refused = [r for r in records if r["result"]["status"] == "pruned"]
-    assert len(launched) == 5 and all(check(cfg.model, Layout.from_dict(r["layout"]), cfg.cluster,
+    launched = [r for r in records if r.result.status != "pruned"]
+    refused = [r for r in records if r.result.status == "pruned"]
+    assert len(launched) == 5 and all(check(cfg.model, Layout.from_dict(r.layout), cfg.cluster,
                                             cfg.training.seq_length) == [] for r in launched)
-    assert {lo for lo, _ in host.calls} == {Layout.from_dict(r["layout"]) for r in launched}
+    assert {lo for lo, _ in host.calls} == {Layout.from_dict(r.layout) for r in launched}
     # Only the two invalid seeds were ever refused, each once, with the rules' reason; TPE's own draws are
     # launchable layouts (a draw that is not is told to Optuna and replaced, never written as a refusal).
     invalid_seeds = {layout_from_string(cfg, text) for text in ("gpus=8,tp=8", "gpus=2,precision=mxfp8")}
-    assert len(refused) == 2 and {Layout.from_dict(r["layout"]) for r in refused} == invalid_seeds
-    assert layout_from_string(cfg, "gpus=2,pp=2,mbs=2") == Layout.from_dict(launched[0]["layout"])
-    assert all(r["result"]["failure_kind"] == "invalid_layout" and r["result"]["error"] for r in refused)
-    assert len({json.dumps(r["layout"], sort_keys=True) for r in records}) == len(records)
+    assert len(refused) == 2 and {Layout.from_dict(r.layout) for r in refused} == invalid_seeds
+    assert layout_from_string(cfg, "gpus=2,pp=2,mbs=2") == Layout.from_dict(launched[0].layout)
+    assert all(r.result.failure_kind == "invalid_layout" and r.result.error for r in refused)
+    assert len({json.dumps(r.layout, sort_keys=True) for r in records}) == len(records)
     # Bounded asks: at most two per launch beyond the queued seeds and the estimator's two favourites.
     assert sweep.study.counts.asks <= 3 + 2 + 2 * len(launched)
 
@@ -284,7 +285,7 @@ def test_grid_sampler_launches_every_launchable_layout_in_grid_order_once(
     assert sweep.study.mode == "ordered"
     sweep.run()
     assert [lo for lo, _ in host.calls] == grid
-    assert [Layout.from_dict(r["layout"]) for r in _explore_records(sweep)] == grid
+    assert [Layout.from_dict(r.layout) for r in _explore_records(sweep)] == grid
 
 
 def test_an_oom_prunes_band_layouts_predicted_to_need_more_and_the_report_says_why(

@@ -1,0 +1,56 @@
+"""sweeper.record: the typed trials.jsonl / sweep.json records, their tolerant reading, and the JSON Schemas in
+docs/schemas/ (generated from the types: a change to a type without regenerating them fails here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from sweeper.record.schema import SweepMeta, TrialMetrics, TrialRecord, TrialResult, json_schemas
+from sweeper.record.sweepdir import SweepDir, read_trials
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_docs_schemas_are_the_generated_ones() -> None:
+    for name, schema in json_schemas().items():
+        path = ROOT / "docs" / "schemas" / name
+        assert path.is_file(), f"{path} missing: run python -m sweeper.record.schema"
+        assert json.loads(path.read_text()) == schema, f"{name} is stale: run python -m sweeper.record.schema"
+
+
+def test_a_record_round_trips_through_its_json_line(tmp_path: Path) -> None:
+    result = TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=1234.5, peak_memory_gib=3.0))
+    record = TrialRecord(number=3, layout={"tp": 2, "gpus": 4}, result=result, attempt=2, phase="confirm",
+                         predicted={"memory_gib": 2.5}, started_at="a", ended_at="b", mlflow_run_id="r")
+    sweep = SweepDir(tmp_path)
+    sweep.append_trial(record)
+    assert sweep.read_trials() == [record]
+    assert record.predicted_memory_gib == 2.5
+    assert set(json.loads(sweep.trials.read_text())) == {"number", "layout", "result", "predicted", "started_at",
+                                                         "ended_at", "attempt", "mlflow_run_id", "phase"}
+
+
+def test_reading_skips_torn_and_foreign_lines_and_drops_unknown_result_keys(tmp_path: Path) -> None:
+    good = TrialRecord(number=1, layout={}, result=TrialResult(status="pruned")).to_json()
+    newer = json.loads(json.dumps(good))
+    newer["result"]["metrics"]["a_future_metric"] = 1.0
+    newer["result"]["a_future_key"] = "x"
+    path = tmp_path / "trials.jsonl"
+    path.write_text("\n".join([json.dumps(good), json.dumps(newer), "[1, 2]", '{"number": 2}', '{"numb']) + "\n")
+    records, skipped = read_trials(path)
+    assert [r.number for r in records] == [1, 1] and skipped == 3
+    assert records[1].result.status == "pruned"
+
+
+def test_sweep_meta_keeps_unknown_keys_and_reads_wrong_types_as_unknown(tmp_path: Path) -> None:
+    meta = SweepMeta.from_json({"name": "s", "memory_headroom": True, "cluster": "8 GPUs", "model": "tiny-gpt",
+                                "written_by_a_newer_version": {"k": 1}})
+    assert meta.memory_headroom is None and meta.cluster is None and meta.model == {"name": "tiny-gpt"}
+    sweep = SweepDir(tmp_path)
+    meta.status = "finished"
+    sweep.write_meta(meta)
+    back = json.loads(sweep.meta.read_text())
+    assert back["written_by_a_newer_version"] == {"k": 1} and back["status"] == "finished"
+    assert "best" not in back  # never set, so not written
+    assert SweepDir(tmp_path / "none").read_meta() == SweepMeta()
