@@ -16,9 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
-from sweeper.config.address import check_address_override
 from sweeper.config.load import load_config, proxy_config, resolve_space_path
-from sweeper.config.schema import SweepConfig
+from sweeper.config.schema import SweepConfig, check_address_override
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]

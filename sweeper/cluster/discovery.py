@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sweeper.cluster.simulated import NODE_LABEL_KEY, ray_start_address_file
-from sweeper.config.address import check_address, check_address_override, split_address
-from sweeper.config.schema import ClusterConfig
+from sweeper.config.address import check_address, split_address
+from sweeper.config.schema import ClusterConfig, check_address_override
 from sweeper.errors import ClusterError
 
 Mode = Literal["simulated", "local", "auto", "remote"]  # what the configuration asks for

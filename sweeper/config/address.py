@@ -3,13 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
-
-from sweeper.errors import UsageError
-
-if TYPE_CHECKING:
-    from sweeper.config.schema import ClusterConfig
-
 
 # What cluster.address and --address accept. A bare host (no port) is refused: Ray has no default GCS port to
 # fall back on, and guessing one would send the connection somewhere the user did not name.
@@ -34,16 +27,3 @@ def split_address(value: str) -> tuple[str, int]:
     if match is None:
         raise ValueError(f"not HOST:PORT: {value!r}")
     return match.group("host").strip("[]"), int(match.group("port"))
-
-
-def check_address_override(cluster: ClusterConfig, address: str | None) -> None:
-    """``--address``: well formed, and not given to a cluster that ``simulate: true`` starts here (UsageError)."""
-    if address is None:
-        return
-    try:
-        check_address(address)
-    except ValueError as exc:
-        raise UsageError(f"--address: {exc}") from None
-    if cluster.simulate is True and address != "auto":
-        raise UsageError(f"--address: {address!r} cannot be combined with cluster.simulate: true "
-                         "(a simulated cluster is started on this machine)")

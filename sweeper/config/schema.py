@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, create_model, fi
 from sweeper.config.address import check_address
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
-from sweeper.errors import LayoutError
+from sweeper.errors import LayoutError, UsageError
 from sweeper.models.spec import ModelSpec
 from sweeper.space.axes import PRECISIONS, SEARCHED, Axis
 from sweeper.space.layout import Layout, canonical_recompute, parse_assignments, resolve_sp
@@ -237,3 +237,16 @@ def layout_from_string(cfg: SweepConfig, text: str) -> Layout:
     if "edp" in given and given["edp"] != layout.edp:
         raise LayoutError(f"--layout: edp={given['edp']} but W/(etp*ep*pp) = {layout.edp}")
     return layout
+
+
+def check_address_override(cluster: ClusterConfig, address: str | None) -> None:
+    """``--address``: well formed, and not given to a cluster that ``simulate: true`` starts here (UsageError)."""
+    if address is None:
+        return
+    try:
+        check_address(address)
+    except ValueError as exc:
+        raise UsageError(f"--address: {exc}") from None
+    if cluster.simulate is True and address != "auto":
+        raise UsageError(f"--address: {address!r} cannot be combined with cluster.simulate: true "
+                         "(a simulated cluster is started on this machine)")

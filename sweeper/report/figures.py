@@ -15,16 +15,14 @@ import re
 import statistics
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from sweeper.report.rows import TrialRow
 from sweeper.space.axes import AXIS, SEARCHED
-
-if TYPE_CHECKING:
-    from sweeper.report.render import TrialRow
 
 # One colour per report category, shared by the scatter and the attempts table so a reader matches them by eye.
 CATEGORY_COLORS: dict[str, str] = {
