@@ -160,7 +160,9 @@ def cmd_search(args: argparse.Namespace) -> int:
         raise UsageError(f"--parallel: must be a positive integer, got {args.parallel}")
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
-    from sweeper.search.loop import SearchOptions, parse_injections, run_search
+    from sweeper.search.command import run_search
+    from sweeper.search.faults import parse_injections
+    from sweeper.search.loop import SearchOptions
 
     parse_injections(args.inject, simulated=True)  # their syntax first: bad input is refused before any probing
     from sweeper.cluster import resolve_target

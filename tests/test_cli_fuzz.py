@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 import sweeper.cluster.connection
 import sweeper.cluster.discovery
-import sweeper.search.loop
+import sweeper.search.command
 import sweeper.trial.single
 from sweeper.cli import main
 from sweeper.config.address import check_address
@@ -60,7 +60,7 @@ def tripwire() -> Iterator[None]:
     def refuse(*_args: Any, **_kwargs: Any) -> Any:
         raise Launched("a malformed input reached the point where work starts")
 
-    targets = [(sweeper.search.loop, "run_search"), (sweeper.trial.single, "run_single_trial"),
+    targets = [(sweeper.search.command, "run_search"), (sweeper.trial.single, "run_single_trial"),
                (sweeper.trial.single, "run_doctor"), (sweeper.cluster.connection, "connect"),
                (sweeper.cluster.discovery, "probe")]
     saved = [(module, name, getattr(module, name)) for module, name in targets]

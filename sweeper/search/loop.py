@@ -1,4 +1,5 @@
-"""`sweeper search`: the sweep loop. Optuna proposes, the scheduler launches trials on free GPUs, MLflow records.
+"""The sweep loop (``Sweep.run``). Optuna proposes (``search.study``), the scheduler launches trials on free GPUs
+(``search.scheduler``), MLflow records.
 
 The driver thread owns every decision and every write (trials.jsonl, Optuna, MLflow); trials run in worker
 threads that only block on Ray. One loop: fill free capacity with proposals (the study proposes only layouts
@@ -11,47 +12,41 @@ attempt of the same trial.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import re
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 
 from sweeper.config.schema import SweepConfig, layout_from_string
-from sweeper.errors import EXIT_FAILED, EXIT_OK, LayoutError, UsageError
+from sweeper.errors import EXIT_FAILED, EXIT_OK
 from sweeper.estimate import Estimate
 from sweeper.estimate.calibrator import Calibrator
-from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import PlanEntry, assess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
+from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
+from sweeper.search.scheduler import HOLD, Running, Scheduler
 from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
 from sweeper.search.study import LayoutStudy, Mode
-from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
+from sweeper.trial.protocol import Host, Reservation
+
+if TYPE_CHECKING:
+    from sweeper.record.tracking import Tracker
 
 console = Console(stderr=True)
-INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
 # Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself
 # (internal). Optuna is told nothing (FAIL); the layout runs again as a new attempt, up to these many attempts.
 NOT_THE_LAYOUTS = ("infra", "internal")
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
 PRIOR_PROPOSALS = 2  # in TPE mode, the estimator's fastest predicted layouts are proposed first
-
-
-@dataclass(frozen=True)
-class Injection:
-    kind: str
-    trial: int  # the N-th launched trial (1-based)
 
 
 @dataclass
@@ -64,56 +59,25 @@ class SearchOptions:
     injections: list[Injection] = field(default_factory=list)
 
 
-def parse_injections(specs: list[str], simulated: bool) -> list[Injection]:
-    out = []
-    for spec in specs:
-        match = re.fullmatch(r"([a-z-]+)@trial=([0-9]+)", spec.strip())
-        if not match or match.group(1) not in INJECT_KINDS or int(match.group(2)) < 1:
-            raise UsageError(f"--inject: '{spec}' is not one of {', '.join(k + '@trial=N' for k in INJECT_KINDS)}")
-        out.append(Injection(match.group(1), int(match.group(2))))
-    if out and not simulated:
-        raise UsageError("--inject: fault injection only runs on simulated clusters (cluster.simulate)")
-    return out
-
-
-def _now() -> str:
+def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-
-
-@dataclass
-class Running:
-    number: int
-    attempt: int
-    phase: Phase
-    layout: Layout
-    proposal: Any  # optuna Trial (None for confirmation runs)
-    predicted: dict[str, Any] | None
-    run_id: str | None
-    started_at: str
-    slot: Any  # the host's Reservation (None while waiting for GPUs)
-    started: float = field(default_factory=time.monotonic)
 
 
 class Sweep:
     """One sweep: state lives here, the loop is ``run``."""
 
-    def __init__(self, cfg: SweepConfig, options: SearchOptions, handle: Any, tracker: Any) -> None:
+    def __init__(self, cfg: SweepConfig, options: SearchOptions, handle: Host, tracker: Tracker) -> None:
         self.cfg, self.options, self.handle, self.tracker = cfg, options, handle, tracker
         self.dir = SweepDir(options.out)
         self.max_trials = options.max_trials or cfg.search.max_trials
         self.records = self.dir.read_trials()
         self.stop = threading.Event()
-        self.pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="trial")
-        self.futures: dict[cf.Future[TrialResult], Running] = {}
-        self.cancels: dict[int, threading.Event] = {}
-        self.retry: list[Running] = []  # infra retries and held proposals, launched first when GPUs free up
-        self.deferred: list[Running] = []  # need more GPUs than are alive; wait for capacity to come back
+        self.scheduler = Scheduler(handle, self._parallel_cap())
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         # A resumed sweep (perhaps with sweeper fixed) runs again what failed for reasons not the layout's.
         self.decided = {_key(r.layout) for r in self.records if r.result.failure_kind not in NOT_THE_LAYOUTS}
         self.next_number = 1 + max((r.number for r in self.records), default=0)
-        self.busy_gpu_s = 0.0
         self.t0 = time.monotonic()
         self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
         self.calibrator = Calibrator(cfg, options.out)
@@ -184,7 +148,7 @@ class Sweep:
 
     def _taken(self, layout: Layout) -> bool:
         """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
-        return _key(layout.to_dict()) in self.decided or self._is_running(layout)
+        return _key(layout.to_dict()) in self.decided or self.scheduler.is_running(layout)
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -192,7 +156,7 @@ class Sweep:
         self._seed_queue()
         while not self.stop.is_set():
             self._fill()
-            if not self.futures:
+            if not self.scheduler.futures:
                 break
             self._wait_one()
         if self.stop.is_set():
@@ -242,24 +206,17 @@ class Sweep:
         if wall is not None and time.monotonic() - self.t0 > wall:
             return False
         hours = self.cfg.search.gpu_hours
-        return hours is None or self.busy_gpu_s / 3600 < hours
+        return hours is None or self.scheduler.busy_gpu_s / 3600 < hours
 
     def _fill(self) -> None:
-        alive = self.handle.capacity_total()
-        for run in [r for r in self.deferred if r.layout.world_size <= alive]:  # capacity came back (node join)
-            self.deferred.remove(run)
-            self.retry.append(run)
-        while not self.stop.is_set() and len(self.futures) < self._parallel_cap():
-            if self.retry:
-                run = self.retry[0]
-                if run.layout.world_size > self.handle.capacity_total():
-                    self.deferred.append(self.retry.pop(0))  # nodes were lost: wait for capacity, don't block
-                    continue
-                slot = self.handle.reserve(run.layout)
-                if slot is None:
-                    return  # wait for capacity (a lost node may come back, or running trials end)
-                self.retry.pop(0)
-                self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, slot)
+        self.scheduler.readmit()  # capacity came back (node join)
+        while not self.stop.is_set() and self.scheduler.has_room():
+            waiting = self.scheduler.take_retry()
+            if waiting == HOLD:
+                return  # wait for capacity (a lost node may come back, or running trials end)
+            if isinstance(waiting, tuple):
+                run, reserved = waiting
+                self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, reserved)
                 continue
             if not self._budget_left():
                 return
@@ -278,13 +235,11 @@ class Sweep:
             number, attempt = self._number_for(layout)
             slot = self.handle.reserve(layout)
             if slot is None:
-                waiting = Running(number, attempt, "explore", layout, proposal.trial, _predicted(entry), None, "", None)
-                if layout.world_size > self.handle.capacity_total():
-                    self.deferred.append(waiting)  # more GPUs than are alive now (nodes lost): wait for a join
-                    continue
-                # Hold this proposal until GPUs free up, so large trials are not starved by small ones.
-                self.retry.insert(0, waiting)
-                return
+                held = Running(number, attempt, "explore", layout, proposal.trial, _predicted(entry), None, "", None)
+                self.scheduler.hold(held)  # first in line when GPUs free up (or deferred: nodes were lost)
+                if self.scheduler.retry and self.scheduler.retry[0] is held:
+                    return
+                continue
             self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
 
     def _number_for(self, layout: Layout) -> tuple[int, int]:
@@ -310,16 +265,12 @@ class Sweep:
         cap = self.options.parallel or (self.cfg.search.parallel if self.cfg.search.parallel != "auto" else 0)
         return cap or 1_000_000
 
-    def _is_running(self, layout: Layout) -> bool:
-        waiting = self.retry + self.deferred
-        return any(r.layout == layout for r in list(self.futures.values()) + waiting)
-
     def _launch(self, layout: Layout, number: int, attempt: int, phase: Phase, proposal: Any,
-                predicted: dict[str, Any] | None, slot: Any) -> None:
+                predicted: dict[str, Any] | None, slot: Reservation) -> None:
         first = phase == "explore" and number not in self.counted
         if phase == "explore":
             self.counted.add(number)
-        inject = self._injection_for(self.launched if first else -1)
+        inject = injection_for(self.options.injections, self.launched if first else -1)
         if inject == "node-join":
             console.print(f"[magenta]inject node-join[/]: node {self.handle.add_node()} added")
             inject = None
@@ -327,45 +278,25 @@ class Sweep:
             proposal.set_user_attr("sweeper_number", number)
             proposal.set_user_attr("attempt", attempt)
         run_id = self.tracker.start_trial(number, attempt, layout, phase, predicted)
-        run = Running(number, attempt, phase, layout, proposal, predicted, run_id, _now(), slot)
-        cancel = threading.Event()
-        trial_dir = self.dir.trial_dir(number, attempt, phase)
+        run = Running(number, attempt, phase, layout, proposal, predicted, run_id, now(), slot)
         steps = (self.cfg.search.confirm_steps or 2 * self.cfg.training.steps) if phase == "confirm" else None
-        future = self.pool.submit(self.handle.run_trial, self.cfg, layout, trial_dir, reservation=slot,
-                                  inject=inject, cancel=cancel, steps=steps, reference=self.reference)
-        self.futures[future] = run
-        self.cancels[id(future)] = cancel
+        self.scheduler.submit(run, cfg=self.cfg, layout=layout, trial_dir=self.dir.trial_dir(number, attempt, phase),
+                              inject=inject, steps=steps, reference=self.reference)
         console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"
                       + (f" [magenta](inject {inject})[/]" if inject else ""))
 
-    def _injection_for(self, nth: int) -> str | None:
-        for inj in self.options.injections:
-            if inj.trial == nth:
-                if inj.kind in ("node-loss", "node-join"):
-                    return inj.kind  # the trial runner's handle performs these while the trial runs
-                return {"kill-rank": "crash"}.get(inj.kind, inj.kind)
-        return None
-
     def _wait_one(self) -> None:
-        done, _ = cf.wait(list(self.futures), timeout=5.0, return_when=cf.FIRST_COMPLETED)
-        for future in done:
-            run = self.futures.pop(future)
-            self.cancels.pop(id(future), None)
-            self.handle.release(run.slot)
-            self.busy_gpu_s += (time.monotonic() - run.started) * run.layout.world_size
-            try:
-                result = future.result()
-            except Exception as exc:  # noqa: BLE001 - a runner bug must not lose the sweep; record it as infra
-                result = TrialResult(status="failed", failure_kind="infra", error=f"trial runner error: {exc}")
+        for run, result in self.scheduler.wait_one():
             self._record(run, result)
 
     # -- recording -----------------------------------------------------------------------------------------------
     def _record(self, run: Running, result: TrialResult) -> None:
         killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
+        assert run.run_id is not None, "only launched trials end"
         self.tracker.finish_trial(run.run_id, result, killed=killed)
         record = TrialRecord(
             number=run.number, layout=run.layout.to_dict(), result=result, predicted=run.predicted,
-            started_at=run.started_at, ended_at=_now(), attempt=run.attempt, mlflow_run_id=run.run_id,
+            started_at=run.started_at, ended_at=now(), attempt=run.attempt, mlflow_run_id=run.run_id,
             phase=run.phase,
         )
         self.dir.append_trial(record)
@@ -393,7 +324,7 @@ class Sweep:
             return
         if result.failure_kind in NOT_THE_LAYOUTS and not self.stop.is_set():
             if run.attempt < MAX_ATTEMPTS[result.failure_kind]:
-                self.retry.append(run)
+                self.scheduler.retry.append(run)
                 return
         if self.stop.is_set() and killed:
             return  # the layout said nothing: left open, re-run on --resume
@@ -406,7 +337,7 @@ class Sweep:
     def _print_progress(self) -> None:
         best = candidates(self.records, self.cfg)
         top = (best[0].layout.short(), objective_value(best[0].explore.result, self.cfg)) if best else None
-        console.print(f"[dim]{self.progress.line(self.records, len(self.futures), self.launched, top)}[/]")
+        console.print(f"[dim]{self.progress.line(self.records, len(self.scheduler.futures), self.launched, top)}[/]")
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
                        number: int | None = None) -> None:
@@ -414,7 +345,7 @@ class Sweep:
         result = TrialResult.pruned(text, kind=kind)  # type: ignore[arg-type]
         record = TrialRecord(
             number=number or self.next_number, layout=entry.layout.to_dict(), result=result,
-            predicted=_predicted(entry), ended_at=_now(), attempt=0,
+            predicted=_predicted(entry), ended_at=now(), attempt=0,
         )
         if number is None:
             self.next_number += 1
@@ -426,13 +357,11 @@ class Sweep:
 
     def _defer_waiting(self) -> None:
         """Layouts still waiting for GPUs when nothing else runs (e.g. nodes were lost): recorded, not dropped."""
-        for run in self.retry + self.deferred:
+        for run in self.scheduler.drain_waiting():
             alive = self.handle.capacity_total()
             text = f"deferred: needs {run.layout.world_size} GPUs, {alive} alive when the sweep ended"
             entry = assess(self.cfg, run.layout)
             self._record_pruned(entry, (text, "infra"), run.proposal, number=run.number)
-        self.retry.clear()
-        self.deferred.clear()
 
     # -- confirmation, cancellation, finish ---------------------------------------------------------------------
     def _confirm(self) -> None:
@@ -443,7 +372,7 @@ class Sweep:
         while wanted and not self.stop.is_set():
             cands = candidates(self.records, self.cfg)
             good = [c for c in cands if c.confirmations and c.confirmed]
-            pending = {r.number for r in self.futures.values() if r.phase == "confirm"}
+            pending = {r.number for r in self.scheduler.in_flight if r.phase == "confirm"}
             todo = [c for c in cands if not c.confirmations and c.number not in pending]
             slot = None
             if len(good) + len(pending) < wanted and budget > 0 and todo:
@@ -451,19 +380,19 @@ class Sweep:
             if slot is not None:
                 budget -= 1
                 self._launch(todo[0].layout, todo[0].number, 1, "confirm", None, todo[0].explore.predicted, slot)
-            elif self.futures:
+            elif self.scheduler.futures:
                 self._wait_one()
             else:
                 break
 
     def _cancel_all(self) -> None:
-        for event in self.cancels.values():
-            event.set()
+        self.scheduler.cancel_all()
         deadline = time.monotonic() + 120
-        while self.futures and time.monotonic() < deadline:
+        while self.scheduler.futures and time.monotonic() < deadline:
             self._wait_one()
-        for run in self.futures.values():
-            self.tracker.kill_trial(run.run_id)
+        for run in self.scheduler.in_flight:
+            if run.run_id is not None:
+                self.tracker.kill_trial(run.run_id)
 
     def _finish(self, status: str) -> int:
         winner = choose(candidates(self.records, self.cfg), self.cfg, confirmed_only=self.cfg.search.confirm_top > 0)
@@ -472,11 +401,11 @@ class Sweep:
         elapsed = time.monotonic() - self.t0
         gpus = self.handle.capacity_total() or 1
         meta = self.dir.read_meta()
-        meta.status, meta.ended_at = status, _now()
+        meta.status, meta.ended_at = status, now()
         meta.best = None if winner is None else {
             "number": winner.number, "layout": winner.layout.short(),
             self.cfg.search.objective: winner.median(self.cfg.search.objective)}
-        meta.scheduling_efficiency = self.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
+        meta.scheduling_efficiency = self.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         self.dir.write_meta(meta)
@@ -499,79 +428,3 @@ def _key(layout: dict[str, Any]) -> tuple[Any, ...]:
 
 def _predicted(entry: PlanEntry) -> dict[str, Any] | None:
     return entry.predicted.to_json() if entry.predicted else None
-
-
-def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
-    """The `search` command: exit 0 with a stable layout, 1 without one, 2 on bad input (raised as UsageError)."""
-    sweep_dir = SweepDir(options.out)
-    if sweep_dir.exists() and not options.resume:
-        raise UsageError(
-            f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
-    if options.resume and not sweep_dir.exists():
-        raise UsageError(f"--resume: {options.out} holds no sweep to resume")
-    for i, text in enumerate(cfg.search.seeds):  # bad seeds are bad input: refused before anything is written
-        try:
-            layout_from_string(cfg, text)
-        except LayoutError as exc:
-            raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
-    from sweeper.record.tracking import Tracker
-    from sweeper.trial.host import open_host
-
-    tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first
-    sweep_dir.create()
-    meta = sweep_dir.read_meta()
-    with open_host(cfg, options.address) as handle:
-        doctor = handle.doctor(cfg)
-        if not doctor.ok:
-            console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems))
-            return EXIT_FAILED
-        parent = tracker.start_sweep(
-            cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name,
-                                           "proxy": str(is_proxy(cfg.model)).lower()},
-            resume_run_id=(meta.mlflow or {}).get("parent_run_id") if options.resume else None,
-        )
-        meta.name, meta.model, meta.cluster = cfg.name, cfg.model.model_dump(), cfg.cluster.model_dump()
-        meta.memory_headroom, meta.objective, meta.status = cfg.search.memory_headroom, cfg.search.objective, "running"
-        meta.started_at = meta.started_at or _now()
-        meta.memory_kind = "host" if handle.simulated else "device"
-        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name, "parent_run_id": parent}
-        sweep_dir.write_meta(meta)
-        sweep = Sweep(cfg, options, handle, tracker)
-        previous = _install_signal_handlers(sweep.stop)
-        try:
-            return sweep.run()
-        finally:
-            _restore_signal_handlers(previous)
-            sweep.pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:
-    c = cfg.cluster
-    space = " ".join(f"{a.name}={cfg.world_sizes if a.name == 'gpus' else cfg.space.values(a.name)}"
-                     for a in SEARCHED if a.name != "distributed_optimizer")
-    return {
-        "model": cfg.model.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
-        "gpu_memory_gib": c.gpu_memory_gib, "compute_capability": c.compute_capability,
-        "seq_length": cfg.training.seq_length, "global_batch_size": cfg.training.global_batch_size,
-        "steps": cfg.training.steps, "space": space,
-        "max_trials": cfg.search.max_trials, "objective": cfg.search.objective,
-        "memory_headroom": cfg.search.memory_headroom,
-    }
-
-
-def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
-    def handler(signum: int, _frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for trials to wind down
-        console.print(f"[yellow]{signal.Signals(signum).name}: stopping launches, cancelling running trials[/]")
-        stop.set()
-
-    previous: dict[int, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
-    return previous
-
-
-def _restore_signal_handlers(previous: dict[int, Any]) -> None:
-    for sig, handler in previous.items():
-        signal.signal(sig, handler)

@@ -1,6 +1,7 @@
-"""TrialHost: the sweep's view of the cluster. It owns GPU capacity and launches trials onto chosen nodes.
+"""TrialHost: the sweep's view of the cluster (``trial.protocol.Host``). It owns the GPU ledger and launches
+trials onto chosen nodes.
 
-The scheduler decides where each trial goes (first fit over the alive nodes, one bundle per node, TP groups kept
+It decides where each trial goes (first fit over the alive nodes, one bundle per node, TP groups kept
 inside a node) and pins the trial's placement group there, so its bookkeeping and Ray's never disagree and a
 trial is only launched when it can really start. Nodes are re-read from Ray on every reservation: a lost node
 stops counting at once (its trials fail as infra and are retried elsewhere), a joined node is used as soon as
@@ -15,7 +16,6 @@ import importlib.util
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
@@ -26,6 +26,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.models.spec import ModelSpec
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
+from sweeper.trial.protocol import Reservation
 from sweeper.trial.runner import keep_together, run_trial
 
 
@@ -57,13 +58,6 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
     return (f"no layout of this space can run on the CPU backend of a simulated cluster: {reason} ({count} of "
             f"{sum(reasons.values())} valid layouts). To run it: --proxy (the model's CPU-size proxy, here) or "
             f"--address ADDR (a Ray cluster with GPUs)")
-
-
-@dataclass(frozen=True)
-class Reservation:
-    node_ids: list[str]  # one per placement bundle
-    labels: list[str]
-    gpus_per_bundle: int
 
 
 class TrialHost:
@@ -118,6 +112,16 @@ class TrialHost:
         with self._lock:
             for nid in reservation.node_ids:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
+
+    @contextlib.contextmanager
+    def reserved(self, layout: Layout, timeout_s: float) -> Iterator[Reservation | None]:
+        """``reserve_within`` for the block, released when it ends (None: no free nodes in time)."""
+        slot = self.reserve_within(layout, timeout_s)
+        try:
+            yield slot
+        finally:
+            if slot is not None:
+                self.release(slot)
 
     def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
         return unsupported_reason(model, layout, cuda=self.cuda, te=self.te)

@@ -20,6 +20,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.plan.assess import assess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.space.layout import Layout
+from sweeper.trial.protocol import Host
 
 REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
 PLACE_TIMEOUT_S = 120.0
@@ -62,7 +63,7 @@ def _reusable(cfg: SweepConfig, folder: Path) -> bool:
             and ref.get("sequences", 0) % math.lcm(*cfg.world_sizes) == 0)
 
 
-def ensure_reference(cfg: SweepConfig, host: Any, folder: Path) -> ReferenceOutcome:
+def ensure_reference(cfg: SweepConfig, host: Host, folder: Path) -> ReferenceOutcome:
     if (folder / REFERENCE_FILE).is_file():
         if _reusable(cfg, folder):
             return ReferenceOutcome(str(folder), None, f"reusing the reference in {folder}")

@@ -28,15 +28,12 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
         from sweeper.trial.reference import ensure_reference
 
         reference = ensure_reference(cfg, host, Path("sweeps") / cfg.name / "reference")
-        slot = host.reserve_within(layout, RESERVE_TIMEOUT_S)
-        if slot is None:
-            return TrialResult(status="failed", failure_kind="infra", backend=host.backend_name,
-                               error=f"the cluster has no free nodes for {layout.world_size} GPUs "
-                               f"({host.capacity_total()} GPUs alive)")
-        try:
+        with host.reserved(layout, RESERVE_TIMEOUT_S) as slot:
+            if slot is None:
+                return TrialResult(status="failed", failure_kind="infra", backend=host.backend_name,
+                                   error=f"the cluster has no free nodes for {layout.world_size} GPUs "
+                                   f"({host.capacity_total()} GPUs alive)")
             result = host.run_trial(cfg, layout, trial_dir, reservation=slot, reference=reference.path)
-        finally:
-            host.release(slot)
         result.notes.append(reference.note)
         return result
 

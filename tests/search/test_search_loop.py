@@ -24,7 +24,7 @@ from sweeper.record.tracking import Tracker
 from sweeper.search.loop import SearchOptions, Sweep
 from sweeper.search.study import AXES
 from sweeper.space.layout import Layout
-from sweeper.trial.host import Reservation
+from sweeper.trial.protocol import Host, Reservation
 
 SPACE = {
     "name": "loop",
@@ -76,6 +76,9 @@ class StandInHost:
         with self.lock:
             for n in slot.node_ids:
                 self.free[n] += slot.gpus_per_bundle
+
+    def add_node(self) -> str:
+        raise RuntimeError("the stand-in host has no simulated nodes to add")
 
     def unsupported(self, model: Any, layout: Layout) -> str | None:
         return self.unsupported_reason
@@ -314,3 +317,7 @@ def test_an_oom_prunes_band_layouts_predicted_to_need_more_and_the_report_says_w
     meta = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     reasons = {p["layout"]: p["reason"] for p in meta["memory_pruned"]}
     assert "trial #1" in reasons[mbs4] and "ran out of memory (inferred)" in reasons[mbs4]
+
+
+def test_the_stand_in_host_has_the_hosts_surface() -> None:
+    assert isinstance(StandInHost(), Host)  # trial.protocol.Host: what the sweep and the scheduler call

@@ -1,0 +1,92 @@
+"""`sweeper search`: the command around the sweep loop. It refuses bad input before anything is written, opens
+the cluster and the MLflow parent run, records what the sweep runs on in sweep.json, and lets SIGINT / SIGTERM
+stop launches (a second one stops waiting) while the loop (``search.loop.Sweep``) winds down and exports."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from sweeper.config.schema import SweepConfig, layout_from_string
+from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
+from sweeper.models.proxy import is_proxy
+from sweeper.record.sweepdir import SweepDir
+from sweeper.search.loop import SearchOptions, Sweep, console, now
+from sweeper.space.axes import SEARCHED
+
+
+def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
+    """The `search` command: exit 0 with a stable layout, 1 without one, 2 on bad input (raised as UsageError)."""
+    sweep_dir = SweepDir(options.out)
+    if sweep_dir.exists() and not options.resume:
+        raise UsageError(
+            f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
+    if options.resume and not sweep_dir.exists():
+        raise UsageError(f"--resume: {options.out} holds no sweep to resume")
+    for i, text in enumerate(cfg.search.seeds):  # bad seeds are bad input: refused before anything is written
+        try:
+            layout_from_string(cfg, text)
+        except LayoutError as exc:
+            raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
+    from sweeper.record.tracking import Tracker
+    from sweeper.trial.host import open_host
+
+    tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first
+    sweep_dir.create()
+    meta = sweep_dir.read_meta()
+    with open_host(cfg, options.address) as handle:
+        doctor = handle.doctor(cfg)
+        if not doctor.ok:
+            console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems))
+            return EXIT_FAILED
+        parent = tracker.start_sweep(
+            cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name,
+                                           "proxy": str(is_proxy(cfg.model)).lower()},
+            resume_run_id=(meta.mlflow or {}).get("parent_run_id") if options.resume else None,
+        )
+        meta.name, meta.model, meta.cluster = cfg.name, cfg.model.model_dump(), cfg.cluster.model_dump()
+        meta.memory_headroom, meta.objective, meta.status = cfg.search.memory_headroom, cfg.search.objective, "running"
+        meta.started_at = meta.started_at or now()
+        meta.memory_kind = "host" if handle.simulated else "device"
+        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name, "parent_run_id": parent}
+        sweep_dir.write_meta(meta)
+        sweep = Sweep(cfg, options, handle, tracker)
+        previous = _install_signal_handlers(sweep.stop)
+        try:
+            return sweep.run()
+        finally:
+            _restore_signal_handlers(previous)
+            sweep.scheduler.shutdown()
+
+
+def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:
+    c = cfg.cluster
+    space = " ".join(f"{a.name}={cfg.world_sizes if a.name == 'gpus' else cfg.space.values(a.name)}"
+                     for a in SEARCHED if a.name != "distributed_optimizer")
+    return {
+        "model": cfg.model.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
+        "gpu_memory_gib": c.gpu_memory_gib, "compute_capability": c.compute_capability,
+        "seq_length": cfg.training.seq_length, "global_batch_size": cfg.training.global_batch_size,
+        "steps": cfg.training.steps, "space": space,
+        "max_trials": cfg.search.max_trials, "objective": cfg.search.objective,
+        "memory_headroom": cfg.search.memory_headroom,
+    }
+
+
+def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
+    def handler(signum: int, _frame: Any) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for trials to wind down
+        console.print(f"[yellow]{signal.Signals(signum).name}: stopping launches, cancelling running trials[/]")
+        stop.set()
+
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signal_handlers(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -1,0 +1,132 @@
+"""The sweep's scheduler: the trials in flight, the ones waiting for GPUs, and the host's GPU ledger under them.
+
+Two queues wait: ``retry`` (infra retries and a proposal held until its GPUs free up, so a large trial is not
+starved by small ones) is launched first; ``deferred`` holds layouts needing more GPUs than are alive (nodes were
+lost) until capacity comes back. A launched trial holds its reservation until ``wait_one`` sees it end and
+releases it; the GPU-seconds it held are counted for the budget. The driver thread alone calls in here.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sweeper.record.schema import Phase, TrialResult
+from sweeper.space.layout import Layout
+from sweeper.trial.protocol import Host, Reservation
+
+HOLD = "hold"  # take_retry: the head of the queue waits for GPUs; launch nothing else now
+
+
+@dataclass
+class Running:
+    """A trial in flight or waiting for GPUs."""
+
+    number: int
+    attempt: int
+    phase: Phase
+    layout: Layout
+    proposal: Any  # optuna Trial (None for confirmation runs)
+    predicted: dict[str, Any] | None
+    run_id: str | None
+    started_at: str
+    slot: Reservation | None  # None while waiting for GPUs
+    started: float = field(default_factory=time.monotonic)
+
+
+class Scheduler:
+    def __init__(self, host: Host, parallel_cap: int) -> None:
+        self.host = host
+        self.parallel_cap = parallel_cap
+        self.pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="trial")
+        self.futures: dict[cf.Future[TrialResult], Running] = {}
+        self.cancels: dict[int, threading.Event] = {}
+        self.retry: list[Running] = []
+        self.deferred: list[Running] = []
+        self.busy_gpu_s = 0.0
+
+    # -- what is where -------------------------------------------------------------------------------------------
+    @property
+    def in_flight(self) -> list[Running]:
+        return list(self.futures.values())
+
+    def has_room(self) -> bool:
+        return len(self.futures) < self.parallel_cap
+
+    def is_running(self, layout: Layout) -> bool:
+        """In flight, or waiting for GPUs."""
+        return any(r.layout == layout for r in self.in_flight + self.retry + self.deferred)
+
+    # -- the queues ------------------------------------------------------------------------------------------------
+    def readmit(self) -> None:
+        """Deferred layouts the alive capacity can hold again (a node joined) go back to the retry queue."""
+        alive = self.host.capacity_total()
+        for run in [r for r in self.deferred if r.layout.world_size <= alive]:
+            self.deferred.remove(run)
+            self.retry.append(run)
+
+    def take_retry(self) -> tuple[Running, Reservation] | str | None:
+        """The head of the retry queue with GPUs reserved for it; ``HOLD`` when it must wait for GPUs; None when
+        the queue is empty. A head needing more GPUs than are alive moves to ``deferred`` instead of blocking."""
+        while self.retry:
+            run = self.retry[0]
+            if run.layout.world_size > self.host.capacity_total():
+                self.deferred.append(self.retry.pop(0))
+                continue
+            slot = self.host.reserve(run.layout)
+            if slot is None:
+                return HOLD
+            self.retry.pop(0)
+            return run, slot
+        return None
+
+    def hold(self, run: Running) -> None:
+        """A proposal with no GPUs free now: first in line when they free up, or deferred if it cannot fit at all."""
+        if run.layout.world_size > self.host.capacity_total():
+            self.deferred.append(run)
+        else:
+            self.retry.insert(0, run)
+
+    def drain_waiting(self) -> list[Running]:
+        """Empty both queues, returning what was in them."""
+        waiting = self.retry + self.deferred
+        self.retry.clear()
+        self.deferred.clear()
+        return waiting
+
+    # -- launching and waiting -----------------------------------------------------------------------------------
+    def submit(self, run: Running, **kwargs: Any) -> threading.Event:
+        """Start ``host.run_trial`` for ``run`` on its reservation in a worker thread; returns its cancel event."""
+        assert run.slot is not None, "a trial is launched only with GPUs reserved"
+        cancel = threading.Event()
+        future = self.pool.submit(self.host.run_trial, reservation=run.slot, cancel=cancel, **kwargs)
+        self.futures[future] = run
+        self.cancels[id(future)] = cancel
+        return cancel
+
+    def wait_one(self, timeout_s: float = 5.0) -> list[tuple[Running, TrialResult]]:
+        """The trials that ended within ``timeout_s`` (at least one unless none did), their GPUs released."""
+        done, _ = cf.wait(list(self.futures), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+        ended = []
+        for future in done:
+            run = self.futures.pop(future)
+            self.cancels.pop(id(future), None)
+            if run.slot is not None:
+                self.host.release(run.slot)
+            self.busy_gpu_s += (time.monotonic() - run.started) * run.layout.world_size
+            try:
+                result = future.result()
+            except Exception as exc:  # noqa: BLE001 - a runner bug must not lose the sweep; record it as infra
+                result = TrialResult(status="failed", failure_kind="infra", error=f"trial runner error: {exc}")
+            ended.append((run, result))
+        return ended
+
+    def cancel_all(self) -> None:
+        for event in self.cancels.values():
+            event.set()
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,55 @@
+"""What the sweep needs from the cluster side, as a type: the ``TrialHost`` protocol and its ``Reservation``.
+
+``trial.host.TrialHost`` implements it on a Ray cluster; the sweep loop, the scheduler and the reference trial are
+written against the protocol, so a test's stand-in host is checked against the same surface.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from sweeper.config.schema import SweepConfig
+    from sweeper.models.spec import ModelSpec
+    from sweeper.record.schema import TrialResult
+    from sweeper.space.layout import Layout
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """GPUs held for one trial: the nodes of its placement bundles, in bundle order."""
+
+    node_ids: list[str]  # one per placement bundle
+    labels: list[str]
+    gpus_per_bundle: int
+
+
+@runtime_checkable
+class Host(Protocol):
+    simulated: bool
+    backend_name: str
+
+    def capacity_total(self) -> int:
+        """GPUs on the nodes alive now."""
+
+    def reserve(self, layout: Layout) -> Reservation | None:
+        """GPUs for ``layout`` if they are free now (the ledger counts them used until ``release``)."""
+
+    def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
+        """``reserve``, retried for up to ``timeout_s``."""
+
+    def release(self, reservation: Reservation) -> None: ...
+
+    def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
+        """Why this backend cannot run the layout, or None."""
+
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,
+                  inject: str | None = None, cancel: threading.Event | None = None,
+                  steps: int | None = None, reference: str | None = None,
+                  make_reference: bool = False) -> TrialResult: ...
+
+    def add_node(self) -> str:
+        """node-join fault injection (simulated clusters)."""
