@@ -141,11 +141,6 @@ def trial_placement(
         remove_placement_group(group)
 
 
-def placement_state(group: PlacementGroup) -> str:
-    """GCS state of a group: PENDING, CREATED, REMOVED, RESCHEDULING (for tests and diagnostics)."""
-    return ray.util.placement_group_table(group).get("state", "UNKNOWN")
-
-
 def _free_gpus(handle: ClusterHandle) -> str:
     try:
         return ", ".join(f"{label}={free}" for label, free in handle.free_gpus_per_node().items()) or "no GPU nodes"

@@ -114,9 +114,6 @@ class Tracker:
     def kill_trial(self, run_id: str) -> None:
         self.client.set_terminated(run_id, status="KILLED")
 
-    def run_status(self, run_id: str) -> str:
-        return self.client.get_run(run_id).info.status
-
 
 def _tail(path: Path) -> str:
     with path.open("rb") as fh:

@@ -120,10 +120,6 @@ class Layout:
         """Megatron's recompute_modules under selective granularity (empty for none and full)."""
         return recompute_modules(self.recompute)
 
-    @property
-    def params_dtype_bytes(self) -> int:
-        return 4 if self.precision == "fp32" else 2
-
     # -- serialisation -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The contract's JSON layout object (plus the fields it needs to be rebuilt)."""
