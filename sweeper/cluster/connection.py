@@ -34,6 +34,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from sweeper.cluster.discovery import Kind, Mode, Target, choose_mode, cuda_visible, resolve_target
 from sweeper.cluster.simulated import DEFAULT_RECORD_DIR, NODE_LABEL_KEY, SimulatedCluster, cleanup_stale_clusters
 from sweeper.config.schema import ClusterConfig
+from sweeper.config.units import GIB
 from sweeper.errors import ClusterError
 
 __all__ = ["ClusterError", "ClusterHandle", "GpuInfo", "Mode", "NodeInfo", "Target", "choose_mode", "connect",
@@ -210,7 +211,7 @@ def _probe_gpu() -> GpuInfo:
 
         if torch.cuda.is_available():
             props = torch.cuda.get_device_properties(0)
-            return GpuInfo(props.name, round(props.total_memory / 2**30, 1), f"{props.major}.{props.minor}", "torch")
+            return GpuInfo(props.name, round(props.total_memory / GIB, 1), f"{props.major}.{props.minor}", "torch")
     except Exception:  # noqa: BLE001 - a probe reports what it can
         pass
     return GpuInfo("unknown", 0.0, None, "unknown")

@@ -20,6 +20,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
 from sweeper.config.schema import SweepConfig
+from sweeper.config.units import GIB
 
 ABSENT = "absent"
 _VERSION_KEYS = ("python", "torch", "megatron_core", "transformer_engine")
@@ -123,7 +124,7 @@ def _probe_node(disk_path: str, paths: list[str]) -> dict:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent  # trials create the folder; measure the filesystem it will live on
     facts["disk_path"] = disk_path
-    facts["free_disk_gib"] = round(shutil.disk_usage(existing).free / 2**30, 1)
+    facts["free_disk_gib"] = round(shutil.disk_usage(existing).free / GIB, 1)
     facts["paths"] = {p: Path(p).exists() for p in paths}
     return facts
 

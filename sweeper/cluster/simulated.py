@@ -32,6 +32,8 @@ import psutil
 import ray
 from ray.cluster_utils import Cluster
 
+from sweeper.record.files import write_atomic
+
 NODE_LABEL_KEY = "sweeper.node"  # Ray node label carrying the stable simulated node name
 DEFAULT_RECORD_DIR = Path(tempfile.gettempdir()) / "sweeper-clusters"
 _MIB = 1024 * 1024
@@ -204,10 +206,7 @@ class SimulatedCluster:
             "nodes": [{"label": n.label, "node_id": n.node_id} for n in self._nodes],
             "processes": [[pid, created] for pid, created in _with_create_time(self.pids())],
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(path)  # atomic: a reader sees the old or the new record, never half of one
+        write_atomic(path, json.dumps(record, indent=1))
 
     def _delete_record(self) -> None:
         path = self.record_path

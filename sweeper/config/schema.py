@@ -22,6 +22,12 @@ from sweeper.space.axes import PRECISIONS, SEARCHED, Axis
 from sweeper.space.layout import Layout, canonical_recompute, parse_assignments, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
 
+
+def memory_limit_gib(gpu_memory_gib: float, headroom: float) -> float:
+    """The stability limit: a stable layout peaks at most at (1 - memory_headroom) of one GPU's memory."""
+    return (1.0 - headroom) * gpu_memory_gib
+
+
 # gt=0.0 (a float) tells the error formatter to say "greater than 0" rather than "a positive integer".
 PositiveFloat = Annotated[float, Field(gt=0.0)]
 
@@ -200,6 +206,10 @@ class SweepConfig(_Strict):
     @property
     def world_sizes(self) -> list[int]:
         return sorted(set(self.space.values("gpus") or [self.cluster.total_gpus]))
+
+    @property
+    def memory_limit_gib(self) -> float:
+        return memory_limit_gib(self.cluster.gpu_memory_gib, self.search.memory_headroom)
 
     @property
     def experiment_name(self) -> str:

@@ -28,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from sweeper.record.files import write_atomic
+
 # A fitted activation factor outside this range means the samples disagree with the model's structure (wrong
 # recompute setting, a different optimizer); clamping keeps one bad sample from wrecking every prediction.
 MIN_FACTOR, MAX_FACTOR = 0.25, 4.0
@@ -188,8 +190,7 @@ def save(path: Path, key: str, calibration: Calibration) -> None:
     path = Path(path)
     data = json.loads(path.read_text()) if path.is_file() else {}
     data[key] = asdict(calibration)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def load(path: Path, key: str) -> Calibration | None:

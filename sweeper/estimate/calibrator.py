@@ -9,7 +9,7 @@ and copied into the sweep folder, so the next sweep on the same cluster starts c
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sweeper.config.schema import SweepConfig
@@ -29,6 +29,15 @@ def key(cfg: SweepConfig) -> str:
     return calibration_key(f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}", cfg.model.name)
 
 
+@dataclass(frozen=True)
+class CalibrationUpdate:
+    """What one trial changed: the refit memory/step factors (None: not a device measurement), and whether the
+    estimator's predictions moved at all (a refit, or a measured routing imbalance raising the hot-rank factor)."""
+
+    fit: FitReport | None = None
+    changed: bool = False
+
+
 class Calibrator:
     def __init__(self, cfg: SweepConfig, sweep_dir: Path) -> None:
         self.cfg = cfg
@@ -36,18 +45,17 @@ class Calibrator:
         self.samples: list[Sample] = []
         self.current: Calibration | None = load(cache_path(), key(cfg))
         self.report: FitReport | None = None
-        self.hot_rank_raised = False  # set when a trial's routing raised the hot-rank factor (the sweep re-assesses)
 
-    def add(self, layout: Layout, result: TrialResult) -> FitReport | None:
-        """Refit with one more measured trial; None when the trial cannot calibrate memory (failed, host memory).
-        A MoE trial's measured routing imbalance raises the hot-rank factor on any backend (the router is the
-        same megatron-core code on CPU and GPU)."""
+    def add(self, layout: Layout, result: TrialResult) -> CalibrationUpdate:
+        """Refit with one more measured trial (only a passed trial's device memory calibrates memory). A MoE
+        trial's measured routing imbalance raises the hot-rank factor on any backend (the router is the same
+        megatron-core code on CPU and GPU)."""
         factor = result.metrics.moe_hot_rank_factor
-        if factor is not None and factor > ((self.current and self.current.moe_hot_rank_factor) or 1.0):
+        raised = factor is not None and factor > ((self.current and self.current.moe_hot_rank_factor) or 1.0)
+        if raised:
             self.current = replace(self.current or Calibration(), moe_hot_rank_factor=factor)
-            self.hot_rank_raised = True
         if not result.passed or result.memory_kind != "device" or result.metrics.peak_memory_gib is None:
-            return None
+            return CalibrationUpdate(changed=raised)
         raw = estimate(self.cfg.model, layout, self.cfg.cluster, self.cfg.training.seq_length,
                        constants=self.cfg.estimate, headroom=self.cfg.search.memory_headroom, run=self.cfg.run)
         self.samples.append(Sample(
@@ -60,4 +68,4 @@ class Calibrator:
         self.current = replace(self.report.calibration, moe_hot_rank_factor=hot)
         save(cache_path(), key(self.cfg), self.current)
         save(self.sweep_file, key(self.cfg), self.current)
-        return self.report
+        return CalibrationUpdate(fit=self.report, changed=True)

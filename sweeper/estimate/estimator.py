@@ -28,14 +28,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
+from sweeper.config.schema import ClusterConfig, memory_limit_gib
+from sweeper.config.units import GIB
 from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
-    GIB,
     ActivationShape,
     StageParams,
     in_flight_microbatches,
@@ -46,9 +47,6 @@ from sweeper.estimate.memory import (
 from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
-
-if TYPE_CHECKING:
-    from sweeper.config.schema import ClusterConfig
 
 
 @dataclass(frozen=True)
@@ -276,7 +274,7 @@ def estimate(
     if calibration:
         seconds *= calibration.step_time_factor
     tokens = lo.gbs * seq_length
-    limit = (1.0 - headroom) * cluster.gpu_memory_gib
+    limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
     band = memory_band(worst_reserved, constants)
     return Estimate(
         memory_gib=worst_reserved,

@@ -33,7 +33,6 @@ from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.layout import PipelineSplit, recompute_modules
 from sweeper.space.pipeline import stage_layer_kinds
 
-GIB = float(1 << 30)
 BF16_BYTES = 2
 FP32_BYTES = 4
 # Flash attention keeps one FP32 log-sum-exp per head and token for its backward.

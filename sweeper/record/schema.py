@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
+from sweeper.config.schema import SweepConfig, memory_limit_gib
+
 Status = Literal["passed", "failed", "pruned"]
 # replica_divergence: copies of a replicated parameter (across DP/CP, EDP, TP/ETP or the tied embedding) differ
 # after the steps, i.e. a gradient reduction ran over the wrong group. internal: sweeper's own code raised (a
@@ -175,7 +177,7 @@ class SweepMeta(BaseModel):
         gpu = (self.cluster or {}).get("gpu_memory_gib")
         if not isinstance(gpu, (int, float)) or isinstance(gpu, bool) or self.memory_headroom is None:
             return None
-        return (1.0 - self.memory_headroom) * float(gpu)
+        return memory_limit_gib(float(gpu), self.memory_headroom)
 
     @classmethod
     def from_json(cls, data: Any) -> SweepMeta:
@@ -204,8 +206,6 @@ class SweepMeta(BaseModel):
 
 def json_schemas() -> dict[str, dict[str, Any]]:
     """The JSON Schemas of what sweeper reads (the search YAML) and records, from their types (docs/schemas/)."""
-    from sweeper.config.schema import SweepConfig
-
     search_yaml = SweepConfig.model_json_schema()
     search_yaml["properties"].pop("source", None)  # set by load_config, never read from the YAML
     return {

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from sweeper.record.files import write_atomic
 from sweeper.record.schema import SweepMeta, TrialRecord
 
 
@@ -84,18 +84,3 @@ def read_meta(path: Path) -> SweepMeta | None:
     except (OSError, ValueError):
         return None
     return SweepMeta.from_json(data)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder, fsync, rename: readers see the old or the new file, never half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; sweep outputs are meant to be shared
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -16,8 +16,9 @@ from pathlib import Path
 
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
+from sweeper.record.files import write_atomic
 from sweeper.record.schema import SweepMeta
-from sweeper.record.sweepdir import read_meta, write_atomic
+from sweeper.record.sweepdir import read_meta
 from sweeper.report import figures
 from sweeper.report.figures import esc, kind_counts, num
 from sweeper.report.rows import TrialRow, load_trials

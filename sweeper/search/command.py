@@ -29,6 +29,7 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             layout_from_string(cfg, text)
         except LayoutError as exc:
             raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
+    # Deferred: MLflow and Ray load only once the input is known good (bad input exits in a fraction of a second).
     from sweeper.record.tracking import Tracker
     from sweeper.trial.host import open_host
 

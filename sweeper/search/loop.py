@@ -29,6 +29,7 @@ from sweeper.plan.assess import PlanEntry, assess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
+from sweeper.report.render import render_report
 from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
@@ -37,6 +38,7 @@ from sweeper.search.selection import best_layout_document, candidates, choose, i
 from sweeper.search.study import LayoutStudy, Mode
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
+from sweeper.trial.reference import ensure_reference
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
@@ -81,7 +83,7 @@ class Sweep:
         self.t0 = time.monotonic()
         self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
         self.calibrator = Calibrator(cfg, options.out)
-        self.evidence = MemoryEvidence((1 - cfg.search.memory_headroom) * cfg.cluster.gpu_memory_gib)
+        self.evidence = MemoryEvidence(cfg.memory_limit_gib)
         self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
         self.launchable = self._launchable()
@@ -167,8 +169,6 @@ class Sweep:
         return self._finish("finished")
 
     def _make_reference(self) -> None:
-        from sweeper.trial.reference import ensure_reference
-
         outcome = ensure_reference(self.cfg, self.handle, self.dir.root / "reference")
         self.reference = outcome.path
         console.print(f"[blue]equivalence[/] {outcome.note}")
@@ -306,13 +306,11 @@ class Sweep:
         outcome = (f"{result.failure_kind}: {result.error}" if result.failure_kind else
                    f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}")
-        fitted = self.calibrator.add(run.layout, result)
-        if fitted is not None:
-            for line in fitted.lines():
-                console.print(f"[blue]estimator[/] {line}")
+        update = self.calibrator.add(run.layout, result)
+        for line in update.fit.lines() if update.fit else []:
+            console.print(f"[blue]estimator[/] {line}")
         evidence = self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
-        raised, self.calibrator.hot_rank_raised = self.calibrator.hot_rank_raised, False
-        if fitted is not None or raised or evidence:
+        if update.changed or evidence:
             self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
             self.study.set_candidates(self._candidates())
         if run.layout == self.probe:
@@ -409,8 +407,6 @@ class Sweep:
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         self.dir.write_meta(meta)
-        from sweeper.report.render import render_report
-
         report = render_report(self.dir.root)
         self.tracker.finish_sweep("KILLED" if status == "interrupted" else "FINISHED",
                                   {"status": status, "best": winner.layout.short() if winner else "none"})

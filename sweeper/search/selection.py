@@ -40,7 +40,7 @@ def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
     if not result.passed:
         return False
     peak = result.metrics.peak_memory_gib
-    return peak is not None and peak <= (1.0 - cfg.search.memory_headroom) * cfg.cluster.gpu_memory_gib
+    return peak is not None and peak <= cfg.memory_limit_gib
 
 
 def objective_value(result: TrialResult, cfg: SweepConfig) -> float:

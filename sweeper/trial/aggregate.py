@@ -16,11 +16,11 @@ import statistics
 from dataclasses import dataclass, fields
 
 from sweeper.backends.base import RankReport
+from sweeper.config.units import GIB
 from sweeper.record.schema import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
 
 # Lower explains more. Kinds not listed (a rank's own failure) rank 0.
 _COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}
-_GIB = 1024**3
 
 
 @dataclass
@@ -144,7 +144,7 @@ def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int) -> T
             metrics.tflops_per_gpu = flops / metrics.step_time_s / 1e12 / world_size
     peaks = [r.peak_memory_bytes for r in reports if r.peak_memory_bytes]
     if peaks:
-        metrics.peak_memory_gib = max(peaks) / _GIB
+        metrics.peak_memory_gib = max(peaks) / GIB
     losses = _losses(reports)
     if losses:
         metrics.loss_first, metrics.loss_last = losses[0], losses[-1]

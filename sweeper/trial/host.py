@@ -15,6 +15,7 @@ import contextlib
 import importlib.util
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,8 +25,11 @@ from sweeper.cluster.doctor import DoctorReport, doctor
 from sweeper.cluster.placement import PlacementError
 from sweeper.config.schema import SweepConfig
 from sweeper.models.spec import ModelSpec
+from sweeper.plan.rules import check
+from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
+from sweeper.space.pipeline import with_pipeline_split
 from sweeper.trial.protocol import Reservation
 from sweeper.trial.runner import keep_together, run_trial
 
@@ -33,12 +37,6 @@ from sweeper.trial.runner import keep_together, run_trial
 def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
     """On a simulated cluster every trial runs on the CPU backend: when it can run none of the space's valid
     layouts, the one-line reason (the most common one) and what would make the space run; None otherwise."""
-    from collections import Counter
-
-    from sweeper.plan.rules import check
-    from sweeper.plan.space import enumerate_layouts
-    from sweeper.space.pipeline import with_pipeline_split
-
     run_reason = run_unsupported_reason(cfg.run, cuda=False, te=False)
     if run_reason:
         return (f"no layout of this space can run on the CPU backend of a simulated cluster: {run_reason}. To run "

@@ -34,6 +34,7 @@ from sweeper.backends.base import SmokeRequest
 from sweeper.cluster.connection import ClusterHandle
 from sweeper.cluster.placement import PlacementError, PlacementTimeout, TrialPlacement, trial_placement
 from sweeper.config.schema import SweepConfig
+from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.actor import RankActor, RankSlot
@@ -333,9 +334,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    tmp.replace(path)
+    write_atomic(path, json.dumps(data, indent=2) + "\n")
 
 
 __all__ = ["DEFAULT_BACKEND", "RunningTrial", "run_trial"]

@@ -5,10 +5,13 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from sweeper.cluster.doctor import DoctorReport
 from sweeper.config.schema import SweepConfig
 from sweeper.plan.rules import check
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
+from sweeper.trial.host import open_host
+from sweeper.trial.reference import ensure_reference
 
 RESERVE_TIMEOUT_S = 60.0
 
@@ -18,15 +21,11 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
     reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
     if reasons:
         return TrialResult.pruned("; ".join(reasons))
-    from sweeper.trial.host import open_host
-
     trial_dir = out or Path("sweeps") / cfg.name / "trials" / f"manual-{time.strftime('%Y%m%d-%H%M%S')}"
     with open_host(cfg, address) as host:
         reason = host.unsupported(cfg.model, layout)
         if reason is not None:
             return TrialResult(status="failed", failure_kind="unsupported", error=reason, backend=host.backend_name)
-        from sweeper.trial.reference import ensure_reference
-
         reference = ensure_reference(cfg, host, Path("sweeps") / cfg.name / "reference")
         with host.reserved(layout, RESERVE_TIMEOUT_S) as slot:
             if slot is None:
@@ -38,8 +37,6 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
         return result
 
 
-def run_doctor(cfg: SweepConfig, address: str | None):  # noqa: ANN201 - DoctorReport lives behind the Ray import
-    from sweeper.trial.host import open_host
-
+def run_doctor(cfg: SweepConfig, address: str | None) -> DoctorReport:
     with open_host(cfg, address) as host:
         return host.doctor(cfg)

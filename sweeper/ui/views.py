@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from sweeper.config.schema import SweepConfig
-    from sweeper.plan.assess import PlanEntry
-    from sweeper.record.schema import TrialResult
-    from sweeper.space.layout import Layout
+from sweeper.config.schema import SweepConfig
+from sweeper.plan.assess import PlanEntry, invalid_reasons
+from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
 
 console = Console()
 
@@ -21,8 +20,6 @@ def _num(value: float | None, fmt: str = "{:.1f}") -> str:
 
 
 def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> None:
-    from sweeper.plan.assess import invalid_reasons
-
     valid = [e for e in entries if e.valid]
     fits = [e for e in valid if e.predicted and e.predicted.fits]
     maybe = [e for e in valid if e.uncertain]

@@ -712,10 +712,10 @@ def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_p
     lo = Layout(world_size=2, ep=2, gbs=8)
     cpu = TrialResult(status="passed", memory_kind="host",
                       metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.7))
-    assert calibrator.add(lo, cpu) is None  # host RSS does not calibrate memory...
+    update = calibrator.add(lo, cpu)
+    assert update.fit is None  # host RSS does not calibrate memory...
     assert calibrator.current is not None and calibrator.current.moe_hot_rank_factor == 1.7  # ...routing does
-    assert calibrator.hot_rank_raised
-    calibrator.hot_rank_raised = False
-    calibrator.add(lo, TrialResult(status="passed", memory_kind="host",
-                                   metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.3)))
-    assert calibrator.current.moe_hot_rank_factor == 1.7 and not calibrator.hot_rank_raised
+    assert update.changed
+    update = calibrator.add(lo, TrialResult(status="passed", memory_kind="host",
+                                            metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.3)))
+    assert calibrator.current.moe_hot_rank_factor == 1.7 and not update.changed

@@ -40,7 +40,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ import torch
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import Phase, SmokeFailure
 from sweeper.models.spec import ModelSpec
+from sweeper.record.files import write_atomic
 from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
@@ -254,9 +254,7 @@ def run(
         )
         if torch.distributed.get_rank() == 0:
             # Written last and atomically: a reference.json means the reference is complete.
-            tmp = gate.directory / (REFERENCE_FILE + ".tmp")
-            tmp.write_text(json.dumps(asdict(reference), indent=2) + "\n")
-            os.replace(tmp, gate.directory / REFERENCE_FILE)
+            write_atomic(gate.directory / REFERENCE_FILE, json.dumps(asdict(reference), indent=2) + "\n")
         torch.distributed.barrier()
         report.equivalence = {"loss": loss, "grad_norm": norm}
         report.notes.append(f"equivalence reference written to {gate.directory}")

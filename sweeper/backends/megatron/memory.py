@@ -20,8 +20,8 @@ import psutil
 import torch
 
 from sweeper.backends.megatron.failures import SimulatedOOMError
+from sweeper.config.units import GIB
 
-GIB = 1024**3
 _log = logging.getLogger(__name__)
 
 

@@ -31,10 +31,11 @@ from sweeper.backends.megatron.failures import (
     UnsupportedError,
     classify,
 )
-from sweeper.backends.megatron.memory import GIB, MemoryWatchdog, peak_memory_bytes
+from sweeper.backends.megatron.memory import MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.config.run_settings import RunSettings
+from sweeper.config.units import GIB
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.models.spec import ModelSpec
