@@ -1,4 +1,4 @@
-"""Command line: ``python -m sweeper {plan,trial,search,report,doctor}`` per ARCHITECTURE.md's contract.
+"""Command line: ``python -m sweeper {plan,trial,search,report,doctor}`` per docs/ARCHITECTURE.md's contract.
 
 User errors (bad YAML, bad layout strings, impossible clusters, missing files) exit 2 with one line on stderr
 and write nothing; a cluster that does not answer exits 1 with one line. Both are ``sweeper.errors.SweeperError``

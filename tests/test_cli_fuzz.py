@@ -240,7 +240,7 @@ FIELDS: list[tuple[str, str]] = [
     ("model.moe_router_topk", "model_posint"),
 ]
 
-# The keys a user may write, per section (what ARCHITECTURE.md documents plus sweeper's additions).
+# The keys a user may write, per section (what docs/ARCHITECTURE.md documents plus sweeper's additions).
 KNOWN_KEYS: dict[str, set[str]] = {
     "": {"name", "model", "cluster", "training", "space", "search", "tracking", "estimate"},
     "cluster": {"nodes", "gpus_per_node", "gpu_memory_gib", "compute_capability", "gpu_kind", "address", "simulate",

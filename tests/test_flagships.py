@@ -1,4 +1,4 @@
-"""End to end: the reference campaign's layouts (MISSION.md) of the two flagship models, as proxy trials.
+"""End to end: the reference campaign's layouts (docs/MISSION.md) of the two flagship models, as proxy trials.
 
 Each layout runs through the CLI as a user would, ``python -m sweeper trial SPACE --proxy --layout ... --json``, on
 a simulated 1 x 8-GPU Ray cluster: the model is the flagship's proxy (its 52- or 27-layer structure, its experts,

@@ -1,6 +1,6 @@
 """The sweep report: one self-contained HTML page rendered only from what a sweep recorded in its directory.
 
-``render_report(sweep_dir)`` reads ``trials.jsonl`` (one line per trial attempt, ARCHITECTURE.md contract) and
+``render_report(sweep_dir)`` reads ``trials.jsonl`` (one line per trial attempt, docs/ARCHITECTURE.md contract) and
 ``sweep.json`` (sweep metadata; may be missing), classifies every attempt (passed and within the memory headroom,
 passed but over it, failed, pruned), and writes ``report.html`` atomically so that a browser or a concurrent
 ``sweeper report`` never sees half a file. A sweep that crashed mid-write leaves a torn last line; it is skipped and

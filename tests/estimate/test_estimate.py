@@ -372,7 +372,7 @@ def test_fp8_weight_copies_follow_recipe_device_and_param_gather() -> None:
     assert saved == pytest.approx(2 * layer_params / (1 << 30))
 
 
-# The reference campaign (MISSION.md): layouts that built, trained and saved a distributed checkpoint on one node
+# The reference campaign (docs/MISSION.md): layouts that built, trained and saved a distributed checkpoint on one node
 # of 8 x 96 GB RTX PRO 6000 (compute capability 12.0) at seq 4096, mbs 1, no recompute.
 RTX_PRO_NODE = ClusterConfig(nodes=1, gpus_per_node=8, gpu_memory_gib=96, compute_capability="12.0",
                              gpu_kind="rtx-pro-6000", intra_node_bandwidth_gbs=50, inter_node_bandwidth_gbs=25)

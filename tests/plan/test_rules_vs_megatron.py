@@ -51,7 +51,7 @@ Documented Megatron gaps / interpretations (the rules are deliberately not "fixe
 - MLA models are not drawn (the local spec's MLA needs a TE/YaRN setup); ``query_groups_vs_tp`` skips MLA while
   TransformerConfig would check num_query_groups (which defaults to the head count, so heads % TP covers it).
 - VPP with PP=2: megatron-core 0.16.1 accepts it (PP > 1); Megatron-LM's front end may want PP > 2 unless
-  overlap_p2p_comm (LAYOUT_RULES.md). sweeper follows megatron-core.
+  overlap_p2p_comm (docs/LAYOUT_RULES.md). sweeper follows megatron-core.
 - Mamba mixer rules (heads/groups vs TP and CP) are asserted in ``ssm/mamba_mixer.py``, which needs
   ``mamba_ssm``/``causal_conv1d`` (CUDA only), so they are excluded here and unit-tested in test_rules.py;
   hybrid models are drawn with Mamba sizes that divide every TP/CP so those rules stay silent.

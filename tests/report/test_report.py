@@ -2,7 +2,7 @@
 
 The fixture below writes a small, hand-made sweep directory (TEST FIXTURE — not a real sweep): explore trials that
 passed, one over the memory headroom, failures of several kinds, pruned layouts, an infra failure retried, and
-confirmation runs of the winner, in the trials.jsonl / sweep.json shapes of ARCHITECTURE.md.
+confirmation runs of the winner, in the trials.jsonl / sweep.json shapes of docs/ARCHITECTURE.md.
 """
 
 from __future__ import annotations

@@ -2,11 +2,11 @@
 
 megatron-core 0.16 assumes a GPU in ~190 places (``torch.cuda.current_device()`` as allocation device,
 CUDA RNG states, streams and events, ``param.type() == 'torch.cuda.FloatTensor'``). Rather than patching each
-call site, ``install()`` makes a few generic redirections (see /work/shared/design/MEGATRON_ON_CPU.md): a
+call site, ``install()`` makes a few generic redirections (see docs/MEGATRON_ON_CPU.md): a
 ``TorchFunctionMode`` that turns every CUDA device argument into the CPU, an RNG tracker that keeps CPU generator
 states, and no-op stand-ins for the stream/event API. It is a no-op when CUDA is available, and idempotent.
 
-How each CUDA assumption listed in MEGATRON_ON_CPU.md is met: allocations on ``torch.cuda.current_device()``
+How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations on ``torch.cuda.current_device()``
 (GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;

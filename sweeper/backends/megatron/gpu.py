@@ -17,7 +17,7 @@ FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the reci
   current tensor, no amax history to warm up, which suits a few-step smoke run; sweeper's choice, to be confirmed
   by scripts/gpu_check.sh on a Blackwell GPU.
 - ``blockwise`` (Float8BlockScaling, DeepSeek-V3 style 1x128/128x128, format e4m3) only when asked for, on ≥ 9.0.
-- mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (LAYOUT_RULES.md: rejected on 12.x too).
+- mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (docs/LAYOUT_RULES.md: rejected on 12.x too).
 An explicit recipe is the YAML's ``run.fp8_recipe`` (delayed|tensorwise|blockwise; sweeper.config.run_settings), which
 the estimator and the exports read too.
 """
@@ -46,7 +46,7 @@ HF_NAME_PREFIX = "hf:"
 MAMBA_SLOW_PATH_NOTE = "Mamba fast path missing (no causal-conv1d): slow path"
 
 class GpuPrecisionError(UnsupportedError, ValueError):
-    """A precision or FP8 recipe the device's compute capability cannot run (LAYOUT_RULES.md, precision); the
+    """A precision or FP8 recipe the device's compute capability cannot run (docs/LAYOUT_RULES.md, precision); the
     trial reports it as unsupported (the cluster's declared compute capability let it through the rules)."""
 
 
