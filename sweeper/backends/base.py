@@ -6,8 +6,10 @@ MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) before calling the backend in the ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+from sweeper.record.schema import TrialChecks
 
 # "swap_shards" (equivalence gate tests): after the reference is loaded, every tensor-parallel group rotates its
 # shards of the first decoder layer's fc1 weight (collective, so inject_rank is ignored): a wrong layout.
@@ -46,7 +48,7 @@ class RankReport:
     ok: bool
     failure_kind: str | None = None  # one of sweeper.record.schema.FAILURE_KINDS
     error: str | None = None  # one line: the root cause in the user's terms
-    checks: dict[str, Any] = field(default_factory=dict)  # the TrialChecks fields this rank could prove
+    checks: TrialChecks = field(default_factory=TrialChecks)  # what this rank proved (False / None: not proven)
     step_times_s: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
@@ -61,19 +63,19 @@ class RankReport:
     timings_s: dict[str, float] = field(default_factory=dict)  # import, init, build, equivalence, steps, checkpoint_*
 
 
-# The running rank's checks, shared by the backend as it proves them (the dict is updated in place), so the runner
-# can still learn what a rank had proven when the rank is stopped before it reports (a peer failed first, the
-# trial timed out). One rank per process.
-_live_checks: dict[str, Any] = {}
+# The running rank's checks, shared by the backend as it proves them (the object is updated in place), so the
+# runner can still learn what a rank had proven when the rank is stopped before it reports (a peer failed first,
+# the trial timed out). One rank per process.
+_live_checks = TrialChecks()
 
 
-def share_checks(checks: dict[str, Any]) -> None:
+def share_checks(checks: TrialChecks) -> None:
     """Called by a backend with its RankReport's ``checks`` at the start of a rank's run."""
     global _live_checks
     _live_checks = checks
 
 
-def shared_checks() -> dict[str, Any]:
+def shared_checks() -> TrialChecks:
     """A copy of what the running (or last) rank of this process has proven so far."""
-    return dict(_live_checks)
+    return replace(_live_checks)
 

@@ -24,6 +24,7 @@ from typing import Callable
 import ray
 
 from sweeper.backends.base import RankReport, SmokeRequest, shared_checks
+from sweeper.record.schema import TrialChecks
 from sweeper.trial.aggregate import classify_exception
 
 
@@ -84,7 +85,7 @@ class RankActor:
         return report
 
 
-    def checks(self) -> dict:
+    def checks(self) -> TrialChecks:
         """What the rank running in this process has proven so far (read by the runner before it stops a rank
         that has not reported)."""
         return shared_checks()

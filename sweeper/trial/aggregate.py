@@ -33,7 +33,7 @@ class RankOutcome:
     died: str | None = None  # the actor or its node died: Ray's reason, one line
     arrived: float = float("inf")  # driver clock when the outcome arrived (orders the cascade)
     # A rank stopped before it reported: the checks it had proven by then, as the backend shared them.
-    proven: dict | None = None
+    proven: TrialChecks | None = None
 
     @property
     def failure_kind(self) -> str | None:
@@ -174,7 +174,7 @@ def _checks(outcomes: list[RankOutcome], world_size: int) -> TrialChecks:
     proven = [c for c in known if c is not None]
     complete = len(proven) == world_size
     for f in fields(TrialChecks):
-        values = [c.get(f.name) for c in proven]
+        values = [getattr(c, f.name) for c in proven]
         if f.name in ("checkpoint_reloaded", "replicas_consistent"):
             attempted = [v for v in values if v is not None]
             value: object = (all(attempted) and complete) if attempted else None
@@ -188,7 +188,7 @@ def _checks(outcomes: list[RankOutcome], world_size: int) -> TrialChecks:
 
 
 def _checkpoint(reports: list[RankReport], world_size: int) -> str | None:
-    if len(reports) < world_size or not all(r.checks.get("checkpoint_saved") for r in reports):
+    if len(reports) < world_size or not all(r.checks.checkpoint_saved for r in reports):
         return None
     return next((r.checkpoint_dir for r in reports if r.checkpoint_dir), None)
 

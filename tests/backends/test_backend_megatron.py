@@ -73,15 +73,15 @@ def _assert_passed(reports: list[RankReport], steps: int = 3) -> None:
     for r in reports:
         assert r.ok, f"rank {r.rank}: [{r.failure_kind}] {r.error}"
         assert r.backend == "megatron-core-cpu" and r.memory_kind == "host"
-        assert r.checks["process_group"] and r.checks["model_built"]
-        assert r.checks["forward_backward"] and r.checks["finite"]
+        assert r.checks.process_group and r.checks.model_built
+        assert r.checks.forward_backward and r.checks.finite
         assert len(r.losses) == len(r.grad_norms) == len(r.step_times_s) == steps
         assert all(math.isfinite(x) for x in r.losses + r.grad_norms)
         assert r.peak_memory_bytes > 100 * 2**20
         assert r.flops_per_step > 0 and r.tokens_per_step > 0
         assert {"init", "build", "steps"} <= set(r.timings_s)
         # None: nothing is replicated (one rank, or PP alone with untied embeddings).
-        assert r.checks["replicas_consistent"] is not False
+        assert r.checks.replicas_consistent is not False
     # Every rank reports the same loss and gradient norm per step (shared from the last stage / global norm).
     assert all(r.losses == reports[0].losses for r in reports)
     assert all(r.grad_norms == pytest.approx(reports[0].grad_norms, rel=1e-5) for r in reports)
@@ -104,7 +104,7 @@ def _assert_failed(reports: list[RankReport], kind: str) -> None:
 def test_dense_tp2(tmp_path: Path) -> None:
     reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2)), 2)
     _assert_passed(reports)
-    assert all(r.checks["replicas_consistent"] for r in reports)  # the norms are copies on both TP ranks
+    assert all(r.checks.replicas_consistent for r in reports)  # the norms are copies on both TP ranks
     assert reports[0].tokens_per_step == 2 * 32
     assert (tmp_path / "trial" / "rank_0.log").read_text().count("step ") >= 3
 
@@ -121,7 +121,7 @@ def test_dp2_same_numbers_with_and_without_distributed_optimizer(tmp_path: Path)
         layout = Layout(world_size=2, gbs=4, distributed_optimizer=distributed_optimizer)
         runs[distributed_optimizer] = _run(_request(tmp_path / str(distributed_optimizer), layout), 2)
         _assert_passed(runs[distributed_optimizer])
-        assert all(r.checks["replicas_consistent"] for r in runs[distributed_optimizer])
+        assert all(r.checks.replicas_consistent for r in runs[distributed_optimizer])
     # Same data and initialisation: sharding the optimizer state must not change the training numbers.
     assert runs[True][0].losses == pytest.approx(runs[False][0].losses, rel=1e-4)
     assert runs[True][0].grad_norms == pytest.approx(runs[False][0].grad_norms, rel=1e-3)
@@ -150,8 +150,8 @@ def test_expert_replicas_that_drift_apart_are_reported_as_divergence(tmp_path: P
     for r in reports:
         assert "mlp.experts.local_experts" in r.error and "expert-data-parallel group (global ranks [0, 1])" in r.error
         assert r.error == reports[0].error  # one verdict on every rank
-        assert all(r.checks[k] for k in ("process_group", "model_built", "forward_backward", "finite"))
-        assert r.checks["replicas_consistent"] is False and r.checks["checkpoint_saved"] is False
+        assert all(getattr(r.checks, k) for k in ("process_group", "model_built", "forward_backward", "finite"))
+        assert r.checks.replicas_consistent is False and r.checks.checkpoint_saved is False
 
 
 @pytest.mark.e2e
@@ -159,7 +159,7 @@ def test_expert_replicas_stay_equal_when_etp_equals_tp(tmp_path: Path) -> None:
     layout = Layout(world_size=2, tp=2, etp=2, sp=True, gbs=2, precision="fp32")
     reports = _run(_request(tmp_path, layout, "tiny-moe", steps=3), 2)
     _assert_passed(reports)
-    assert all(r.checks["replicas_consistent"] for r in reports)
+    assert all(r.checks.replicas_consistent for r in reports)
 
 
 @pytest.mark.e2e
@@ -175,7 +175,7 @@ def test_expert_replicas_stay_equal_when_etp_equals_tp(tmp_path: Path) -> None:
 def test_mla_trains_on_the_cpu(tmp_path: Path, layout: Layout) -> None:
     reports = _run(_request(tmp_path, layout, TINY_MLA, checkpoint=True), 2)
     _assert_passed(reports)
-    assert all(r.checks["checkpoint_reloaded"] for r in reports)
+    assert all(r.checks.checkpoint_reloaded for r in reports)
 
 
 @pytest.mark.e2e
@@ -192,14 +192,14 @@ def test_mla_trains_on_the_cpu(tmp_path: Path, layout: Layout) -> None:
 def test_hybrid_mamba_trains_on_the_cpu(tmp_path: Path, layout: Layout) -> None:
     reports = _run(_request(tmp_path, layout, TINY_HYBRID, checkpoint=True), 2)
     _assert_passed(reports)
-    assert all(r.checks["checkpoint_reloaded"] for r in reports)
+    assert all(r.checks.checkpoint_reloaded for r in reports)
 
 
 @pytest.mark.e2e
 def test_tp2_pp2_four_ranks_with_checkpoint(tmp_path: Path) -> None:
     reports = _run(_request(tmp_path, Layout(world_size=4, tp=2, pp=2, gbs=4), checkpoint=True), 4)
     _assert_passed(reports)
-    assert all(r.checks["checkpoint_saved"] and r.checks["checkpoint_reloaded"] for r in reports)
+    assert all(r.checks.checkpoint_saved and r.checks.checkpoint_reloaded for r in reports)
 
 
 @pytest.mark.e2e
@@ -221,7 +221,7 @@ def test_checkpoint_saved_every_n_and_reloaded_bitwise(tmp_path: Path) -> None:
     reports = _run(request, 2)
     _assert_passed(reports, steps=4)
     for r in reports:
-        assert r.checks["checkpoint_saved"] is True and r.checks["checkpoint_reloaded"] is True
+        assert r.checks.checkpoint_saved is True and r.checks.checkpoint_reloaded is True
         assert r.checkpoint_dir == str(tmp_path / "trial" / "checkpoint" / "iter_0000004")
         assert {"checkpoint_save", "checkpoint_load"} <= set(r.timings_s)
     for step in (2, 4):
@@ -249,7 +249,7 @@ def test_megatron_rejects_heads_not_divisible_by_tp(tmp_path: Path) -> None:
     reports = _run(_request(tmp_path, Layout(world_size=4, tp=4, gbs=4), six_heads), 4)
     _assert_failed(reports, "invalid_layout")
     assert "num_attention_heads (6)" in reports[0].error and "tensor_model_parallel_size (4)" in reports[0].error
-    assert all(r.checks["process_group"] and not r.checks["model_built"] for r in reports)
+    assert all(r.checks.process_group and not r.checks.model_built for r in reports)
 
 
 @pytest.mark.e2e
@@ -258,7 +258,7 @@ def test_a_bug_in_sweeper_is_internal_not_the_layouts_fault(tmp_path: Path) -> N
     _assert_failed(reports, "internal")
     for r in reports:
         assert r.error.startswith("sweeper bug at sweeper/backends/megatron/smoke.py:"), r.error
-        assert "TypeError" in r.error and r.checks["process_group"] and not r.checks["model_built"]
+        assert "TypeError" in r.error and r.checks.process_group and not r.checks.model_built
 
 
 def test_classification_by_origin_sweeper_megatron_torch() -> None:
@@ -305,7 +305,7 @@ def test_unsupported_feature_fails_before_anything_heavy(tmp_path: Path) -> None
     reports = _run(_request(tmp_path, Layout(world_size=2, tp=2, gbs=2, precision="fp8")), 2)
     _assert_failed(reports, "unsupported")
     assert "unsupported on this backend (megatron-core-cpu)" in reports[0].error
-    assert not reports[0].checks["process_group"] and "init" not in reports[0].timings_s
+    assert not reports[0].checks.process_group and "init" not in reports[0].timings_s
 
 
 @pytest.mark.e2e

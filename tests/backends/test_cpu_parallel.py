@@ -301,10 +301,10 @@ def _passed(request: SmokeRequest, world: int) -> list[RankReport]:
     assert all(r is not None for r in reports), f"a rank died or hung: {reports}"
     for r in reports:
         assert r.ok, f"rank {r.rank}: [{r.failure_kind}] {r.error}"
-        assert r.checks["forward_backward"] and r.checks["finite"]
+        assert r.checks.forward_backward and r.checks.finite
         assert len(r.losses) == request.steps and all(math.isfinite(x) for x in r.losses + r.grad_norms)
         if request.checkpoint:
-            assert r.checks["checkpoint_saved"] and r.checks["checkpoint_reloaded"]
+            assert r.checks.checkpoint_saved and r.checks.checkpoint_reloaded
     assert all(r.losses == reports[0].losses for r in reports)  # identical on every rank
     assert reports[0].losses[0] == pytest.approx(math.log(256), abs=0.3)
     return reports  # type: ignore[return-value]

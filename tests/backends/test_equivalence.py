@@ -57,7 +57,7 @@ def _make_reference(root: Path, model: str) -> Path:
     [report] = _run(_request(root / "ref_trial", layout, model, reference_checkpoint=str(directory),
                              make_reference=True, steps=0), 1)
     assert report.ok, f"[{report.failure_kind}] {report.error}"
-    assert report.equivalence is not None and report.checks["equivalence_rel_err"] is None
+    assert report.equivalence is not None and report.checks.equivalence_rel_err is None
     return directory
 
 
@@ -80,11 +80,11 @@ def _assert_equivalent(reports: list[RankReport], reference: Path, limit: float,
     ref = json.loads((reference / REFERENCE_FILE).read_text())
     for r in reports:
         assert r.ok, f"rank {r.rank}: [{r.failure_kind}] {r.error}"
-        assert r.checks["finite"] and r.losses, "the training steps run after the gate"
+        assert r.checks.finite and r.losses, "the training steps run after the gate"
     # Global loss and norm: every rank reports the same pair, hence the same error.
     assert all(r.equivalence == reports[0].equivalence for r in reports)
-    err = reports[0].checks["equivalence_rel_err"]
-    assert all(r.checks["equivalence_rel_err"] == err for r in reports)
+    err = reports[0].checks.equivalence_rel_err
+    assert all(r.checks.equivalence_rel_err == err for r in reports)
     got = reports[0].equivalence
     assert err == max(rel_err(got["loss"], ref["loss"]), rel_err(got["grad_norm"], ref["grad_norm"]))
     print(f"\n[equivalence] {what}: loss {got['loss']:.7f} (ref {ref['loss']:.7f}), grad_norm "
@@ -157,9 +157,9 @@ def test_misplaced_tp_shards_fail_as_equivalence(tmp_path: Path, gpt_reference: 
     for r in reports:
         assert not r.ok and r.failure_kind == "equivalence", f"rank {r.rank}: [{r.failure_kind}] {r.error}"
         assert r.error and "\n" not in r.error and "relative error" in r.error
-        assert r.checks["equivalence_rel_err"] > 100 * TOLERANCE["fp32"]
+        assert r.checks.equivalence_rel_err > 100 * TOLERANCE["fp32"]
         assert not r.losses, "the trial stops at the gate, before its training steps"
-    print(f"\n[equivalence] tiny-gpt tp2 with swapped fc1 shards: rel_err {reports[0].checks['equivalence_rel_err']:.3g}")
+    print(f"\n[equivalence] tiny-gpt tp2 with swapped fc1 shards: rel_err {reports[0].checks.equivalence_rel_err:.3g}")
 
 
 @pytest.mark.e2e

@@ -21,6 +21,7 @@ import pytest
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.config.schema import ClusterConfig, SweepConfig, TrainingConfig
 from sweeper.models.catalog import preset
+from sweeper.record.schema import TrialChecks
 from sweeper.space.layout import Layout
 from sweeper.trial.aggregate import RankOutcome, aggregate, root_cause
 
@@ -54,7 +55,7 @@ def standin_backend(request: SmokeRequest) -> RankReport:
         return RankReport(rank=rank, node_id="", backend="standin", ok=False, failure_kind="comm_error",
                           error="gloo: connection closed by peer")
     dist.init_process_group("gloo", timeout=timedelta(seconds=request.timeout_s))
-    share_checks({"process_group": True, "model_built": False})  # as the real backend shares them
+    share_checks(TrialChecks(process_group=True, model_built=False))  # as the real backend shares them
     try:
         if me and request.inject == "hang":
             time.sleep(3600)
@@ -69,8 +70,8 @@ def standin_backend(request: SmokeRequest) -> RankReport:
         assert value.item() == world
         return RankReport(
             rank=rank, node_id="", backend="standin", ok=True,
-            checks={"process_group": True, "model_built": True, "forward_backward": True, "finite": True,
-                    "checkpoint_saved": True, "checkpoint_reloaded": None},
+            checks=TrialChecks(process_group=True, model_built=True, forward_backward=True, finite=True,
+                               checkpoint_saved=True, checkpoint_reloaded=None),
             step_times_s=times, losses=[5.0, 4.0, 3.0] if rank == world - 1 else [],
             tokens_per_step=1000, flops_per_step=2e12, peak_memory_bytes=(rank + 1) * 2**30,
             checkpoint_dir=os.path.join(request.trial_dir, "ckpt"),
@@ -82,8 +83,8 @@ def standin_backend(request: SmokeRequest) -> RankReport:
 
 # -- pure: aggregation ---------------------------------------------------------------------------------------------
 def _ok(rank: int, times: list[float], **kw) -> RankReport:
-    base = dict(checks={"process_group": True, "model_built": True, "forward_backward": True, "finite": True,
-                        "checkpoint_saved": True, "checkpoint_reloaded": None},
+    base = dict(checks=TrialChecks(process_group=True, model_built=True, forward_backward=True, finite=True,
+                                   checkpoint_saved=True, checkpoint_reloaded=None),
                 tokens_per_step=4096, flops_per_step=8e12, peak_memory_bytes=2**30, checkpoint_dir="/c")
     base.update(kw)
     return RankReport(rank=rank, node_id="n", backend="megatron-core-cpu", ok=True, step_times_s=times, **base)
@@ -122,9 +123,9 @@ def test_root_cause_prefers_a_real_failure_over_earlier_collateral() -> None:
 def test_checks_are_what_every_rank_proved_reported_or_stopped() -> None:
     proved = {"process_group": True, "model_built": True, "forward_backward": True, "finite": False}
     failed = RankReport(rank=1, node_id="n", backend="b", ok=False, failure_kind="checkpoint_error", error="x",
-                        checks={**proved, "finite": True, "checkpoint_saved": True})
+                        checks=TrialChecks(**{**proved, "finite": True, "checkpoint_saved": True}))
     # Rank 0 was stopped after rank 1 failed; it had shared what it proved so far.
-    result = aggregate([RankOutcome(0, "a", proven=proved), RankOutcome(1, "a", failed, arrived=1.0)],
+    result = aggregate([RankOutcome(0, "a", proven=TrialChecks(**proved)), RankOutcome(1, "a", failed, arrived=1.0)],
                        world_size=2, warmup_steps=0, trial_dir=None)
     c = result.checks
     assert (c.process_group, c.model_built, c.forward_backward, c.finite, c.checkpoint_saved) == (

@@ -278,7 +278,7 @@ def run(
     loss, norm = measure(built, batches, ref.seq_length)
     err = max(rel_err(loss, ref.loss), rel_err(norm, ref.grad_norm))
     report.equivalence = {"loss": loss, "grad_norm": norm}
-    report.checks["equivalence_rel_err"] = err
+    report.checks.equivalence_rel_err = err
     limit = tolerance(layout.precision, ref.precision)
     _log.info("equivalence: loss %.7f (ref %.7f) grad_norm %.7f (ref %.7f) rel_err %.3g tolerance %.3g",
               loss, ref.loss, norm, ref.grad_norm, err, limit)

@@ -60,9 +60,6 @@ def run_rank(request: SmokeRequest) -> RankReport:
         backend=backend_name(cuda),
         ok=False,
         memory_kind="device" if cuda else "host",
-        checks={"process_group": False, "model_built": False, "forward_backward": False, "finite": False,
-                "checkpoint_saved": False, "checkpoint_reloaded": None, "equivalence_rel_err": None,
-                "replicas_consistent": None},
     )
     share_checks(report.checks)
     handler = _open_rank_log(request.trial_dir, rank)
@@ -150,7 +147,7 @@ def _smoke(
         **layout.parallel_sizes(),
         distributed_timeout_minutes=request.timeout_s / 60,
     )
-    report.checks["process_group"] = True
+    report.checks.process_group = True
     report.timings_s["init"] = time.perf_counter() - start
     safe_point()
 
@@ -170,7 +167,7 @@ def _smoke(
     gate = equivalence.plan(request, spec, layout)  # reads the reference: the build takes its vocabulary size
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None,
                   run=run)
-    report.checks["model_built"] = True
+    report.checks.model_built = True
     if is_proxy(spec):
         report.notes.append(PROXY_NOTE)
     if te:  # the FP8 recipe chosen for this device, a missing Mamba fast path (gpu.py; not run on a GPU yet)
@@ -212,7 +209,7 @@ def _smoke(
         report.step_times_s.append(time.perf_counter() - start)
         report.losses.append(result.loss)
         report.grad_norms.append(result.grad_norm)
-        report.checks["forward_backward"] = True
+        report.checks.forward_backward = True
         _log.info("step %d loss %.5f grad_norm %.5f time %.3fs", step, result.loss, result.grad_norm,
                   report.step_times_s[-1])
         if result.skipped:
@@ -227,7 +224,7 @@ def _smoke(
             steps_start += time.perf_counter() - mid_start  # the phase times stay disjoint
             enter("steps")
     report.timings_s["steps"] = time.perf_counter() - steps_start
-    report.checks["finite"] = all(math.isfinite(x) for x in report.losses)
+    report.checks.finite = all(math.isfinite(x) for x in report.losses)
     if probe is not None:  # one all-reduce over the EP group: how unevenly the router loaded the EP ranks
         report.moe_hot_rank_factor = probe.hot_rank_factor(layout.ep, device)
 
@@ -239,9 +236,9 @@ def _smoke(
     try:
         compared = _timed(report, "replicas", lambda: check_replicas(built, request.steps, device))
     except ReplicaDivergenceError:
-        report.checks["replicas_consistent"] = False
+        report.checks.replicas_consistent = False
         raise
-    report.checks["replicas_consistent"] = True if compared else None
+    report.checks.replicas_consistent = True if compared else None
 
     # -- checkpoint: save, reload into the same model, compare bitwise -------------------------------------------
     if request.checkpoint:
@@ -269,13 +266,13 @@ def _save_and_reload(
     enter("checkpoint_save")
     _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
     if final:
-        report.checks["checkpoint_saved"] = True
+        report.checks.checkpoint_saved = True
         report.checkpoint_dir = str(directory)
     safe_point()
     enter("checkpoint_load")
     _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
     if final:
-        report.checks["checkpoint_reloaded"] = True
+        report.checks.checkpoint_reloaded = True
 
 
 def _inject(request: SmokeRequest, report: RankReport) -> None:
