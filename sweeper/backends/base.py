@@ -1,15 +1,19 @@
 """The one interface between the trial runner (Ray actors) and a training backend: a request in, a report out.
 
-Both are plain, picklable values. The runner sets the torch.distributed rendezvous environment (MASTER_ADDR,
-MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK) before calling the backend in the rank's process.
+Both are typed, picklable values (the model, the layout and the run settings travel as their own types). The
+runner sets the torch.distributed rendezvous environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK)
+before calling the backend in the rank's process.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Literal
 
+from sweeper.config.run_settings import RunSettings
+from sweeper.models.spec import ModelSpec
 from sweeper.record.schema import TrialChecks
+from sweeper.space.layout import Layout
 
 # "swap_shards" (equivalence gate tests): after the reference is loaded, every tensor-parallel group rotates its
 # shards of the first decoder layer's fc1 weight (collective, so inject_rank is ignored): a wrong layout.
@@ -19,8 +23,8 @@ Inject = Literal["nan", "hang", "crash", "swap_shards", "bug"]
 
 @dataclass(frozen=True)
 class SmokeRequest:
-    model: dict[str, Any]  # ModelSpec.model_dump()
-    layout: dict[str, Any]  # Layout.to_dict()
+    model: ModelSpec
+    layout: Layout
     seq_length: int
     steps: int
     warmup_steps: int
@@ -35,7 +39,7 @@ class SmokeRequest:
     # True: instead of loading reference_checkpoint, create it (initial weights + reference.json with the loss and
     # gradient norm on the fixed batch); see sweeper/backends/megatron/equivalence.py for the protocol.
     make_reference: bool = False
-    run: dict[str, Any] = field(default_factory=dict)  # RunSettings.model_dump(): grad dtype, optimizer, FP8 weights
+    run: RunSettings = field(default_factory=RunSettings)  # grad dtype, optimizer, FP8 weights
     inject: Inject | None = None  # fault injection for tests (simulated clusters only)
     inject_rank: int = 0
 

@@ -132,8 +132,8 @@ def _request(
 ) -> SmokeRequest:
     t = cfg.training
     return SmokeRequest(
-        model=cfg.model.model_dump(),
-        layout=layout.to_dict(),
+        model=cfg.model,
+        layout=layout,
         seq_length=t.seq_length,
         steps=t.steps,
         warmup_steps=t.warmup_steps,
@@ -144,7 +144,7 @@ def _request(
         # and turns a hang into a misleading comm error.
         timeout_s=limit,
         memory_limit_gib=float(cfg.cluster.gpu_memory_gib) if handle.is_simulated else None,
-        run=cfg.run.model_dump(),
+        run=cfg.run,
         inject=inject,  # type: ignore[arg-type]
         inject_rank=inject_rank,
     )

@@ -49,7 +49,7 @@ TINY_HYBRID = ModelSpec(
 def _request(tmp_path: Path, layout: Layout, model: ModelSpec | str = "tiny-gpt", **kw: object) -> SmokeRequest:
     spec = preset(model) if isinstance(model, str) else model
     base: dict = dict(
-        model=spec.model_dump(), layout=layout.to_dict(), seq_length=32, steps=3, warmup_steps=1,
+        model=spec, layout=layout, seq_length=32, steps=3, warmup_steps=1,
         checkpoint=False, checkpoint_every=None, trial_dir=str(tmp_path / "trial"), seed=1234, timeout_s=90.0,
     )
     base.update(kw)

@@ -289,7 +289,7 @@ def test_local_spec_swaps_only_what_the_layout_needs() -> None:
 
 def _request(tmp_path: Path, layout: Layout, model: str = "tiny-gpt", **kw: Any) -> SmokeRequest:
     base: dict[str, Any] = dict(
-        model=preset(model).model_dump(), layout=layout.to_dict(), seq_length=32, steps=3, warmup_steps=1,
+        model=preset(model), layout=layout, seq_length=32, steps=3, warmup_steps=1,
         checkpoint=True, checkpoint_every=None, trial_dir=str(tmp_path / "trial"), seed=1234, timeout_s=90.0,
     )
     base.update(kw)

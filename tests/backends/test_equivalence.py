@@ -35,7 +35,7 @@ REF_SEQUENCES = 4  # the reference batch: a multiple of every DP size below (and
 
 def _request(trial_dir: Path, layout: Layout, model: str, **kw: object) -> SmokeRequest:
     base: dict = dict(
-        model=preset(model).model_dump(), layout=layout.to_dict(), seq_length=SEQ, steps=1, warmup_steps=0,
+        model=preset(model), layout=layout, seq_length=SEQ, steps=1, warmup_steps=0,
         checkpoint=False, checkpoint_every=None, trial_dir=str(trial_dir), seed=1234, timeout_s=90.0,
     )
     base.update(kw)

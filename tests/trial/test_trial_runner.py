@@ -40,7 +40,7 @@ def standin_backend(request: SmokeRequest) -> RankReport:
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    script = request.model["name"].removeprefix("standin-")
+    script = request.model.name.removeprefix("standin-")
     me = request.inject is not None and rank == request.inject_rank
     if me and request.inject == "crash":
         os._exit(17)

@@ -34,7 +34,6 @@ from sweeper.backends.megatron.failures import (
 from sweeper.backends.megatron.memory import MemoryWatchdog, peak_memory_bytes
 from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
-from sweeper.config.run_settings import RunSettings
 from sweeper.config.units import GIB
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
@@ -67,14 +66,13 @@ def run_rank(request: SmokeRequest) -> RankReport:
     progress = _Progress()
     try:
         try:
-            spec = ModelSpec.model_validate(request.model)
-            layout = Layout.from_dict(request.layout)
+            spec, layout = request.model, request.layout
             te = False
             if cuda:
                 from sweeper.backends.megatron.build import transformer_engine_available
 
                 te = transformer_engine_available()
-            reason = (run_unsupported_reason(RunSettings(**request.run), cuda=cuda, te=te)
+            reason = (run_unsupported_reason(request.run, cuda=cuda, te=te)
                       or unsupported_reason(spec, layout, cuda=cuda, te=te))
             if reason:
                 raise UnsupportedError(reason)
@@ -120,7 +118,7 @@ def _smoke(
     progress: _Progress,
 ) -> None:
     enter = progress.enter
-    run = RunSettings(**request.run)
+    run = request.run
 
     def safe_point() -> None:
         if watchdog is not None:
