@@ -103,7 +103,7 @@ class _SpaceBase(_Strict):
     """The ``space:`` section: for every searched axis of ``space.axes``, the values to try."""
 
     def values(self, axis: str) -> list[Any]:
-        """The values listed for ``axis`` (``gpus``: None when the section leaves it to the cluster)."""
+        """The values listed for ``axis`` (``gpus``: empty when the section leaves it to the cluster)."""
         return list(getattr(self, axis)) if getattr(self, axis) is not None else []
 
     @field_validator("*", mode="after")
