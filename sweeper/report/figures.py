@@ -2,8 +2,7 @@
 
 Presentation only: every decision (which attempt is stable, which trials are on the Pareto front) is made in
 ``sweeper.report.render`` and arrives here as plain row fields. User text (layout names, error messages) is escaped
-before it
-reaches a figure, because plotly renders a subset of HTML in hover labels.
+before it reaches a figure, because plotly renders a subset of HTML in hover labels.
 """
 
 from __future__ import annotations
@@ -172,9 +171,9 @@ def failures_and_pruned(failed: Counter[str], pruned: Counter[str]) -> go.Figure
 
 
 def _axis_value(row: TrialRow, axis: str) -> Any:
-    if row.layout is not None:
-        return AXIS[axis].value(row.layout)
-    return row.layout_raw.get(axis)
+    if row.built is not None:
+        return AXIS[axis].value(row.built)
+    return row.layout.get(axis)
 
 
 def _order_key(axis: str, value: Any) -> tuple[Any, ...]:
@@ -324,7 +323,7 @@ def attempts_table(rows: Sequence[TrialRow]) -> str:
     for r in ordered:
         error = (r.result.error or "").strip()
         short = error if len(error) <= _ERROR_CHARS else error[: _ERROR_CHARS - 1] + "…"
-        layout_title = r.layout.to_string() if r.layout is not None else json.dumps(r.layout_raw)
+        layout_title = r.built.to_string() if r.built is not None else json.dumps(r.layout)
         body.append([
             str(r.number), str(r.attempt), esc(r.phase),
             f'<span title="{esc(layout_title)}">{esc(r.name)}</span>',

@@ -122,7 +122,7 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
     if not isinstance(peak, (int, float)):
         peaks = [r.peak_memory_gib for r in basis if r.peak_memory_gib is not None]
         peak = max(peaks) if peaks else None
-    layout = next((r.layout for r in same if r.layout is not None), None)
+    layout = next((r.built for r in same if r.built is not None), None)
     if layout is None and isinstance(best.get("layout"), dict):
         try:
             layout = Layout.from_dict(best["layout"])

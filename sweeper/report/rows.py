@@ -6,35 +6,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
 
 from sweeper.errors import LayoutError
-from sweeper.record.schema import TrialRecord, TrialResult
+from sweeper.record.schema import TrialRecord
 from sweeper.record.sweepdir import read_trials
 from sweeper.space.layout import Layout
 
 
 @dataclass
-class TrialRow:
-    """One line of trials.jsonl, with the report's category of it."""
+class TrialRow(TrialRecord):
+    """One line of trials.jsonl, with its layout rebuilt and the report's category of it."""
 
-    number: int
-    attempt: int
-    phase: str
-    layout: Layout | None  # None when the recorded layout cannot be rebuilt (the raw dict is still shown)
-    layout_raw: dict[str, Any]
-    result: TrialResult
-    predicted_memory_gib: float | None
-    mlflow_run_id: str | None
-    started_at: str | None
-    ended_at: str | None
+    built: Layout | None = None  # the recorded layout rebuilt; None when it cannot be (the raw dict is still shown)
     category: str = "pruned"  # passed | not stable | failed | pruned (set by _classify)
 
     @property
     def name(self) -> str:
-        if self.layout is not None:
-            return self.layout.short()
-        return ",".join(f"{k}={v}" for k, v in self.layout_raw.items() if v is not None) or "?"
+        if self.built is not None:
+            return self.built.short()
+        return ",".join(f"{k}={v}" for k, v in self.layout.items() if v is not None) or "?"
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -55,14 +45,10 @@ class TrialRow:
 
 def _row(record: TrialRecord) -> TrialRow:
     try:
-        layout: Layout | None = Layout.from_dict(record.layout)
+        built: Layout | None = Layout.from_dict(record.layout)
     except (LayoutError, TypeError):
-        layout = None
-    return TrialRow(
-        number=record.number, attempt=record.attempt, phase=record.phase, layout=layout, layout_raw=record.layout,
-        result=record.result, predicted_memory_gib=record.predicted_memory_gib, mlflow_run_id=record.mlflow_run_id,
-        started_at=record.started_at, ended_at=record.ended_at,
-    )
+        built = None
+    return TrialRow(**vars(record), built=built)
 
 
 def load_trials(path: Path) -> tuple[list[TrialRow], int]:
