@@ -118,10 +118,12 @@ class ModelSpec(BaseModel):
         return self.mamba_num_heads or 2 * self.hidden_size // self.mamba_head_dim
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> ModelSpec:
-        """pydantic copies ``__dict__``, cached properties included: a copy with other fields must derive its own."""
+        """pydantic copies ``__dict__``, cached properties included: a copy with other fields derives its own."""
         copy = super().model_copy(update=update, deep=deep)
         if update:
-            copy.__dict__.pop("layer_blocks", None)
+            for name, attr in vars(type(self)).items():
+                if isinstance(attr, cached_property):
+                    copy.__dict__.pop(name, None)
         return copy
 
     @cached_property
