@@ -14,7 +14,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
@@ -28,10 +28,7 @@ FailureKind = Literal[
     "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
     "infra", "internal", "unsupported",
 ]
-FAILURE_KINDS: tuple[str, ...] = (
-    "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
-    "infra", "internal", "unsupported",
-)
+FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)
 
 
 @dataclass
@@ -153,7 +150,7 @@ class SweepMeta(BaseModel):
     """``sweep.json``: what the sweep was run on, how it ended, and what it decided without a trial. Keys this
     version does not know are kept as they are (``extra="allow"``)."""
 
-    model_config = ConfigDict(extra="allow", validate_assignment=False)
+    model_config = ConfigDict(extra="allow")
 
     name: str | None = None
     model: dict[str, Any] | None = None  # the resolved ModelSpec
