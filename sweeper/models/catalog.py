@@ -189,7 +189,6 @@ def resolve_model(value: Any, base_dir: Path = Path(".")) -> ModelSpec:
     if not isinstance(value, dict):
         raise ModelError(f"must be a preset name or a mapping, got {type(value).__name__}")
     if "hf_config" in value:
-
         extra = sorted(set(value) - {"hf_config", "name"})
         if extra:
             raise ModelError("unknown key next to hf_config", where=f".{extra[0]}")
@@ -240,7 +239,6 @@ def _hf_model(value: dict[str, Any], base_dir: Path) -> ModelSpec:
         else:
             raise ModelError(f"{path}: hub-cache folder with {len(snapshots)} snapshots and no refs/main; pass the "
                              "snapshot folder itself", where=".hf")
-
     # The name carries the folder to the GPU trial (gpu.HF_NAME_PREFIX): ModelSpec is what travels to the ranks.
     return spec_from_hf_config(path, name=f"hf:{path}")
 
