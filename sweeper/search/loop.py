@@ -158,7 +158,7 @@ class Sweep:
         self._seed_queue()
         while not self.stop.is_set():
             self._fill()
-            if not self.scheduler.futures:
+            if not self.scheduler.in_flight:
                 break
             self._wait_one()
         if self.stop.is_set():
@@ -236,8 +236,7 @@ class Sweep:
             slot = self.handle.reserve(layout)
             if slot is None:
                 held = Running(number, attempt, "explore", layout, proposal.trial, _predicted(entry), None, "", None)
-                self.scheduler.hold(held)  # first in line when GPUs free up (or deferred: nodes were lost)
-                if self.scheduler.retry and self.scheduler.retry[0] is held:
+                if self.scheduler.hold(held):  # first in line when GPUs free up (or deferred: nodes were lost)
                     return
                 continue
             self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
@@ -322,7 +321,7 @@ class Sweep:
             return
         if result.failure_kind in NOT_THE_LAYOUTS and not self.stop.is_set():
             if run.attempt < MAX_ATTEMPTS[result.failure_kind]:
-                self.scheduler.retry.append(run)
+                self.scheduler.retry_later(run)
                 return
         if self.stop.is_set() and killed:
             return  # the layout said nothing: left open, re-run on --resume
@@ -335,7 +334,7 @@ class Sweep:
     def _print_progress(self) -> None:
         best = candidates(self.records, self.cfg)
         top = (best[0].layout.short(), objective_value(best[0].explore.result, self.cfg)) if best else None
-        console.print(f"[dim]{self.progress.line(self.records, len(self.scheduler.futures), self.launched, top)}[/]")
+        console.print(f"[dim]{self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)}[/]")
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
                        number: int | None = None) -> None:
@@ -378,7 +377,7 @@ class Sweep:
             if slot is not None:
                 budget -= 1
                 self._launch(todo[0].layout, todo[0].number, 1, "confirm", None, todo[0].explore.predicted, slot)
-            elif self.scheduler.futures:
+            elif self.scheduler.in_flight:
                 self._wait_one()
             else:
                 break
@@ -386,7 +385,7 @@ class Sweep:
     def _cancel_all(self) -> None:
         self.scheduler.cancel_all()
         deadline = time.monotonic() + 120
-        while self.scheduler.futures and time.monotonic() < deadline:
+        while self.scheduler.in_flight and time.monotonic() < deadline:
             self._wait_one()
         for run in self.scheduler.in_flight:
             if run.run_id is not None:

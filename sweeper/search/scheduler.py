@@ -83,12 +83,18 @@ class Scheduler:
             return run, slot
         return None
 
-    def hold(self, run: Running) -> None:
-        """A proposal with no GPUs free now: first in line when they free up, or deferred if it cannot fit at all."""
+    def hold(self, run: Running) -> bool:
+        """A proposal with no GPUs free now: first in line when they free up (True: launch nothing else before
+        it), or deferred when it needs more GPUs than are alive (False)."""
         if run.layout.world_size > self.host.capacity_total():
             self.deferred.append(run)
-        else:
-            self.retry.insert(0, run)
+            return False
+        self.retry.insert(0, run)
+        return True
+
+    def retry_later(self, run: Running) -> None:
+        """An attempt that failed for reasons not the layout's: runs again as the next attempt, after those waiting."""
+        self.retry.append(run)
 
     def drain_waiting(self) -> list[Running]:
         """Empty both queues, returning what was in them."""
