@@ -104,14 +104,13 @@ class Scheduler:
         return waiting
 
     # -- launching and waiting -----------------------------------------------------------------------------------
-    def submit(self, run: Running, **kwargs: Any) -> threading.Event:
-        """Start ``host.run_trial`` for ``run`` on its reservation in a worker thread; returns its cancel event."""
+    def submit(self, run: Running, **kwargs: Any) -> None:
+        """Start ``host.run_trial`` for ``run`` on its reservation in a worker thread (``cancel_all`` stops it)."""
         assert run.slot is not None, "a trial is launched only with GPUs reserved"
         cancel = threading.Event()
         future = self.pool.submit(self.host.run_trial, reservation=run.slot, cancel=cancel, **kwargs)
         self.futures[future] = run
         self.cancels[id(future)] = cancel
-        return cancel
 
     def wait_one(self, timeout_s: float = 5.0) -> list[tuple[Running, TrialResult]]:
         """The trials that ended within ``timeout_s`` (at least one unless none did), their GPUs released."""
