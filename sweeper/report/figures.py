@@ -21,7 +21,8 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from sweeper.report.rows import TrialRow
-from sweeper.space.axes import AXIS, SEARCHED
+from sweeper.space.axes import AXIS, PRECISIONS, SEARCHED
+from sweeper.space.layout import RECOMPUTES
 
 # One colour per report category, shared by the scatter and the attempts table so a reader matches them by eye.
 CATEGORY_COLORS: dict[str, str] = {
@@ -32,8 +33,6 @@ CATEGORY_COLORS: dict[str, str] = {
 }
 # Axes a Megatron user tunes: the searched axes of the axis table ("gpus" is the trial world size).
 EFFECT_AXES: tuple[str, ...] = tuple(a.name for a in SEARCHED)
-_PRECISION_ORDER = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
-_RECOMPUTE_ORDER = ("none", "selective", "full")
 _HOVER_ERROR_CHARS = 160
 _ERROR_CHARS = 200  # error text shown in the attempts table; the full text is in the cell's tooltip
 
@@ -180,10 +179,10 @@ def _order_key(axis: str, value: Any) -> tuple[Any, ...]:
     # Numbers sort numerically and precisions/recompute by cost, so the boxes read left to right as "more of it".
     if axis == "recompute" and isinstance(value, str):  # selective:<modules> sorts after plain selective
         granularity = value.partition(":")[0]
-        if granularity in _RECOMPUTE_ORDER:
-            return (0, _RECOMPUTE_ORDER.index(granularity), value)
-    if axis == "precision" and value in _PRECISION_ORDER:
-        return (0, _PRECISION_ORDER.index(value))
+        if granularity in RECOMPUTES:
+            return (0, RECOMPUTES.index(granularity), value)
+    if axis == "precision" and value in PRECISIONS:
+        return (0, PRECISIONS.index(value))
     if isinstance(value, (bool, int, float)):
         return (0, float(value))
     return (1, str(value))
