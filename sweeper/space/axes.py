@@ -36,7 +36,7 @@ class Axis:
     flag: str | None = None  # Megatron-LM flag: --flag=VALUE for numbers and text, --flag for a true bool
     omit: Any = None  # a value the Megatron-LM flag is left out for (besides None / false)
     bridge: tuple[str, ...] = ()  # Megatron-Bridge override keys
-    bridge_null: Any = "-"  # a value Bridge is given as null ("-": none)
+    bridge_null: Any = None  # a value Bridge is given as null (None: none; a None value is never exported)
     bridge_always: bool = False  # a bool Bridge is always given (true/false), not only when true
 
     @property
