@@ -111,16 +111,6 @@ class TrialHost:
             for nid in reservation.node_ids:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
 
-    @contextlib.contextmanager
-    def reserved(self, layout: Layout, timeout_s: float) -> Iterator[Reservation | None]:
-        """``reserve_within`` for the block, released when it ends (None: no free nodes in time)."""
-        slot = self.reserve_within(layout, timeout_s)
-        try:
-            yield slot
-        finally:
-            if slot is not None:
-                self.release(slot)
-
     def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
         return unsupported_reason(model, layout, cuda=self.cuda, te=self.te)
 

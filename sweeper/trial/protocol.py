@@ -1,12 +1,15 @@
 """What the sweep needs from the cluster side, as a type: the ``TrialHost`` protocol and its ``Reservation``.
 
 ``trial.host.TrialHost`` implements it on a Ray cluster; the sweep loop, the scheduler and the reference trial are
-written against the protocol, so a test's stand-in host is checked against the same surface.
+written against the protocol, so a test's stand-in host is checked against the same surface. ``reserved`` holds a
+reservation for one block (a single trial, the reference run).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
@@ -53,3 +56,14 @@ class Host(Protocol):
 
     def add_node(self) -> str:
         """node-join fault injection (simulated clusters)."""
+
+
+@contextlib.contextmanager
+def reserved(host: Host, layout: Layout, timeout_s: float) -> Iterator[Reservation | None]:
+    """``host.reserve_within`` for the block, released when it ends (None: no free nodes in time)."""
+    slot = host.reserve_within(layout, timeout_s)
+    try:
+        yield slot
+    finally:
+        if slot is not None:
+            host.release(slot)

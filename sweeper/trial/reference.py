@@ -20,7 +20,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.plan.assess import assess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.space.layout import Layout
-from sweeper.trial.protocol import Host
+from sweeper.trial.protocol import Host, reserved
 
 REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
 PLACE_TIMEOUT_S = 120.0
@@ -71,15 +71,13 @@ def ensure_reference(cfg: SweepConfig, host: Host, folder: Path) -> ReferenceOut
     layout = reference_layout(cfg, host)
     if layout is None:
         return ReferenceOutcome(None, None, "equivalence gate off: no layout of this space can hold the reference")
-    slot = host.reserve_within(layout, PLACE_TIMEOUT_S)
-    if slot is None:
-        return ReferenceOutcome(None, layout, f"equivalence gate off: no free GPUs for the reference {layout.short()}")
-    try:
+    with reserved(host, layout, PLACE_TIMEOUT_S) as slot:
+        if slot is None:
+            return ReferenceOutcome(None, layout,
+                                    f"equivalence gate off: no free GPUs for the reference {layout.short()}")
         short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
         result = host.run_trial(short, layout, folder.parent / f"{folder.name}-run", reservation=slot, steps=1,
                                 reference=str(folder), make_reference=True)
-    finally:
-        host.release(slot)
     if not result.passed or not (folder / REFERENCE_FILE).is_file():
         return ReferenceOutcome(None, layout, f"equivalence gate off: the reference run {layout.short()} failed "
                                 f"({result.failure_kind}: {result.error})")

@@ -11,6 +11,7 @@ from sweeper.plan.rules import check
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.host import open_host
+from sweeper.trial.protocol import reserved
 from sweeper.trial.reference import ensure_reference
 
 RESERVE_TIMEOUT_S = 60.0
@@ -27,7 +28,7 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
         if reason is not None:
             return TrialResult(status="failed", failure_kind="unsupported", error=reason, backend=host.backend_name)
         reference = ensure_reference(cfg, host, Path("sweeps") / cfg.name / "reference")
-        with host.reserved(layout, RESERVE_TIMEOUT_S) as slot:
+        with reserved(host, layout, RESERVE_TIMEOUT_S) as slot:
             if slot is None:
                 return TrialResult(status="failed", failure_kind="infra", backend=host.backend_name,
                                    error=f"the cluster has no free nodes for {layout.world_size} GPUs "
