@@ -185,7 +185,7 @@ def _write_reference(directory: Path, model: str = "tiny-gpt", **over: object) -
 def _plan(tmp_path: Path, layout: Layout, model: str = "tiny-gpt", **kw: object):  # type: ignore[no-untyped-def]
     kw.setdefault("reference_checkpoint", str(tmp_path / "ref"))
     request = _request(tmp_path / "t", layout, model, **kw)
-    return plan(request, preset(model), layout)
+    return plan(request)
 
 
 def test_plan_check_builds_with_the_reference_vocabulary(tmp_path: Path) -> None:
@@ -219,7 +219,7 @@ def test_plan_rejects_another_models_reference(tmp_path: Path) -> None:
 def test_plan_make_needs_a_directory_and_a_splittable_batch(tmp_path: Path) -> None:
     layout = Layout(world_size=1, gbs=4)
     with pytest.raises(ReferenceError, match="needs reference_checkpoint"):
-        plan(_request(tmp_path, layout, "tiny-gpt", make_reference=True), preset("tiny-gpt"), layout)
+        plan(_request(tmp_path, layout, "tiny-gpt", make_reference=True))
     gate = _plan(tmp_path, Layout(world_size=2, tp=2, gbs=4), make_reference=True)
     assert gate.mode == "make" and gate.vocab_size == 1024
     assert _plan(tmp_path, Layout(world_size=1, gbs=4), reference_checkpoint=None) is None

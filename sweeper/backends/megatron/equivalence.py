@@ -51,7 +51,6 @@ from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import Phase, SmokeFailure
 from sweeper.models.spec import ModelSpec
 from sweeper.record.files import write_atomic
-from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
     from sweeper.backends.megatron.build import Built
@@ -162,8 +161,9 @@ class Plan:
     skip_reason: str | None = None  # check mode: the layout cannot take the reference batch
 
 
-def plan(request: SmokeRequest, spec: ModelSpec, layout: Layout) -> Plan | None:
+def plan(request: SmokeRequest) -> Plan | None:
     """None when the request asks nothing of the gate."""
+    spec, layout = request.model, request.layout
     if not request.reference_checkpoint:
         if request.make_reference:
             raise ReferenceError("make_reference needs reference_checkpoint: the directory to write the reference to")
@@ -226,8 +226,6 @@ def measure(built: Built, batches: list, seq_length: int) -> tuple[float, float]
 def run(
     gate: Plan,
     request: SmokeRequest,
-    spec: ModelSpec,
-    layout: Layout,
     built: Built,
     report: RankReport,
     device: torch.device,
@@ -235,6 +233,8 @@ def run(
 ) -> None:
     """Make the reference, or load it and compare (raises EquivalenceError beyond tolerance)."""
     from sweeper.backends.megatron import checkpoint as ckpt
+
+    spec, layout = request.model, request.layout
 
     if gate.mode == "make":
         enter("steps")

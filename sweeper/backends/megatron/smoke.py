@@ -162,7 +162,7 @@ def _smoke(
         )
     if request.inject == "bug":
         _injected_bug(layout)
-    gate = equivalence.plan(request, spec, layout)  # reads the reference: the build takes its vocabulary size
+    gate = equivalence.plan(request)  # reads the reference: the build takes its vocabulary size
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None,
                   run=run)
     report.checks.model_built = True
@@ -182,7 +182,7 @@ def _smoke(
     # -- equivalence gate: on the freshly built model, before the steps change its weights -----------------------
     if gate is not None:
         _timed(report, "equivalence",
-               lambda: equivalence.run(gate, request, spec, layout, built, report, device, enter))
+               lambda: equivalence.run(gate, request, built, report, device, enter))
         safe_point()
 
     # -- steps ---------------------------------------------------------------------------------------------------------
