@@ -48,47 +48,61 @@ class RankActor:
         self.world_size = world_size
 
     def describe(self, want_port: bool) -> RankSlot:
-        ip = ray.util.get_node_ip_address()
-        return RankSlot(
-            rank=self.rank,
-            node_id=ray.get_runtime_context().get_node_id(),
-            ip=ip,
-            gpu_ids=tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])),
-            pid=os.getpid(),
-            port=_free_port(ip) if want_port else None,
-        )
+        return describe_slot(self.rank, want_port)
 
     def run(self, backend: str, request: SmokeRequest, env: dict[str, str], driver_sys_path: list[str]) -> RankReport:
         os.environ.update(env)
-        for entry in driver_sys_path:
-            if entry not in sys.path and os.path.isdir(entry):
-                sys.path.append(entry)
-        node = env.get("SWEEPER_NODE_ID", "")
-        try:
-            fn = load_backend(backend)
-            report = fn(request)
-        except BaseException as exc:  # noqa: BLE001 - a backend must not raise; if it does, report, don't crash
-            _write_traceback(request.trial_dir, self.rank)
-            return RankReport(
-                rank=self.rank,
-                node_id=node,
-                backend="unknown",
-                ok=False,
-                failure_kind=classify_exception(exc),
-                error=f"backend raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}".rstrip(": "),
-            )
-        if not isinstance(report, RankReport):
-            return RankReport(rank=self.rank, node_id=node, backend="unknown", ok=False, failure_kind="infra",
-                              error=f"backend {backend} returned {type(report).__name__}, not a RankReport")
-        if not report.node_id:
-            report.node_id = node
-        return report
-
+        extend_sys_path(driver_sys_path)
+        return call_backend(self.rank, backend, request, env.get("SWEEPER_NODE_ID", ""))
 
     def checks(self) -> TrialChecks:
         """What the rank running in this process has proven so far (read by the runner before it stops a rank
         that has not reported)."""
         return shared_checks()
+
+
+def describe_slot(rank: int, want_port: bool) -> RankSlot:
+    """Where the calling actor runs (``rank`` -1: a warm rank, whose rank the runner assigns per trial)."""
+    ip = ray.util.get_node_ip_address()
+    return RankSlot(
+        rank=rank,
+        node_id=ray.get_runtime_context().get_node_id(),
+        ip=ip,
+        gpu_ids=tuple(str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])),
+        pid=os.getpid(),
+        port=_free_port(ip) if want_port else None,
+    )
+
+
+def call_backend(rank: int, backend: str, request: SmokeRequest, node: str) -> RankReport:
+    """Run the backend for one rank in this process; a backend that raises or returns something else is reported,
+    never propagated."""
+    try:
+        fn = load_backend(backend)
+        report = fn(request)
+    except BaseException as exc:  # noqa: BLE001 - a backend must not raise; if it does, report, don't crash
+        _write_traceback(request.trial_dir, rank)
+        return RankReport(
+            rank=rank,
+            node_id=node,
+            backend="unknown",
+            ok=False,
+            failure_kind=classify_exception(exc),
+            error=f"backend raised {type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}".rstrip(": "),
+        )
+    if not isinstance(report, RankReport):
+        return RankReport(rank=rank, node_id=node, backend="unknown", ok=False, failure_kind="infra",
+                          error=f"backend {backend} returned {type(report).__name__}, not a RankReport")
+    if not report.node_id:
+        report.node_id = node
+    return report
+
+
+def extend_sys_path(entries: list[str]) -> None:
+    """The driver's import path, appended (modules importable in the driver import in the rank too)."""
+    for entry in entries:
+        if entry not in sys.path and os.path.isdir(entry):
+            sys.path.append(entry)
 
 
 def load_backend(spec: str) -> Callable[[SmokeRequest], RankReport]:

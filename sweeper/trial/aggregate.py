@@ -30,7 +30,8 @@ class RankOutcome:
     rank: int
     node: str  # short node label
     report: RankReport | None = None
-    died: str | None = None  # the actor or its node died: Ray's reason, one line
+    died: str | None = None  # the rank's process, its actor or its node died: the reason, one line
+    actor_lost: bool = False  # the rank's Ray actor itself is gone (not only a warm rank's forked child)
     arrived: float = float("inf")  # driver clock when the outcome arrived (orders the cascade)
     # A rank stopped before it reported: the checks it had proven by then, as the backend shared them.
     proven: TrialChecks | None = None

@@ -31,7 +31,8 @@ from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 from sweeper.space.pipeline import with_pipeline_split
 from sweeper.trial.protocol import Reservation
-from sweeper.trial.runner import keep_together, run_trial
+from sweeper.trial.pool import RankPool
+from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, run_trial
 
 
 def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
@@ -68,6 +69,7 @@ class TrialHost:
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
         self._lock = threading.Lock()
+        self.pool = RankPool(DEFAULT_BACKEND, CPUS_PER_RANK) if cfg.cluster.warm_ranks else None
 
     # -- capacity ----------------------------------------------------------------------------------------------
     def _alive(self) -> dict[str, tuple[str, int]]:
@@ -88,6 +90,8 @@ class TrialHost:
             return None
         with self._lock:
             alive = self._alive()
+            if self.pool is not None:
+                self.pool.keep_nodes(set(alive))
             free = {nid: gpus - self._used.get(nid, 0) for nid, (_, gpus) in alive.items()}
             chosen = [nid for nid in sorted(free, key=lambda n: (free[n], alive[n][0]))
                       if free[nid] >= plan.ranks_per_bundle][: plan.num_bundles]  # best fit: fullest node first
@@ -122,7 +126,8 @@ class TrialHost:
         if steps is not None:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
         return run_trial(cfg, layout, self.handle, trial_dir, inject=inject, cancel=cancel,
-                         nodes=reservation.node_ids, reference_checkpoint=reference, make_reference=make_reference)
+                         nodes=reservation.node_ids, reference_checkpoint=reference, make_reference=make_reference,
+                         pool=self.pool)
 
     def add_node(self) -> str:
         """node-join fault injection: one more simulated node. Call from the main thread (Ray's node start
@@ -134,9 +139,18 @@ class TrialHost:
     def doctor(self, cfg: SweepConfig) -> DoctorReport:
         return doctor(cfg, self.handle)
 
+    def close(self) -> None:
+        """Retire the warm ranks (their GPUs go back to the cluster)."""
+        if self.pool is not None:
+            self.pool.close()
+
 
 @contextlib.contextmanager
 def open_host(cfg: SweepConfig, address: str | None = None) -> Iterator[TrialHost]:
     """Connect to (or simulate) the space's cluster for the duration of the block."""
     with connect(cfg.cluster, address) as handle:
-        yield TrialHost(cfg, handle)
+        host = TrialHost(cfg, handle)
+        try:
+            yield host
+        finally:
+            host.close()

@@ -32,13 +32,22 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 
 from sweeper.backends.base import SmokeRequest
 from sweeper.cluster.connection import ClusterHandle
-from sweeper.cluster.placement import PlacementError, PlacementTimeout, TrialPlacement, trial_placement
+from sweeper.cluster.placement import (
+    PlacementError,
+    PlacementPlan,
+    PlacementTimeout,
+    TrialPlacement,
+    plan_placement,
+    trial_placement,
+)
 from sweeper.config.schema import SweepConfig
 from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.actor import RankActor, RankSlot
 from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
+from sweeper.trial.forked import RankDied
+from sweeper.trial.pool import STOP_CONFIRM_S, RankPool, Warm
 
 DEFAULT_BACKEND = "sweeper.backends.megatron:run_rank"
 BACKEND_INJECTS = ("nan", "hang", "crash")  # done inside a rank by the backend
@@ -72,6 +81,7 @@ def run_trial(
     nodes: list[str] | None = None,
     reference_checkpoint: str | None = None,
     make_reference: bool = False,
+    pool: RankPool | None = None,
 ) -> TrialResult:
     """Run one smoke trial; never raises for a trial failure (the TrialResult says what failed and why).
 
@@ -81,6 +91,8 @@ def run_trial(
     thread to stop the trial (Ctrl-C of a sweep); the ranks are killed and the result is ``infra``/cancelled.
     ``nodes``: Ray node ids, one per placement bundle, chosen by the sweep's scheduler (None: Ray chooses).
     ``reference_checkpoint`` / ``make_reference``: the equivalence gate (load, or create, the sweep's reference).
+    ``pool``: run on the sweep's warm ranks (``trial.pool``; needs ``nodes``) instead of new rank actors in a
+    placement group of the trial's own.
     KeyboardInterrupt in this thread also kills the ranks and removes the group before propagating.
     """
     if inject is not None and inject not in BACKEND_INJECTS + RUNNER_INJECTS:
@@ -97,21 +109,24 @@ def run_trial(
     request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference)
 
     try:
-        with trial_placement(
-            handle,
-            layout.world_size,
-            cfg.cluster.gpus_per_node,
-            timeout_s=limit,
-            keep_together=keep_together(layout, cfg.cluster.gpus_per_node),
-            cpus_per_rank=CPUS_PER_RANK,
-            name=f"sweeper-{trial_id}",
-            nodes=nodes,
-        ) as placement:
-            result = _run_ranks(
-                request, layout.world_size, placement, handle, trial_id, backend, deadline, limit,
-                node_loss_rank=inject_rank if inject == "node-loss" else None,
-                on_running=on_running, cancel=cancel,
-            )
+        if pool is not None and nodes is not None:
+            plan = plan_placement(layout.world_size, cfg.cluster.gpus_per_node, cpus_per_rank=CPUS_PER_RANK,
+                                  keep_together=keep_together(layout, cfg.cluster.gpus_per_node))
+            result = _run_pooled(pool, nodes, plan, request, handle, trial_id, backend, deadline, limit,
+                                 inject, inject_rank, on_running, cancel)
+        else:
+            with trial_placement(
+                handle,
+                layout.world_size,
+                cfg.cluster.gpus_per_node,
+                timeout_s=limit,
+                keep_together=keep_together(layout, cfg.cluster.gpus_per_node),
+                cpus_per_rank=CPUS_PER_RANK,
+                name=f"sweeper-{trial_id}",
+                nodes=nodes,
+            ) as placement:
+                result = _run_fresh(request, placement, handle, trial_id, backend, deadline, limit, inject,
+                                    inject_rank, on_running, cancel)
     except PlacementTimeout as exc:
         result = TrialResult(status="failed", failure_kind="infra", error=str(exc), notes=["placement_timeout"])
     except PlacementError as exc:
@@ -150,20 +165,13 @@ def _request(
     )
 
 
-def _run_ranks(
-    request: SmokeRequest,
-    world_size: int,
-    placement: TrialPlacement,
-    handle: ClusterHandle,
-    trial_id: str,
-    backend: str,
-    deadline: float,
-    limit: float,
-    *,
-    node_loss_rank: int | None,
-    on_running: Callable[[RunningTrial], None] | None,
-    cancel: threading.Event | None,
+def _run_fresh(
+    request: SmokeRequest, placement: TrialPlacement, handle: ClusterHandle, trial_id: str, backend: str,
+    deadline: float, limit: float, inject: str | None, inject_rank: int,
+    on_running: Callable[[RunningTrial], None] | None, cancel: threading.Event | None,
 ) -> TrialResult:
+    """One new RankActor per rank in the trial's placement group, all killed when it ends."""
+    world_size = request.layout.world_size
     actors = [
         RankActor.options(  # type: ignore[attr-defined]  # added by @ray.remote
             num_gpus=1,
@@ -173,17 +181,91 @@ def _run_ranks(
         ).remote(rank, world_size)
         for rank in range(world_size)
     ]
+    note = (f"placement {placement.plan.num_bundles}x{placement.plan.ranks_per_bundle} GPUs "
+            f"{placement.plan.strategy}, reserved in {placement.wait_s:.1f}s")
+    try:
+        result, _ = _run_ranks(request, actors, note, handle, trial_id, backend, deadline, limit,
+                               node_loss_rank=inject_rank if inject == "node-loss" else None,
+                               on_running=on_running, cancel=cancel)
+        return result
+    finally:
+        # Every rank at once; removing the placement group (by the caller's context manager) follows and
+        # would kill them too, but an explicit kill does not depend on that.
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+
+
+def _run_pooled(
+    pool: RankPool, nodes: list[str], plan: PlacementPlan, request: SmokeRequest, handle: ClusterHandle,
+    trial_id: str, backend: str, deadline: float, limit: float, inject: str | None, inject_rank: int,
+    on_running: Callable[[RunningTrial], None] | None, cancel: threading.Event | None,
+) -> TrialResult:
+    """The trial on warm ranks leased from the sweep's pool (each rank a fresh child of a warm process); ranks
+    whose child did not end cleanly are stopped, and warm ranks that are lost or will not stop are retired."""
+    if len(nodes) != plan.num_bundles:
+        raise PlacementError(f"{len(nodes)} nodes given for {plan.num_bundles} bundles")
+    lease = pool.lease(nodes, plan.ranks_per_bundle, request.layout.world_size,
+                       timeout_s=max(deadline - time.monotonic(), 0.001))
+    note = (f"placement {plan.num_bundles}x{plan.ranks_per_bundle} GPUs {plan.strategy} on warm ranks "
+            f"({len(lease.ranks) - lease.fresh} reused, {lease.fresh} started), reserved in {lease.wait_s:.1f}s")
+    retire = list(lease.ranks)
+    try:
+        result, outcomes = _run_ranks(
+            request, lease.actors, note, handle, trial_id, backend, deadline, limit,
+            node_loss_rank=inject_rank if inject == "node-loss" else None, on_running=on_running, cancel=cancel,
+        )
+        retire = _stop_children(lease.ranks, outcomes)
+        return result
+    finally:
+        pool.give_back(lease.ranks, retire)
+
+
+def _stop_children(ranks: list[Warm], outcomes: list[RankOutcome]) -> list[Warm]:
+    """Stop the children of ranks that had not reported; the warm ranks to retire (actor lost, or it did not
+    confirm its child is gone)."""
+    retire = [ranks[o.rank] for o in outcomes if o.actor_lost]
+    stopping = {ranks[o.rank].actor.stop.remote(): ranks[o.rank] for o in outcomes
+                if o.report is None and o.died is None}
+    if stopping:
+        ready, _ = ray.wait(list(stopping), num_returns=len(stopping), timeout=STOP_CONFIRM_S)
+        for ref, warm in stopping.items():
+            try:
+                stopped = ref in ready and ray.get(ref)
+            except RayError:
+                stopped = False
+            if not stopped:
+                retire.append(warm)
+    return retire
+
+
+def _run_ranks(
+    request: SmokeRequest,
+    actors: list,
+    placement_note: str,
+    handle: ClusterHandle,
+    trial_id: str,
+    backend: str,
+    deadline: float,
+    limit: float,
+    *,
+    node_loss_rank: int | None,
+    on_running: Callable[[RunningTrial], None] | None,
+    cancel: threading.Event | None,
+) -> tuple[TrialResult, list[RankOutcome]]:
+    world_size = request.layout.world_size
     outcomes = [RankOutcome(rank=r, node="?") for r in range(world_size)]
     timeout_error: str | None = None
     abort_error: tuple[str, str] | None = None
-    notes = [f"placement {placement.plan.num_bundles}x{placement.plan.ranks_per_bundle} GPUs "
-             f"{placement.plan.strategy}, reserved in {placement.wait_s:.1f}s"]
+    notes = [placement_note]
     try:
         slots = _describe(actors, deadline)
         if isinstance(slots, str):
             kind = "timeout" if slots.startswith("timeout") else "infra"
             abort_error = (kind, slots)
+            for outcome in outcomes:
+                outcome.actor_lost = kind == "infra"
         else:
+            slots = [replace(slot, rank=rank) for rank, slot in enumerate(slots)]  # warm ranks learn theirs here
             labels = {nid: handle.label_of(nid) for nid in {s.node_id for s in slots}}
             for slot, outcome in zip(slots, outcomes):
                 outcome.node = labels[slot.node_id]
@@ -207,11 +289,7 @@ def _run_ranks(
                 notes.append("cancelled")
     finally:
         _ask_unreported_checks(actors, outcomes)
-        # Every rank at once; removing the placement group (by the caller's context manager) follows and
-        # would kill them too, but an explicit kill does not depend on that.
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-    return aggregate(
+    result = aggregate(
         outcomes,
         world_size=world_size,
         warmup_steps=request.warmup_steps,
@@ -220,6 +298,7 @@ def _run_ranks(
         abort_error=abort_error,
         notes=notes,
     )
+    return result, outcomes
 
 
 def _ask_unreported_checks(actors: list, outcomes: list[RankOutcome]) -> None:
@@ -307,13 +386,18 @@ def _gather(
             outcome = outcomes[pending.pop(ref)]
             outcome.arrived = time.monotonic()
             try:
-                outcome.report = ray.get(ref)
+                value = ray.get(ref)
             except RayActorError as exc:
-                outcome.died = f"rank process died: {_one_line(exc)}"
+                outcome.died, outcome.actor_lost = f"rank process died: {_one_line(exc)}", True
             except RayTaskError as exc:  # the actor method itself raised (not the backend): a runner bug
-                outcome.died = f"rank actor raised: {_one_line(exc)}"
+                outcome.died, outcome.actor_lost = f"rank actor raised: {_one_line(exc)}", True
             except RayError as exc:
-                outcome.died = f"rank lost: {_one_line(exc)}"
+                outcome.died, outcome.actor_lost = f"rank lost: {_one_line(exc)}", True
+            else:
+                if isinstance(value, RankDied):  # a warm rank's child ended without a report
+                    outcome.died = f"rank process died: {value.reason}"
+                else:
+                    outcome.report = value
             if outcome.failed and first_failure is None:
                 first_failure = outcome.arrived
     return "failed" if first_failure is not None else "done"

@@ -2,9 +2,44 @@
 
 ``run_rank(request) -> RankReport`` runs one rank of a smoke trial. Importing this package is cheap: megatron
 is imported only when a rank actually runs (and only after the request was checked for what this backend
-supports).
+supports), or when a warm rank process calls ``warm_up``.
 """
+
+from __future__ import annotations
+
+import importlib
+import os
 
 from sweeper.backends.megatron.smoke import run_rank
 
-__all__ = ["run_rank"]
+# What a rank's smoke run imports lazily (smoke.py), imported ahead by ``warm_up``.
+_WARM_MODULES = (
+    "megatron.core.parallel_state",
+    "sweeper.backends.megatron.build",
+    "sweeper.backends.megatron.steps",
+    "sweeper.backends.megatron.equivalence",
+    "sweeper.backends.megatron.replicas",
+    "sweeper.backends.megatron.checkpoint",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+)
+
+
+def warm_up() -> None:
+    """Import megatron-core and the model builders now, for a warm rank process (sweeper/trial/pool.py) whose
+    forked children then start at once. CUDA must stay uninitialised here (a forked child cannot use a CUDA
+    context its parent created): torch's CUDA check goes through NVML, and Transformer Engine is left for the
+    child to import."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+
+    from sweeper.backends.megatron import cpu_compat
+
+    cpu_compat.install()
+    for name in _WARM_MODULES:
+        importlib.import_module(name)
+    if torch.cuda.is_initialized():
+        raise RuntimeError("warming up initialised CUDA, so its forked ranks could not use the GPU; set "
+                           "cluster.warm_ranks: false")
+
+
+__all__ = ["run_rank", "warm_up"]

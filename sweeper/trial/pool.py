@@ -1,0 +1,226 @@
+"""Warm rank processes that outlive a trial (``cluster.warm_ranks``, on by default).
+
+Without the pool every trial starts one Ray actor per rank, and each imports torch and megatron-core (most of a CPU
+trial's overhead). With it, a ``WarmRank`` actor per GPU is kept for the whole sweep: it imports the backend once
+(``warm_up`` of the backend's module) and runs each trial's rank in a child forked from itself
+(``trial.forked``), so a trial starts in milliseconds and still runs in a fresh process of its own.
+
+Each warm rank holds one GPU in a one-bundle placement group pinned to its node, created the first time the sweep's
+ledger (``trial.host``) sends a trial there; the ledger never gives a node more trial ranks than it has GPUs, so the
+pool never holds more. A trial leases the warm ranks of its reservation's nodes in bundle order (rank r on the
+node of bundle ``r // gpus_per_bundle``, as with a per-trial placement group) and gives them back when it ends.
+A warm rank whose actor died, did not stop its child when told, or sat on a lost node is retired (actor killed,
+group removed) and replaced by a new one on the next lease.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import NODE_ID_LABEL_KEY, PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from sweeper.backends.base import RankReport, SmokeRequest, shared_checks
+from sweeper.cluster.placement import PlacementTimeout
+from sweeper.record.schema import TrialChecks
+from sweeper.trial.actor import RankSlot, call_backend, describe_slot, extend_sys_path
+from sweeper.trial.forked import ForkedRank, RankDied
+
+CHECKS_ANSWER_S = 1.5  # how long a running child gets to say what it has proven
+STOP_CONFIRM_S = 10.0  # how long a warm rank gets to confirm its child is gone before the actor is retired
+
+
+@ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)  # type: ignore[call-overload]  # Ray's stubs lack max_concurrency
+class WarmRank:
+    """One GPU's rank process for the sweep: warm imports, a forked child per trial (``run``), ``checks`` and
+    ``stop`` answered on the second thread while a child runs."""
+
+    def __init__(self, backend: str, driver_sys_path: list[str]) -> None:
+        extend_sys_path(driver_sys_path)
+        self._child: ForkedRank | None = None
+        self._lock = threading.Lock()
+        started = time.perf_counter()
+        module = importlib.import_module(backend.partition(":")[0])
+        warm_up = getattr(module, "warm_up", None)
+        if callable(warm_up):
+            warm_up()
+        self.warm_s = time.perf_counter() - started
+
+    def describe(self, want_port: bool) -> RankSlot:
+        return describe_slot(-1, want_port)
+
+    def run(self, backend: str, request: SmokeRequest, env: dict[str, str],
+            driver_sys_path: list[str]) -> RankReport | RankDied:
+        rank = int(env["RANK"])
+        child_env = {**os.environ, **env}
+
+        def in_child() -> RankReport:
+            extend_sys_path(driver_sys_path)
+            return call_backend(rank, backend, request, env.get("SWEEPER_NODE_ID", ""))
+
+        with self._lock:
+            self._child = ForkedRank(in_child, shared_checks, child_env)
+        try:
+            return self._child.wait()
+        finally:
+            with self._lock:
+                self._child = None
+
+    def checks(self) -> TrialChecks:
+        with self._lock:
+            child = self._child
+        proven = child.checks(CHECKS_ANSWER_S) if child is not None else None
+        return proven if proven is not None else TrialChecks()
+
+    def stop(self) -> bool:
+        """Kill the running child, if any (its ``run`` then returns RankDied); True once none runs."""
+        with self._lock:
+            child = self._child
+        if child is not None:
+            child.kill()
+        deadline = time.monotonic() + STOP_CONFIRM_S / 2
+        while time.monotonic() < deadline:
+            with self._lock:
+                if self._child is None:
+                    return True
+            time.sleep(0.05)
+        return False
+
+    def warm_seconds(self) -> float:
+        return self.warm_s
+
+
+@dataclass
+class Warm:
+    """A warm rank as the driver knows it."""
+
+    actor: Any  # ray.actor.ActorHandle of WarmRank
+    group: PlacementGroup
+    node_id: str
+    trials: int = 0  # trials this process has run
+
+
+@dataclass
+class Lease:
+    """The warm ranks of one trial, in rank order."""
+
+    ranks: list[Warm]
+    fresh: int  # how many were started for this trial (the rest were reused)
+    wait_s: float
+
+    @property
+    def actors(self) -> list[Any]:
+        return [w.actor for w in self.ranks]
+
+
+class RankPool:
+    """The sweep's warm ranks per node. The driver's threads call in here (one lock)."""
+
+    def __init__(self, backend: str, cpus_per_rank: float) -> None:
+        self.backend = backend
+        self.cpus_per_rank = cpus_per_rank
+        self._idle: dict[str, list[Warm]] = {}
+        self._busy: list[Warm] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def lease(self, node_ids: list[str], per_bundle: int, world_size: int, timeout_s: float) -> Lease:
+        """Warm ranks for a trial whose bundle i of ``per_bundle`` GPUs is on ``node_ids[i]`` (idle ones first, new
+        ones for the rest). Raises PlacementTimeout when a new one's GPU is not reserved within ``timeout_s``."""
+        started = time.monotonic()
+        wanted = [node_ids[rank // per_bundle] for rank in range(world_size)]
+        ranks: list[Warm | None] = [None] * world_size
+        with self._lock:
+            if self._closed:
+                raise PlacementTimeout("the rank pool is closed")
+            for rank, node in enumerate(wanted):
+                idle = self._idle.get(node, [])
+                if idle:
+                    ranks[rank] = idle.pop()
+        new = [rank for rank, warm in enumerate(ranks) if warm is None]
+        groups: dict[int, PlacementGroup] = {}
+        try:
+            for rank in new:
+                groups[rank] = self._reserve(wanted[rank])
+            deadline = time.monotonic() + timeout_s
+            for rank, group in groups.items():
+                ready, _ = ray.wait([group.ready()], timeout=max(deadline - time.monotonic(), 0.001))
+                if not ready:
+                    raise PlacementTimeout(f"placement: a warm rank's GPU on node {wanted[rank][:8]} was not "
+                                           f"reserved within {timeout_s:.0f}s")
+                ranks[rank] = Warm(self._start(group), group, wanted[rank])
+        except BaseException:
+            for rank, group in groups.items():
+                if ranks[rank] is None:
+                    remove_placement_group(group)
+            started_now = [w for rank, w in enumerate(ranks) if w is not None and rank in groups]
+            self.give_back([w for w in ranks if w is not None], retire=started_now)
+            raise
+        leased = [w for w in ranks if w is not None]
+        with self._lock:
+            self._busy.extend(leased)
+        return Lease(leased, fresh=len(new), wait_s=time.monotonic() - started)
+
+    def give_back(self, ranks: list[Warm], retire: list[Warm]) -> None:
+        """A trial's warm ranks back to the pool when it ended; those in ``retire`` are killed instead."""
+        retired = {id(w) for w in retire}
+        with self._lock:
+            for warm in ranks:
+                if warm in self._busy:
+                    self._busy.remove(warm)
+                if id(warm) in retired or self._closed:
+                    _retire(warm)
+                else:
+                    warm.trials += 1
+                    self._idle.setdefault(warm.node_id, []).append(warm)
+
+    def keep_nodes(self, alive: set[str]) -> None:
+        """Retire the idle warm ranks of nodes no longer alive (they died with their node)."""
+        with self._lock:
+            for node in [n for n in self._idle if n not in alive]:
+                for warm in self._idle.pop(node):
+                    _retire(warm)
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for warm in [w for idle in self._idle.values() for w in idle] + self._busy:
+                _retire(warm)
+            self._idle.clear()
+            self._busy.clear()
+
+    def _reserve(self, node_id: str) -> PlacementGroup:
+        return placement_group([{"GPU": 1.0, "CPU": self.cpus_per_rank}], strategy="STRICT_PACK",
+                               name=f"sweeper-warm-{os.urandom(3).hex()}",
+                               bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}])
+
+    def _start(self, group: PlacementGroup) -> Any:
+        return WarmRank.options(  # type: ignore[attr-defined]  # added by @ray.remote
+            num_gpus=1,
+            num_cpus=self.cpus_per_rank,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
+                                                                 placement_group_bundle_index=0),
+            name=f"sweeper-warm-{group.id.hex()[:12]}",
+        ).remote(self.backend, [os.getcwd()] + [p for p in sys.path if p])
+
+
+def _retire(warm: Warm) -> None:
+    try:
+        ray.kill(warm.actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already dead (its node was lost): the group removal still follows
+        pass
+    try:
+        remove_placement_group(warm.group)
+    except Exception:  # noqa: BLE001 - a group on a lost node may already be gone
+        pass

@@ -1,0 +1,138 @@
+"""Warm rank processes (sweeper/trial/pool.py, sweeper/trial/forked.py).
+
+Unit: a forked child's report, exit, kill and checks travel back as they should (plain processes, no Ray, no
+Megatron; the "backends" here are tiny functions of this file). e2e: one simulated 2 x 2 cluster keeps its warm
+ranks while different layouts of real megatron-core models run back to back on them (TP, PP, CP, EP, a failing
+one, then a passing one): each passes the equivalence gate and the checkpoint reload, and its losses are the very
+numbers a trial of the same layout gets in new rank processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from sweeper.config.schema import ClusterConfig, SweepConfig, TrainingConfig
+from sweeper.models.catalog import preset
+from sweeper.record.schema import TrialChecks
+from sweeper.space.layout import Layout
+from sweeper.trial.forked import ForkedRank, RankDied
+
+
+# -- unit: the forked child ---------------------------------------------------------------------------------------
+def _checks_with_process_group() -> TrialChecks:
+    return TrialChecks(process_group=True)
+
+
+def test_child_report_and_environment_come_back() -> None:
+    child = ForkedRank(lambda: {"pid": os.getpid(), "env": os.environ.get("SWEEPER_TEST_VALUE")},
+                       TrialChecks, {"SWEEPER_TEST_VALUE": "forty-two"})
+    report = child.wait()
+    assert report == {"pid": child.pid, "env": "forty-two"}
+    assert child.pid != os.getpid() and "SWEEPER_TEST_VALUE" not in os.environ
+
+
+def test_child_that_exits_without_a_report_is_a_dead_rank_with_its_exit_code() -> None:
+    child = ForkedRank(lambda: os._exit(17), TrialChecks, {})
+    died = child.wait()
+    assert isinstance(died, RankDied)
+    assert died.reason == f"process {child.pid} exited with code 17 without a report"
+
+
+def test_killed_child_is_a_dead_rank_and_checks_are_answered_while_it_runs() -> None:
+    child = ForkedRank(lambda: time.sleep(60), _checks_with_process_group, {})
+    assert child.checks(timeout_s=5.0) == TrialChecks(process_group=True)
+    child.kill()
+    died = child.wait()
+    assert isinstance(died, RankDied) and died.reason == f"process {child.pid} was killed by SIGKILL"
+    child.kill()  # twice is harmless
+
+
+def test_child_that_raises_reports_a_dead_rank() -> None:
+    def broken() -> None:
+        raise ValueError("boom")
+
+    died = ForkedRank(broken, TrialChecks, {}).wait()
+    assert isinstance(died, RankDied) and "exited with code 70" in died.reason
+
+
+def test_child_keeps_only_its_pipes_and_stdio() -> None:
+    fd = os.open(os.devnull, os.O_RDONLY)  # stands for the parent's Ray sockets
+    try:
+        child = ForkedRank(lambda: sorted(int(n) for n in os.listdir("/proc/self/fd")), TrialChecks, {})
+        open_fds = child.wait()
+    finally:
+        os.close(fd)
+    assert fd not in open_fds
+    assert len([f for f in open_fds if f > 2]) <= 3  # two pipe ends, plus the listing's own descriptor
+
+
+# -- e2e: layouts back to back on one pool --------------------------------------------------------------------------
+def _cfg(model: str, warm: bool) -> SweepConfig:
+    cluster = ClusterConfig(nodes=2, gpus_per_node=2, gpu_memory_gib=4, simulate=True, warm_ranks=warm)
+    training = TrainingConfig(seq_length=32, global_batch_size=4, steps=3, warmup_steps=1, trial_timeout_s=240)
+    return SweepConfig(name=f"pool-{model}", model=preset(model), cluster=cluster, training=training,
+                       space={"gpus": [1, 2], "precision": ["fp32"]})
+
+
+def _layout(**axes: object) -> Layout:
+    return Layout(gbs=4, precision="fp32", **axes)  # type: ignore[arg-type]
+
+
+def _run(host, cfg: SweepConfig, layout: Layout, folder: Path, reference: str | None, **kw: object):
+    from sweeper.trial.protocol import reserved
+
+    with reserved(host, layout, 60) as slot:
+        assert slot is not None
+        return host.run_trial(cfg, layout, folder, reservation=slot, reference=reference, **kw)
+
+
+@pytest.mark.e2e
+def test_layouts_back_to_back_on_warm_ranks_match_new_processes(tmp_path: Path) -> None:
+    from sweeper.trial.host import open_host
+    from sweeper.trial.reference import ensure_reference
+
+    gpt, moe = _cfg("tiny-gpt", warm=True), _cfg("tiny-moe", warm=True)
+    sequence = [
+        (gpt, _layout(world_size=2, tp=2, sp=True), {}),
+        (gpt, _layout(world_size=2, pp=2), {}),
+        (gpt, _layout(world_size=2, cp=2), {}),
+        (moe, _layout(world_size=2, ep=2), {}),
+        (gpt, _layout(world_size=4, tp=2, sp=True), {"inject": "nan"}),  # fails: the rank poisons its loss
+        (gpt, _layout(world_size=4, tp=2, pp=2, sp=True), {}),
+    ]
+    warm: list = []
+    with open_host(gpt) as host:
+        assert host.pool is not None
+        references = {c.model.name: ensure_reference(c, host, tmp_path / f"ref-{c.model.name}") for c in (gpt, moe)}
+        for i, (cfg, layout, kw) in enumerate(sequence):
+            result = _run(host, cfg, layout, tmp_path / f"warm-{i}", references[cfg.model.name].path, **kw)
+            warm.append(result)
+        notes = [n for r in warm for n in r.notes if "on warm ranks" in n]
+    assert all(ref.path for ref in references.values()), references
+    failing = warm[4]
+    assert (failing.status, failing.failure_kind) == ("failed", "nan"), failing.error
+    for i, result in enumerate(warm):
+        if i == 4:
+            continue
+        assert result.status == "passed", f"{sequence[i][1].short()}: {result.failure_kind}: {result.error}"
+        assert result.checks.equivalence_rel_err is not None and result.checks.equivalence_rel_err <= 1e-3
+        assert result.checks.checkpoint_reloaded is True and result.checks.replicas_consistent is not False
+    # One warm rank per GPU for the whole sequence (the references' included): started at most 4, never again.
+    started = [int(re.search(r"(\d+) started", n).group(1)) for n in notes]  # type: ignore[union-attr]
+    assert len(started) == len(sequence) and sum(started) <= 4 - 1 and started[-1] == 0, notes
+
+    # The same layouts in new rank processes give the very same numbers.
+    fresh_cfg = _cfg("tiny-gpt", warm=False)
+    with open_host(fresh_cfg) as host:
+        assert host.pool is None
+        ref = ensure_reference(fresh_cfg, host, tmp_path / "ref-fresh")
+        for i in (0, 5):
+            fresh = _run(host, fresh_cfg, sequence[i][1], tmp_path / f"fresh-{i}", ref.path)
+            assert fresh.status == "passed", fresh.error
+            assert fresh.losses == warm[i].losses, sequence[i][1].short()
+            assert fresh.checks.equivalence_rel_err == warm[i].checks.equivalence_rel_err
