@@ -160,6 +160,8 @@ class SearchConfig(_Strict):
     confirm_steps: PositiveInt | None = None  # None = 2 x training.steps
     wall_time_s: PositiveFloat | None = None
     gpu_hours: PositiveFloat | None = None
+    # Stop exploring after this many ended trials without a better stable layout (None: spend the budget).
+    patience: PositiveInt | None = None
 
 
 class TrackingConfig(_Strict):

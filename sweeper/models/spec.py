@@ -139,9 +139,17 @@ class ModelSpec(BaseModel):
         moe: tuple[Block, ...] = ("attention", "moe")
         return (dense,) * self.moe_first_k_dense + (moe,) * (self.num_layers - self.moe_first_k_dense)
 
+    @cached_property
+    def block_counts(self) -> dict[Block, int]:
+        counts: dict[Block, int] = {}
+        for blocks in self.layer_blocks:
+            for block in set(blocks):
+                counts[block] = counts.get(block, 0) + 1
+        return counts
+
     def count(self, block: Block) -> int:
         """How many layers contain this block."""
-        return sum(1 for blocks in self.layer_blocks if block in blocks)
+        return self.block_counts.get(block, 0)
 
     @property
     def has_attention(self) -> bool:

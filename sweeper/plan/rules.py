@@ -378,14 +378,16 @@ def fp8_mla_cp(c: RuleContext) -> str | None:
 def recompute_modules_exist(c: RuleContext) -> str | None:
     """A module the model does not have would be recomputed nowhere: the trial would repeat another layout's."""
     m, modules = c.model, c.layout.recompute_modules
+    if not modules:
+        return None
     needs = {
         "moe": (m.is_moe, "the model has no MoE layers"),
         "moe_act": (m.is_moe, "the model has no MoE layers"),
         "shared_experts": (bool(m.moe_shared_expert_intermediate_size), "the model has no shared experts"),
         # Megatron: "mla_up_proj in recompute_modules is only supported with multi_latent_attention."
         "mla_up_proj": (m.multi_latent_attention, "it is only supported with multi_latent_attention"),
-        "mlp": (any("mlp" in kind for kind in m.layer_blocks), "the model has no dense MLP layers"),
-        "core_attn": (any("attention" in kind for kind in m.layer_blocks), "the model has no attention layers"),
+        "mlp": (m.count("mlp") > 0, "the model has no dense MLP layers"),
+        "core_attn": (m.count("attention") > 0, "the model has no attention layers"),
     }
     for module in modules:
         present, why = needs.get(module, (True, ""))

@@ -30,11 +30,20 @@ from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report
+from sweeper.search.dominance import Dominance
 from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
 from sweeper.search.scheduler import HOLD, Running, Scheduler
-from sweeper.search.selection import best_layout_document, candidates, choose, is_stable, objective_value
+from sweeper.search.selection import (
+    NOT_THE_LAYOUTS,
+    best_layout_document,
+    candidates,
+    choose,
+    is_stable,
+    objective_value,
+    trials_without_improvement,
+)
 from sweeper.search.study import LayoutStudy, Mode
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
@@ -44,9 +53,8 @@ if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
 
 console = Console(stderr=True)
-# Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself
-# (internal). Optuna is told nothing (FAIL); the layout runs again as a new attempt, up to these many attempts.
-NOT_THE_LAYOUTS = ("infra", "internal")
+# A failure that says nothing about the layout (selection.NOT_THE_LAYOUTS): Optuna is told nothing (FAIL); the
+# layout runs again as a new attempt, up to these many attempts.
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
 PRIOR_PROPOSALS = 2  # in TPE mode, the estimator's fastest predicted layouts are proposed first
 
@@ -86,6 +94,11 @@ class Sweep:
         self.evidence = MemoryEvidence(cfg.memory_limit_gib)
         self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
+        self.dominance = Dominance()
+        for r in self.records:  # a resumed sweep knows again what its measured trials decided
+            if r.attempt >= 1:
+                self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
+        self.stopped_early: str | None = None
         self.launchable = self._launchable()
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
@@ -94,21 +107,29 @@ class Sweep:
 
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
-        band and the measured trials, ``sweeper.search.memory_evidence``), and this backend can run them; fastest
-        predicted first. Everything else is never proposed (``sweeper plan`` lists it with its reasons; the
-        layouts pruned on memory go to sweep.json's ``memory_pruned`` and the report)."""
+        band and the measured trials, ``sweeper.search.memory_evidence``), no measured trial dominates them
+        (``sweeper.search.dominance``), and this backend can run them; fastest predicted first. Everything else is
+        never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
+        ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
         plan = [assess(self.cfg, lo, self.calibrator.current) for lo in enumerate_layouts(self.cfg)]
-        entries, pruned = [], []
+        entries, pruned, dominated = [], [], []
         for e in plan:
             if not e.valid or e.predicted is None:
                 continue
             why = self._memory_verdict(e)
             if why is not None:
                 pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
-            elif not self.handle.unsupported(self.cfg.model, e.layout):
+                continue
+            if self.handle.unsupported(self.cfg.model, e.layout):
+                continue
+            inferred = self.dominance.verdict(e.layout)
+            if inferred is not None and not self._taken(e.layout):
+                dominated.append({"layout": e.layout.short(), "reason": inferred})
+            elif inferred is None:
                 entries.append(e)
         meta = self.dir.read_meta()
         meta.memory_pruned = sorted(pruned, key=lambda p: p["memory_gib"])
+        meta.dominated = dominated
         self.dir.write_meta(meta)
         return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
 
@@ -201,6 +222,14 @@ class Sweep:
 
     def _budget_left(self) -> bool:
         if self.launched >= self.max_trials:
+            return False
+        if self.stopped_early is None and self.cfg.search.patience is not None:
+            stale = trials_without_improvement(self.records, self.cfg)
+            if stale >= self.cfg.search.patience:
+                self.stopped_early = (f"stopped exploring: {stale} trials without a better stable layout "
+                                      f"(search.patience {self.cfg.search.patience})")
+                console.print(f"[yellow]{self.stopped_early}[/]")
+        if self.stopped_early is not None:
             return False
         wall = self.cfg.search.wall_time_s
         if wall is not None and time.monotonic() - self.t0 > wall:
@@ -309,7 +338,8 @@ class Sweep:
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")
         evidence = self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
-        if update.changed or evidence:
+        dominates = self.dominance.add(run.number, run.layout, result, is_stable(result, self.cfg))
+        if update.changed or evidence or dominates:
             self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
             self.study.set_candidates(self._candidates())
         if run.layout == self.probe:
@@ -403,6 +433,7 @@ class Sweep:
             "number": winner.number, "layout": winner.layout.short(),
             self.cfg.search.objective: winner.median(self.cfg.search.objective)}
         meta.scheduling_efficiency = self.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
+        meta.stopped_early = self.stopped_early
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         self.dir.write_meta(meta)

@@ -36,6 +36,11 @@ class Candidate:
         return all(r.result.passed for r in self.confirmations)
 
 
+# Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself
+# (internal).
+NOT_THE_LAYOUTS = ("infra", "internal")
+
+
 def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
     if not result.passed:
         return False
@@ -45,6 +50,22 @@ def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
 
 def objective_value(result: TrialResult, cfg: SweepConfig) -> float:
     return float(getattr(result.metrics, cfg.search.objective) or 0.0)
+
+
+def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> int:
+    """Explored trials that ended (the layout's own outcome, not an infrastructure failure) since the best stable
+    objective last improved; 0 until a trial is stable."""
+    best: float | None = None
+    since = 0
+    for rec in records:
+        if rec.phase != "explore" or rec.attempt < 1 or rec.result.failure_kind in NOT_THE_LAYOUTS:
+            continue
+        value = objective_value(rec.result, cfg) if is_stable(rec.result, cfg) else None
+        if value is not None and (best is None or value > best):
+            best, since = value, 0
+        elif best is not None:
+            since += 1
+    return since
 
 
 def candidates(records: list[TrialRecord], cfg: SweepConfig) -> list[Candidate]:

@@ -30,8 +30,8 @@ from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 from sweeper.space.pipeline import with_pipeline_split
-from sweeper.trial.protocol import Reservation
 from sweeper.trial.pool import RankPool
+from sweeper.trial.protocol import Reservation
 from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, run_trial
 
 

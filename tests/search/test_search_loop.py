@@ -319,5 +319,50 @@ def test_an_oom_prunes_band_layouts_predicted_to_need_more_and_the_report_says_w
     assert "trial #1" in reasons[mbs4] and "ran out of memory (inferred)" in reasons[mbs4]
 
 
+def test_a_measured_oom_keeps_larger_micro_batches_of_that_layout_from_running(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    small, large = (Layout(world_size=4, pp=2, ep=2, mbs=m, gbs=8).short() for m in (1, 2))
+    seeded = cfg.model_copy(update={"search": cfg.search.model_copy(update={"seeds": ["gpus=4,pp=2,ep=2,mbs=1"]})})
+    host = StandInHost(fail={small: "oom"})
+    sweep = make_sweep(seeded, host, parallel=1)
+    assert any(e.layout.short() == large for e in sweep.launchable)  # predicted to fit: a candidate at first
+    sweep.run()
+    launched = [lo.short() for lo, _ in host.calls]
+    assert launched[0] == small and large not in launched
+    dominated = {d["layout"]: d["reason"] for d in SweepMeta.from_json(
+        json.loads((tmp_path / "sweep" / "sweep.json").read_text())).dominated or []}
+    assert "micro-batch 1 of this layout ran out of memory (trial #1" in dominated[large]
+
+
+def test_a_stable_layout_without_recompute_keeps_its_recompute_variants_from_running(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    space = {**SPACE, "space": {"gpus": [2], "ep": [1, 2], "recompute": ["none", "full"]},
+             "search": {"max_trials": 20, "confirm_top": 0, "seeds": ["gpus=2,ep=2", "gpus=2,ep=1"]}}
+    path = tmp_path / "recompute.yaml"
+    path.write_text(yaml.safe_dump(space))
+    host = StandInHost(nodes=1, delay=0.1)
+    sweep = make_sweep(load_config(path), host, parallel=1)
+    sweep.run()
+    launched = [lo.short() for lo, _ in host.calls]
+    assert launched == [Layout(world_size=2, ep=e, gbs=8).short() for e in (2, 1)]  # never a recompute variant
+    meta = SweepMeta.from_json(json.loads((tmp_path / "sweep" / "sweep.json").read_text()))
+    assert len(meta.dominated or []) == 2
+    assert all("without recompute is stable" in d["reason"] for d in meta.dominated or [])
+
+
+def test_patience_stops_exploring_after_trials_without_a_better_stable_layout(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    fastest = "gpus=4,pp=2,ep=2,mbs=2"  # the stand-in's best: every later trial is slower
+    space = {**SPACE, "search": {"max_trials": 20, "confirm_top": 0, "patience": 2, "seeds": [fastest]}}
+    path = tmp_path / "patience.yaml"
+    path.write_text(yaml.safe_dump(space))
+    host = StandInHost(delay=0.1)
+    sweep = make_sweep(load_config(path), host, parallel=1)
+    sweep.run()
+    assert len(host.calls) == 3  # the best, then two that did not beat it
+    meta = SweepMeta.from_json(json.loads((tmp_path / "sweep" / "sweep.json").read_text()))
+    assert meta.stopped_early and "2 trials without a better stable layout (search.patience 2)" in meta.stopped_early
+
+
 def test_the_stand_in_host_has_the_hosts_surface() -> None:
     assert isinstance(StandInHost(), Host)  # trial.protocol.Host: what the sweep and the scheduler call
