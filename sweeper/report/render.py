@@ -217,6 +217,7 @@ def build_html(sweep_dir: Path) -> str:
                      "No failed or pruned attempt."),
         figures.pruned_reasons_table(rows),
         figures.memory_pruned_table(info.memory_pruned or []),
+        figures.dominated_table(info.dominated or [], info.stopped_early),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
         fig_html.div(figures.axis_effects(rows), "No axis took more than one value among passed trials."),
         f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows),

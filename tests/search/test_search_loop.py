@@ -348,6 +348,7 @@ def test_a_stable_layout_without_recompute_keeps_its_recompute_variants_from_run
     meta = SweepMeta.from_json(json.loads((tmp_path / "sweep" / "sweep.json").read_text()))
     assert len(meta.dominated or []) == 2
     assert all("without recompute is stable" in d["reason"] for d in meta.dominated or [])
+    assert "2 layouts dominated by a measured trial" in (tmp_path / "sweep" / "report.html").read_text()
 
 
 def test_patience_stops_exploring_after_trials_without_a_better_stable_layout(
@@ -362,6 +363,7 @@ def test_patience_stops_exploring_after_trials_without_a_better_stable_layout(
     assert len(host.calls) == 3  # the best, then two that did not beat it
     meta = SweepMeta.from_json(json.loads((tmp_path / "sweep" / "sweep.json").read_text()))
     assert meta.stopped_early and "2 trials without a better stable layout (search.patience 2)" in meta.stopped_early
+    assert meta.stopped_early in (tmp_path / "sweep" / "report.html").read_text()
 
 
 def test_the_stand_in_host_has_the_hosts_surface() -> None:
