@@ -8,9 +8,12 @@ init, model build, steps, checkpoint save and load), and the remainder of the tr
 starting, rendezvous, reports travelling back, killing the actors, removing the group). Overhead is everything but
 the steps, as a ratio of the steps' time, per trial and including the cluster.
 
-    python benchmarks/trial_overhead.py [--layout "gpus=4,tp=2,pp=2"] [--steps 6] [--trials 1] [--json]
+    python benchmarks/trial_overhead.py [--layout "gpus=4,tp=2,pp=2"] [--steps 6] [--trials 3] [--pool both] [--json]
 
-``--trials 2`` runs the same layout again on the warm cluster (Ray starts new rank processes for every trial).
+``--pool both`` (the default) measures the same trials twice in one run, on warm rank processes
+(``cluster.warm_ranks: true``: megatron imported once per GPU, each trial's rank a fresh fork) and on new rank actors
+per trial (``false``), and prints the overhead ratios side by side. The first trial on warm ranks pays their
+start-up (the cold column); the later ones are what every further trial of a sweep costs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -32,7 +36,8 @@ from sweeper.config.schema import layout_from_string  # noqa: E402
 SPACE = """\
 name: trial-overhead
 model: tiny-gpt
-cluster: {{nodes: 2, gpus_per_node: 2, gpu_memory_gib: 4, compute_capability: "9.0", simulate: true}}
+cluster: {{nodes: 2, gpus_per_node: 2, gpu_memory_gib: 4, compute_capability: "9.0", simulate: true,
+          warm_ranks: {warm}}}
 training: {{seq_length: 64, global_batch_size: 8, steps: {steps}, warmup_steps: 2, checkpoint: true,
            trial_timeout_s: 600}}
 space: {{gpus: [4], tp: [1, 2], pp: [1, 2], precision: [fp32, bf16]}}
@@ -41,15 +46,15 @@ RANK_PHASES = ("import", "init", "build", "equivalence", "steps", "checkpoint_sa
 _PLACED = re.compile(r"reserved in ([0-9.]+)s")
 
 
-def run(layout_text: str, steps: int, trials: int) -> dict:
+def run(layout_text: str, steps: int, trials: int, warm: bool) -> dict:
     from sweeper.trial.host import open_host
 
     work = Path(tempfile.mkdtemp(prefix="sweeper-overhead-"))
     space = work / "space.yaml"
-    space.write_text(SPACE.format(steps=steps))
+    space.write_text(SPACE.format(steps=steps, warm="true" if warm else "false"))
     cfg = load_config(space)
     layout = layout_from_string(cfg, layout_text)
-    out: dict = {"layout": layout.short(), "steps": steps, "trials": []}
+    out: dict = {"layout": layout.short(), "steps": steps, "warm_ranks": warm, "trials": []}
 
     start = time.perf_counter()
     host_cm = open_host(cfg)
@@ -90,7 +95,8 @@ def run(layout_text: str, steps: int, trials: int) -> dict:
 
 
 def report(data: dict) -> None:
-    print(f"one CPU trial of tiny-gpt {data['layout']}, {data['steps']} steps, simulated 2 nodes x 2 GPUs")
+    mode = "warm rank processes" if data["warm_ranks"] else "new rank actors per trial"
+    print(f"one CPU trial of tiny-gpt {data['layout']}, {data['steps']} steps, simulated 2 nodes x 2 GPUs, {mode}")
     print(f"  {'cluster start':<34} {data['cluster_start_s']:7.2f} s   (once per sweep)")
     for i, t in enumerate(data["trials"]):
         steps = t["phases_s"].get("steps", 0.0)
@@ -101,26 +107,45 @@ def report(data: dict) -> None:
             print(f"    {name:<32} {value:7.2f} s  {100 * value / t['wall_s']:5.1f} %")
         overhead = t["wall_s"] - steps
         print(f"    {'median step':<32} {t['step_time_s']:7.3f} s")
-        print(f"    overhead (all but steps)         {overhead:7.2f} s = {overhead / steps:.1f} x the steps' time")
-    first = data["trials"][0]
-    with_cluster = data["cluster_start_s"] + first["wall_s"] + data["cluster_stop_s"] - first["phases_s"]["steps"]
+        print(f"    overhead (all but steps)         {overhead:7.2f} s = {overhead / steps:.2f} x the steps' time")
     print(f"  {'cluster stop':<34} {data['cluster_stop_s']:7.2f} s")
-    print(f"  overhead incl. cluster start/stop (trial 0): {with_cluster:.2f} s = "
-          f"{with_cluster / first['phases_s']['steps']:.1f} x the steps' time")
+
+
+def ratio(trial: dict) -> float:
+    steps = trial["phases_s"].get("steps", 0.0)
+    return (trial["wall_s"] - steps) / steps if steps else float("nan")
+
+
+def side_by_side(runs: list[dict]) -> None:
+    print("\noverhead / steps' time, same layout and steps, measured in this run:")
+    print(f"  {'rank processes':<28} {'first trial':>12} {'later trials (median)':>22}")
+    for data in runs:
+        ratios = [ratio(t) for t in data["trials"]]
+        later = statistics.median(ratios[1:]) if len(ratios) > 1 else float("nan")
+        name = "warm (warm_ranks: true)" if data["warm_ranks"] else "new (warm_ranks: false)"
+        print(f"  {name:<28} {ratios[0]:>11.2f}x {later:>21.2f}x")
+    if len(runs) == 2 and all(len(d["trials"]) > 1 for d in runs):
+        warm, new = (statistics.median(ratio(t) for t in d["trials"][1:]) for d in runs)
+        print(f"  warm / new overhead: {warm / new:.2f}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layout", default="gpus=4,tp=2,pp=2,precision=fp32")
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--trials", type=int, default=1)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--pool", choices=("both", "on", "off"), default="both",
+                        help="warm rank processes (on), new rank actors per trial (off), or both side by side")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     args = parser.parse_args()
-    data = run(args.layout, args.steps, args.trials)
+    modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.pool]
+    runs = [run(args.layout, args.steps, args.trials, warm) for warm in modes]
     if args.json:
-        print(json.dumps(data, indent=2))
-    else:
+        print(json.dumps(runs, indent=2))
+        return 0
+    for data in runs:
         report(data)
+    side_by_side(runs)
     return 0
 
 

@@ -124,8 +124,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     entries = build_plan(cfg, only)
     if args.json:
-        # One entry per line; json.dumps (unlike json.dump to a stream) takes the C encoder: 11k layouts in 0.1 s.
-        sys.stdout.write("[\n" + ",\n".join(json.dumps(e.to_json()) for e in entries) + "\n]\n" if entries else "[]\n")
+        # One line; json.dumps (unlike json.dump to a stream) takes the C encoder: 11k layouts in 0.1 s.
+        sys.stdout.write(json.dumps([e.to_json() for e in entries]) + "\n")
         return EXIT_OK
     from sweeper.ui.views import print_plan
 

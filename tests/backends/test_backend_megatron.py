@@ -276,6 +276,11 @@ def test_classification_by_origin_sweeper_megatron_torch() -> None:
     assert kind == "internal" and error.startswith("sweeper bug at sweeper/backends/megatron/build.py:")
     # An OSError (a full disk) is the environment's wherever it is raised.
     assert classify(OSError("No space left on device"), "checkpoint_save")[0] == "checkpoint_error"
+    # A peer that died during the save's or load's collectives (a node lost): collateral, not the checkpoint's.
+    lost = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:14211: "
+                        "Connection reset by peer")
+    assert classify(lost, "checkpoint_load") == ("comm_error", "checkpoint load failed: Read error "
+                                                 "[127.0.0.1]:14211: Connection reset by peer")
 
 
 @pytest.mark.e2e

@@ -59,6 +59,7 @@ _COMM_MARKERS = (
     "gloo", "nccl", "connection closed by peer", "connection reset", "connection refused", "broken pipe",
     "timed out", "timeout", "socket", "rendezvous", "processgroup", "tcpstore", "address already in use",
 )
+_PEER_LOST_MARKERS = ("connection closed by peer", "connection reset", "connection refused", "broken pipe")
 _SHAPE_MARKERS = ("shape", "size mismatch", "must be a multiple", "must be divisible", "divisible by")
 
 
@@ -79,7 +80,12 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
     if isinstance(exc, MemoryError) or _is_torch_oom(exc) or any(m in low for m in _OOM_MARKERS):
         return "oom", message
     if phase in ("checkpoint_save", "checkpoint_load"):
-        return "checkpoint_error", f"checkpoint {phase.removeprefix('checkpoint_')} failed: {message}"
+        what = f"checkpoint {phase.removeprefix('checkpoint_')} failed: {message}"
+        # The collective inside the save or load lost its peer (a rank or node died): collateral, the dead peer
+        # is the cause. A checkpoint that times out or fails on its own stays the checkpoint's.
+        if any(m in low for m in _PEER_LOST_MARKERS):
+            return "comm_error", what
+        return "checkpoint_error", what
     if _is_dist_error(exc) or any(m in low for m in _COMM_MARKERS):
         return "comm_error", message
     if phase == "init":
