@@ -178,6 +178,7 @@ def optimizer_bytes_per_param(precision: str, run: RunSettings = RunSettings()) 
     return run.moment_bytes + (0 if precision == "fp32" else FP32_BYTES)
 
 
+@lru_cache(maxsize=65536)  # plan: the same stage state for every micro-batch, recompute and SP choice
 def model_state_bytes(
     params: StageParams,
     precision: str,
@@ -395,7 +396,7 @@ def stage_activations(
     split: PipelineSplit,
     constants: EstimatorConstants,
 ) -> tuple[StageActivations, ...]:
-    kinds_used = {b for kind in spec.layer_blocks for b in kind}
+    kinds_used = spec.block_counts.keys()
     blocks = {b: block_activation(spec, b, s) for b in kinds_used}
     # What one layer's recomputation rebuilds during its backward (selective recompute modules).
     plain = replace(s, recompute="none")

@@ -13,7 +13,7 @@ from typing import Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, estimate
 from sweeper.estimate.calibration import Calibration
-from sweeper.plan.rules import check
+from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
 from sweeper.space.layout import Layout
 
@@ -47,9 +47,11 @@ class PlanEntry:
         return {"layout": self.layout.to_dict(), "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
 
 
-def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None) -> PlanEntry:
-    """Rules, then (for valid layouts) the estimator."""
-    reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
+def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
+           checker: Checker | None = None) -> PlanEntry:
+    """Rules, then (for valid layouts) the estimator. ``checker``: a space's ``Checker`` (many layouts)."""
+    reasons = (checker(layout) if checker is not None
+               else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
     predicted = None
     if not reasons:
         predicted = estimate(
@@ -62,8 +64,13 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
 def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[PlanEntry]:
     """Valid layouts first: those predicted to fit by predicted throughput, then those inside the estimator's error
     band (lowest predicted memory first), then those over the band; then the invalid ones."""
-    entries = [assess(cfg, lo) for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
-    return sorted(entries, key=_order)
+    return sorted(assess_all(cfg, [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]), key=_order)
+
+
+def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
+    """``assess`` for many layouts of the space, with one rule checker for all of them."""
+    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
+    return [assess(cfg, lo, calibration, checker) for lo in layouts]
 
 
 def _order(entry: PlanEntry) -> tuple[int, float, float]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any
 
 from sweeper.config.schema import ClusterConfig
 from sweeper.models.spec import ModelSpec
@@ -28,11 +30,17 @@ class RuleContext:
 
 Rule = Callable[[RuleContext], "str | None"]
 RULES: list[Rule] = []
+# The layout fields (or derived sizes) each rule reads; its verdict depends on nothing else of the layout.
+READS: dict[Rule, tuple[str, ...]] = {}
 
 
-def rule(fn: Rule) -> Rule:
-    RULES.append(fn)
-    return fn
+def rule(*reads: str) -> Callable[[Rule], Rule]:
+    def register(fn: Rule) -> Rule:
+        RULES.append(fn)
+        READS[fn] = reads
+        return fn
+
+    return register
 
 
 def check(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int) -> list[str]:
@@ -41,8 +49,34 @@ def check(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: 
     return [reason for fn in RULES if (reason := fn(ctx))]
 
 
+class Checker:
+    """``check`` for the many layouts of one model, cluster and sequence length (a space): each rule's verdict is
+    kept per value of the fields it reads (``READS``), so a space of ten thousand layouts costs each rule a handful
+    of evaluations and the rest dictionary lookups."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterConfig, seq_length: int) -> None:
+        self.model, self.cluster, self.seq_length = model, cluster, seq_length
+        self._rules: list[tuple[Rule, Callable[[Layout], Any] | None, dict[Any, str | None]]] = [
+            (fn, attrgetter(*READS[fn]) if READS[fn] else None, {}) for fn in RULES]
+
+    def __call__(self, layout: Layout) -> list[str]:
+        ctx: RuleContext | None = None
+        reasons = []
+        for fn, key_of, verdicts in self._rules:
+            key = key_of(layout) if key_of is not None else None
+            if key in verdicts:
+                reason = verdicts[key]
+            else:
+                if ctx is None:
+                    ctx = RuleContext(self.model, layout, self.cluster, self.seq_length)
+                reason = verdicts[key] = fn(ctx)
+            if reason:
+                reasons.append(reason)
+        return reasons
+
+
 # -- sizes (parallel_state.initialize_model_parallel) ------------------------------------------------------------
-@rule
+@rule("world_size", "tp", "pp", "cp")
 def world_divides_model_parallel(c: RuleContext) -> str | None:
     lo = c.layout
     if lo.world_size % lo.model_parallel:
@@ -53,7 +87,7 @@ def world_divides_model_parallel(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("world_size", "etp", "ep", "pp")
 def world_divides_expert_parallel(c: RuleContext) -> str | None:
     lo = c.layout
     if lo.world_size % (lo.etp * lo.ep * lo.pp):
@@ -64,7 +98,7 @@ def world_divides_expert_parallel(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("world_size")
 def within_cluster(c: RuleContext) -> str | None:
     if c.layout.world_size > c.cluster.total_gpus:
         return f"needs {c.layout.world_size} GPUs but the cluster has {c.cluster.total_gpus}"
@@ -72,7 +106,7 @@ def within_cluster(c: RuleContext) -> str | None:
 
 
 # -- topology ----------------------------------------------------------------------------------------------------
-@rule
+@rule("tp", "world_size")
 def tp_inside_node(c: RuleContext) -> str | None:
     tp, per_node = c.layout.tp, c.cluster.gpus_per_node
     if tp > per_node or (c.layout.world_size > per_node and per_node % tp):
@@ -83,7 +117,7 @@ def tp_inside_node(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("world_size")
 def multi_node_trial_fills_nodes(c: RuleContext) -> str | None:
     w, per_node = c.layout.world_size, c.cluster.gpus_per_node
     if w > per_node and w % per_node:
@@ -92,21 +126,21 @@ def multi_node_trial_fills_nodes(c: RuleContext) -> str | None:
 
 
 # -- virtual pipeline ----------------------------------------------------------------------------------------------
-@rule
+@rule("vpp", "pp")
 def vpp_needs_pp(c: RuleContext) -> str | None:
     if c.layout.vpp > 1 and c.layout.pp == 1:
         return "virtual pipeline (interleaved schedule) needs pipeline_model_parallel_size > 1"
     return None
 
 
-@rule
+@rule("vpp")
 def vpp_not_hybrid(c: RuleContext) -> str | None:
     if c.layout.vpp > 1 and c.model.is_hybrid:
         return "hybrid Mamba models do not support the interleaved (virtual pipeline) schedule in megatron-core 0.16"
     return None
 
 
-@rule
+@rule("vpp", "pp", "num_microbatches")
 def interleaved_microbatches(c: RuleContext) -> str | None:
     lo = c.layout
     m = lo.num_microbatches
@@ -119,14 +153,14 @@ def interleaved_microbatches(c: RuleContext) -> str | None:
 
 
 # -- sequence parallel ---------------------------------------------------------------------------------------------
-@rule
+@rule("sp", "tp")
 def sp_needs_tp(c: RuleContext) -> str | None:
     if c.layout.sp and c.layout.tp == 1:
         return "Cannot use sequence parallelism without tensor parallelism"
     return None
 
 
-@rule
+@rule("tp", "sp")
 def moe_tp_needs_sp(c: RuleContext) -> str | None:
     if c.model.is_moe and c.layout.tp > 1 and not c.layout.sp:
         return (
@@ -136,7 +170,7 @@ def moe_tp_needs_sp(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("sp", "tp", "cp")
 def sp_sequence_divisible(c: RuleContext) -> str | None:
     lo = c.layout
     if lo.sp and c.seq_length % (lo.tp * lo.cp):
@@ -145,7 +179,7 @@ def sp_sequence_divisible(c: RuleContext) -> str | None:
 
 
 # -- attention heads (transformer_config.py __post_init__) ---------------------------------------------------------
-@rule
+@rule("tp")
 def heads_divisible_by_tp(c: RuleContext) -> str | None:
     heads, tp = c.model.num_attention_heads, c.layout.tp
     # TransformerConfig checks this for every model, even a hybrid one without attention layers.
@@ -154,7 +188,7 @@ def heads_divisible_by_tp(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("tp")
 def query_groups_vs_tp(c: RuleContext) -> str | None:
     groups, tp = c.model.query_groups, c.layout.tp
     if not c.model.multi_latent_attention and groups % tp and tp % groups:
@@ -162,7 +196,7 @@ def query_groups_vs_tp(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("tp", "etp")
 def linear_widths_divisible(c: RuleContext) -> str | None:
     """Tensor-parallel linears split their width with megatron.core.utils.divide, asserted at model build."""
     m, lo = c.model, c.layout
@@ -184,7 +218,7 @@ def linear_widths_divisible(c: RuleContext) -> str | None:
 
 
 # -- Mamba (ssm/mamba_mixer.py) -----------------------------------------------------------------------------------
-@rule
+@rule("tp", "cp")
 def mamba_heads_and_groups(c: RuleContext) -> str | None:
     m, tp, cp = c.model, c.layout.tp, c.layout.cp
     if not m.count("mamba"):
@@ -202,7 +236,7 @@ def mamba_heads_and_groups(c: RuleContext) -> str | None:
 
 
 # -- pipeline split (transformer_block.py, transformer_config.py "Uneven PP") -------------------------------------
-@rule
+@rule("pp", "split")
 def pipeline_split_options(c: RuleContext) -> str | None:
     """transformer_config.py __post_init__: the options exclude each other; hybrid models ignore two of them."""
     lo = c.layout
@@ -223,7 +257,7 @@ def pipeline_split_options(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("pp", "vpp", "split")
 def pipeline_split(c: RuleContext) -> str | None:
     lo, layers = c.layout, c.model.num_layers
     if lo.pp == 1:
@@ -292,21 +326,21 @@ def pipeline_split(c: RuleContext) -> str | None:
 
 
 # -- MoE (moe_layer.py, transformer_config.py) --------------------------------------------------------------------
-@rule
+@rule("ep")
 def ep_needs_experts(c: RuleContext) -> str | None:
     if c.layout.ep > 1 and not c.model.is_moe:
         return "num_moe_experts must be non None to use expert-parallel."
     return None
 
 
-@rule
+@rule("etp")
 def etp_needs_experts(c: RuleContext) -> str | None:
     if c.layout.etp > 1 and not c.model.is_moe:
         return "expert_tensor_parallel_size > 1 only applies to MoE models (this model has no experts)"
     return None
 
 
-@rule
+@rule("ep")
 def experts_divisible_by_ep(c: RuleContext) -> str | None:
     experts, ep = c.model.num_moe_experts, c.layout.ep
     if experts is not None and experts % ep:
@@ -314,7 +348,7 @@ def experts_divisible_by_ep(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("ep", "etp", "tp")
 def expert_grads_reduced_over_expert_dp(c: RuleContext) -> str | None:
     # Not a Megatron check but a megatron-core <= 0.16.1 defect (measured: TP2 ETP1 EP1 replicas differ after one
     # step). The expert linears set param.allreduce = not (EP > 1) (tensor_parallel/layers.py, moe/experts.py,
@@ -334,14 +368,14 @@ def expert_grads_reduced_over_expert_dp(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("etp")
 def expert_bias_needs_etp1(c: RuleContext) -> str | None:
     if c.model.is_moe and c.model.add_bias_linear and c.layout.etp != 1:
         return "Bias in Moe is only supported when ETP==1"
     return None
 
 
-@rule
+@rule()
 def topk1_needs_pre_softmax(c: RuleContext) -> str | None:
     m = c.model
     if m.is_moe and m.moe_router_topk == 1 and not m.moe_router_pre_softmax:
@@ -349,7 +383,7 @@ def topk1_needs_pre_softmax(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule()
 def experts_divisible_by_router_groups(c: RuleContext) -> str | None:
     m = c.model
     if m.is_moe and m.moe_router_num_groups and m.num_moe_experts % m.moe_router_num_groups:  # type: ignore[operator]
@@ -358,7 +392,7 @@ def experts_divisible_by_router_groups(c: RuleContext) -> str | None:
 
 
 # -- context parallel ----------------------------------------------------------------------------------------------
-@rule
+@rule("cp")
 def cp_sequence_divisible(c: RuleContext) -> str | None:
     cp = c.layout.cp
     if cp > 1 and c.seq_length % (2 * cp):
@@ -366,7 +400,7 @@ def cp_sequence_divisible(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("cp", "precision")
 def fp8_mla_cp(c: RuleContext) -> str | None:
     if c.layout.cp > 1 and c.model.multi_latent_attention and c.layout.is_fp8:
         return "FP8 multi-latent attention with context parallel is not supported by Transformer Engine"
@@ -374,7 +408,7 @@ def fp8_mla_cp(c: RuleContext) -> str | None:
 
 
 # -- selective recompute modules (TransformerConfig.__post_init__) -----------------------------------------------
-@rule
+@rule("recompute")
 def recompute_modules_exist(c: RuleContext) -> str | None:
     """A module the model does not have would be recomputed nowhere: the trial would repeat another layout's."""
     m, modules = c.model, c.layout.recompute_modules
@@ -396,7 +430,7 @@ def recompute_modules_exist(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("precision", "recompute")
 def recompute_modules_fp8_delayed(c: RuleContext) -> str | None:
     # Megatron: "Delayed scaling does not support moe_act and layernorm recompute for fp8." (FP8 on Ada/Hopper
     # uses delayed scaling: backends/megatron/gpu.py)
@@ -410,7 +444,7 @@ def recompute_modules_fp8_delayed(c: RuleContext) -> str | None:
 
 
 # -- batch ---------------------------------------------------------------------------------------------------------
-@rule
+@rule("dp", "gbs", "mbs")
 def global_batch_divisible(c: RuleContext) -> str | None:
     lo = c.layout
     if lo.dp and lo.gbs % (lo.mbs * lo.dp):
@@ -422,7 +456,7 @@ def global_batch_divisible(c: RuleContext) -> str | None:
 
 
 # -- precision (Transformer Engine recipes) ------------------------------------------------------------------------
-@rule
+@rule("precision")
 def fp8_hardware(c: RuleContext) -> str | None:
     cc = c.cluster.capability
     if c.layout.precision == "fp8" and cc < (8, 9):
@@ -436,7 +470,7 @@ def fp8_hardware(c: RuleContext) -> str | None:
     return None
 
 
-@rule
+@rule("precision", "tp", "etp", "mbs", "sp", "cp")
 def fp8_gemm_shapes(c: RuleContext) -> str | None:
     lo, m = c.layout, c.model
     if not lo.is_fp8:

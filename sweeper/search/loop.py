@@ -25,7 +25,7 @@ from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, EXIT_OK
 from sweeper.estimate import Estimate
 from sweeper.estimate.calibrator import Calibrator
-from sweeper.plan.assess import PlanEntry, assess
+from sweeper.plan.assess import PlanEntry, assess, assess_all
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
@@ -111,7 +111,7 @@ class Sweep:
         (``sweeper.search.dominance``), and this backend can run them; fastest predicted first. Everything else is
         never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
         ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
-        plan = [assess(self.cfg, lo, self.calibrator.current) for lo in enumerate_layouts(self.cfg)]
+        plan = assess_all(self.cfg, enumerate_layouts(self.cfg), self.calibrator.current)
         entries, pruned, dominated = [], [], []
         for e in plan:
             if not e.valid or e.predicted is None:

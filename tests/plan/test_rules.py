@@ -335,3 +335,61 @@ def test_presets_have_valid_layouts_on_their_spaces() -> None:
     v2 = preset("deepseek-v2-lite")
     lo = with_pipeline_split(L(16, tp=1, pp=2, ep=8), v2)
     assert rules.check(v2, lo, H100x2, SEQ) == []
+
+
+def test_the_space_checker_gives_every_layout_the_reasons_check_gives() -> None:
+    """Checker remembers each rule's verdict per value of the fields the rule declares it reads (READS): a wrong
+    declaration would hand a layout another layout's verdict. Every layout of every shipped space, proxies too."""
+    from sweeper.config.load import SHIPPED_SPACES, load_config, proxy_config
+    from sweeper.plan.rules import Checker
+    from sweeper.plan.space import enumerate_layouts
+
+    compared = 0
+    for path in sorted(SHIPPED_SPACES.glob("*.yaml")):
+        for cfg in (load_config(path), proxy_config(load_config(path))):
+            checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
+            for layout in enumerate_layouts(cfg):
+                assert checker(layout) == rules.check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
+                compared += 1
+    assert compared > 5000
+
+
+def test_each_rule_reads_only_the_layout_fields_it_declares() -> None:
+    """The invariant the space Checker relies on: two layouts equal in a rule's READS get the same verdict from it.
+    Random layouts over wide axis ranges (uneven splits, FP8 and MXFP8, recompute modules, odd batches), for dense,
+    MoE, MLA and hybrid models on three device generations and several sequence lengths."""
+    import random
+    from collections import defaultdict
+    from operator import attrgetter
+
+    from sweeper.errors import LayoutError
+
+    rng = random.Random(15)
+    verdicts: dict[tuple[str, object], set[str | None]] = defaultdict(set)
+    models = [preset(n) for n in ("tiny-gpt", "tiny-moe", "nemotron-3-nano-30b-a3b", "deepseek-v2-lite")]
+    for model in models:
+        for cc in ("8.0", "9.0", "10.0"):
+            cluster = ClusterConfig(nodes=2, gpus_per_node=8, compute_capability=cc)
+            for seq in (64, 4096, 4098):
+                for _ in range(150):
+                    try:
+                        layout = Layout(
+                            world_size=rng.choice([1, 2, 4, 6, 8, 12, 16, 32]), tp=rng.choice([1, 2, 3, 4, 8]),
+                            pp=rng.choice([1, 2, 3, 4]), cp=rng.choice([1, 2, 4]), ep=rng.choice([1, 2, 4, 64]),
+                            etp=rng.choice([1, 2]), vpp=rng.choice([1, 2, 3]), sp=rng.choice([True, False]),
+                            mbs=rng.choice([1, 2, 3]), gbs=rng.choice([6, 8, 16, 64]),
+                            precision=rng.choice(["bf16", "fp16", "fp8", "mxfp8"]),
+                            recompute=rng.choice(["none", "full", "selective", "selective:moe_act+layernorm",
+                                                  "selective:mla_up_proj", "selective:mlp+shared_experts"]),
+                        )
+                    except LayoutError:
+                        continue
+                    layout = with_pipeline_split(layout, model)
+                    ctx = rules.RuleContext(model, layout, cluster, seq)
+                    for fn in rules.RULES:
+                        reads = rules.READS[fn]
+                        key = attrgetter(*reads)(layout) if reads else None
+                        verdicts[(f"{fn.__name__}|{model.name}|{cc}|{seq}", key)].add(fn(ctx))
+    differing = {k: v for k, v in verdicts.items() if len(v) > 1}
+    assert not differing, next(iter(differing.items()))
+    assert len(verdicts) > 1000
