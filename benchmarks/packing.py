@@ -78,8 +78,10 @@ def main() -> int:
         sweep = Path(tempfile.mkdtemp(prefix="sweeper-packing-")) / "sweep"
         cmd = [sys.executable, "-m", "sweeper", "search", str(SPACE), "--out", str(sweep),
                "--max-trials", str(args.max_trials)]
-        print("running:", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=False, stdout=subprocess.DEVNULL)
+        log = sweep.parent / "search.log"
+        print("running:", " ".join(cmd), f"(console in {log})", flush=True)
+        with log.open("w") as out:
+            subprocess.run(cmd, cwd=ROOT, check=False, stdout=out, stderr=subprocess.STDOUT)
     out = analyse(sweep)
     print(f"{out['sweep']}: {out['trials']} explored trials of sizes {out['sizes']} on {out['gpus']} GPUs, "
           f"exploring for {out['explore_wall_s']:.0f} s")

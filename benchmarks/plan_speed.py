@@ -1,7 +1,8 @@
-"""How long `python -m sweeper plan SPACE --json` takes, interpreter start-up included, against the 2 s budget.
+"""How long `python -m sweeper plan SPACE --json` takes, interpreter start-up included, against its budget.
 
 Runs each search space as a fresh subprocess several times (the user's experience: a cold command) and prints
-the median wall time, the number of layouts (and how many are valid), and the ratio to the budget.
+the median wall time, the number of layouts (and how many are valid), and the ratio to the budget: 1 s for the
+11,520-layout Nemotron space of issue 15 (benchmarks/spaces/nemotron_wide.yaml), 2 s for the others.
 ``--check`` exits 1 when a median is over budget, so CI can run it as a gate.
 
     python benchmarks/plan_speed.py [--runs 5] [--check] [SPACE.yaml ...]
@@ -18,8 +19,10 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_SPACES = [ROOT / "search_spaces" / "nemotron.yaml", ROOT / "search_spaces" / "deepseek_v2_lite.yaml"]
-BUDGET_S = 2.0
+WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"
+DEFAULT_SPACES = [WIDE, ROOT / "search_spaces" / "nemotron.yaml", ROOT / "search_spaces" / "deepseek_v2_lite.yaml"]
+BUDGET_S = {WIDE.name: 1.0}  # issue 15
+DEFAULT_BUDGET_S = 2.0
 
 
 def time_plan(space: Path, runs: int) -> tuple[float, list[float], list[dict]]:
@@ -50,13 +53,14 @@ def main() -> int:
     for space in args.spaces:
         median, walls, entries = time_plan(space, args.runs)
         valid = sum(1 for e in entries if e["valid"])
-        ratio = median / BUDGET_S
+        ratio = median / BUDGET_S.get(space.name, DEFAULT_BUDGET_S)
         over |= ratio > 1
         print(
             f"{space.name:<24} {median:>9.2f} {min(walls):>7.2f} {max(walls):>7.2f} {len(entries):>8} {valid:>6} "
             f"{ratio:>8.2f}x"
         )
-    print(f"budget: {BUDGET_S:.1f} s per plan, interpreter start-up included ({args.runs} runs each, median)")
+    print(f"budget: {DEFAULT_BUDGET_S:.1f} s per plan ({', '.join(f'{k} {v:.1f} s' for k, v in BUDGET_S.items())}), "
+          f"interpreter start-up included ({args.runs} runs each, median)")
     return 1 if (over and args.check) else 0
 
 

@@ -77,8 +77,10 @@ def measured_landscape(table: dict) -> Landscape:
         passed = [t["tokens_per_s"] for t in entry["trials"] if t["status"] == "passed" and t["tokens_per_s"]]
         samples[Layout.from_dict(entry["layout"])] = passed if len(passed) == len(entry["trials"]) else []
     machine = table["machine"]
-    return Landscape(samples, f"measured on {machine['cores']} x {machine['cpu']}, {table['measured_at']}",
-                     table.get("noise_cv_median") or 0.0)
+    spreads = [statistics.pstdev(v) / statistics.mean(v) for v in samples.values() if len(v) > 1]
+    repeats = max(len(e["trials"]) for e in table["layouts"].values())
+    return Landscape(samples, f"measured on {machine['cores']} x {machine['cpu']}, {table['measured_at']}, up to "
+                     f"{repeats} repeats", statistics.median(spreads) if spreads else 0.0)
 
 
 def prior(cfg: SweepConfig, land: Landscape) -> list[Layout]:

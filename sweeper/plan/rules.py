@@ -32,6 +32,8 @@ Rule = Callable[[RuleContext], "str | None"]
 RULES: list[Rule] = []
 # The layout fields (or derived sizes) each rule reads; its verdict depends on nothing else of the layout.
 READS: dict[Rule, tuple[str, ...]] = {}
+SPLIT_FIELDS = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+                "pipeline_layout")  # Layout.split's fields
 
 
 def rule(*reads: str) -> Callable[[Rule], Rule]:
@@ -56,23 +58,28 @@ class Checker:
 
     def __init__(self, model: ModelSpec, cluster: ClusterConfig, seq_length: int) -> None:
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
-        self._rules: list[tuple[Rule, Callable[[Layout], Any] | None, dict[Any, str | None]]] = [
-            (fn, attrgetter(*READS[fn]) if READS[fn] else None, {}) for fn in RULES]
+        # Rules reading the same fields share one key and one memo of their reasons, in RULES order.
+        groups: dict[tuple[str, ...], list[Rule]] = {}
+        for fn in RULES:
+            groups.setdefault(READS[fn], []).append(fn)
+        self._groups: list[tuple[list[Rule], Callable[[Layout], Any] | None, dict[Any, list[tuple[int, str]]]]] = [
+            (fns, attrgetter(*reads) if reads else None, {}) for reads, fns in groups.items()]
+        self._order = {fn: i for i, fn in enumerate(RULES)}
 
     def __call__(self, layout: Layout) -> list[str]:
         ctx: RuleContext | None = None
-        reasons = []
-        for fn, key_of, verdicts in self._rules:
+        found: list[tuple[int, str]] = []
+        for fns, key_of, memo in self._groups:
             key = key_of(layout) if key_of is not None else None
-            if key in verdicts:
-                reason = verdicts[key]
-            else:
+            reasons = memo.get(key)
+            if reasons is None:
                 if ctx is None:
                     ctx = RuleContext(self.model, layout, self.cluster, self.seq_length)
-                reason = verdicts[key] = fn(ctx)
-            if reason:
-                reasons.append(reason)
-        return reasons
+                reasons = memo[key] = [(self._order[fn], r) for fn in fns if (r := fn(ctx))]
+            found.extend(reasons)
+        if len(found) > 1:
+            found.sort()
+        return [reason for _, reason in found]
 
 
 # -- sizes (parallel_state.initialize_model_parallel) ------------------------------------------------------------
@@ -236,7 +243,7 @@ def mamba_heads_and_groups(c: RuleContext) -> str | None:
 
 
 # -- pipeline split (transformer_block.py, transformer_config.py "Uneven PP") -------------------------------------
-@rule("pp", "split")
+@rule("pp", *SPLIT_FIELDS)
 def pipeline_split_options(c: RuleContext) -> str | None:
     """transformer_config.py __post_init__: the options exclude each other; hybrid models ignore two of them."""
     lo = c.layout
@@ -257,7 +264,7 @@ def pipeline_split_options(c: RuleContext) -> str | None:
     return None
 
 
-@rule("pp", "vpp", "split")
+@rule("pp", "vpp", *SPLIT_FIELDS)
 def pipeline_split(c: RuleContext) -> str | None:
     lo, layers = c.layout, c.model.num_layers
     if lo.pp == 1:
