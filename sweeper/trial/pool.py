@@ -46,12 +46,10 @@ class WarmRank:
         extend_sys_path(driver_sys_path)
         self._child: ForkedRank | None = None
         self._lock = threading.Lock()
-        started = time.perf_counter()
         module = importlib.import_module(backend.partition(":")[0])
         warm_up = getattr(module, "warm_up", None)
         if callable(warm_up):
             warm_up()
-        self.warm_s = time.perf_counter() - started
 
     def describe(self, want_port: bool) -> RankSlot:
         return describe_slot(-1, want_port)
@@ -93,9 +91,6 @@ class WarmRank:
             time.sleep(0.05)
         return False
 
-    def warm_seconds(self) -> float:
-        return self.warm_s
-
 
 @dataclass
 class Warm:
@@ -104,7 +99,6 @@ class Warm:
     actor: Any  # ray.actor.ActorHandle of WarmRank
     group: PlacementGroup
     node_id: str
-    trials: int = 0  # trials this process has run
 
 
 @dataclass
@@ -178,7 +172,6 @@ class RankPool:
                 if id(warm) in retired or self._closed:
                     _retire(warm)
                 else:
-                    warm.trials += 1
                     self._idle.setdefault(warm.node_id, []).append(warm)
 
     def keep_nodes(self, alive: set[str]) -> None:
@@ -187,10 +180,6 @@ class RankPool:
             for node in [n for n in self._idle if n not in alive]:
                 for warm in self._idle.pop(node):
                     _retire(warm)
-
-    def idle_count(self) -> int:
-        with self._lock:
-            return sum(len(v) for v in self._idle.values())
 
     def close(self) -> None:
         with self._lock:
