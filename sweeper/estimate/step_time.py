@@ -161,7 +161,7 @@ def step_time(
 
     # Per block kind: compute seconds (before the TP split) and exposed communication seconds per micro-batch.
     per_block: dict[str, tuple[float, float]] = {}
-    for b in {b for kind in spec.layer_blocks for b in kind}:
+    for b in spec.block_counts:
         f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
         # The mlp and moe modules recompute exactly the block of that name.
         recomputed = full or (b in ("mlp", "moe") and b in modules)
