@@ -55,11 +55,11 @@ class ReplicaDivergenceError(SmokeFailure):
 
 
 _OOM_MARKERS = ("out of memory", "cannot allocate memory", "std::bad_alloc")
-_COMM_MARKERS = (
-    "gloo", "nccl", "connection closed by peer", "connection reset", "connection refused", "broken pipe",
-    "timed out", "timeout", "socket", "rendezvous", "processgroup", "tcpstore", "address already in use",
-)
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset", "connection refused", "broken pipe")
+_COMM_MARKERS = _PEER_LOST_MARKERS + (
+    "gloo", "nccl", "timed out", "timeout", "socket", "rendezvous", "processgroup", "tcpstore",
+    "address already in use",
+)
 _SHAPE_MARKERS = ("shape", "size mismatch", "must be a multiple", "must be divisible", "divisible by")
 
 
