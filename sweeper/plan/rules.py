@@ -16,6 +16,7 @@ from typing import Any
 
 from sweeper.config.schema import ClusterConfig
 from sweeper.models.spec import ModelSpec
+from sweeper.space.axes import PIPELINE_SPLIT
 from sweeper.space.layout import Layout
 from sweeper.space.pipeline import accounted_split, check_layout, uneven_split
 
@@ -32,8 +33,6 @@ Rule = Callable[[RuleContext], "str | None"]
 RULES: list[Rule] = []
 # The layout fields (or derived sizes) each rule reads; its verdict depends on nothing else of the layout.
 READS: dict[Rule, tuple[str, ...]] = {}
-SPLIT_FIELDS = ("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
-                "pipeline_layout")  # Layout.split's fields
 
 
 def rule(*reads: str) -> Callable[[Rule], Rule]:
@@ -243,7 +242,7 @@ def mamba_heads_and_groups(c: RuleContext) -> str | None:
 
 
 # -- pipeline split (transformer_block.py, transformer_config.py "Uneven PP") -------------------------------------
-@rule("pp", *SPLIT_FIELDS)
+@rule("pp", *PIPELINE_SPLIT)
 def pipeline_split_options(c: RuleContext) -> str | None:
     """transformer_config.py __post_init__: the options exclude each other; hybrid models ignore two of them."""
     lo = c.layout
@@ -264,7 +263,7 @@ def pipeline_split_options(c: RuleContext) -> str | None:
     return None
 
 
-@rule("pp", "vpp", *SPLIT_FIELDS)
+@rule("pp", "vpp", *PIPELINE_SPLIT)
 def pipeline_split(c: RuleContext) -> str | None:
     lo, layers = c.layout, c.model.num_layers
     if lo.pp == 1:
