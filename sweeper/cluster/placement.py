@@ -57,6 +57,11 @@ class PlacementPlan:
     def local_rank(self, rank: int) -> int:
         return rank % self.ranks_per_bundle
 
+    def check_nodes(self, nodes: list[str]) -> None:
+        """Nodes chosen for the bundles (one each), or PlacementError."""
+        if len(nodes) != self.num_bundles:
+            raise PlacementError(f"{len(nodes)} nodes given for {self.num_bundles} bundles")
+
 
 def plan_placement(
     world_size: int, gpus_per_node: int, *, keep_together: int = 1, cpus_per_rank: float = 1.0
@@ -123,8 +128,8 @@ def trial_placement(
     plan = plan_placement(world_size, gpus_per_node, keep_together=keep_together, cpus_per_rank=cpus_per_rank)
     name = name or f"sweeper-{uuid.uuid4().hex[:8]}"
     started = time.monotonic()
-    if nodes is not None and len(nodes) != plan.num_bundles:
-        raise PlacementError(f"{len(nodes)} nodes given for {plan.num_bundles} bundles")
+    if nodes is not None:
+        plan.check_nodes(nodes)
     selector = [{NODE_ID_LABEL_KEY: node} for node in nodes] if nodes is not None else None
     group = placement_group(plan.bundles, strategy=plan.strategy, name=name, bundle_label_selector=selector)
     try:

@@ -31,8 +31,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
 from sweeper.backends.base import SmokeRequest
-from sweeper.cluster.connection import ClusterHandle
-from sweeper.cluster.placement import (
+from sweeper.cluster import (
+    ClusterHandle,
     PlacementError,
     PlacementPlan,
     PlacementTimeout,
@@ -107,13 +107,14 @@ def run_trial(
     backend_inject = inject if inject in BACKEND_INJECTS else None
     request = _request(cfg, layout, handle, trial_dir, limit, backend_inject, inject_rank)
     request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference)
+    node_loss_rank = inject_rank if inject == "node-loss" else None
 
     try:
         if pool is not None and nodes is not None:
             plan = plan_placement(layout.world_size, cfg.cluster.gpus_per_node, cpus_per_rank=CPUS_PER_RANK,
                                   keep_together=keep_together(layout, cfg.cluster.gpus_per_node))
             result = _run_pooled(pool, nodes, plan, request, handle, trial_id, backend, deadline, limit,
-                                 inject, inject_rank, on_running, cancel)
+                                 node_loss_rank, on_running, cancel)
         else:
             with trial_placement(
                 handle,
@@ -125,8 +126,8 @@ def run_trial(
                 name=f"sweeper-{trial_id}",
                 nodes=nodes,
             ) as placement:
-                result = _run_fresh(request, placement, handle, trial_id, backend, deadline, limit, inject,
-                                    inject_rank, on_running, cancel)
+                result = _run_fresh(request, placement, handle, trial_id, backend, deadline, limit,
+                                    node_loss_rank, on_running, cancel)
     except PlacementTimeout as exc:
         result = TrialResult(status="failed", failure_kind="infra", error=str(exc), notes=["placement_timeout"])
     except PlacementError as exc:
@@ -167,7 +168,7 @@ def _request(
 
 def _run_fresh(
     request: SmokeRequest, placement: TrialPlacement, handle: ClusterHandle, trial_id: str, backend: str,
-    deadline: float, limit: float, inject: str | None, inject_rank: int,
+    deadline: float, limit: float, node_loss_rank: int | None,
     on_running: Callable[[RunningTrial], None] | None, cancel: threading.Event | None,
 ) -> TrialResult:
     """One new RankActor per rank in the trial's placement group, all killed when it ends."""
@@ -185,8 +186,7 @@ def _run_fresh(
             f"{placement.plan.strategy}, reserved in {placement.wait_s:.1f}s")
     try:
         result, _ = _run_ranks(request, actors, note, handle, trial_id, backend, deadline, limit,
-                               node_loss_rank=inject_rank if inject == "node-loss" else None,
-                               on_running=on_running, cancel=cancel)
+                               node_loss_rank=node_loss_rank, on_running=on_running, cancel=cancel)
         return result
     finally:
         # Every rank at once; removing the placement group (by the caller's context manager) follows and
@@ -197,13 +197,12 @@ def _run_fresh(
 
 def _run_pooled(
     pool: RankPool, nodes: list[str], plan: PlacementPlan, request: SmokeRequest, handle: ClusterHandle,
-    trial_id: str, backend: str, deadline: float, limit: float, inject: str | None, inject_rank: int,
+    trial_id: str, backend: str, deadline: float, limit: float, node_loss_rank: int | None,
     on_running: Callable[[RunningTrial], None] | None, cancel: threading.Event | None,
 ) -> TrialResult:
     """The trial on warm ranks leased from the sweep's pool (each rank a fresh child of a warm process); ranks
     whose child did not end cleanly are stopped, and warm ranks that are lost or will not stop are retired."""
-    if len(nodes) != plan.num_bundles:
-        raise PlacementError(f"{len(nodes)} nodes given for {plan.num_bundles} bundles")
+    plan.check_nodes(nodes)
     lease = pool.lease(nodes, plan.ranks_per_bundle, request.layout.world_size,
                        timeout_s=max(deadline - time.monotonic(), 0.001))
     note = (f"placement {plan.num_bundles}x{plan.ranks_per_bundle} GPUs {plan.strategy} on warm ranks "
@@ -212,7 +211,7 @@ def _run_pooled(
     try:
         result, outcomes = _run_ranks(
             request, lease.actors, note, handle, trial_id, backend, deadline, limit,
-            node_loss_rank=inject_rank if inject == "node-loss" else None, on_running=on_running, cancel=cancel,
+            node_loss_rank=node_loss_rank, on_running=on_running, cancel=cancel,
         )
         retire = _stop_children(lease.ranks, outcomes)
         return result
