@@ -115,8 +115,10 @@ class ForkedRank:
 def _describe_status(status: int) -> str:
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else str(sig)
-        return f"was killed by {name}"
+        try:
+            return f"was killed by {signal.Signals(sig).name}"
+        except ValueError:  # a real-time signal without a name
+            return f"was killed by signal {sig}"
     return f"exited with code {os.WEXITSTATUS(status)} without a report"
 
 
