@@ -25,7 +25,7 @@ from sweeper.cluster.doctor import DoctorReport, doctor
 from sweeper.cluster.placement import PlacementError
 from sweeper.config.schema import SweepConfig
 from sweeper.models.spec import ModelSpec
-from sweeper.plan.rules import check
+from sweeper.plan.rules import Checker
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
@@ -43,9 +43,10 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
         return (f"no layout of this space can run on the CPU backend of a simulated cluster: {run_reason}. To run "
                 f"it: --address ADDR (a Ray cluster with GPUs), or leave that run setting out")
     reasons: Counter[str] = Counter()
+    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
     for layout in enumerate_layouts(cfg):
         layout = with_pipeline_split(layout, cfg.model)
-        if check(cfg.model, layout, cfg.cluster, cfg.training.seq_length):
+        if checker(layout):
             continue
         reason = unsupported_reason(cfg.model, layout, cuda=False, te=False)
         if reason is None:
