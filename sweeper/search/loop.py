@@ -94,6 +94,7 @@ class Sweep:
         self.evidence = MemoryEvidence(cfg.memory_limit_gib)
         self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
+        self.backfilled: list[int] = []  # trials started on free GPUs while a larger one waited for its own
         self.dominance = Dominance()
         for r in self.records:  # a resumed sweep knows again what its measured trials decided
             if r.attempt >= 1:
@@ -221,7 +222,8 @@ class Sweep:
         return len(self.counted)
 
     def _budget_left(self) -> bool:
-        if self.launched >= self.max_trials:
+        waiting = sum(1 for r in self.scheduler.waiting if r.number not in self.counted)  # proposals held for GPUs
+        if self.launched + waiting >= self.max_trials:
             return False
         if self.stopped_early is None and self.cfg.search.patience is not None:
             stale = trials_without_improvement(self.records, self.cfg)
@@ -241,7 +243,8 @@ class Sweep:
         self.scheduler.readmit()  # capacity came back (node join)
         while not self.stop.is_set() and self.scheduler.has_room():
             waiting = self.scheduler.take_retry()
-            if waiting == HOLD:
+            backfill = waiting == HOLD
+            if backfill and not self._may_backfill():
                 return  # wait for capacity (a lost node may come back, or running trials end)
             if isinstance(waiting, tuple):
                 run, reserved = waiting
@@ -251,10 +254,12 @@ class Sweep:
                 return
             # Never a decided or running layout, so this loop ends: each turn launches (budget), holds for GPUs
             # (return), or refuses a layout not refused before (a queued seed, or one calibration no longer fits),
-            # recorded once; the study spends at most two asks per proposal.
-            proposal = self.study.propose(self._taken)
+            # recorded once; the study spends at most two asks per proposal. A backfill draws only layouts that
+            # fit on the free GPUs now.
+            proposal = self.study.propose(
+                (lambda lo: self._taken(lo) or not self.handle.fits(lo)) if backfill else self._taken)
             if proposal is None:
-                return  # every launchable layout has been proposed
+                return  # every launchable layout has been proposed (or, backfilling, none fits now)
             layout = proposal.layout
             entry = assess(self.cfg, layout, self.calibrator.current)
             reason = self._refusal(entry)
@@ -265,10 +270,24 @@ class Sweep:
             slot = self.handle.reserve(layout)
             if slot is None:
                 held = Running(number, attempt, "explore", layout, proposal.trial, _predicted(entry), None, "", None)
-                if self.scheduler.hold(held):  # first in line when GPUs free up (or deferred: nodes were lost)
+                if backfill:  # its GPUs were taken since: it waits behind the head
+                    self.scheduler.retry_later(held)
                     return
+                # First in line when GPUs free up (or deferred: nodes were lost); the GPUs left free may take a
+                # smaller trial meanwhile (backfill).
+                self.scheduler.hold(held)
                 continue
+            if backfill:
+                head = self.scheduler.retry[0]
+                self.backfilled.append(number)
+                console.print(f"[blue]backfill[/] #{number} {layout.short()} runs on free GPUs while #{head.number} "
+                              f"waits for {head.layout.world_size}")
             self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
+
+    def _may_backfill(self) -> bool:
+        """A smaller proposal may start while the head of the queue waits for GPUs (``Scheduler.may_backfill``),
+        but never ahead of a queued layout (seeds, the estimator's favourites): those are proposed in order."""
+        return self.scheduler.may_backfill() and not self.study.has_queued()
 
     def _number_for(self, layout: Layout) -> tuple[int, int]:
         """(sweeper trial number, attempts so far): a trial that was running when a driver died keeps its number."""

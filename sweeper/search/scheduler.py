@@ -2,13 +2,16 @@
 
 Two queues wait: ``retry`` (infra retries and a proposal held until its GPUs free up, so a large trial is not
 starved by small ones) is launched first; ``deferred`` holds layouts needing more GPUs than are alive (nodes were
-lost) until capacity comes back. A launched trial holds its reservation until ``wait_one`` sees it end and
-releases it; the GPU-seconds it held are counted for the budget. The driver thread alone calls in here.
+lost) until capacity comes back. While the head of ``retry`` waits, smaller trials may start on the free GPUs for
+one typical trial's time (``may_backfill``): the free GPUs work, and the head starts at most about one trial
+later. A launched trial holds its reservation until ``wait_one`` sees it end and releases it; the GPU-seconds
+it held are counted for the budget. The driver thread alone calls in here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import statistics
 import threading
 import time
 from dataclasses import dataclass, field
@@ -35,6 +38,7 @@ class Running:
     started_at: str
     slot: Reservation | None  # None while waiting for GPUs
     started: float = field(default_factory=time.monotonic)
+    waiting_since: float | None = None  # when it joined the retry queue
 
 
 class Scheduler:
@@ -47,6 +51,7 @@ class Scheduler:
         self.retry: list[Running] = []
         self.deferred: list[Running] = []
         self.busy_gpu_s = 0.0
+        self.durations: list[float] = []  # wall seconds of every ended trial
 
     # -- what is where -------------------------------------------------------------------------------------------
     @property
@@ -56,9 +61,14 @@ class Scheduler:
     def has_room(self) -> bool:
         return len(self.futures) < self.parallel_cap
 
+    @property
+    def waiting(self) -> list[Running]:
+        """Waiting for GPUs (retries, held proposals, deferred layouts)."""
+        return self.retry + self.deferred
+
     def is_running(self, layout: Layout) -> bool:
         """In flight, or waiting for GPUs."""
-        return any(r.layout == layout for r in self.in_flight + self.retry + self.deferred)
+        return any(r.layout == layout for r in self.in_flight + self.waiting)
 
     # -- the queues ------------------------------------------------------------------------------------------------
     def readmit(self) -> None:
@@ -83,22 +93,35 @@ class Scheduler:
             return run, slot
         return None
 
-    def hold(self, run: Running) -> bool:
-        """A proposal with no GPUs free now: first in line when they free up (True: launch nothing else before
-        it), or deferred when it needs more GPUs than are alive (False)."""
+    def hold(self, run: Running) -> None:
+        """A proposal with no GPUs free now: first in line when they free up (only a backfill starts before it),
+        or deferred when it needs more GPUs than are alive."""
         if run.layout.world_size > self.host.capacity_total():
             self.deferred.append(run)
-            return False
+            return
+        run.waiting_since = time.monotonic()
         self.retry.insert(0, run)
-        return True
 
     def retry_later(self, run: Running) -> None:
-        """An attempt that failed for reasons not the layout's: runs again as the next attempt, after those waiting."""
+        """An attempt that failed for reasons not the layout's (or a backfill that lost its GPUs): runs again as
+        the next attempt, after those waiting."""
+        run.waiting_since = time.monotonic()
         self.retry.append(run)
+
+    def may_backfill(self) -> bool:
+        """Whether a smaller trial may start on the free GPUs while the head of the retry queue waits for its own:
+        until the head has waited one typical trial (the median wall time of the trials ended so far; any time
+        before one has ended). A backfill started then ends about one trial later, so the head is delayed by
+        about one trial at most, and never starved by a stream of small ones."""
+        if not self.retry or self.retry[0].waiting_since is None:
+            return False
+        if not self.durations:
+            return True
+        return time.monotonic() - self.retry[0].waiting_since < statistics.median(self.durations)
 
     def drain_waiting(self) -> list[Running]:
         """Empty both queues, returning what was in them."""
-        waiting = self.retry + self.deferred
+        waiting = self.waiting
         self.retry.clear()
         self.deferred.clear()
         return waiting
@@ -121,7 +144,9 @@ class Scheduler:
             self.cancels.pop(id(future), None)
             if run.slot is not None:
                 self.host.release(run.slot)
-            self.busy_gpu_s += (time.monotonic() - run.started) * run.layout.world_size
+            held_s = time.monotonic() - run.started
+            self.busy_gpu_s += held_s * run.layout.world_size
+            self.durations.append(held_s)
             try:
                 result = future.result()
             except Exception as exc:  # noqa: BLE001 - a runner bug must not lose the sweep; record it as infra

@@ -84,23 +84,33 @@ class TrialHost:
 
     def reserve(self, layout: Layout) -> Reservation | None:
         """Nodes for this layout's placement bundles, or None when they are not free right now."""
+        with self._lock:
+            slot = self._choose(layout)
+            if slot is not None:
+                for nid in slot.node_ids:
+                    self._used[nid] = self._used.get(nid, 0) + slot.gpus_per_bundle
+            return slot
+
+    def fits(self, layout: Layout) -> bool:
+        with self._lock:
+            return self._choose(layout) is not None
+
+    def _choose(self, layout: Layout) -> Reservation | None:
+        """The nodes ``reserve`` would take now (the caller holds the lock)."""
         try:
             plan = plan_placement(layout.world_size, self.cfg.cluster.gpus_per_node,
                                   keep_together=keep_together(layout, self.cfg.cluster.gpus_per_node))
         except PlacementError:
             return None
-        with self._lock:
-            alive = self._alive()
-            if self.pool is not None:
-                self.pool.keep_nodes(set(alive))
-            free = {nid: gpus - self._used.get(nid, 0) for nid, (_, gpus) in alive.items()}
-            chosen = [nid for nid in sorted(free, key=lambda n: (free[n], alive[n][0]))
-                      if free[nid] >= plan.ranks_per_bundle][: plan.num_bundles]  # best fit: fullest node first
-            if len(chosen) < plan.num_bundles:
-                return None
-            for nid in chosen:
-                self._used[nid] = self._used.get(nid, 0) + plan.ranks_per_bundle
-            return Reservation(chosen, [alive[n][0] for n in chosen], plan.ranks_per_bundle)
+        alive = self._alive()
+        if self.pool is not None:
+            self.pool.keep_nodes(set(alive))
+        free = {nid: gpus - self._used.get(nid, 0) for nid, (_, gpus) in alive.items()}
+        chosen = [nid for nid in sorted(free, key=lambda n: (free[n], alive[n][0]))
+                  if free[nid] >= plan.ranks_per_bundle][: plan.num_bundles]  # best fit: fullest node first
+        if len(chosen) < plan.num_bundles:
+            return None
+        return Reservation(chosen, [alive[n][0] for n in chosen], plan.ranks_per_bundle)
 
     def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
         """``reserve``, retried for up to ``timeout_s`` (a fresh cluster's nodes may still be registering)."""

@@ -41,6 +41,9 @@ class Host(Protocol):
     def reserve(self, layout: Layout) -> Reservation | None:
         """GPUs for ``layout`` if they are free now (the ledger counts them used until ``release``)."""
 
+    def fits(self, layout: Layout) -> bool:
+        """Whether ``reserve`` would find GPUs for ``layout`` now; reserves nothing."""
+
     def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
         """``reserve``, retried for up to ``timeout_s``."""
 

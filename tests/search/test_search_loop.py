@@ -43,11 +43,13 @@ class StandInHost:
     backend_name = "stand-in"
 
     def __init__(self, nodes: int = 2, gpus: int = 2, fail: dict[str, str] | None = None, delay: float = 0.8,
-                 unsupported: str | None = None) -> None:
+                 unsupported: str | None = None, delays: dict[str, float] | None = None) -> None:
         self.free = {f"n{i}": gpus for i in range(nodes)}
         self.gpus = gpus
         self.fail = fail or {}
         self.delay = delay
+        self.delays = delays or {}  # per layout (short form): a trial that takes longer
+        self.spans: list[tuple[Layout, float, float]] = []  # (layout, start, end) of every run_trial
         self.unsupported_reason = unsupported  # every layout unsupported on this stand-in backend when set
         self.calls: list[tuple[Layout, str | None]] = []
         self.concurrent = 0
@@ -57,17 +59,26 @@ class StandInHost:
     def capacity_total(self) -> int:
         return sum(self.gpus for _ in self.free)
 
-    def reserve(self, layout: Layout) -> Reservation | None:
+    def _nodes(self, layout: Layout) -> tuple[list[str], int] | None:
         world = layout.world_size
+        need = max(1, world // self.gpus)
+        per = min(world, self.gpus)
+        nodes = [n for n, f in self.free.items() if f >= per][:need]
+        return (nodes, per) if len(nodes) == need else None
+
+    def reserve(self, layout: Layout) -> Reservation | None:
         with self.lock:
-            need = max(1, world // self.gpus)
-            per = min(world, self.gpus)
-            nodes = [n for n, f in self.free.items() if f >= per][:need]
-            if len(nodes) < need:
+            chosen = self._nodes(layout)
+            if chosen is None:
                 return None
+            nodes, per = chosen
             for n in nodes:
                 self.free[n] -= per
             return Reservation(nodes, nodes, per)
+
+    def fits(self, layout: Layout) -> bool:
+        with self.lock:
+            return self._nodes(layout) is not None
 
     def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
         return self.reserve(layout)
@@ -90,8 +101,9 @@ class StandInHost:
             self.calls.append((layout, kw.get("inject")))
             self.concurrent += 1
             self.max_concurrent = max(self.max_concurrent, self.concurrent)
+        started = time.monotonic()
         try:
-            time.sleep(self.delay)  # default 0.8 s: the scheduler (MLflow writes included) starts the next trial
+            time.sleep(self.delays.get(layout.short(), self.delay))  # default 0.8 s: the scheduler starts the next
             kind = self.fail.get(layout.short())
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
@@ -109,6 +121,7 @@ class StandInHost:
         finally:
             with self.lock:
                 self.concurrent -= 1
+                self.spans.append((layout, started, time.monotonic()))
 
 
 @pytest.fixture()
@@ -368,3 +381,26 @@ def test_patience_stops_exploring_after_trials_without_a_better_stable_layout(
 
 def test_the_stand_in_host_has_the_hosts_surface() -> None:
     assert isinstance(StandInHost(), Host)  # trial.protocol.Host: what the sweep and the scheduler call
+
+
+def test_free_gpus_take_a_smaller_trial_while_a_large_one_waits_and_the_large_one_is_not_starved(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    from sweeper.config.schema import layout_from_string
+    from sweeper.search import loop
+
+    monkeypatch.setattr(loop, "PRIOR_PROPOSALS", 0)  # the queue holds the two seeds only
+    long_small, large = "gpus=2,pp=2,ep=1,mbs=1", "gpus=4,pp=2,ep=2,mbs=1"
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 6, "confirm_top": 0, "seeds": [long_small, large]}})
+    a, b = layout_from_string(cfg, long_small), layout_from_string(cfg, large)
+    host = StandInHost(delay=0.3, delays={a.short(): 4.0})
+    sweep = make_sweep(cfg, host)
+    assert sweep.study.mode == "tpe"
+    sweep.run()
+    span = {lo: (t0, t1) for lo, t0, t1 in host.spans}
+    # The 4-GPU seed waited for the long 2-GPU one; meanwhile the 2 free GPUs ran another (small) trial.
+    backfilled = [lo for lo, t0, _ in host.spans if span[a][0] < t0 < span[b][0] and lo != b]
+    assert backfilled and all(lo.world_size == 2 for lo in backfilled)
+    assert sweep.backfilled and len(sweep.backfilled) <= 2  # only while it had waited less than a typical trial
+    # Not starved: it started as soon as the long trial's GPUs were free again (MLflow writes in between).
+    assert span[a][1] <= span[b][0] < span[a][1] + 3.0
+    assert len([r for r in _explore_records(sweep) if r.result.status != "pruned"]) == 6
