@@ -42,6 +42,11 @@ def default_fp8_recipe(compute_capability_major: int) -> str:
     return "tensorwise" if compute_capability_major >= 10 else "delayed"
 
 
+# The MoE router's load balancing in the smoke run and the exports (Megatron's default type, GShard's coefficient).
+MOE_LOAD_BALANCING_TYPE = "aux_loss"
+MOE_AUX_LOSS_COEFF = 1e-2
+
+
 class RunSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -16,6 +16,12 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 # Megatron's hybrid_override_pattern symbols (megatron/core/ssm/mamba_hybrid_layer_allocation.py).
 MAMBA, ATTENTION, MLP, MOE = "M", "*", "-", "E"
+# DeepSeek-V2/V3's YaRN RoPE (both models' Hugging Face ``rope_scaling``), in MLATransformerConfig's names. ModelSpec
+# does not carry RoPE scaling; the smoke run's memory and throughput do not depend on it, the exports state it.
+DEEPSEEK_YARN: dict[str, Any] = dict(
+    rope_type="yarn", rotary_base=10000, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
+    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
+)
 Block = Literal["mamba", "attention", "mlp", "moe"]
 
 

@@ -14,12 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sweeper.backends.megatron.failures import InvalidLayoutError
-from sweeper.models.spec import ModelSpec
-
-DEEPSEEK_YARN: dict[str, Any] = dict(
-    rope_type="yarn", rotary_base=10000, rotary_scaling_factor=40.0, original_max_position_embeddings=4096,
-    beta_fast=32.0, beta_slow=1.0, mscale=0.707, mscale_all_dim=0.707,
-)
+from sweeper.models.spec import DEEPSEEK_YARN, ModelSpec
 
 
 def mla_config_kwargs(spec: ModelSpec) -> dict[str, Any]:

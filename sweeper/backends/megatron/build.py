@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
-from sweeper.config.run_settings import RunSettings
+from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
@@ -67,8 +67,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
             moe_layer_freq=[0] * spec.moe_first_k_dense + [1] * (spec.num_layers - spec.moe_first_k_dense),
             moe_router_pre_softmax=spec.moe_router_pre_softmax,
             moe_router_num_groups=spec.moe_router_num_groups,
-            moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=1e-2,
+            moe_router_load_balancing_type=MOE_LOAD_BALANCING_TYPE,
+            moe_aux_loss_coeff=MOE_AUX_LOSS_COEFF,
             # The alltoall dispatcher fails under gloo; allgather is Megatron's other general dispatcher.
             moe_token_dispatcher_type="alltoall" if cuda else "allgather",
             moe_grouped_gemm=te,
