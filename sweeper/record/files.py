@@ -7,12 +7,12 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder, fsync, rename over ``path``."""
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write via a temp file in the same folder, fsync, rename over ``path`` (``mode``: 0o755 for a script)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.chmod(tmp, 0o644)  # mkstemp makes it owner-only; sweep outputs are meant to be shared
+        os.chmod(tmp, mode)  # mkstemp makes it owner-only; sweep outputs are meant to be shared
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
             fh.flush()

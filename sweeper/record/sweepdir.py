@@ -56,8 +56,11 @@ class SweepDir:
     def write_meta(self, meta: SweepMeta) -> None:
         write_atomic(self.meta, json.dumps(meta.to_json(), indent=2, default=str))
 
-    def write_best(self, data: dict[str, Any]) -> None:
+    def write_best(self, data: dict[str, Any], exports: dict[str, str], executable: set[str]) -> None:
+        """best_layout.yaml and the winner's exports beside it (``executable``: the names of scripts)."""
         write_atomic(self.best, yaml.safe_dump(data, sort_keys=False, width=120))
+        for name, text in exports.items():
+            write_atomic(self.root / name, text, 0o755 if name in executable else 0o644)
 
 
 def read_trials(path: Path) -> tuple[list[TrialRecord], int]:

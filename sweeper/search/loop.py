@@ -25,6 +25,7 @@ from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, EXIT_OK
 from sweeper.estimate import Estimate
 from sweeper.estimate.calibrator import Calibrator
+from sweeper.export import EXECUTABLE, export_files
 from sweeper.plan.assess import PlanEntry, assess, assess_all
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
@@ -443,7 +444,8 @@ class Sweep:
     def _finish(self, status: str) -> int:
         winner = choose(candidates(self.records, self.cfg), self.cfg, confirmed_only=self.cfg.search.confirm_top > 0)
         if winner is not None:
-            self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri))
+            self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri),
+                                export_files(self.cfg, winner.layout, winner.number), EXECUTABLE)
         elapsed = time.monotonic() - self.t0
         gpus = self.handle.capacity_total() or 1
         meta = self.dir.read_meta()

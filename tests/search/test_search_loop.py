@@ -165,6 +165,10 @@ def test_exhaustive_sweep_runs_each_launchable_layout_once_and_picks_fastest(cfg
     assert best["trial"] == fastest.number
     assert "--pipeline-model-parallel-size=2" in best["megatron_args"]
     assert host.max_concurrent >= 2  # 2-GPU trials ran side by side on the 2 x 2 cluster
+    launch = tmp_path / "sweep" / "launch_megatron_lm.sh"  # the winner's exports beside it
+    assert launch.stat().st_mode & 0o111 and "--pipeline-model-parallel-size=2" in launch.read_text()
+    bridge = yaml.safe_load((tmp_path / "sweep" / "megatron_bridge_overrides.yaml").read_text())
+    assert bridge["model"]["pipeline_model_parallel_size"] == best["layout"]["pp"]
 
 
 def test_rule_rejected_layouts_are_pruned_never_launched(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:

@@ -1,0 +1,16 @@
+"""The winner in the forms a Megatron user launches: ``launch_megatron_lm.sh`` (megatron_lm.py) and
+``megatron_bridge_overrides.yaml`` (bridge.py), written next to best_layout.yaml."""
+
+from __future__ import annotations
+
+from sweeper.config.schema import SweepConfig
+from sweeper.export.bridge import OVERRIDES_FILE, overrides_yaml
+from sweeper.export.megatron_lm import LAUNCH_FILE, launch_script
+from sweeper.space.layout import Layout
+
+EXECUTABLE = {LAUNCH_FILE}
+
+
+def export_files(cfg: SweepConfig, layout: Layout, trial: int) -> dict[str, str]:
+    """File name -> text of every export of ``layout`` (sweep trial ``trial``)."""
+    return {LAUNCH_FILE: launch_script(cfg, layout, trial), OVERRIDES_FILE: overrides_yaml(cfg, layout, trial)}

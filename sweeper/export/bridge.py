@@ -1,0 +1,100 @@
+"""``megatron_bridge_overrides.yaml``: the winner as an OmegaConf override file for a Megatron-Bridge recipe.
+
+Megatron-Bridge merges such a file onto a recipe's ConfigContainer
+(``megatron.bridge.training.utils.omegaconf_utils.process_config_with_overrides(cfg, config_filepath=...)``).
+The keys are best_layout.yaml's ``megatron_bridge_overrides`` (``Layout.bridge_overrides`` and
+``RunSettings.bridge_overrides``) nested by section, plus the sequence length the sweep measured.
+
+``mixed_precision``: recipes hold it as a recipe name (``"bf16_mixed"``), and Bridge copies its fields over
+``ddp`` and ``optimizer`` when it sets up (``MixedPrecisionConfig.setup``), so a name alone would drop the run
+settings (e.g. gradients reduced in BF16). When a run setting changes a field, the file gives the whole
+MixedPrecisionConfig instead, as a ``_target_`` node Bridge instantiates (``_apply_overrides``): the named
+recipe's fields as Megatron-Bridge 0.3.1 defines them (``megatron/bridge/training/mixed_precision.py``), with the
+run settings applied.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+
+from sweeper.config.schema import SweepConfig
+from sweeper.space.layout import Layout
+
+OVERRIDES_FILE = "megatron_bridge_overrides.yaml"
+MIXED_PRECISION_CLASS = "megatron.bridge.training.mixed_precision.MixedPrecisionConfig"
+
+# The pretraining recipe of each preset that Megatron-Bridge 0.3.1 ships one for (megatron/bridge/recipes/).
+RECIPES: dict[str, str] = {
+    "nemotron-3-nano-30b-a3b": "megatron.bridge.recipes.nemotronh.nemotron_3_nano_pretrain_config",
+    "deepseek-v2-lite": "megatron.bridge.recipes.deepseek.deepseek_v2_lite_pretrain_config",
+    "llama3-8b": "megatron.bridge.recipes.llama.llama3_8b_pretrain_config",
+    "llama3.1-405b": "megatron.bridge.recipes.llama.llama31_405b_pretrain_config",
+    "qwen3-30b-a3b": "megatron.bridge.recipes.qwen.qwen3_30b_a3b_pretrain_config",
+}
+
+
+def _dtype(name: str) -> dict[str, Any]:
+    return {"_target_": f"torch.{name}", "_call_": False}  # the torch.dtype object itself, not a call
+
+
+_BF16 = {"bf16": True, "params_dtype": _dtype("bfloat16"), "pipeline_dtype": _dtype("bfloat16"),
+         "autocast_enabled": False, "grad_reduce_in_fp32": True}
+# The fields each recipe sets (Megatron-Bridge 0.3.1, mixed_precision.py); every other field keeps its default.
+MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
+    "bf16_mixed": _BF16,
+    "fp16_mixed": {"fp16": True, "params_dtype": _dtype("float16"), "pipeline_dtype": _dtype("float16"),
+                   "autocast_enabled": False, "grad_reduce_in_fp32": False},
+    "bf16_with_fp8_delayed_scaling_mixed": {
+        **_BF16, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
+        "fp8_amax_compute_algo": "max", "fp8_param_gather": True},
+    "bf16_with_mxfp8_mixed": {**_BF16, "fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True,
+                              "reuse_grad_buf_for_mxfp8_param_ag": True},
+}
+
+
+def overrides(cfg: SweepConfig, layout: Layout) -> dict[str, Any]:
+    """The override tree (plain containers) for ``layout`` of ``cfg``."""
+    cc = cfg.cluster.compute_capability
+    dotted = layout.bridge_overrides() + cfg.run.bridge_overrides(layout.precision, cc)
+    precision = [item for item in dotted if item.partition("=")[0].split(".")[0] == "mixed_precision"]
+    rest = [item for item in dotted if item not in precision]
+    seq = cfg.training.seq_length
+    nested = OmegaConf.to_container(OmegaConf.from_dotlist(rest + [f"model.seq_length={seq}",
+                                                                   f"dataset.seq_length={seq}"]))
+    assert isinstance(nested, dict)
+    tree: dict[str, Any] = {str(key): value for key, value in nested.items()}
+    tree["mixed_precision"] = _mixed_precision(precision)
+    return tree
+
+
+def _mixed_precision(items: list[str]) -> Any:
+    """A recipe name, or the recipe's MixedPrecisionConfig with the run settings' fields (module docstring).
+
+    ``items`` are ``mixed_precision=NAME`` and ``mixed_precision.FIELD=VALUE`` (a dotlist cannot hold both: the
+    name is a string, the fields would make it a mapping)."""
+    assigned = dict(item.split("=", 1) for item in items)
+    name = yaml.safe_load(assigned.pop("mixed_precision"))
+    fields = {key.removeprefix("mixed_precision."): yaml.safe_load(value) for key, value in assigned.items()}
+    if name is None:
+        return None
+    recipe = MIXED_PRECISION_RECIPES[name]
+    if all(recipe.get(k) == v for k, v in fields.items()):
+        return name
+    return {"_target_": MIXED_PRECISION_CLASS, **recipe, **fields}
+
+
+def overrides_yaml(cfg: SweepConfig, layout: Layout, trial: int) -> str:
+    """The file: a header naming the recipe (when the model has one) and how to apply it, then the tree."""
+    recipe = RECIPES.get(cfg.model.name)
+    header = [
+        f"# {cfg.name}: the layout sweeper found best (trial #{trial}, {layout.short()}) for {cfg.model.name}.",
+        f"# Megatron-Bridge recipe: {recipe}" if recipe else
+        "# No Megatron-Bridge recipe ships for this model: merge onto the ConfigContainer you build for it.",
+        "# Apply: process_config_with_overrides(cfg, config_filepath='megatron_bridge_overrides.yaml')",
+        "#   (megatron.bridge.training.utils.omegaconf_utils), then pretrain(cfg, forward_step).",
+    ]
+    body = yaml.safe_dump(overrides(cfg, layout), sort_keys=False, width=120)
+    return "\n".join(header) + "\n" + body

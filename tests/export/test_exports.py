@@ -1,0 +1,187 @@
+"""The winner's exports: launch_megatron_lm.sh against Megatron-LM's own flag list, and the Bridge override file
+against the dataclasses Megatron-Bridge merges it onto.
+
+``tests/data/megatron_lm_flags.txt`` is every flag of Megatron-LM core_v0.16.1's ``arguments.py``
+(``scripts/megatron_lm_flags.py`` wrote it). The script is run for real, with ``torchrun`` replaced by a stand-in
+on PATH that prints its arguments (stand-in: no GPU here, and Megatron-LM is not installed): that is what bash
+hands to Megatron-LM after expanding the arrays, defaults and quoting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig, layout_from_string
+from sweeper.export import EXECUTABLE, export_files
+from sweeper.export.bridge import MIXED_PRECISION_CLASS, OVERRIDES_FILE
+from sweeper.export.megatron_lm import LAUNCH_FILE
+from sweeper.space.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+FLAGS = set((ROOT / "tests" / "data" / "megatron_lm_flags.txt").read_text().split())
+CASES = [
+    ("nemotron.yaml", "gpus=8,tp=2,ep=4,sp=true"),
+    ("nemotron.yaml", "gpus=16,pp=2,ep=8,recompute=selective"),
+    ("deepseek_v2_lite.yaml", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=fp8"),
+    ("deepseek_v2_lite.yaml", "gpus=8,ep=8,recompute=full"),
+    ("quickstart.yaml", "gpus=4,tp=2,pp=2,ep=2,sp=true"),
+]
+# Megatron-Bridge 0.3.1: ConfigContainer's and MixedPrecisionConfig's fields (megatron/bridge/training/config.py,
+# mixed_precision.py); the recipes' dataset config takes seq_length, the model providers add seq_length to
+# TransformerConfig's fields.
+CONFIG_CONTAINER = {
+    "rng", "rerun_state_machine", "train", "model", "optimizer", "optimizer_config_override_provider", "ddp",
+    "scheduler", "dataset", "logger", "tokenizer", "checkpoint", "dist", "ft", "straggler", "nvrx_straggler",
+    "profiling", "peft", "comm_overlap", "mixed_precision", "tensor_inspect", "inprocess_restart",
+}
+MIXED_PRECISION = {
+    "fp32", "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype", "autocast_enabled",
+    "grad_reduce_in_fp32", "fp8", "fp8_recipe", "first_last_layers_bf16", "fp8_margin", "fp8_amax_history_len",
+    "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_param",
+    "fp8_param_gather", "fp4", "fp4_recipe", "loss_scale", "initial_loss_scale", "min_loss_scale",
+    "loss_scale_window", "hysteresis", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
+    "reuse_grad_buf_for_mxfp8_param_ag",
+}
+
+
+def _case(space: str, text: str) -> tuple[SweepConfig, Layout]:
+    cfg = load_config(ROOT / "search_spaces" / space)
+    return cfg, layout_from_string(cfg, text)
+
+
+def _run_script(tmp_path: Path, script: str, **env: str) -> list[str]:
+    """Run the script with a stand-in torchrun that writes its argv, one per line; return the argv."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    out = tmp_path / "argv.txt"
+    torchrun = bin_dir / "torchrun"
+    torchrun.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" > {shlex.quote(str(out))}\n')
+    torchrun.chmod(0o755)
+    path = tmp_path / LAUNCH_FILE
+    path.write_text(script)
+    full_env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path), "MEGATRON_LM": "/opt/mlm", **env}
+    subprocess.run(["bash", str(path)], check=True, env=full_env, cwd=tmp_path, timeout=60)
+    return out.read_text().splitlines()
+
+
+def _flags(argv: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in argv:
+        if item.startswith("--"):
+            key, _, value = item.partition("=")
+            out[key] = value
+    return out
+
+
+@pytest.mark.parametrize(("space", "text"), CASES)
+def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_and_model(
+        tmp_path: Path, space: str, text: str) -> None:
+    cfg, layout = _case(space, text)
+    script = export_files(cfg, layout, 3)[LAUNCH_FILE]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    nodes = max(1, layout.world_size // cfg.cluster.gpus_per_node)
+    argv = _run_script(tmp_path, script, NNODES=str(nodes))
+    entry = "pretrain_mamba.py" if cfg.model.is_hybrid else "pretrain_gpt.py"
+    assert f"/opt/mlm/{entry}" in argv
+    flags = _flags(argv)
+    torchrun = {"--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port"}
+    unknown = set(flags) - FLAGS - torchrun
+    assert not unknown, unknown
+    assert flags["--nproc-per-node"] == str(min(layout.world_size, cfg.cluster.gpus_per_node))
+    spec = cfg.model
+    assert flags["--num-layers"] == str(spec.num_layers) and flags["--hidden-size"] == str(spec.hidden_size)
+    assert flags["--num-attention-heads"] == str(spec.num_attention_heads)
+    assert flags["--seq-length"] == str(cfg.training.seq_length)
+    assert flags.get("--num-experts") == (str(spec.num_moe_experts) if spec.is_moe else None)
+    assert ("--multi-latent-attention" in flags) == spec.multi_latent_attention
+    assert flags.get("--hybrid-override-pattern") == spec.hybrid_layer_pattern
+    for item in layout.megatron_args():  # the layout's flags, exactly as best_layout.yaml gives them
+        assert item in argv
+    assert flags["--tensor-model-parallel-size"] == str(layout.tp)
+    assert "--mock-data" in flags and flags["--vocab-size"] == str(spec.vocab_size)  # the default data
+
+
+def test_the_launch_script_takes_the_users_data_and_refuses_the_wrong_node_count(tmp_path: Path) -> None:
+    cfg, layout = _case("deepseek_v2_lite.yaml", "gpus=16,ep=16")
+    script = export_files(cfg, layout, 1)[LAUNCH_FILE]
+    argv = _run_script(tmp_path, script, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.0.0.1",
+                       DATA_ARGS="--data-path /data/tok_text_document --tokenizer-type HuggingFaceTokenizer")
+    flags = _flags(argv)
+    assert argv[argv.index("--data-path") + 1] == "/data/tok_text_document" and "--mock-data" not in flags
+    assert flags["--nnodes"] == "2" and flags["--node-rank"] == "1" and flags["--master-addr"] == "10.0.0.1"
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") is None or True  # the script sets its own (below)
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" not in script  # TP 1, CP 1: Megatron-LM does not ask for it
+    wrong = subprocess.run(["bash", str(tmp_path / LAUNCH_FILE)], env={**os.environ, "MEGATRON_LM": "/x",
+                                                                        "NNODES": "1"},
+                           capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "this layout needs 2 node(s), NNODES is 1" in wrong.stderr
+
+
+def test_tp_before_blackwell_sets_one_device_connection() -> None:
+    cfg, layout = _case("deepseek_v2_lite.yaml", "gpus=8,tp=2,ep=4")
+    assert cfg.cluster.compute_capability.startswith("9")
+    assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in export_files(cfg, layout, 1)[LAUNCH_FILE]
+
+
+@pytest.mark.parametrize(("space", "text"), CASES)
+def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(space: str, text: str) -> None:
+    pytest.importorskip("torch")  # megatron-core imports it
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    cfg, layout = _case(space, text)
+    text_yaml = export_files(cfg, layout, 2)[OVERRIDES_FILE]
+    tree = OmegaConf.to_container(OmegaConf.create(text_yaml))
+    assert isinstance(tree, dict) and set(tree) <= CONFIG_CONTAINER
+    fields = {
+        "model": {f.name for f in dataclasses.fields(MLATransformerConfig)} | {"seq_length"},
+        "ddp": {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
+        "optimizer": {f.name for f in dataclasses.fields(OptimizerConfig)},
+        "train": {"micro_batch_size", "global_batch_size"},
+        "dataset": {"seq_length"},
+    }
+    for section, names in fields.items():
+        assert set(tree[section]) <= names, set(tree[section]) - names
+    model = tree["model"]
+    assert model["tensor_model_parallel_size"] == layout.tp and model["expert_model_parallel_size"] == layout.ep
+    assert model["sequence_parallel"] is layout.sp and model["seq_length"] == cfg.training.seq_length
+    assert tree["train"] == {"micro_batch_size": layout.mbs, "global_batch_size": layout.gbs}
+    precision = tree["mixed_precision"]
+    if isinstance(precision, dict):  # the whole config, as Bridge instantiates it
+        assert precision["_target_"] == MIXED_PRECISION_CLASS
+        assert set(precision) - {"_target_"} <= MIXED_PRECISION
+        assert precision["grad_reduce_in_fp32"] == cfg.run.grads_in_fp32 == tree["ddp"]["grad_reduce_in_fp32"]
+        assert precision["params_dtype"] == {"_target_": "torch.bfloat16", "_call_": False}
+    else:
+        assert precision in ("bf16_mixed", "fp16_mixed", "bf16_with_fp8_delayed_scaling_mixed",
+                             "bf16_with_mxfp8_mixed", None)
+    assert ("fp8_recipe" in (precision or {})) == (layout.precision in ("fp8", "mxfp8"))
+    header = text_yaml.splitlines()[1]
+    recipe = {"nemotron.yaml": "nemotron_3_nano_pretrain_config", "deepseek_v2_lite.yaml":
+              "deepseek_v2_lite_pretrain_config"}.get(space)
+    assert (recipe in header) if recipe else "No Megatron-Bridge recipe" in header
+
+
+def test_a_run_setting_equal_to_the_recipe_keeps_the_recipe_name(tmp_path: Path) -> None:
+    space = yaml.safe_load((ROOT / "search_spaces" / "quickstart.yaml").read_text())
+    space["run"] = {**space.get("run", {}), "grad_reduce_in_fp32": True}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    cfg = load_config(path)
+    layout = layout_from_string(cfg, "gpus=2,pp=2,precision=bf16")
+    tree = yaml.safe_load(export_files(cfg, layout, 1)[OVERRIDES_FILE])
+    assert tree["mixed_precision"] == "bf16_mixed"
+
+
+def test_only_the_launch_script_is_executable() -> None:
+    assert EXECUTABLE == {LAUNCH_FILE}
