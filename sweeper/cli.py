@@ -62,13 +62,14 @@ def _load(args: argparse.Namespace) -> SweepConfig:
     path = resolve_space_path(args.space)
     if path != args.space:
         print(f"using {path} (the shipped search space named {args.space})", file=sys.stderr)
-    cfg = load_config(path)
+    cfg = load_config(path, overrides=args.set)
     return proxy_config(cfg) if getattr(args, "proxy", False) else cfg
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sweeper",
+    parser = _Parser(prog="sweeper", formatter_class=argparse.RawDescriptionHelpFormatter,  # --version: one line
                      description="Find the best stable Megatron parallel layout for a model on a cluster.")
+    parser.add_argument("--version", action="version", version=_versions())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     plan = sub.add_parser("plan", help="list every layout of the space, valid or not, with predicted memory")
@@ -77,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--only", help='keep layouts matching these keys, e.g. "tp=2,ep=4,sp=true"')
     plan.add_argument("--limit", type=int, default=40, help="valid layouts shown in the table (0 = all)")
     plan.add_argument("--proxy", action="store_true", help=PROXY_HELP)
+    _add_set(plan)
     plan.set_defaults(func=cmd_plan)
 
     trial = sub.add_parser("trial", help="run one smoke trial of a layout on the space's cluster")
@@ -86,6 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     trial.add_argument("--out", type=Path, help="trial folder (default sweeps/<name>/trials/manual-<time>)")
     trial.add_argument("--address", help="Ray address (overrides cluster.address)")
     trial.add_argument("--proxy", action="store_true", help=PROXY_HELP)
+    _add_set(trial)
     trial.set_defaults(func=cmd_trial)
 
     search = sub.add_parser("search", help="run the sweep and export the best stable layout")
@@ -99,6 +102,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="fault injection on simulated clusters: node-loss@trial=N, node-join@trial=N, "
                         "hang@trial=N, nan@trial=N, kill-rank@trial=N")
     search.add_argument("--proxy", action="store_true", help=PROXY_HELP)
+    loudness = search.add_mutually_exclusive_group()
+    loudness.add_argument("-v", "--verbose", action="store_true",
+                          help="also show the libraries' log lines (Optuna, MLflow, Ray) on the terminal")
+    loudness.add_argument("-q", "--quiet", action="store_true",
+                          help="show only failures, warnings and the result (sweep.log keeps everything)")
+    _add_set(search)
     search.set_defaults(func=cmd_search)
 
     report = sub.add_parser("report", help="re-render the report of a sweep folder")
@@ -108,8 +117,31 @@ def _parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="check every node of the cluster before any trial")
     doctor.add_argument("space", type=Path)
     doctor.add_argument("--address", help="Ray address (overrides cluster.address)")
+    doctor.add_argument("--out", type=Path, help="where the sweep will write, checked to be shared by every node "
+                        "(default sweeps/<name>/, as search)")
+    _add_set(doctor)
     doctor.set_defaults(func=cmd_doctor)
     return parser
+
+
+def _add_set(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                         help="override a field of the YAML, e.g. --set training.steps=4 --set 'space.tp=[1,2]'")
+
+
+def _versions() -> str:
+    """sweeper's version and those of the stack it drives (from the installed metadata: no import)."""
+    from importlib import metadata
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    stack = ", ".join(f"{name} {version(name)}" for name in
+                      ("megatron-core", "torch", "ray", "optuna", "mlflow", "transformer-engine", "megatron-bridge"))
+    return f"sweeper {version('sweeper')} ({stack})"
 
 
 # -- plan ---------------------------------------------------------------------------------------------------------
@@ -183,8 +215,21 @@ def cmd_search(args: argparse.Namespace) -> int:
         parallel=args.parallel,
         address=args.address,
         injections=parse_injections(args.inject, simulated=target.kind == "simulated"),
+        space=resolve_space_path(args.space),
+        verbosity="verbose" if args.verbose else "quiet" if args.quiet else "normal",
+        display=_live_display(args.quiet),
     )
     return run_search(cfg, options)
+
+
+def _live_display(quiet: bool) -> Any:
+    """The live table of running trials on a terminal; None (plain progress lines) when stderr is not one."""
+    if quiet or not sys.stderr.isatty():
+        return None
+    from sweeper.search.console import console
+    from sweeper.ui.live import LiveTrials
+
+    return LiveTrials(console.terminal)
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -204,7 +249,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
-    report = run_doctor(cfg, address=args.address)
+    report = run_doctor(cfg, address=args.address, trial_root=args.out or Path("sweeps") / cfg.name)
     from sweeper.ui.views import print_doctor
 
     print_doctor(report)

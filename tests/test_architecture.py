@@ -13,7 +13,7 @@ from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 TOP_LEVEL_MODULES = {"__init__.py", "__main__.py", "cli.py", "errors.py"}
-PACKAGES = {"config", "models", "space", "plan", "estimate", "record", "backends", "cluster", "trial", "report",
+PACKAGES = {"config", "models", "space", "plan", "estimate", "record", "backends", "cluster", "trial", "report", "export",
             "search", "ui"}
 
 

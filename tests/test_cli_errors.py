@@ -96,6 +96,10 @@ YAML_CASES = [
 ]
 
 ARG_CASES = [
+    (["plan", "{space}", "--set", "training.steps"], "--set training.steps: expected section.field=value"),
+    (["plan", "{space}", "--set", "training.steps=abc"], "training.steps: must be an integer, got 'abc'"),
+    (["plan", "{space}", "--set", "model.num_layers=4"], "--set model.num_layers=4: model is 'tiny-gpt' in the YAML"),
+    (["search", "{space}", "--set", "space.tpp=[2]"], "space.tpp: unknown key"),
     (["plan", "{space}", "--only", "tp"], "--only: 'tp' is not key=value"),
     (["plan", "{space}", "--only", "tq=2"], "--only: unknown key 'tq'"),
     (["plan", "{space}", "--only", "tp=-1"], "--only: tp must be a positive integer"),
@@ -246,3 +250,18 @@ def test_plan_with_proxy_gives_the_real_models_verdicts(capsys: pytest.CaptureFi
         return [e["predicted"]["memory_gib"] for e in entries if e["predicted"]["memory_gib"] is not None]
 
     assert max(memory(small)) < min(memory(real))
+
+
+def test_set_overrides_a_field_of_the_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    space = _write(tmp_path, GOOD)
+    assert main(["plan", str(space), "--json", "--set", "space.tp=[2]", "--set", "space.pp=[1]"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert {(e["layout"]["tp"], e["layout"]["pp"]) for e in plan} == {(2, 1)}
+
+
+def test_version_names_sweeper_and_the_stack_on_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out.strip()
+    assert out.startswith("sweeper ") and "megatron-core 0.16" in out and len(out.splitlines()) == 1

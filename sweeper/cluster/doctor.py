@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import platform
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,8 @@ class NodeCheck:
     free_disk_gib: float | None = None
     disk_path: str = ""
     paths: dict[str, bool] = field(default_factory=dict)  # configured path -> exists on this node
+    # Sees the file the driver wrote where trials will write, and the driver sees this node's (None: not probed).
+    shared: bool | None = None
     error: str | None = None  # the probe itself failed on this node
 
 
@@ -66,6 +69,7 @@ class DoctorReport:
             row["gpus"] = f"{node.gpu_count} x {node.gpu_memory_gib:g} GiB" + (
                 " (simulated)" if node.gpu_source == "simulated" else "")
             row["free_disk"] = "?" if node.free_disk_gib is None else f"{node.free_disk_gib:.0f} GiB"
+            row["shared_trial_folder"] = {True: "yes", False: "NO", None: "?"}[node.shared]
             missing = [p for p, exists in node.paths.items() if not exists]
             row["paths"] = "ok" if not missing else "missing: " + ", ".join(missing)
             if node.error:
@@ -77,36 +81,58 @@ class DoctorReport:
 def doctor(
     cfg: SweepConfig, handle: ClusterHandle, trial_root: Path | None = None, timeout_s: float = 120.0
 ) -> DoctorReport:
-    """Check every alive GPU node; ``trial_root`` is where trials will write (default: the current directory)."""
+    """Check every alive GPU node; ``trial_root`` is where trials will write (default: the current directory).
+
+    The shared-filesystem check: the driver writes a token file into the nearest existing folder of
+    ``trial_root``, every node reads it back and writes one of its own beside it, and the driver looks for
+    those: every rank writes its log and checkpoint shards into the trial folder, and ranks read each other's
+    shards when the checkpoint is loaded, so that folder must be the same on every node. The files are removed."""
     root = str(Path(trial_root or Path.cwd()).resolve())
     paths = list(cfg.training.data_paths) + ([cfg.training.tokenizer_path] if cfg.training.tokenizer_path else [])
     nodes = handle.nodes()
     gpu_info = handle.gpu_info()
-    refs = [
-        _probe_node.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n.node_id, soft=False)).remote(
-            root, paths
-        )
-        for n in nodes
-    ]
-    checks: list[NodeCheck] = []
-    for node, ref in zip(nodes, refs):
-        check = NodeCheck(label=node.label, node_id=node.node_id, gpu_count=node.gpus)
-        try:
-            facts = ray.get(ref, timeout=timeout_s)
-            for key, value in facts.items():
-                setattr(check, key, value)
-        except Exception as exc:  # noqa: BLE001 - a node that cannot run the probe is itself a finding
-            check.error = " ".join(str(exc).split())[:200]
-        info = gpu_info.get(node.label)
-        if info is not None:
-            check.gpu_kind, check.gpu_memory_gib, check.gpu_source = info.kind, info.memory_gib, info.source
-        checks.append(check)
-    return DoctorReport(nodes=checks, problems=_problems(checks, cfg), expected_nodes=cfg.cluster.nodes)
+    token = f".sweeper-doctor-{uuid.uuid4().hex}"
+    probe_dir = _existing(Path(root))
+    driver_file = probe_dir / token
+    driver_file.write_text(token)
+    try:
+        refs = [
+            _probe_node.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n.node_id, soft=False)
+            ).remote(root, paths, str(driver_file), n.node_id)
+            for n in nodes
+        ]
+        checks: list[NodeCheck] = []
+        for node, ref in zip(nodes, refs):
+            check = NodeCheck(label=node.label, node_id=node.node_id, gpu_count=node.gpus)
+            try:
+                facts = ray.get(ref, timeout=timeout_s)
+                for key, value in facts.items():
+                    setattr(check, key, value)
+                check.shared = check.shared and (probe_dir / f"{token}-{node.node_id}").is_file()
+            except Exception as exc:  # noqa: BLE001 - a node that cannot run the probe is itself a finding
+                check.error = " ".join(str(exc).split())[:200]
+            info = gpu_info.get(node.label)
+            if info is not None:
+                check.gpu_kind, check.gpu_memory_gib, check.gpu_source = info.kind, info.memory_gib, info.source
+            checks.append(check)
+    finally:
+        for leftover in probe_dir.glob(f"{token}*"):
+            leftover.unlink(missing_ok=True)
+    return DoctorReport(nodes=checks, problems=_problems(checks, cfg, root), expected_nodes=cfg.cluster.nodes)
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (trials create the folder; the check needs nothing created)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _probe_node(disk_path: str, paths: list[str]) -> dict:
-    """Runs on one node: versions from package metadata, free disk, which configured paths exist."""
+def _probe_node(disk_path: str, paths: list[str], driver_file: str, node_id: str) -> dict:
+    """Runs on one node: versions from package metadata, free disk, which configured paths exist, and whether the
+    driver's file is visible here (then it leaves one of its own beside it)."""
     facts: dict = {"python": platform.python_version()}
     for key, dists in (
         ("torch", ("torch",)),
@@ -120,16 +146,17 @@ def _probe_node(disk_path: str, paths: list[str]) -> dict:
                 break
             except importlib.metadata.PackageNotFoundError:
                 continue
-    existing = Path(disk_path)
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent  # trials create the folder; measure the filesystem it will live on
     facts["disk_path"] = disk_path
-    facts["free_disk_gib"] = round(shutil.disk_usage(existing).free / GIB, 1)
+    facts["free_disk_gib"] = round(shutil.disk_usage(_existing(Path(disk_path))).free / GIB, 1)
     facts["paths"] = {p: Path(p).exists() for p in paths}
+    seen = Path(driver_file)
+    facts["shared"] = seen.is_file() and seen.read_text() == seen.name
+    if facts["shared"]:
+        Path(f"{driver_file}-{node_id}").write_text(node_id)
     return facts
 
 
-def _problems(checks: list[NodeCheck], cfg: SweepConfig) -> list[str]:
+def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> list[str]:
     problems: list[str] = []
     if not checks:
         return ["no alive node offers GPUs"]
@@ -151,6 +178,10 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig) -> list[str]:
                             f"cluster.gpus_per_node says {cfg.cluster.gpus_per_node}")
         if node.megatron_core == ABSENT:
             problems.append(f"{node.label}: megatron-core is not installed")
+        if node.shared is False:
+            problems.append(f"{node.label}: does not share {trial_root} with the driver (trial folders must be on a "
+                            "filesystem every node mounts at the same path: each rank writes its log and checkpoint "
+                            "shards there)")
     if len(checks) < cfg.cluster.nodes:
         problems.append(f"{len(checks)} GPU node(s) alive, cluster.nodes says {cfg.cluster.nodes}")
     return problems

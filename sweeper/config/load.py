@@ -5,8 +5,9 @@ model resolved to a ``ModelSpec``, or raises ``ConfigError`` with one line that 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any, cast, get_args
 
 import yaml
 from pydantic import ValidationError
@@ -60,8 +61,11 @@ def resolve_space_path(path: str | Path) -> Path:
     return path
 
 
-def load_config(path: str | Path) -> SweepConfig:
-    """Read, validate and resolve a search YAML; raises ConfigError with one line naming the field."""
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
+    """Read, validate and resolve a search YAML; raises ConfigError with one line naming the field.
+
+    ``overrides``: ``section.field=value`` items (the CLI's ``--set``) applied over the YAML before validation,
+    with OmegaConf's dot-list parsing (``training.steps=4``, ``space.tp=[1,2]``, ``search.sampler=grid``)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
@@ -79,6 +83,8 @@ def load_config(path: str | Path) -> SweepConfig:
     if not isinstance(data, dict):
         raise ConfigError(
             f"{path}: expected a mapping of sections (name, model, cluster, ...), got {type(data).__name__}")
+    if overrides:
+        data = _overridden(data, overrides)
     if "source" in data:  # set by load_config itself, never read from the YAML
         raise ConfigError(f"{path}: source: unknown key")
     problem = _non_finite(data, ())
@@ -97,6 +103,31 @@ def load_config(path: str | Path) -> SweepConfig:
         return SweepConfig.model_validate({**data, "source": path}, strict=True)
     except ValidationError as exc:
         raise ConfigError(f"{path}: {format_validation_error(exc)}") from None
+
+
+def _overridden(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """``data`` with the ``--set`` items merged over it (a ConfigError names the item it cannot apply)."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    merged: Any = OmegaConf.create(data)
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item}: expected section.field=value, e.g. training.steps=4")
+        parts, node = key.strip().split("."), cast(Any, data)
+        for depth, part in enumerate(parts[:-1]):
+            node = node.get(part) if isinstance(node, dict) else None
+            if node is not None and not isinstance(node, dict):
+                where = ".".join(parts[:depth + 1])
+                raise ConfigError(f"--set {item}: {where} is {node!r} in the YAML, not a section with fields")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except (OmegaConfBaseException, ValueError, TypeError) as exc:
+            raise ConfigError(f"--set {item}: {str(exc).splitlines()[0]}") from None
+    result = OmegaConf.to_container(merged, resolve=False)
+    assert isinstance(result, dict)
+    return {str(k): v for k, v in result.items()}
 
 
 def _non_finite(data: Any, root: tuple[str | int, ...]) -> str | None:

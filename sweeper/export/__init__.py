@@ -9,6 +9,7 @@ from sweeper.export.megatron_lm import LAUNCH_FILE, launch_script
 from sweeper.space.layout import Layout
 
 EXECUTABLE = {LAUNCH_FILE}
+__all__ = ["EXECUTABLE", "LAUNCH_FILE", "OVERRIDES_FILE", "export_files"]
 
 
 def export_files(cfg: SweepConfig, layout: Layout, trial: int) -> dict[str, str]:

@@ -75,6 +75,10 @@ class TrialResult:
     # Seconds per phase of the smoke run (init, build, equivalence, steps, checkpoint_save, checkpoint_load): the
     # slowest rank's time for each phase, where a trial's overhead goes.
     timings_s: dict[str, float] = field(default_factory=dict)
+    # Each step's time (the slowest rank's; warm-up steps included) and each rank's peak memory in GiB (rank order;
+    # None for a rank that reported none): the series behind step_time_s and peak_memory_gib.
+    step_times_s: list[float] = field(default_factory=list)
+    rank_peak_memory_gib: list[float | None] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:

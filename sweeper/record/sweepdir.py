@@ -25,6 +25,7 @@ class SweepDir:
         self.meta = root / "sweep.json"
         self.best = root / "best_layout.yaml"
         self.journal = root / "optuna_journal.log"
+        self.space = root / "space.yaml"  # the search YAML the sweep was started with, as given
         self.trial_dirs = root / "trials"
 
     def exists(self) -> bool:

@@ -8,7 +8,9 @@ MLflow's own default store in the working directory is used (``mlflow ui`` there
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,14 @@ from sweeper.space.axes import AXES
 from sweeper.space.layout import Layout
 
 LOG_TAIL_BYTES = 20_000
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+
+
+TAG = "sweeper."  # the prefix of every tag sweeper sets (MLflow's own mlflow.* tags aside)
+
+
+def tag(name: str) -> str:
+    return f"{TAG}{name}"
 
 
 class Tracker:
@@ -34,21 +44,36 @@ class Tracker:
 
     # -- the sweep ------------------------------------------------------------------------------------------------
     def start_sweep(self, name: str, params: dict[str, Any], tags: dict[str, str], resume_run_id: str | None) -> str:
+        """The parent run: ``params`` (one per axis, under the axes' Megatron names, and the sweep's settings),
+        ``tags`` (prefixed ``sweeper.``) and MLflow's source tags (what ran it, sweeper's git commit)."""
         if resume_run_id is not None:
             self.parent_run_id = resume_run_id
             self.client.update_run(resume_run_id, status="RUNNING")
         else:
-            run = self.client.create_run(self.experiment_id, run_name=name, tags={"sweeper.kind": "sweep", **tags})
+            all_tags = {tag("kind"): "sweep", **{tag(k): v for k, v in tags.items()}, **_source_tags()}
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
             self.parent_run_id = run.info.run_id
             self.client.log_batch(self.parent_run_id, params=[Param(k, _text(v)) for k, v in params.items()])
         return self.parent_run_id
 
-    def finish_sweep(self, status: str, summary: dict[str, Any]) -> None:
-        """status: FINISHED | FAILED | KILLED (MLflow's run states)."""
+    def finish_sweep(self, status: str, summary: dict[str, Any], metrics: dict[str, float],
+                     table: dict[str, list[Any]], artifacts: list[Path], figures: dict[str, Any]) -> None:
+        """status: FINISHED | FAILED | KILLED (MLflow's run states). ``summary``: tags; ``metrics``: the winner's and
+        the sweep's; ``table``: every trial attempt, column by column (``trials_table.json``, MLflow's table view);
+        ``artifacts``: files of the sweep folder; ``figures``: plotly figures by artifact name (the report's)."""
         assert self.parent_run_id is not None
-        tags = [RunTag(f"sweep.{k}", _text(v)) for k, v in summary.items()]
-        self.client.log_batch(self.parent_run_id, tags=tags)
-        self.client.set_terminated(self.parent_run_id, status=status)
+        run = self.parent_run_id
+        now = _now_ms()
+        self.client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                              tags=[RunTag(tag(k), _text(v)) for k, v in summary.items()])
+        if any(table.values()):  # at least one row
+            self.client.log_table(run, table, "trials_table.json")
+        for path in artifacts:
+            if path.is_file():
+                self.client.log_artifact(run, str(path))
+        for name, figure in figures.items():
+            self.client.log_figure(run, figure, f"figures/{name}.html")  # plotly: an interactive HTML page
+        self.client.set_terminated(run, status=status)
 
     def close_orphans(self) -> list[str]:
         """Child runs still RUNNING from a driver that died: mark them KILLED (their trials are re-run)."""
@@ -68,14 +93,15 @@ class Tracker:
         assert self.parent_run_id is not None
         tags = {
             "mlflow.parentRunId": self.parent_run_id,
-            "layout": layout.short(),
-            "trial_number": str(number),
-            "attempt": str(attempt),
-            "phase": phase,
-            "sweeper.kind": "trial",
+            tag("kind"): "trial",
+            tag("layout"): layout.short(),
+            tag("trial_number"): str(number),
+            tag("attempt"): str(attempt),
+            tag("phase"): phase,
         }
         run = self.client.create_run(self.experiment_id, run_name=f"{number}.{attempt} {layout.short()}", tags=tags)
-        # Every axis under the name a Megatron user knows (TransformerConfig / Megatron-LM), from the axis table.
+        # Every axis under the name a Megatron user knows (TransformerConfig / Megatron-LM), from the axis table;
+        # the Optuna study names its parameters the same way (search/study.py).
         params = [Param(a.megatron, _text(a.megatron_value(layout))) for a in AXES if a.megatron]
         params.append(Param("recompute_modules", ",".join(layout.recompute_modules) or "null"))
         metrics = []
@@ -94,16 +120,27 @@ class Tracker:
             if value is not None
         ]
         metrics += [Metric("loss", float(loss), now, step) for step, loss in enumerate(result.losses)]
+        # The series behind the summary: each step's time (MLflow plots it against the step; its own key, so that
+        # step_time_s stays the median the run is compared by) and each rank's peak memory (grouped under
+        # peak_memory_gib/ in the UI).
+        metrics += [Metric("step_time_per_step_s", float(t), now, step + 1)
+                    for step, t in enumerate(result.step_times_s)]
+        metrics += [Metric(f"peak_memory_gib/rank_{rank:03d}", float(gib), now, 0)
+                    for rank, gib in enumerate(result.rank_peak_memory_gib) if gib is not None]
         tags = [
-            RunTag("status", result.status),
-            RunTag("failure_kind", result.failure_kind or ""),
-            RunTag("backend", result.backend),
-            RunTag("nodes", ",".join(sorted(set(result.rank_nodes)))),
-            RunTag("memory_kind", result.memory_kind or ""),
+            RunTag(tag("status"), result.status),
+            RunTag(tag("failure_kind"), result.failure_kind or ""),
+            RunTag(tag("backend"), result.backend),
+            RunTag(tag("nodes"), ",".join(sorted(set(result.rank_nodes)))),
+            RunTag(tag("memory_kind"), result.memory_kind or ""),
         ]
         if result.error:
-            tags.append(RunTag("error", result.error[:4000]))
-        self.client.log_batch(run_id, metrics=metrics, tags=tags)
+            tags.append(RunTag(tag("error"), result.error[:4000]))
+        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH],
+                                  tags=tags if start == 0 else [])
+        if not metrics:
+            self.client.log_batch(run_id, tags=tags)
         self.client.log_text(run_id, json.dumps(result.to_json(), indent=2), "result.json")
         if result.trial_dir:
             for log in sorted(Path(result.trial_dir).glob("rank_*.log")):
@@ -113,6 +150,28 @@ class Tracker:
 
     def kill_trial(self, run_id: str) -> None:
         self.client.set_terminated(run_id, status="KILLED")
+
+
+def _source_tags() -> dict[str, str]:
+    """MLflow's source tags for the parent run: the command, and sweeper's git commit when it runs from a
+    checkout (``mlflow.source.git.commit``, shown by the UI next to the run)."""
+    root = Path(__file__).resolve().parents[2]
+    tags = {"mlflow.source.name": "sweeper search", "mlflow.source.type": "LOCAL", tag("version"): _version()}
+    if not (root / ".git").exists():  # an installed copy, not a checkout
+        return tags
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return tags
+    return {**tags, "mlflow.source.git.commit": commit}
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("sweeper")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _tail(path: Path) -> str:

@@ -154,10 +154,13 @@ def predicted_vs_measured(rows: Sequence[TrialRow], memory_label: str) -> tuple[
 
 def failures_and_pruned(failed: Counter[str], pruned: Counter[str]) -> go.Figure | None:
     """Two bar charts side by side: launched attempts that failed, by kind; layouts refused before launch, by kind."""
-    if not failed and not pruned:
+    panels = [(title, counts, CATEGORY_COLORS[key]) for title, counts, key in (
+        ("Failed attempts by kind", failed, "failed"), ("Pruned layouts by reason kind", pruned, "pruned"))
+        if counts]  # a side with nothing to count is left out, not drawn empty
+    if not panels:
         return None
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("Failed attempts by kind", "Pruned layouts by reason kind"))
-    for col, counts, color in ((1, failed, CATEGORY_COLORS["failed"]), (2, pruned, CATEGORY_COLORS["pruned"])):
+    fig = make_subplots(rows=1, cols=len(panels), subplot_titles=[title for title, _, _ in panels])
+    for col, (_, counts, color) in enumerate(panels, start=1):
         ordered = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
         fig.add_trace(
             go.Bar(x=[html.escape(k) for k, _ in ordered], y=[v for _, v in ordered], marker_color=color,

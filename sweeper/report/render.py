@@ -11,8 +11,10 @@ once so the page opens offline.
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
@@ -183,10 +185,24 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
             f"<h2 id='counts'>Counts</h2>{figures.counts_table(rows)}")
 
 
-def build_html(sweep_dir: Path) -> str:
-    """The report page for ``sweep_dir`` as one string (plotly.js included once)."""
+@dataclass
+class _Page:
+    """What the page and the MLflow parent run are drawn from."""
+
+    info: SweepMeta
+    recorded: bool
+    rows: list[TrialRow]
+    skipped: int
+    memory_kind: str | None
+    memory_label: str
+    front: list[TrialRow]
+    figures: dict[str, Any]  # plotly figures by name, None where there is nothing to draw
+    median_error: float | None
+
+
+def _page(sweep_dir: Path) -> _Page:
     meta = read_meta(sweep_dir / SWEEP_FILE)
-    recorded, info = meta is not None, meta or SweepMeta()
+    info = meta or SweepMeta()
     rows, skipped = load_trials(sweep_dir / TRIALS_FILE)
     limit = info.memory_limit_gib
     _classify(rows, limit)
@@ -194,32 +210,52 @@ def build_html(sweep_dir: Path) -> str:
     memory_label = _memory_label(memory_kind)
     front = pareto_front(rows)
     limit_label = (f"headroom limit {limit:.1f} GiB" if limit is not None else "")
-    fig_html = figures.FigureHtml()
+    accuracy, median_error = (None, None) if memory_kind == "host" else figures.predicted_vs_measured(
+        rows, memory_label)
+    drawn = {
+        "throughput_vs_memory": figures.throughput_vs_memory(rows, front, limit, limit_label, memory_label),
+        "predicted_vs_measured": accuracy,
+        "failures": figures.failures_and_pruned(kind_counts(rows, "failed"), kind_counts(rows, "pruned")),
+        "axis_effects": figures.axis_effects(rows),
+    }
+    return _Page(info, meta is not None, rows, skipped, memory_kind, memory_label, front, drawn, median_error)
 
-    scatter = figures.throughput_vs_memory(rows, front, limit, limit_label, memory_label)
+
+def report_figures(sweep_dir: Path) -> dict[str, Any]:
+    """The report's figures that have something to show, by name (the sweep logs them on its MLflow run)."""
+    return {name: fig for name, fig in _page(Path(sweep_dir)).figures.items() if fig is not None}
+
+
+def build_html(sweep_dir: Path) -> str:
+    """The report page for ``sweep_dir`` as one string (plotly.js included once)."""
+    page = _page(sweep_dir)
+    info, rows, front, drawn = page.info, page.rows, page.front, page.figures
+    fig_html = figures.FigureHtml()
     pareto_body = [[str(r.number), esc(r.name), num(r.tokens_per_s, "{:,.0f}"), num(r.peak_memory_gib, "{:.2f}")]
                    for r in front]
     pareto_html = (figures.html_table(["trial", "layout", "tokens/s", "peak mem (GiB)"], pareto_body) if front
                    else '<p class="note">No stable trial with measured throughput and memory.</p>')
-    accuracy_fig, median_error = figures.predicted_vs_measured(rows, memory_label)
-    accuracy_text = (f"<p>Median absolute error of the memory prediction: <b>{median_error:.1f}%</b> over passed "
-                     f"attempts.</p>" if median_error is not None else "")
+    if page.memory_kind == "host":
+        accuracy = ('<p class="note">Not drawn: this sweep ran on the CPU backend, which measures host RSS, while '
+                    "the estimator predicts GPU memory; the two are not comparable (a GPU sweep draws this).</p>")
+    else:
+        accuracy = (f"<p>Median absolute error of the memory prediction: <b>{page.median_error:.1f}%</b> over "
+                    f"passed attempts.</p>" if page.median_error is not None else "") + fig_html.div(
+            drawn["predicted_vs_measured"], "No passed attempt has both a predicted and a measured peak memory.")
 
     sections = [
-        _header(info, recorded, rows, skipped, memory_kind, sweep_dir),
+        _header(info, page.recorded, rows, page.skipped, page.memory_kind, sweep_dir),
         "<h2 id='throughput-memory'>Throughput vs peak memory</h2>",
-        fig_html.div(scatter, "No launched attempt recorded a peak memory."),
+        fig_html.div(drawn["throughput_vs_memory"], "No launched attempt recorded a peak memory."),
         "<h2 id='pareto'>Pareto front (max throughput, min memory, stable only)</h2>", pareto_html,
-        "<h2 id='memory-accuracy'>Predicted vs measured peak memory</h2>", accuracy_text,
-        fig_html.div(accuracy_fig, "No passed attempt has both a predicted and a measured peak memory."),
+        "<h2 id='memory-accuracy'>Predicted vs measured peak memory</h2>", accuracy,
         "<h2 id='failures'>Failures and pruned layouts</h2>",
-        fig_html.div(figures.failures_and_pruned(kind_counts(rows, "failed"), kind_counts(rows, "pruned")),
-                     "No failed or pruned attempt."),
+        fig_html.div(drawn["failures"], "No attempt failed and no layout was pruned."),
         figures.pruned_reasons_table(rows),
         figures.memory_pruned_table(info.memory_pruned or []),
         figures.dominated_table(info.dominated or [], info.stopped_early),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
-        fig_html.div(figures.axis_effects(rows), "No axis took more than one value among passed trials."),
+        fig_html.div(drawn["axis_effects"], "No axis took more than one value among passed trials."),
         f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows),
         f"<p class='note'>Rendered {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {TRIALS_FILE}"
         f" and {SWEEP_FILE}.</p>",
@@ -227,8 +263,6 @@ def build_html(sweep_dir: Path) -> str:
     title = esc(f"sweeper report: {info.name or sweep_dir.name}")
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{figures.CSS}</style></head><body>{''.join(sections)}</body></html>")
-
-
 
 
 def render_report(sweep_dir: Path) -> Path:

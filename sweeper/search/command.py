@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
 from sweeper.models.proxy import is_proxy
+from sweeper.record.files import write_atomic
 from sweeper.record.sweepdir import SweepDir
-from sweeper.search.loop import SearchOptions, Sweep, console, now
-from sweeper.space.axes import SEARCHED
+from sweeper.search.console import console, quiet_libraries, sweep_log
+from sweeper.search.loop import SearchOptions, Sweep, now
+from sweeper.search.summary import space_params
+
+if TYPE_CHECKING:
+    from sweeper.record.tracking import Tracker
 
 
 def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
@@ -31,15 +36,24 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
     # Deferred: MLflow and Ray load only once the input is known good (bad input exits in a fraction of a second).
     from sweeper.record.tracking import Tracker
-    from sweeper.trial.host import open_host
 
+    quiet_libraries()  # MLflow's store migration lines are not sweeper's to show
     tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first
     sweep_dir.create()
+    if options.space is not None and not options.resume:
+        write_atomic(sweep_dir.space, options.space.read_text())
+    with sweep_log(sweep_dir.root, options.verbosity, options.display):
+        return _run(cfg, options, sweep_dir, tracker)
+
+
+def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker: Tracker) -> int:
+    from sweeper.trial.host import open_host
+
     meta = sweep_dir.read_meta()
     with open_host(cfg, options.address) as handle:
-        doctor = handle.doctor(cfg)
+        doctor = handle.doctor(cfg, sweep_dir.root)
         if not doctor.ok:
-            console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems))
+            console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems), important=True)
             return EXIT_FAILED
         parent = tracker.start_sweep(
             cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name,
@@ -63,13 +77,11 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
 
 def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:
     c = cfg.cluster
-    space = " ".join(f"{a.name}={cfg.world_sizes if a.name == 'gpus' else cfg.space.values(a.name)}"
-                     for a in SEARCHED if a.name != "distributed_optimizer")
     return {
         "model": cfg.model.name, "nodes": c.nodes, "gpus_per_node": c.gpus_per_node,
         "gpu_memory_gib": c.gpu_memory_gib, "compute_capability": c.compute_capability,
         "seq_length": cfg.training.seq_length, "global_batch_size": cfg.training.global_batch_size,
-        "steps": cfg.training.steps, "space": space,
+        "steps": cfg.training.steps, **space_params(cfg),
         "max_trials": cfg.search.max_trials, "objective": cfg.search.objective,
         "memory_headroom": cfg.search.memory_headroom,
     }
@@ -79,7 +91,8 @@ def _install_signal_handlers(stop: threading.Event) -> dict[int, Any]:
     def handler(signum: int, _frame: Any) -> None:
         if stop.is_set():
             raise KeyboardInterrupt  # a second Ctrl-C: stop waiting for trials to wind down
-        console.print(f"[yellow]{signal.Signals(signum).name}: stopping launches, cancelling running trials[/]")
+        console.print(f"[yellow]{signal.Signals(signum).name}: stopping launches, cancelling running trials[/]",
+                      important=True)
         stop.set()
 
     previous: dict[int, Any] = {}

@@ -19,8 +19,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, EXIT_OK
 from sweeper.estimate import Estimate
@@ -30,7 +28,8 @@ from sweeper.plan.assess import PlanEntry, assess, assess_all
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
-from sweeper.report.render import render_report
+from sweeper.report.render import render_report, report_figures
+from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.dominance import Dominance
 from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
@@ -46,6 +45,7 @@ from sweeper.search.selection import (
     trials_without_improvement,
 )
 from sweeper.search.study import LayoutStudy, Mode
+from sweeper.search.summary import folder_artifacts, sweep_metrics, trials_table
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import ensure_reference
@@ -53,7 +53,6 @@ from sweeper.trial.reference import ensure_reference
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
 
-console = Console(stderr=True)
 # A failure that says nothing about the layout (selection.NOT_THE_LAYOUTS): Optuna is told nothing (FAIL); the
 # layout runs again as a new attempt, up to these many attempts.
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
@@ -68,6 +67,9 @@ class SearchOptions:
     parallel: int | None = None
     address: str | None = None
     injections: list[Injection] = field(default_factory=list)
+    space: Path | None = None  # the search YAML, copied into the sweep folder (space.yaml) when the sweep starts
+    verbosity: Verbosity = "normal"  # -q / -v
+    display: Display | None = None  # the live table of running trials (a terminal), None: plain progress lines
 
 
 def now() -> str:
@@ -231,7 +233,7 @@ class Sweep:
             if stale >= self.cfg.search.patience:
                 self.stopped_early = (f"stopped exploring: {stale} trials without a better stable layout "
                                       f"(search.patience {self.cfg.search.patience})")
-                console.print(f"[yellow]{self.stopped_early}[/]")
+                console.print(f"[yellow]{self.stopped_early}[/]", important=True)
         if self.stopped_early is not None:
             return False
         wall = self.cfg.search.wall_time_s
@@ -353,7 +355,8 @@ class Sweep:
         m = result.metrics
         outcome = (f"{result.failure_kind}: {result.error}" if result.failure_kind else
                    f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
-        console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}")
+        console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
+                      important=not result.passed)
         update = self.calibrator.add(run.layout, result)
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")
@@ -384,7 +387,11 @@ class Sweep:
     def _print_progress(self) -> None:
         best = candidates(self.records, self.cfg)
         top = (best[0].layout.short(), objective_value(best[0].explore.result, self.cfg)) if best else None
-        console.print(f"[dim]{self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)}[/]")
+        line = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)
+        running = [{"trial": f"{r.number}.{r.attempt}", "phase": r.phase, "layout": r.layout.short(),
+                    "gpus": r.layout.world_size, "nodes": ",".join(r.slot.labels) if r.slot else "",
+                    "elapsed_s": time.monotonic() - r.started} for r in self.scheduler.in_flight]
+        console.progress(f"[dim]{line}[/]", running)
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
                        number: int | None = None) -> None:
@@ -459,13 +466,19 @@ class Sweep:
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         self.dir.write_meta(meta)
         report = render_report(self.dir.root)
-        self.tracker.finish_sweep("KILLED" if status == "interrupted" else "FINISHED",
-                                  {"status": status, "best": winner.layout.short() if winner else "none"})
-        console.print(f"report: {report}")
+        self.tracker.finish_sweep(
+            "KILLED" if status == "interrupted" else "FINISHED",
+            {"status": status, "best": winner.layout.short() if winner else "none"},
+            metrics=sweep_metrics(self.records, winner, self.cfg, meta.scheduling_efficiency),
+            table=trials_table(self.records),
+            artifacts=folder_artifacts(self.dir),
+            figures=report_figures(self.dir.root),
+        )
+        console.print(f"report: {report}", important=True)
         if winner is None:
-            console.print("[red]no stable layout passed[/] (see the report for why)")
+            console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
             return EXIT_FAILED
-        console.print(f"[green]best stable layout[/]: {winner.layout.short()} -> {self.dir.best}")
+        console.print(f"[green]best stable layout[/]: {winner.layout.short()} -> {self.dir.best}", important=True)
         return EXIT_FAILED if status == "interrupted" else EXIT_OK
 
 

@@ -35,6 +35,10 @@ from sweeper.space.layout import Layout, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
 
 AXES: tuple[str, ...] = tuple(a.name for a in SEARCHED)  # one Optuna parameter per searched axis
+# Its name: the axis's Megatron name, the one its MLflow parameter has (tracking.py), so that optuna-dashboard and
+# the MLflow UI speak one vocabulary (tensor_model_parallel_size, not tp).
+PARAM: dict[str, str] = {axis: AXIS[axis].megatron or axis for axis in AXES}
+PARAMS: frozenset[str] = frozenset(PARAM.values())
 # Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.
 CONSTRAINT = "infeasible"
 Mode = Literal["ordered", "random", "tpe"]
@@ -71,6 +75,7 @@ class LayoutStudy:
         self.study = optuna.create_study(
             study_name=cfg.name, storage=storage, sampler=sampler, direction="maximize", load_if_exists=True
         )
+        self.study.set_metric_names([cfg.search.objective])  # optuna-dashboard's name for the value, as in MLflow
         self.choices = _choices(cfg)
         self.rng = random.Random(seed)
         self.counts = AskCounts()
@@ -78,7 +83,7 @@ class LayoutStudy:
         # Layouts outside the candidates already told infeasible (a resumed study keeps what it learned).
         self.told_infeasible = {
             self.layout_of(t.params) for t in self.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-            if set(t.params) == set(AXES) and t.constraints.get(CONSTRAINT, 0.0) > 0
+            if set(t.params) == PARAMS and t.constraints.get(CONSTRAINT, 0.0) > 0
         }
 
     def set_candidates(self, candidates: Sequence[Layout]) -> None:
@@ -88,13 +93,13 @@ class LayoutStudy:
 
     # -- layouts <-> Optuna params ---------------------------------------------------------------------------------
     def params_of(self, layout: Layout) -> dict[str, Any]:
-        params = {axis: AXIS[axis].value(layout) for axis in AXES}
+        values = {axis: AXIS[axis].value(layout) for axis in AXES}
         if "auto" in self.choices["sp"] and layout.sp == resolve_sp("auto", layout.tp):
-            params["sp"] = "auto"
-        return params
+            values["sp"] = "auto"
+        return {PARAM[axis]: value for axis, value in values.items()}
 
     def layout_of(self, params: dict[str, Any]) -> Layout:
-        axes = {AXIS[axis].field: params[axis] for axis in AXES}
+        axes = {AXIS[axis].field: params[PARAM[axis]] for axis in AXES}
         axes["sp"] = resolve_sp(axes["sp"], axes["tp"])
         layout = Layout(gbs=self.cfg.training.global_batch_size, **axes)
         return with_pipeline_split(layout, self.cfg.model)
@@ -147,7 +152,7 @@ class LayoutStudy:
         sweep re-runs them as new attempts of the same sweeper trial."""
         out = []
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if set(trial.params) == set(AXES):
+            if set(trial.params) == PARAMS:
                 out.append((self.layout_of(trial.params), dict(trial.user_attrs)))
             self.study.tell(trial.number, state=TrialState.FAIL)
         return out
@@ -156,7 +161,7 @@ class LayoutStudy:
     def _ask(self) -> Proposal:
         trial = self.study.ask()
         self.counts.asks += 1
-        params = {axis: trial.suggest_categorical(axis, self.choices[axis]) for axis in AXES}
+        params = {PARAM[axis]: trial.suggest_categorical(PARAM[axis], self.choices[axis]) for axis in AXES}
         return Proposal(trial, self.layout_of(params))
 
     def _decline(self, proposal: Proposal, duplicate: bool) -> None:
@@ -188,8 +193,8 @@ class LayoutStudy:
 
     def _coordinates(self, layout: Layout) -> tuple[int, ...]:
         params = self.params_of(layout)
-        return tuple(self.choices[axis].index(params[axis]) if params[axis] in self.choices[axis] else -1
-                     for axis in AXES)
+        values = [(axis, params[PARAM[axis]]) for axis in AXES]
+        return tuple(self.choices[axis].index(v) if v in self.choices[axis] else -1 for axis, v in values)
 
     def _nearest(self, layout: Layout, left: list[Layout]) -> Layout:
         """The remaining candidate closest to a declined draw: fewest axes changed, then the smallest steps along

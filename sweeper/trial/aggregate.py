@@ -123,19 +123,23 @@ def aggregate(
         notes=all_notes,
         trial_dir=trial_dir,
         timings_s=_timings(reports),
+        step_times_s=_step_times(reports),
+        rank_peak_memory_gib=[r.peak_memory_bytes / GIB if r.peak_memory_bytes else None for r in reports],
     )
+
+
+def _step_times(reports: list[RankReport]) -> list[float]:
+    """Each step's time: ranks time the same steps, and the slowest rank bounds each step."""
+    timed = [r.step_times_s for r in reports if r.step_times_s]
+    return [max(t[i] for t in timed) for i in range(min(len(t) for t in timed))] if timed else []
 
 
 def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int) -> TrialMetrics:
     metrics = TrialMetrics()
-    timed = [r.step_times_s for r in reports if r.step_times_s]
-    if timed:
-        steps = min(len(t) for t in timed)
-        # Ranks time the same steps; the slowest rank bounds each step. Warm-up steps are excluded when any remain.
-        start = warmup_steps if steps > warmup_steps else 0
-        per_step = [max(t[i] for t in timed) for i in range(start, steps)]
-        if per_step:
-            metrics.step_time_s = statistics.median(per_step)
+    per_step = _step_times(reports)
+    if per_step:
+        # Warm-up steps are excluded when any remain.
+        metrics.step_time_s = statistics.median(per_step[warmup_steps:] if len(per_step) > warmup_steps else per_step)
     tokens = max((r.tokens_per_step for r in reports), default=0)
     flops = max((r.flops_per_step for r in reports), default=0.0)
     if metrics.step_time_s and metrics.step_time_s > 0:

@@ -147,8 +147,9 @@ class TrialHost:
             raise RuntimeError("node-join injection needs a simulated cluster")
         return self.handle.simulated.add_node().label
 
-    def doctor(self, cfg: SweepConfig) -> DoctorReport:
-        return doctor(cfg, self.handle)
+    def doctor(self, cfg: SweepConfig, trial_root: Path | None = None) -> DoctorReport:
+        """``cluster.doctor`` for the folder trials will write into (the sweep folder)."""
+        return doctor(cfg, self.handle, trial_root)
 
     def close(self) -> None:
         """Retire the warm ranks (their GPUs go back to the cluster)."""

@@ -38,6 +38,6 @@ def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address
         return result
 
 
-def run_doctor(cfg: SweepConfig, address: str | None) -> DoctorReport:
+def run_doctor(cfg: SweepConfig, address: str | None, trial_root: Path | None = None) -> DoctorReport:
     with open_host(cfg, address) as host:
-        return host.doctor(cfg)
+        return host.doctor(cfg, trial_root)

@@ -156,7 +156,8 @@ def test_sigkill_then_resume_reruns_nothing_finished(tmp_path: Path) -> None:
     assert len({r["number"] for r in after}) == 3
 
     runs = [r for r in _mlflow_runs(tmp_path) if r.data.tags.get("sweeper.kind") == "trial"]
-    finished_runs = Counter((r.data.tags["trial_number"], r.data.tags["attempt"], r.data.tags["phase"])
+    finished_runs = Counter((r.data.tags["sweeper.trial_number"], r.data.tags["sweeper.attempt"],
+                             r.data.tags["sweeper.phase"])
                             for r in runs if r.info.status == "FINISHED")
     assert all(count == 1 for count in finished_runs.values()), finished_runs
     assert not [r for r in _mlflow_runs(tmp_path) if r.info.status == "RUNNING"]

@@ -64,10 +64,26 @@ def test_quickstart_search_end_to_end(tmp_path: Path) -> None:
     assert len(parents) == 1 and len(children) == len(launched)
     for child in children:
         assert {"tensor_model_parallel_size", "expert_model_parallel_size", "micro_batch_size"} <= set(child.data.params)
-        assert {"status", "backend", "nodes", "layout"} <= set(child.data.tags)
+        assert {"sweeper.status", "sweeper.backend", "sweeper.nodes", "sweeper.layout"} <= set(child.data.tags)
         assert "predicted_memory_gib" in child.data.metrics
-    passed = [c for c in children if c.data.tags["status"] == "passed"]
+    passed = [c for c in children if c.data.tags["sweeper.status"] == "passed"]
     assert passed and all({"tokens_per_s", "peak_memory_gib", "step_time_s"} <= set(c.data.metrics) for c in passed)
+    # The series behind the summary: every step's time, every rank's peak memory.
+    one = next(c for c in passed if c.data.tags["sweeper.phase"] == "explore")
+    world = int(one.data.params["world_size"])
+    assert len(client.get_metric_history(one.info.run_id, "step_time_per_step_s")) == cfg.training.steps
+    assert len(client.get_metric_history(one.info.run_id, "step_time_s")) == 1  # the median, compared by
+    assert {f"peak_memory_gib/rank_{r:03d}" for r in range(world)} <= set(one.data.metrics)
+    # The parent run: the winner's metrics, one parameter per axis (the same names), the folder's files, a table.
+    parent = client.get_run(parents[0].info.run_id)
+    assert {"tokens_per_s", "trials_launched", "best_trial"} <= set(parent.data.metrics)
+    assert parent.data.params["tensor_model_parallel_size"] == str(cfg.space.values("tp"))
+    assert parent.data.tags["sweeper.status"] == "finished" and "mlflow.source.git.commit" in parent.data.tags
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"space.yaml", "best_layout.yaml", "launch_megatron_lm.sh", "megatron_bridge_overrides.yaml",
+            "report.html", "trials.jsonl", "sweep.json", "trials_table.json", "figures"} <= logged
+    figures = {a.path for a in client.list_artifacts(parent.info.run_id, "figures")}
+    assert "figures/throughput_vs_memory.html" in figures and "figures/predicted_vs_measured.html" not in figures
 
     # The exported winner is a stable trial that passed its confirmation run, and the report exists.
     best = yaml.safe_load((out / "best_layout.yaml").read_text())

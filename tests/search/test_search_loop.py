@@ -22,7 +22,7 @@ from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRes
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
 from sweeper.search.loop import SearchOptions, Sweep
-from sweeper.search.study import AXES
+from sweeper.search.study import PARAMS
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 
@@ -202,7 +202,7 @@ def test_a_sweeper_bug_is_rerun_once_and_never_told_to_optuna_as_the_layouts(
     assert [(r.attempt, r.result.failure_kind) for r in rows] == [(1, "internal"), (2, "internal")]
     # Optuna saw the layout only as FAIL (which TPE ignores): neither a value nor an infeasible verdict.
     told = [t for t in sweep.study.study.get_trials(deepcopy=False)
-            if set(t.params) == set(AXES) and sweep.study.layout_of(t.params).short() == target]
+            if set(t.params) == PARAMS and sweep.study.layout_of(t.params).short() == target]
     assert told and all(t.state.name == "FAIL" for t in told)
 
 

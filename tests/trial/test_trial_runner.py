@@ -275,6 +275,9 @@ def test_doctor_on_the_simulated_cluster(sim, tmp_path: Path) -> None:
     assert node.gpu_count == 2 and node.gpu_source == "simulated" and node.free_disk_gib > 0
     rows = report.rows()
     assert rows[0]["node"] == "sim-0" and rows[0]["gpus"] == "2 x 4 GiB (simulated)" and rows[0]["paths"] == "ok"
+    # Every node read the driver's token file where trials will write, and left its own; none is left behind.
+    assert all(n.shared for n in report.nodes) and rows[1]["shared_trial_folder"] == "yes"
+    assert not list(tmp_path.glob(".sweeper-doctor-*")) and not (tmp_path / "sweeps").exists()
 
     missing = doctor(_cfg(data_paths=[str(present), "/nonexistent/data.bin"]), sim)
     assert not missing.ok
@@ -311,3 +314,13 @@ def test_real_megatron_tiny_gpt_tp2_pp2(sim, tmp_path: Path) -> None:
     assert result.checks.checkpoint_saved and result.checkpoint
     assert result.metrics.loss_last is not None and result.metrics.step_time_s
     assert_nothing_left()
+
+
+def test_a_node_that_does_not_share_the_trial_folder_is_a_problem() -> None:
+    from sweeper.cluster.doctor import NodeCheck, _problems
+
+    nodes = [NodeCheck("n0", "a", python="3.11", torch="2.13", megatron_core="0.16.1", gpu_count=2, shared=True),
+             NodeCheck("n1", "b", python="3.11", torch="2.13", megatron_core="0.16.1", gpu_count=2, shared=False)]
+    problems = _problems(nodes, _cfg(), "/scratch/sweeps/x")
+    assert problems == ["n1: does not share /scratch/sweeps/x with the driver (trial folders must be on a filesystem "
+                        "every node mounts at the same path: each rank writes its log and checkpoint shards there)"]
