@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
-from sweeper.report.render import REPORT_FILE, load_trials, pareto_front, render_report
+from sweeper.report.render import REPORT_FILE, load_trials, pareto_front, render_report, report_figures
 from sweeper.space.layout import Layout
 
 GPU_MEMORY_GIB = 80.0
@@ -199,6 +200,21 @@ def test_host_memory_caveat(tmp_path: Path) -> None:
     (tmp_path / "sweep.json").write_text(json.dumps(sweep))
     page = render_report(tmp_path).read_text(encoding="utf-8")
     assert "Memory is host RSS" in page and "peak host RSS per rank" in page
+    # GPU-predicted memory is not drawn against host RSS: a sentence says why instead.
+    assert "Median absolute error of the memory prediction" not in page
+    assert "the two are not comparable" in page
+    assert "predicted_vs_measured" not in report_figures(tmp_path) and "throughput_vs_memory" in report_figures(tmp_path)
+
+
+def test_no_empty_panel_when_nothing_failed(tmp_path: Path) -> None:
+    from sweeper.report.figures import failures_and_pruned
+
+    assert failures_and_pruned(Counter(), Counter()) is None
+    only_pruned = failures_and_pruned(Counter(), Counter({"invalid_layout": 3}))
+    assert only_pruned is not None and [a.text for a in only_pruned.layout.annotations] == [
+        "Pruned layouts by reason kind"]
+    both = failures_and_pruned(Counter({"oom": 1}), Counter({"invalid_layout": 3}))
+    assert both is not None and len(both.layout.annotations) == 2
 
 
 def test_no_stable_layout_says_why(tmp_path: Path) -> None:
