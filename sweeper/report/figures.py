@@ -329,8 +329,23 @@ def dominated_table(dominated: Sequence[dict[str, Any]], stopped_early: str | No
     return "".join(parts)
 
 
-def attempts_table(rows: Sequence[TrialRow]) -> str:
-    """Every attempt in trial order (explore before confirm), user text escaped, long errors cut to a tooltip."""
+def mlflow_run_url(mlflow: dict[str, Any], run_id: str | None) -> str | None:
+    """The MLflow UI page of a run when the sweep logged to a tracking server (http/https); None for a local
+    store, which has no address to link to."""
+    uri, experiment = str(mlflow.get("tracking_uri") or ""), mlflow.get("experiment_id")
+    if not run_id or experiment is None or not uri.startswith(("http://", "https://")):
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment}/runs/{run_id}"
+
+
+def _run_cell(mlflow: dict[str, Any], run_id: str | None) -> str:
+    url = mlflow_run_url(mlflow, run_id)
+    return f'<a href="{esc(url)}">{esc(run_id)}</a>' if url else esc(run_id or "–")
+
+
+def attempts_table(rows: Sequence[TrialRow], mlflow: dict[str, Any] | None = None) -> str:
+    """Every attempt in trial order (explore before confirm), user text escaped, long errors cut to a tooltip;
+    MLflow run ids link to the run when the sweep logged to a tracking server."""
     ordered = sorted(rows, key=lambda r: (r.number, r.phase == "confirm", r.attempt))
     body = []
     for r in ordered:
@@ -345,7 +360,7 @@ def attempts_table(rows: Sequence[TrialRow]) -> str:
             f'<span class="err" title="{esc(error)}">{esc(short)}</span>',
             num(r.tokens_per_s, "{:,.0f}"), num(r.result.metrics.tflops_per_gpu),
             num(r.peak_memory_gib, "{:.2f}"), num(r.predicted_memory_gib, "{:.2f}"),
-            num(r.duration_s, "{:.0f}"), esc(r.mlflow_run_id or "–"),
+            num(r.duration_s, "{:.0f}"), _run_cell(mlflow or {}, r.mlflow_run_id),
         ])
     headers = ["#", "attempt", "phase", "layout", "status", "failure", "error", "tokens/s", "TFLOP/s/GPU",
                "peak mem (GiB)", "predicted (GiB)", "time (s)", "MLflow run"]

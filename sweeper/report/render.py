@@ -161,8 +161,10 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
         ("Objective", esc(info.objective or "not recorded")),
         ("Memory limit (stability)", esc(headroom)),
         ("Started / ended", f"{esc(info.started_at or '–')} / {esc(info.ended_at or '–')}"),
-        ("MLflow", esc(" · ".join(f"{k}: {mlflow[k]}" for k in ("tracking_uri", "experiment", "parent_run_id")
-                                 if mlflow.get(k))) or "not recorded"),
+        ("MLflow", (esc(" · ".join(f"{k}: {mlflow[k]}" for k in ("tracking_uri", "experiment", "parent_run_id")
+                                  if mlflow.get(k))) or "not recorded")
+         + (f' · <a href="{esc(url)}">open the sweep\'s run</a>'
+            if (url := figures.mlflow_run_url(mlflow, mlflow.get("parent_run_id"))) else "")),
     ]
     notes = []
     if not recorded:
@@ -256,7 +258,7 @@ def build_html(sweep_dir: Path) -> str:
         figures.dominated_table(info.dominated or [], info.stopped_early),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
         fig_html.div(drawn["axis_effects"], "No axis took more than one value among passed trials."),
-        f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows),
+        f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows, info.mlflow),
         f"<p class='note'>Rendered {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {TRIALS_FILE}"
         f" and {SWEEP_FILE}.</p>",
     ]

@@ -64,7 +64,8 @@ def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker:
         meta.memory_headroom, meta.objective, meta.status = cfg.search.memory_headroom, cfg.search.objective, "running"
         meta.started_at = meta.started_at or now()
         meta.memory_kind = "host" if handle.simulated else "device"
-        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name, "parent_run_id": parent}
+        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name,
+                       "experiment_id": tracker.experiment_id, "parent_run_id": parent}
         sweep_dir.write_meta(meta)
         sweep = Sweep(cfg, options, handle, tracker)
         previous = _install_signal_handlers(sweep.stop)

@@ -254,3 +254,19 @@ def test_sweep_with_no_trials_yet(tmp_path: Path) -> None:
     page = render_report(tmp_path).read_text(encoding="utf-8")
     assert "still running" in page and "Every trial attempt (0)" in page
     assert page.count("* plotly.js v") == 0  # no figure, so no plotly.js either
+
+
+def test_mlflow_runs_link_to_a_tracking_server_and_not_to_a_local_store(tmp_path: Path) -> None:
+    write_fixture_sweep(tmp_path)
+    sweep = json.loads((tmp_path / "sweep.json").read_text())
+    lines = [json.loads(x) for x in (tmp_path / "trials.jsonl").read_text().splitlines()]
+    lines[0]["mlflow_run_id"] = "abc123"
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    sweep["mlflow"] = {"tracking_uri": "sqlite:///mlflow.db", "experiment_id": "7", "parent_run_id": "p1"}
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    assert "#/experiments/" not in render_report(tmp_path).read_text(encoding="utf-8")
+    sweep["mlflow"]["tracking_uri"] = "http://mlflow.internal:5000/"
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    page = render_report(tmp_path).read_text(encoding="utf-8")
+    assert '<a href="http://mlflow.internal:5000/#/experiments/7/runs/abc123">abc123</a>' in page
+    assert 'href="http://mlflow.internal:5000/#/experiments/7/runs/p1">open the sweep' in page
