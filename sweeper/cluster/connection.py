@@ -156,6 +156,7 @@ def connect(
         cleanup_stale_clusters(record_dir)  # a SIGKILLed sweep's cluster is neither leaked nor taken for a running one
     target = resolve_target(cluster_cfg, address_override)
     print(f"cluster: {target.why}", file=sys.stderr, flush=True)
+    logging.getLogger("sweeper.cluster").info("cluster: %s", target.why)  # a sweep's sweep.log keeps it too
     simulated: SimulatedCluster | None = None
     try:
         if target.kind == "simulated":

@@ -42,7 +42,7 @@ class SweepConsole:
     """sweeper's lines (rich markup) to the terminal at the chosen verbosity, and to the ``sweeper`` logger."""
 
     def __init__(self) -> None:
-        self.terminal = Console(stderr=True)
+        self.terminal = Console(stderr=True, soft_wrap=True)  # a long line stays one line in a pipe or a log
         self.verbosity: Verbosity = "normal"
         self.display: Display | None = None
 
