@@ -52,12 +52,15 @@ class SweepConsole:
         if self.verbosity != "quiet" or important:
             self.terminal.print(markup)
 
-    def progress(self, markup: str, running: list[dict[str, Any]]) -> None:
-        """The progress summary: the live view on a terminal, a plain line otherwise."""
-        _log.info(Text.from_markup(markup).plain)
+    def progress(self, markup: str, running: list[dict[str, Any]], line: bool = True) -> None:
+        """The progress summary: the live view on a terminal; otherwise, with ``line``, a plain line (also the
+        one written to the log)."""
         if self.display is not None:
             self.display.update(running, markup)
-        elif self.verbosity != "quiet":
+        if not line:
+            return
+        _log.info(Text.from_markup(markup).plain)
+        if self.display is None and self.verbosity != "quiet":
             self.terminal.print(markup)
 
 

@@ -334,10 +334,14 @@ class Sweep:
                               inject=inject, steps=steps, reference=self.reference)
         console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"
                       + (f" [magenta](inject {inject})[/]" if inject else ""))
+        self._print_progress(line=False)
 
     def _wait_one(self) -> None:
-        for run, result in self.scheduler.wait_one():
+        ended = self.scheduler.wait_one()
+        for run, result in ended:
             self._record(run, result)
+        if not ended:
+            self._print_progress(line=False)  # the live table's elapsed times move on; no line is printed
 
     # -- recording -----------------------------------------------------------------------------------------------
     def _record(self, run: Running, result: TrialResult) -> None:
@@ -384,14 +388,16 @@ class Sweep:
             result.passed and not is_stable(result, self.cfg))
         self.study.tell(run.proposal, None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible)
 
-    def _print_progress(self) -> None:
+    def _print_progress(self, line: bool = True) -> None:
+        """The progress summary and the running trials: the live table on a terminal; ``line``: also as a plain
+        line otherwise (and in sweep.log)."""
         best = candidates(self.records, self.cfg)
         top = (best[0].layout.short(), objective_value(best[0].explore.result, self.cfg)) if best else None
-        line = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)
+        summary = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)
         running = [{"trial": f"{r.number}.{r.attempt}", "phase": r.phase, "layout": r.layout.short(),
                     "gpus": r.layout.world_size, "nodes": ",".join(r.slot.labels) if r.slot else "",
                     "elapsed_s": time.monotonic() - r.started} for r in self.scheduler.in_flight]
-        console.progress(f"[dim]{line}[/]", running)
+        console.progress(f"[dim]{summary}[/]", running, line=line)
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
                        number: int | None = None) -> None:

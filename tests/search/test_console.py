@@ -71,3 +71,28 @@ def test_a_terminal_display_gets_the_progress_and_is_stopped_at_the_end(
     assert display.updates == [(1, "[dim]0m05s | running 1[/]")] and display.stopped
     assert "running 1" not in capsys.readouterr().err  # drawn by the display, not printed as a line
     assert console.display is None
+
+
+def test_a_refresh_moves_the_display_on_without_a_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    display = Recorder()
+    with sweep_log(tmp_path, "normal", display) as path:
+        console.progress("[dim]0m10s | running 2[/]", [{"trial": "1.1"}, {"trial": "2.1"}], line=False)
+    assert display.updates == [(2, "[dim]0m10s | running 2[/]")]
+    assert "running 2" not in capsys.readouterr().err and "running 2" not in path.read_text()
+
+
+def test_the_live_table_shows_each_running_trial() -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from sweeper.ui.live import LiveTrials
+
+    terminal = Console(file=StringIO(), force_terminal=True, width=120, record=True)
+    live = LiveTrials(terminal)
+    live.update([{"trial": "3.1", "phase": "explore", "layout": "TP2-PP1-EP2", "gpus": 4, "nodes": "n0,n1",
+                  "elapsed_s": 75.0}], "[dim]1m15s | running 1[/]")
+    live.live.refresh()
+    live.stop()
+    text = terminal.export_text()
+    assert "running trials (1)" in text and "TP2-PP1-EP2" in text and "n0,n1" in text and "1m15s" in text
