@@ -40,6 +40,9 @@ class SmokeRequest:
     # gradient norm on the fixed batch); see sweeper/backends/megatron/equivalence.py for the protocol.
     make_reference: bool = False
     run: RunSettings = field(default_factory=RunSettings)  # grad dtype, optimizer, FP8 weights
+    # Wall-clock time (time.time()) at which a rank still running dumps every thread's stack into
+    # <trial_dir>/stacks/ (trial/stacks.py), shortly before the runner's wall-time limit; None: no dump.
+    stack_dump_at: float | None = None
     inject: Inject | None = None  # fault injection for tests (simulated clusters only)
     inject_rank: int = 0
 

@@ -25,6 +25,7 @@ import ray
 
 from sweeper.backends.base import RankReport, SmokeRequest, shared_checks
 from sweeper.record.schema import TrialChecks
+from sweeper.trial import stacks
 from sweeper.trial.aggregate import classify_exception
 
 
@@ -79,7 +80,8 @@ def call_backend(rank: int, backend: str, request: SmokeRequest, node: str) -> R
     never propagated."""
     try:
         fn = load_backend(backend)
-        report = fn(request)
+        with stacks.armed(request.trial_dir, rank, request.stack_dump_at):  # hang forensics (trial/stacks.py)
+            report = fn(request)
     except BaseException as exc:  # noqa: BLE001 - a backend must not raise; if it does, report, don't crash
         _write_traceback(request.trial_dir, rank)
         return RankReport(

@@ -44,6 +44,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
+from sweeper.trial import stacks
 from sweeper.trial.actor import RankActor, RankSlot
 from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
 from sweeper.trial.forked import RankDied
@@ -106,7 +107,8 @@ def run_trial(
     trial_id = f"{trial_dir.name}-{uuid.uuid4().hex[:6]}"
     backend_inject = inject if inject in BACKEND_INJECTS else None
     request = _request(cfg, layout, handle, trial_dir, limit, backend_inject, inject_rank)
-    request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference)
+    request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference,
+                      stack_dump_at=stacks.dump_time(limit))
     node_loss_rank = inject_rank if inject == "node-loss" else None
 
     try:
@@ -283,6 +285,9 @@ def _run_ranks(
                 still = sorted(r for r in range(world_size) if outcomes[r].report is None and outcomes[r].died is None)
                 timeout_error = (f"timeout: trial still running after {limit:.0f}s (training.trial_timeout_s); "
                                  f"ranks {still} had not finished")
+                forensics = stacks.blocked_in(request.trial_dir)
+                if forensics:
+                    timeout_error += f"; {forensics}"
             elif stop == "cancelled":
                 abort_error = ("infra", "cancelled: the trial was stopped before it finished")
                 notes.append("cancelled")

@@ -131,6 +131,9 @@ def test_hung_rank_times_out_and_frees_the_gpus(tmp_path: Path) -> None:
     records = _records(tmp_path)
     hung = [r for r in records if r["result"]["failure_kind"] == "timeout"]
     assert len(hung) == 1, proc.stderr[-3000:]
+    # The error names the hung rank's place (the injection's loop) and the collective its peer waits in.
+    error = hung[0]["result"]["error"]
+    assert "in _inject (sweeper/backends/megatron/smoke.py:" in error and "blocked in torch.distributed" in error, error
     assert any(r["result"]["status"] == "passed" for r in records)  # the GPUs were freed for the next trial
     assert proc.returncode == 0, proc.stderr[-3000:]
     _report("a rank blocks forever (hang@trial=1)",

@@ -237,6 +237,12 @@ def test_hung_rank_times_out_whole_trial(sim, tmp_path: Path) -> None:
                            inject="hang", inject_rank=2)
     assert (result.status, result.failure_kind) == ("failed", "timeout")
     assert "after 12s (training.trial_timeout_s)" in result.error
+    # Hang forensics: every rank dumped its stack before the limit; the error names where each one was.
+    assert "ranks 0,1,3 blocked in torch.distributed all_reduce, called from standin_backend (tests/trial/" \
+        in result.error, result.error
+    assert "rank 2 in standin_backend (tests/trial/test_trial_runner.py:" in result.error, result.error
+    assert sorted(p.name for p in (Path(result.trial_dir) / "stacks").iterdir()) == [
+        "rank_000.txt", "rank_001.txt", "rank_002.txt", "rank_003.txt"]
     # No rank reported, yet every rank had joined the process group: the checks say what was proven.
     assert result.checks.process_group is True and result.checks.model_built is False
     assert 12 <= elapsed < 12 + 10
