@@ -5,7 +5,7 @@ Every rank arms Python's ``faulthandler.dump_traceback_later`` for a moment just
 ``<trial>/stacks/rank_NNN.txt`` by itself: no signal has to reach it across nodes, and a rank blocked inside a
 C call (a gloo or NCCL collective) dumps too, since faulthandler's watchdog thread does the writing. A rank that
 finishes in time cancels the dump and leaves no file. When the runner then stops the trial, ``blocked_in`` reads
-the files and names, for each rank, the collective (or the function) its main thread was in, and who called it.
+the files and names, for each rank, the collective (or the function) its backend thread was in, and who called it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 STACKS_DIR = "stacks"
-_HEADER = "main thread "
+_HEADER = "backend thread "
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+) \(most recent call first\):$")
 _FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)$')
 _COLLECTIVES = "torch/distributed/"
@@ -45,7 +45,8 @@ def armed(trial_dir: str, rank: int, dump_at: float | None) -> Iterator[None]:
     except OSError:  # forensics must never cost the trial
         yield
         return
-    header = f"{_HEADER}0x{threading.main_thread().ident or 0:016x}\n"
+    # The thread running the backend (a Ray actor may run it outside the process's main thread).
+    header = f"{_HEADER}0x{threading.get_ident():016x}\n"
     handle.write(header)
     handle.flush()  # faulthandler writes to the descriptor itself, after the header
     faulthandler.dump_traceback_later(max(dump_at - time.time(), 0.05), repeat=False, file=handle, exit=False)
@@ -58,21 +59,21 @@ def armed(trial_dir: str, rank: int, dump_at: float | None) -> Iterator[None]:
             path.unlink(missing_ok=True)
 
 
-def main_stack(text: str) -> list[tuple[str, int, str]]:
-    """(file, line, function) of the dump's main-thread frames, most recent first."""
+def backend_stack(text: str) -> list[tuple[str, int, str]]:
+    """(file, line, function) of the frames of the thread that ran the backend, most recent first."""
     lines = text.splitlines()
-    main = lines[0].removeprefix(_HEADER).strip() if lines and lines[0].startswith(_HEADER) else None
+    ours = lines[0].removeprefix(_HEADER).strip() if lines and lines[0].startswith(_HEADER) else None
     frames: list[tuple[str, int, str]] = []
     current: str | None = None
     for line in lines[1:]:
         thread = _THREAD.match(line)
         if thread:
-            if frames:  # the main thread's block ended
+            if frames:  # the backend thread's block ended
                 break
             current = thread.group(1)
             continue
         frame = _FRAME.match(line)
-        if frame and current is not None and (main is None or int(current, 16) == int(main, 16)):
+        if frame and current is not None and (ours is None or int(current, 16) == int(ours, 16)):
             frames.append((frame["file"], int(frame["line"]), frame["func"]))
     return frames
 
@@ -99,7 +100,7 @@ def blocked_in(trial_dir: str | Path) -> str | None:
     for path in sorted(folder.glob("rank_*.txt")):
         try:
             rank = int(path.stem.removeprefix("rank_"))
-            places.setdefault(where(main_stack(path.read_text(encoding="utf-8", errors="replace"))), []).append(rank)
+            places.setdefault(where(backend_stack(path.read_text(encoding="utf-8", errors="replace"))), []).append(rank)
         except (OSError, ValueError):
             continue
     if not places:

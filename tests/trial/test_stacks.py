@@ -18,7 +18,7 @@ def test_a_rank_still_running_at_the_dump_time_leaves_its_stack(tmp_path: Path) 
     with stacks.armed(str(tmp_path), 3, time.time() + 0.3):
         _wait_in_here(1.0)
     dump = tmp_path / "stacks" / "rank_003.txt"
-    frames = stacks.main_stack(dump.read_text())
+    frames = stacks.backend_stack(dump.read_text())
     assert frames[0][2] == "_wait_in_here" and frames[0][0].endswith("test_stacks.py")
     assert frames[1][2] == "test_a_rank_still_running_at_the_dump_time_leaves_its_stack"
     assert stacks.where(frames).startswith("in _wait_in_here (tests/trial/test_stacks.py:")
@@ -37,7 +37,7 @@ def test_a_collective_is_named_with_its_caller_and_ranks_in_one_place_are_groupe
     # Parser test data in faulthandler's format (what a rank blocked in all_reduce writes).
     torch_dir = "/venv/lib/python3.11/site-packages/torch/distributed"
     blocked = (
-        "main thread 0x00007f0000000001\n"
+        "backend thread 0x00007f0000000001\n"
         "Thread 0x00007f0000000002 (most recent call first):\n"
         '  File "/usr/lib/python3.11/threading.py", line 320 in wait\n\n'
         "Current thread 0x00007f0000000001 (most recent call first):\n"
@@ -52,9 +52,9 @@ def test_a_collective_is_named_with_its_caller_and_ranks_in_one_place_are_groupe
     for rank in (0, 1, 3):
         (folder / f"rank_{rank:03d}.txt").write_text(blocked)
     (folder / "rank_002.txt").write_text(
-        "main thread 0x00007f0000000009\nCurrent thread 0x00007f0000000009 (most recent call first):\n"
+        "backend thread 0x00007f0000000009\nCurrent thread 0x00007f0000000009 (most recent call first):\n"
         '  File "/work/sweeper/backends/megatron/smoke.py", line 280 in _inject\n')
-    assert stacks.where(stacks.main_stack(blocked)) == (
+    assert stacks.where(stacks.backend_stack(blocked)) == (
         "blocked in torch.distributed all_reduce, called from finalize_model_grads "
         "(megatron/core/distributed/finalize_model_grads.py:300)")
     summary = stacks.blocked_in(tmp_path)
