@@ -68,6 +68,10 @@ class RankReport:
     equivalence: dict[str, float] | None = None  # {"loss": ..., "grad_norm": ...} on the reference batch
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)  # import, init, build, equivalence, steps, checkpoint_*
+    # Proof of placement: group kind (tp, pp, cp, dp, ep, etp, edp) -> the global ranks of this rank's group, as
+    # megatron-core built it; and the GPU it ran on, as its node numbers it.
+    groups: dict[str, list[int]] = field(default_factory=dict)
+    gpu: str | None = None
 
 
 # The running rank's checks, shared by the backend as it proves them (the object is updated in place), so the

@@ -162,6 +162,8 @@ class SearchConfig(_Strict):
     gpu_hours: PositiveFloat | None = None
     # Stop exploring after this many ended trials without a better stable layout (None: spend the budget).
     patience: PositiveInt | None = None
+    # A trial whose TP or ETP group ran across nodes (its placement says so) is not "stable" unless this is true.
+    allow_cross_node_tp: bool = False
 
 
 class TrackingConfig(_Strict):

@@ -79,6 +79,10 @@ class TrialResult:
     # None for a rank that reported none): the series behind step_time_s and peak_memory_gib.
     step_times_s: list[float] = field(default_factory=list)
     rank_peak_memory_gib: list[float | None] = field(default_factory=list)
+    # Proof of placement (issue 17): group kind -> every group of that kind -> its ranks, each {"rank", "node",
+    # "gpu"}, from the process groups megatron-core built; and one line per TP or ETP group that spans nodes.
+    placement: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
+    placement_warnings: list[str] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:

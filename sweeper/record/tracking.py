@@ -136,12 +136,16 @@ class Tracker:
         ]
         if result.error:
             tags.append(RunTag(tag("error"), result.error[:4000]))
+        if result.placement_warnings:
+            tags.append(RunTag(tag("placement_warning"), "; ".join(result.placement_warnings)[:4000]))
         for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
             self.client.log_batch(run_id, metrics=metrics[start:start + MAX_METRICS_PER_BATCH],
                                   tags=tags if start == 0 else [])
         if not metrics:
             self.client.log_batch(run_id, tags=tags)
         self.client.log_text(run_id, json.dumps(result.to_json(), indent=2), "result.json")
+        if result.placement:  # which node and GPU each rank of each Megatron group ran on
+            self.client.log_dict(run_id, result.placement, "placement.json")
         if result.trial_dir:
             for log in sorted(Path(result.trial_dir).glob("rank_*.log")):
                 self.client.log_text(run_id, _tail(log), f"logs/{log.name}")

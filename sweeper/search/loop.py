@@ -361,6 +361,10 @@ class Sweep:
                    f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
+        for warning in result.placement_warnings:
+            console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
+                          + ("" if self.cfg.search.allow_cross_node_tp else
+                             " (not stable: search.allow_cross_node_tp is false)"), important=True)
         update = self.calibrator.add(run.layout, result)
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, fields
+from typing import Any
 
 from sweeper.backends.base import RankReport
 from sweeper.config.units import GIB
@@ -125,7 +126,36 @@ def aggregate(
         timings_s=_timings(reports),
         step_times_s=_step_times(reports),
         rank_peak_memory_gib=[r.peak_memory_bytes / GIB if r.peak_memory_bytes else None for r in reports],
+        placement=(placement := _placement(reports, {o.rank: o.node for o in outcomes})),
+        placement_warnings=_spanning(placement),
     )
+
+
+# Groups whose traffic is on every layer's critical path: across nodes they run at the inter-node bandwidth
+# (docs/LAYOUT_RULES.md), which is why placement keeps them on one node.
+NODE_LOCAL_GROUPS = ("tp", "etp")
+
+
+def _placement(reports: list[RankReport], nodes: dict[int, str]) -> dict[str, list[list[dict[str, Any]]]]:
+    """Kind -> each distinct group (as the ranks reported it) -> its members with their node and GPU."""
+    gpus = {r.rank: r.gpu for r in reports}
+    out: dict[str, list[list[dict[str, Any]]]] = {}
+    for kind in dict.fromkeys(k for r in reports for k in r.groups):
+        groups = sorted({tuple(r.groups[kind]) for r in reports if kind in r.groups})
+        out[kind] = [[{"rank": m, "node": nodes.get(m, "?"), "gpu": gpus.get(m)} for m in g] for g in groups]
+    return out
+
+
+def _spanning(placement: dict[str, list[list[dict[str, Any]]]]) -> list[str]:
+    """One line per TP or ETP group whose ranks ran on more than one node."""
+    out = []
+    for kind in NODE_LOCAL_GROUPS:
+        for group in placement.get(kind, []):
+            nodes = sorted({m["node"] for m in group})
+            if len(nodes) > 1:
+                ranks = [m["rank"] for m in group]
+                out.append(f"{kind.upper()} group {ranks} spans nodes {', '.join(nodes)}")
+    return out
 
 
 def _step_times(reports: list[RankReport]) -> list[float]:

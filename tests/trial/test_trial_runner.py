@@ -319,6 +319,17 @@ def test_real_megatron_tiny_gpt_tp2_pp2(sim, tmp_path: Path) -> None:
     assert len(set(result.rank_nodes[:2])) == 1 and result.rank_nodes[0] != result.rank_nodes[2]
     assert result.checks.checkpoint_saved and result.checkpoint
     assert result.metrics.loss_last is not None and result.metrics.step_time_s
+    # Proof of placement, from the groups megatron-core built: TP pairs are adjacent ranks on one node, PP pairs
+    # span the two nodes, every rank has its node and (simulated) GPU id, and nothing spans nodes that must not.
+    placement = result.placement
+    assert [[m["rank"] for m in g] for g in placement["tp"]] == [[0, 1], [2, 3]]
+    assert [[m["rank"] for m in g] for g in placement["pp"]] == [[0, 2], [1, 3]]
+    assert {k for k in placement} >= {"tp", "pp", "cp", "dp", "ep", "etp", "edp"}
+    for groups in placement.values():
+        for group in groups:
+            assert all(m["node"] == result.rank_nodes[m["rank"]] and m["gpu"] is not None for m in group)
+    assert {m["node"] for m in placement["tp"][0]} == {result.rank_nodes[0]}
+    assert result.placement_warnings == []
     assert_nothing_left()
 
 
@@ -330,3 +341,22 @@ def test_a_node_that_does_not_share_the_trial_folder_is_a_problem() -> None:
     problems = _problems(nodes, _cfg(), "/scratch/sweeps/x")
     assert problems == ["n1: does not share /scratch/sweeps/x with the driver (trial folders must be on a filesystem "
                         "every node mounts at the same path: each rank writes its log and checkpoint shards there)"]
+
+
+def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() -> None:
+    # Aggregation test data (not a trial): two ranks of one TP group reporting different nodes.
+    from sweeper.search.selection import is_stable
+
+    groups = {"tp": [0, 1], "pp": [0], "dp": [0, 1]}
+    reports = [_ok(r, [1.0, 1.0], groups={**groups, "pp": [r]}, gpu=str(r)) for r in (0, 1)]
+    result = aggregate([RankOutcome(0, "node-a", reports[0]), RankOutcome(1, "node-b", reports[1])],
+                       world_size=2, warmup_steps=0, trial_dir="/t")
+    assert result.placement["tp"] == [[{"rank": 0, "node": "node-a", "gpu": "0"},
+                                       {"rank": 1, "node": "node-b", "gpu": "1"}]]
+    assert result.placement["pp"] == [[{"rank": 0, "node": "node-a", "gpu": "0"}],
+                                      [{"rank": 1, "node": "node-b", "gpu": "1"}]]
+    assert result.placement_warnings == ["TP group [0, 1] spans nodes node-a, node-b"]
+    cfg = _cfg()
+    assert result.passed and not is_stable(result, cfg)
+    allowed = cfg.model_copy(update={"search": cfg.search.model_copy(update={"allow_cross_node_tp": True})})
+    assert is_stable(result, allowed)

@@ -147,6 +147,9 @@ def _smoke(
     )
     report.checks.process_group = True
     report.timings_s["init"] = time.perf_counter() - start
+    from sweeper.backends.megatron.placement import gpu_index, process_groups
+
+    report.groups, report.gpu = process_groups(), gpu_index()  # proof of placement (trial/aggregate.py)
     safe_point()
 
     # -- build: config, model chunks, DDP, optimizer -----------------------------------------------------------------
