@@ -216,6 +216,7 @@ def cmd_search(args: argparse.Namespace) -> int:
         address=args.address,
         injections=parse_injections(args.inject, simulated=target.kind == "simulated"),
         space=resolve_space_path(args.space),
+        overrides=list(args.set),
         verbosity="verbose" if args.verbose else "quiet" if args.quiet else "normal",
         display=_live_display(args.quiet),
     )

@@ -41,7 +41,8 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
     tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name)  # creates the store first
     sweep_dir.create()
     if options.space is not None and not options.resume:
-        write_atomic(sweep_dir.space, options.space.read_text())
+        header = "".join(f"# applied over this file: --set {item}\n" for item in options.overrides)
+        write_atomic(sweep_dir.space, header + options.space.read_text())
     with sweep_log(sweep_dir.root, options.verbosity, options.display):
         return _run(cfg, options, sweep_dir, tracker)
 

@@ -68,6 +68,7 @@ class SearchOptions:
     address: str | None = None
     injections: list[Injection] = field(default_factory=list)
     space: Path | None = None  # the search YAML, copied into the sweep folder (space.yaml) when the sweep starts
+    overrides: list[str] = field(default_factory=list)  # --set items applied over it (named in the copy's header)
     verbosity: Verbosity = "normal"  # -q / -v
     display: Display | None = None  # the live table of running trials (a terminal), None: plain progress lines
 
