@@ -158,6 +158,10 @@ class SearchConfig(_Strict):
     seeds: list[str] = []  # layouts to run first, in --layout syntax (e.g. a Megatron-Bridge recipe's)
     confirm_top: int = Field(3, ge=0)  # re-run the best candidates; the winner must pass every confirmation
     confirm_steps: PositiveInt | None = None  # None = 2 x training.steps
+    # A confirmation run whose steps slow down (its last quarter's median step time over its first quarter's, after
+    # warm-up) by more than this factor does not confirm the layout: time that grows with the steps (memory
+    # fragmentation, a leak, throttling) is what a longer run would hit.
+    confirm_max_step_time_drift: float = Field(1.5, gt=1.0)
     wall_time_s: PositiveFloat | None = None
     gpu_hours: PositiveFloat | None = None
     # Stop exploring after this many ended trials without a better stable layout (None: spend the budget).

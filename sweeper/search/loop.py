@@ -42,6 +42,8 @@ from sweeper.search.selection import (
     choose,
     is_stable,
     objective_value,
+    steady,
+    step_time_drift,
     trials_without_improvement,
 )
 from sweeper.search.study import LayoutStudy, Mode
@@ -362,6 +364,11 @@ class Sweep:
                    f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
+        drift = step_time_drift(result, self.cfg.training.warmup_steps) if run.phase == "confirm" else None
+        if drift is not None and drift > self.cfg.search.confirm_max_step_time_drift and not steady(result, self.cfg):
+            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: the last quarter of its steps "
+                          f"took {drift:.2f}x the first (search.confirm_max_step_time_drift "
+                          f"{self.cfg.search.confirm_max_step_time_drift:g}): not confirmed", important=True)
         for warning in result.placement_warnings:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
@@ -436,7 +443,7 @@ class Sweep:
         budget = 2 * wanted
         while wanted and not self.stop.is_set():
             cands = candidates(self.records, self.cfg)
-            good = [c for c in cands if c.confirmations and c.confirmed]
+            good = [c for c in cands if c.confirmations and c.confirmed(self.cfg)]
             pending = {r.number for r in self.scheduler.in_flight if r.phase == "confirm"}
             todo = [c for c in cands if not c.confirmations and c.number not in pending]
             slot = None

@@ -31,9 +31,32 @@ class Candidate:
     def median(self, objective: str) -> float:
         return statistics.median(self.values(objective))
 
-    @property
-    def confirmed(self) -> bool:
-        return all(r.result.passed for r in self.confirmations)
+    def confirmed(self, cfg: SweepConfig) -> bool:
+        """Every confirmation run passed and its step time stayed steady (``search.confirm_max_step_time_drift``)."""
+        return all(r.result.passed and steady(r.result, cfg) for r in self.confirmations)
+
+
+MIN_STEPS_FOR_DRIFT = 8  # fewer timed steps than this: too few for two quarters to mean anything
+
+
+def step_time_drift(result: TrialResult, warmup_steps: int) -> float | None:
+    """The median step time of the last quarter of the steps over that of the first quarter (warm-up steps left
+    out); None when too few steps were timed."""
+    times = result.step_times_s[warmup_steps:]
+    if len(times) < MIN_STEPS_FOR_DRIFT:
+        return None
+    quarter = len(times) // 4
+    first = statistics.median(times[:quarter])
+    return statistics.median(times[-quarter:]) / first if first > 0 else None
+
+
+def steady(result: TrialResult, cfg: SweepConfig) -> bool:
+    """The step time did not drift past the limit. On the CPU backend (host memory) trials share the machine's
+    cores, so another trial starting slows this one: the drift is recorded there, not held against the layout."""
+    if result.memory_kind == "host":
+        return True
+    drift = step_time_drift(result, cfg.training.warmup_steps)
+    return drift is None or drift <= cfg.search.confirm_max_step_time_drift
 
 
 # Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself
@@ -92,7 +115,7 @@ def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True
     ``confirmed_only`` off, every stable candidate), the best median objective."""
     ok = [
         c for c in cands
-        if (c.confirmations or not confirmed_only) and c.confirmed
+        if (c.confirmations or not confirmed_only) and c.confirmed(cfg)
         and all(is_stable(r.result, cfg) for r in c.confirmations)
     ]
     return max(ok, key=lambda c: c.median(cfg.search.objective), default=None)
@@ -116,6 +139,12 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "measured_median_over_runs": {
             cfg.search.objective: winner.median(cfg.search.objective),
             "runs": 1 + len(winner.confirmations),
+        },
+        "confirmation": {
+            "runs": len(winner.confirmations),
+            "steps": [len(r.result.step_times_s) for r in winner.confirmations],
+            "step_time_drift": [step_time_drift(r.result, cfg.training.warmup_steps) for r in winner.confirmations],
+            "max_step_time_drift": cfg.search.confirm_max_step_time_drift,
         },
         "memory": {
             "predicted_gib": winner.explore.predicted_memory_gib,

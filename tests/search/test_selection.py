@@ -1,0 +1,61 @@
+"""Selection: a confirmation run confirms a layout only if it passed and its step time stayed steady.
+
+The records below are selection test data (not trial results): a GPU run whose steps slow down, and one that does
+not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig, layout_from_string
+from sweeper.record.schema import TrialChecks, TrialMetrics, TrialRecord, TrialResult
+from sweeper.search.selection import best_layout_document, candidates, choose, step_time_drift
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cfg(tmp_path: Path) -> SweepConfig:
+    space = yaml.safe_load((ROOT / "search_spaces" / "quickstart.yaml").read_text())
+    space["training"] = {**space["training"], "warmup_steps": 2}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(space))
+    return load_config(path)
+
+
+def _result(times: list[float], tokens: float) -> TrialResult:
+    return TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=tokens, step_time_s=1.0,
+                                                             peak_memory_gib=1.0),
+                       checks=TrialChecks(True, True, True, True, True, True), backend="megatron-core-gpu",
+                       memory_kind="device", step_times_s=times)
+
+
+def test_step_time_drift_is_the_last_quarter_over_the_first_after_warmup() -> None:
+    steady = [5.0, 3.0] + [1.0] * 12
+    assert step_time_drift(_result(steady, 1.0), 2) == 1.0
+    slowing = [5.0, 3.0] + [1.0] * 3 + [1.2] * 6 + [2.0] * 3
+    assert step_time_drift(_result(slowing, 1.0), 2) == 2.0
+    assert step_time_drift(_result([1.0] * 8, 1.0), 2) is None  # 6 timed steps: too few
+
+
+def test_a_confirmation_whose_steps_slow_down_does_not_confirm(tmp_path: Path) -> None:
+    cfg = _cfg(tmp_path)
+    fast, slow = (layout_from_string(cfg, text) for text in ("gpus=2,pp=2,mbs=2", "gpus=4,ep=4,mbs=2"))
+    records = [
+        TrialRecord(1, fast.to_dict(), _result([1.0] * 6, 900.0)),
+        TrialRecord(1, fast.to_dict(), _result([1.0] * 4 + [1.0] * 3 + [1.2] * 3 + [2.5] * 3, 880.0),
+                    phase="confirm"),
+        TrialRecord(2, slow.to_dict(), _result([1.0] * 6, 700.0)),
+        TrialRecord(2, slow.to_dict(), _result([1.0] * 14, 690.0), phase="confirm"),
+    ]
+    cands = candidates(records, cfg)
+    assert [c.number for c in cands] == [1, 2] and not cands[0].confirmed(cfg) and cands[1].confirmed(cfg)
+    winner = choose(cands, cfg)
+    assert winner is not None and winner.number == 2
+    doc = best_layout_document(cfg, winner, None)
+    assert doc["confirmation"]["step_time_drift"] == [1.0] and doc["confirmation"]["max_step_time_drift"] == 1.5
+    # On the CPU backend cores are shared between trials: the drift is not held against the layout.
+    records[1].result.memory_kind = "host"
+    assert candidates(records, cfg)[0].confirmed(cfg)
