@@ -55,8 +55,10 @@ def armed(trial_dir: str, rank: int, dump_at: float | None) -> Iterator[None]:
     finally:
         faulthandler.cancel_dump_traceback_later()
         handle.close()
-        if path.stat().st_size <= len(header):  # finished in time: nothing was dumped
+        if path.stat().st_size <= len(header):  # finished in time: nothing was dumped, nothing is left
             path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # another rank's dump may be in the folder
+                path.parent.rmdir()
 
 
 def backend_stack(text: str) -> list[tuple[str, int, str]]:
