@@ -119,4 +119,8 @@ def _place(frame: tuple[str, int, str]) -> str:
         if anchor in parts:
             parts = parts[parts.index(anchor) + (anchor == "site-packages"):]
             break
+    else:  # the standard library: the path below lib/python3.X
+        stdlib = [i for i, part in enumerate(parts) if part.startswith("python3")]
+        if stdlib:
+            parts = parts[stdlib[-1] + 1:]
     return f"{func} ({'/'.join(parts[-4:])}:{line})"
