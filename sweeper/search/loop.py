@@ -364,8 +364,8 @@ class Sweep:
                    f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
-        drift = step_time_drift(result, self.cfg.training.warmup_steps) if run.phase == "confirm" else None
-        if drift is not None and drift > self.cfg.search.confirm_max_step_time_drift and not steady(result, self.cfg):
+        if run.phase == "confirm" and not steady(result, self.cfg):  # unsteady: the drift exceeded the limit
+            drift = step_time_drift(result, self.cfg.training.warmup_steps)
             console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: the last quarter of its steps "
                           f"took {drift:.2f}x the first (search.confirm_max_step_time_drift "
                           f"{self.cfg.search.confirm_max_step_time_drift:g}): not confirmed", important=True)

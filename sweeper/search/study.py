@@ -37,7 +37,7 @@ from sweeper.space.pipeline import with_pipeline_split
 AXES: tuple[str, ...] = tuple(a.name for a in SEARCHED)  # one Optuna parameter per searched axis
 # Its name: the axis's Megatron name, the one its MLflow parameter has (tracking.py), so that optuna-dashboard and
 # the MLflow UI speak one vocabulary (tensor_model_parallel_size, not tp).
-PARAM: dict[str, str] = {axis: AXIS[axis].megatron or axis for axis in AXES}
+PARAM: dict[str, str] = {axis: AXIS[axis].param for axis in AXES}
 PARAMS: frozenset[str] = frozenset(PARAM.values())
 # Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.
 CONSTRAINT = "infeasible"

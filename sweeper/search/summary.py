@@ -23,7 +23,7 @@ METRIC_COLUMNS = ("tokens_per_s", "step_time_s", "tflops_per_gpu", "peak_memory_
 def space_params(cfg: SweepConfig) -> dict[str, Any]:
     """One parent-run parameter per searched axis, under its Megatron name (the child runs' and Optuna's name
     for it), valued with the list the space tries."""
-    return {a.megatron or a.name: cfg.world_sizes if a.name == "gpus" else cfg.space.values(a.name)
+    return {a.param: cfg.world_sizes if a.name == "gpus" else cfg.space.values(a.name)
             for a in SEARCHED}
 
 
@@ -51,14 +51,14 @@ def trials_table(records: list[TrialRecord]) -> dict[str, list[Any]]:
     """Every recorded attempt, one column per field: number, attempt, phase, layout, the searched axes (Megatron
     names), status, failure kind, the measured and predicted metrics, the child run's id."""
     columns: dict[str, list[Any]] = {k: [] for k in (
-        "trial", "attempt", "phase", "layout", *(a.megatron or a.name for a in SEARCHED), "status", "failure_kind",
+        "trial", "attempt", "phase", "layout", *(a.param for a in SEARCHED), "status", "failure_kind",
         *METRIC_COLUMNS, "predicted_memory_gib", "predicted_tokens_per_s", "mlflow_run_id")}
     for rec in records:
         layout = Layout.from_dict(rec.layout)
         predicted = rec.predicted or {}
         row: dict[str, Any] = {
             "trial": rec.number, "attempt": rec.attempt, "phase": rec.phase, "layout": layout.short(),
-            **{a.megatron or a.name: a.value(layout) for a in SEARCHED},
+            **{a.param: a.value(layout) for a in SEARCHED},
             "status": rec.result.status, "failure_kind": rec.result.failure_kind,
             **{k: getattr(rec.result.metrics, k) for k in METRIC_COLUMNS},
             "predicted_memory_gib": predicted.get("memory_gib"),

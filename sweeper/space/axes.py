@@ -43,6 +43,11 @@ class Axis:
     def field(self) -> str:
         return self.attr or self.name
 
+    @property
+    def param(self) -> str:
+        """The axis's parameter name in MLflow and Optuna: its Megatron name, else its key."""
+        return self.megatron or self.name
+
     def value(self, layout: Any) -> Any:
         return getattr(layout, self.field)
 
