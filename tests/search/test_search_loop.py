@@ -272,7 +272,11 @@ def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_ea
     # launchable layouts (a draw that is not is told to Optuna and replaced, never written as a refusal).
     invalid_seeds = {layout_from_string(cfg, text) for text in ("gpus=8,tp=8", "gpus=2,precision=mxfp8")}
     assert len(refused) == 2 and {Layout.from_dict(r.layout) for r in refused} == invalid_seeds
-    assert layout_from_string(cfg, "gpus=2,pp=2,mbs=2") == Layout.from_dict(launched[0].layout)
+    # The valid seed is launched first; records are written as trials end, and two run at once here, so the
+    # first launch is the lowest trial number, not the first line.
+    first = min(launched, key=lambda r: r.number)
+    assert layout_from_string(cfg, "gpus=2,pp=2,mbs=2") == Layout.from_dict(first.layout)
+    assert host.calls[0][0] == Layout.from_dict(first.layout)
     assert all(r.result.failure_kind == "invalid_layout" and r.result.error for r in refused)
     assert len({json.dumps(r.layout, sort_keys=True) for r in records}) == len(records)
     # Bounded asks: at most two per launch beyond the queued seeds and the estimator's two favourites.
