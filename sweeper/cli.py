@@ -1,4 +1,4 @@
-"""Command line: ``python -m sweeper {plan,trial,search,report,doctor}`` per docs/ARCHITECTURE.md's contract.
+"""Command line: ``python -m sweeper {plan,trial,migrate,search,report,doctor}`` per docs/ARCHITECTURE.md's contract.
 
 User errors (bad YAML, bad layout strings, impossible clusters, missing files) exit 2 with one line on stderr
 and write nothing; a cluster that does not answer exits 1 with one line. Both are ``sweeper.errors.SweeperError``
@@ -91,6 +91,22 @@ def _parser() -> argparse.ArgumentParser:
     _add_set(trial)
     trial.set_defaults(func=cmd_trial)
 
+    migrate = sub.add_parser("migrate", help="move a checkpoint written by one layout into another and prove it: "
+                             "same loss on a fixed batch, then steps, save and reload")
+    migrate.add_argument("space", type=Path)
+    migrate.add_argument("--from", dest="source", required=True, metavar="LAYOUT",
+                         help='the layout that writes (or wrote) the checkpoint, e.g. "tp=2,pp=2"')
+    migrate.add_argument("--to", dest="target", required=True, metavar="LAYOUT", help='the layout to move into')
+    migrate.add_argument("--checkpoint", type=Path, help="a checkpoint sweeper wrote (a sweep's reference/ or a "
+                         "migration's from/ folder) instead of writing one with --from")
+    migrate.add_argument("--json", action="store_true")
+    migrate.add_argument("--out", type=Path,
+                         help="migration folder (default sweeps/<name>/migrations/<from>--<to>-<time>)")
+    migrate.add_argument("--address", help="Ray address (overrides cluster.address)")
+    migrate.add_argument("--proxy", action="store_true", help=PROXY_HELP)
+    _add_set(migrate)
+    migrate.set_defaults(func=cmd_migrate)
+
     search = sub.add_parser("search", help="run the sweep and export the best stable layout")
     search.add_argument("space", type=Path)
     search.add_argument("--resume", action="store_true", help="continue the sweep recorded in --out")
@@ -181,6 +197,26 @@ def cmd_trial(args: argparse.Namespace) -> int:
         from sweeper.ui.views import print_trial
 
         print_trial(cfg, layout, result)
+    return EXIT_OK if result.passed else EXIT_FAILED
+
+
+# -- migrate ------------------------------------------------------------------------------------------------------
+def cmd_migrate(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    check_address_override(cfg.cluster, args.address)
+    from sweeper.trial.migrate import default_out, migrate, parse_layouts
+
+    source, target = parse_layouts(cfg, args.source, args.target)
+    if args.checkpoint is not None and not args.checkpoint.is_dir():
+        raise UsageError(f"--checkpoint {args.checkpoint}: not a folder")
+    out = args.out or default_out(cfg, source, target)
+    result = migrate(cfg, source, target, out, checkpoint=args.checkpoint, address=args.address)
+    if args.json:
+        print(json.dumps(result.to_json()))
+    else:
+        from sweeper.ui.views import print_migration
+
+        print_migration(result)
     return EXIT_OK if result.passed else EXIT_FAILED
 
 

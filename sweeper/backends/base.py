@@ -8,7 +8,7 @@ before calling the backend in the rank's process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Any, Literal
 
 from sweeper.config.run_settings import RunSettings
 from sweeper.models.spec import ModelSpec
@@ -35,6 +35,8 @@ class SmokeRequest:
     timeout_s: float = 900.0  # torch.distributed process-group timeout
     # CPU only: the simulated GPU's memory; a rank whose resident memory exceeds it stops with failure kind oom.
     memory_limit_gib: float | None = None
+    # The node's host memory a checkpoint save is held against; None: the node's own (psutil), reported per rank.
+    host_memory_gib: float | None = None
     reference_checkpoint: str | None = None  # equivalence gate: load this checkpoint, compare loss on a fixed batch
     # True: instead of loading reference_checkpoint, create it (initial weights + reference.json with the loss and
     # gradient norm on the fixed batch); see sweeper/backends/megatron/equivalence.py for the protocol.
@@ -65,7 +67,16 @@ class RankReport:
     memory_kind: Literal["device", "host"] = "host"
     moe_hot_rank_factor: float | None = None  # busiest EP rank's routed tokens over the mean (routing.py)
     checkpoint_dir: str | None = None
+    # The last save and reload of the trial's checkpoint: seconds each, and this rank's peak resident host memory
+    # while saving (a node's ranks save at once, so the node holds their sum); and the node's host memory.
+    checkpoint_save_s: float | None = None
+    checkpoint_load_s: float | None = None
+    checkpoint_save_rss_bytes: int | None = None
+    host_memory_bytes: int | None = None
     equivalence: dict[str, float] | None = None  # {"loss": ..., "grad_norm": ...} on the reference batch
+    # The reference checkpoint's load into this layout: {"layout": the writer's Layout.to_dict(), "tensors": keys
+    # this rank loaded, "resharded": those whose shard is not a stored chunk, "load_s": seconds}
+    reference_load: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)  # import, init, build, equivalence, steps, checkpoint_*
     # Proof of placement: group kind (tp, pp, cp, dp, ep, etp, edp) -> the global ranks of this rank's group, as

@@ -53,6 +53,9 @@ class ClusterConfig(_Strict):
     # Keep one rank process per GPU for the whole sweep, megatron imported once, each trial's rank a fresh fork
     # of it (sweeper/trial/pool.py); false: new rank actors in a placement group of each trial's own.
     warm_ranks: bool = True
+    # Each node's host (CPU) memory, which a checkpoint save is held against (issue 17); None: what the node
+    # reports (a simulated cluster's nodes share this machine, so each gets its share).
+    host_memory_gib: PositiveFloat | None = None
 
     @field_validator("compute_capability", mode="before")
     @classmethod

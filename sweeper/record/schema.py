@@ -23,10 +23,11 @@ from sweeper.config.schema import SweepConfig, memory_limit_gib
 Status = Literal["passed", "failed", "pruned"]
 # replica_divergence: copies of a replicated parameter (across DP/CP, EDP, TP/ETP or the tied embedding) differ
 # after the steps, i.e. a gradient reduction ran over the wrong group. internal: sweeper's own code raised (a
-# sweeper bug, the error names file:line); like infra it says nothing about the layout.
+# sweeper bug, the error names file:line); like infra it says nothing about the layout. checkpoint_host_oom: the
+# checkpoint save held more host memory on a node (its ranks' resident sets, summed) than the node has (issue 17).
 FailureKind = Literal[
     "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
-    "infra", "internal", "unsupported",
+    "infra", "internal", "unsupported", "checkpoint_host_oom",
 ]
 FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)
 
@@ -41,6 +42,11 @@ class TrialMetrics:
     loss_last: float | None = None
     # MoE with EP > 1: the busiest EP rank's routed tokens over the mean, worst over layers and forwards (issue 13)
     moe_hot_rank_factor: float | None = None
+    # The trial's last checkpoint (issue 17): save and reload seconds (slowest rank), and the most host memory one
+    # node held during the save (its ranks' peak resident sets, summed; GiB)
+    checkpoint_save_s: float | None = None
+    checkpoint_load_s: float | None = None
+    checkpoint_save_host_gib: float | None = None
 
 
 @dataclass
@@ -83,6 +89,10 @@ class TrialResult:
     # "gpu"}, from the process groups megatron-core built; and one line per TP or ETP group that spans nodes.
     placement: dict[str, list[list[dict[str, Any]]]] = field(default_factory=dict)
     placement_warnings: list[str] = field(default_factory=list)
+    # The equivalence reference's checkpoint as this layout loaded it (issue 17, layout migration): the layout that
+    # wrote it, the tensors loaded, those resharded (a shard asked for is not a chunk the writer stored) and each
+    # rank's load seconds (rank order); None when no reference was loaded.
+    reference_load: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:

@@ -360,10 +360,13 @@ def attempts_table(rows: Sequence[TrialRow], mlflow: dict[str, Any] | None = Non
             f'<span class="err" title="{esc(error)}">{esc(short)}</span>',
             num(r.tokens_per_s, "{:,.0f}"), num(r.result.metrics.tflops_per_gpu),
             num(r.peak_memory_gib, "{:.2f}"), num(r.predicted_memory_gib, "{:.2f}"),
+            num(r.result.metrics.checkpoint_save_s, "{:.2f}"), num(r.result.metrics.checkpoint_load_s, "{:.2f}"),
+            num(r.result.metrics.checkpoint_save_host_gib, "{:.2f}"),
             num(r.duration_s, "{:.0f}"), _run_cell(mlflow or {}, r.mlflow_run_id),
         ])
     headers = ["#", "attempt", "phase", "layout", "status", "failure", "error", "tokens/s", "TFLOP/s/GPU",
-               "peak mem (GiB)", "predicted (GiB)", "time (s)", "MLflow run"]
+               "peak mem (GiB)", "predicted (GiB)", "ckpt save (s)", "ckpt load (s)", "ckpt save host (GiB)",
+               "time (s)", "MLflow run"]
     return html_table(headers, body, cls="attempts")
 
 

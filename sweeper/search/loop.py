@@ -396,7 +396,7 @@ class Sweep:
             return  # the layout said nothing: left open, re-run on --resume
         self.decided.add(_key(run.layout.to_dict()))
         value = objective_value(result, self.cfg) if is_stable(result, self.cfg) else 0.0
-        infeasible = result.failure_kind in ("oom", "invalid_layout", "unsupported") or (
+        infeasible = result.failure_kind in ("oom", "checkpoint_host_oom", "invalid_layout", "unsupported") or (
             result.passed and not is_stable(result, self.cfg))
         self.study.tell(run.proposal, None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible)
 
@@ -467,9 +467,10 @@ class Sweep:
                 self.tracker.kill_trial(run.run_id)
 
     def _finish(self, status: str) -> int:
-        winner = choose(candidates(self.records, self.cfg), self.cfg, confirmed_only=self.cfg.search.confirm_top > 0)
+        cands = candidates(self.records, self.cfg)
+        winner = choose(cands, self.cfg, confirmed_only=self.cfg.search.confirm_top > 0)
         if winner is not None:
-            self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri),
+            self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri, cands),
                                 export_files(self.cfg, winner.layout, winner.number), EXECUTABLE)
         elapsed = time.monotonic() - self.t0
         gpus = self.handle.capacity_total() or 1

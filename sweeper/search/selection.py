@@ -121,7 +121,24 @@ def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True
     return max(ok, key=lambda c: c.median(cfg.search.objective), default=None)
 
 
-def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | None) -> dict[str, Any]:
+def checkpoint_moves(cands: list[Candidate]) -> dict[str, Any]:
+    """The stable layouts a checkpoint of this model is proven to move into: each loaded the sweep's reference
+    checkpoint (torch_dist, written by the reference layout) resharded into its own layout and computed the
+    reference's loss and gradient norm on the reference batch (issue 17)."""
+    proven = [c for c in cands if c.explore.result.checks.equivalence_rel_err is not None]
+    writers = sorted({str(c.explore.result.reference_load["from_layout"]) for c in proven
+                      if c.explore.result.reference_load})
+    return {
+        "layouts": [c.layout.short() for c in proven],
+        "written_by": writers,
+        "note": ("a torch_dist checkpoint of the model's weights loads into each of these layouts (resharded) and "
+                 "computes the same loss; `sweeper migrate SPACE --from LAYOUT --to LAYOUT` proves one move with "
+                 "your own layouts, steps and save included"),
+    }
+
+
+def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | None,
+                         cands: list[Candidate] | None = None) -> dict[str, Any]:
     result = winner.explore.result
     layout = winner.layout
     cc = cfg.cluster.compute_capability
@@ -153,6 +170,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
             "gpu_memory_gib": cfg.cluster.gpu_memory_gib,
             "headroom": cfg.search.memory_headroom,
         },
+        "checkpoint_moves_to": checkpoint_moves(cands if cands is not None else [winner]),
         "backend": result.backend,
         "mlflow": {
             "tracking_uri": mlflow_uri,

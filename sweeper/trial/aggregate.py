@@ -7,7 +7,10 @@ much they explain: a rank's own failure (oom, nan, invalid_layout, checkpoint_er
 
 Metrics follow the contract: the step time is the median over post-warm-up steps of the slowest rank's time for
 that step (a step ends when the last rank ends it); tokens/s and TFLOP/s per GPU derive from it; peak memory is
-the maximum over ranks, and so is each smoke-run phase's time (``timings_s``).
+the maximum over ranks, and so is each smoke-run phase's time (``timings_s``) and the checkpoint's save and load
+time. A node's ranks save at once, so the host memory a save needs is, per node, the sum of its ranks' peak
+resident sets during the save; a trial whose save held more than a node's host memory fails as
+``checkpoint_host_oom`` (issue 17).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 from sweeper.backends.base import RankReport
 from sweeper.config.units import GIB
 from sweeper.record.schema import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
+from sweeper.space.layout import Layout
 
 # Lower explains more. Kinds not listed (a rank's own failure) rank 0.
 _COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}
@@ -108,13 +112,16 @@ def aggregate(
     elif len(reports) < world_size:
         missing = sorted(set(range(world_size)) - {r.rank for r in reports})
         status, kind, error = "failed", "infra", f"no report from ranks {missing}"
+    held, over = checkpoint_host_memory(outcomes)
+    if status == "passed" and over is not None:
+        status, kind, error = "failed", "checkpoint_host_oom", over
 
     memory_kinds = {r.memory_kind for r in reports}
     return TrialResult(
         status=status,  # type: ignore[arg-type]
         failure_kind=kind,  # type: ignore[arg-type]
         error=error,
-        metrics=_metrics(reports, world_size, warmup_steps),
+        metrics=_metrics(reports, world_size, warmup_steps, held),
         checks=_checks(outcomes, world_size),
         checkpoint=_checkpoint(reports, world_size),
         rank_nodes=[o.node for o in sorted(outcomes, key=lambda o: o.rank)],
@@ -128,7 +135,22 @@ def aggregate(
         rank_peak_memory_gib=[r.peak_memory_bytes / GIB if r.peak_memory_bytes else None for r in reports],
         placement=(placement := _placement(reports, {o.rank: o.node for o in outcomes})),
         placement_warnings=_spanning(placement),
+        reference_load=_reference_load(reports),
     )
+
+
+def _reference_load(reports: list[RankReport]) -> dict[str, Any] | None:
+    """Every rank's load of the reference checkpoint, as one record: the union of the tensors (and of the
+    resharded ones) over ranks, each rank's load time."""
+    loads = [r.reference_load for r in reports if r.reference_load]
+    if not loads:
+        return None
+    return {
+        "from_layout": Layout.from_dict(loads[0]["layout"]).short(),
+        "tensors": len({k for load in loads for k in load["tensors"]}),
+        "resharded": sorted({k for load in loads for k in load["resharded"]}),
+        "load_s": [r.reference_load["load_s"] if r.reference_load else None for r in reports],
+    }
 
 
 # Groups whose traffic is on every layer's critical path: across nodes they run at the inter-node bandwidth
@@ -164,8 +186,33 @@ def _step_times(reports: list[RankReport]) -> list[float]:
     return [max(t[i] for t in timed) for i in range(min(len(t) for t in timed))] if timed else []
 
 
-def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int) -> TrialMetrics:
-    metrics = TrialMetrics()
+def checkpoint_host_memory(outcomes: list[RankOutcome]) -> tuple[float | None, str | None]:
+    """The most host memory one node held while its ranks saved the checkpoint (GiB: the sum of their peak
+    resident sets during the save, which run at once), and one line when that exceeds the node's host memory."""
+    by_node: dict[str, list[RankReport]] = {}
+    for o in sorted(outcomes, key=lambda o: o.rank):
+        if o.report is not None and o.report.checkpoint_save_rss_bytes:
+            by_node.setdefault(o.node, []).append(o.report)
+    worst: float | None = None
+    over: str | None = None
+    for node, reports in by_node.items():
+        held = sum(r.checkpoint_save_rss_bytes or 0 for r in reports)
+        worst = max(worst or 0.0, held / GIB)
+        limit = min((r.host_memory_bytes for r in reports if r.host_memory_bytes), default=None)
+        if limit is not None and held > limit and over is None:
+            ranks = ",".join(str(r.rank) for r in reports)
+            over = (f"checkpoint save held {held / GIB:.2f} GiB of host memory on node {node} (ranks {ranks}, "
+                    f"peak resident memory during the save, summed), more than the node's {limit / GIB:.2f} GiB")
+    return worst, over
+
+
+def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int,
+             checkpoint_host_gib: float | None = None) -> TrialMetrics:
+    metrics = TrialMetrics(checkpoint_save_host_gib=checkpoint_host_gib)
+    saves = [r.checkpoint_save_s for r in reports if r.checkpoint_save_s is not None]
+    loads = [r.checkpoint_load_s for r in reports if r.checkpoint_load_s is not None]
+    metrics.checkpoint_save_s = max(saves) if saves else None  # ranks leave the save together: the slowest
+    metrics.checkpoint_load_s = max(loads) if loads else None
     per_step = _step_times(reports)
     if per_step:
         # Warm-up steps are excluded when any remain.

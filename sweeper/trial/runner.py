@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
 
@@ -41,6 +42,7 @@ from sweeper.cluster import (
     trial_placement,
 )
 from sweeper.config.schema import SweepConfig
+from sweeper.config.units import GIB
 from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
@@ -162,10 +164,21 @@ def _request(
         # and turns a hang into a misleading comm error.
         timeout_s=limit,
         memory_limit_gib=float(cfg.cluster.gpu_memory_gib) if handle.is_simulated else None,
+        host_memory_gib=_host_memory_gib(cfg, handle),
         run=cfg.run,
         inject=inject,  # type: ignore[arg-type]
         inject_rank=inject_rank,
     )
+
+
+def _host_memory_gib(cfg: SweepConfig, handle: ClusterHandle) -> float | None:
+    """The host memory a node's checkpoint save is held against: the YAML's, else on a simulated cluster this
+    machine's memory shared by its simulated nodes, else None (each node reports its own)."""
+    if cfg.cluster.host_memory_gib is not None:
+        return float(cfg.cluster.host_memory_gib)
+    if handle.simulated is not None:
+        return psutil.virtual_memory().total / GIB / max(1, len(handle.simulated.nodes))
+    return None
 
 
 def _run_fresh(

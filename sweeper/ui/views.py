@@ -76,6 +76,8 @@ def print_trial(cfg: SweepConfig, layout: Layout, result: TrialResult) -> None:
         ("checks", ", ".join(f"{k}={v}" for k, v in vars(result.checks).items())),
         ("ranks on nodes", " ".join(result.rank_nodes)),
         ("checkpoint", result.checkpoint or "-"),
+        ("checkpoint save / load s", f"{_num(m.checkpoint_save_s, '{:.2f}')} / {_num(m.checkpoint_load_s, '{:.2f}')}"),
+        ("checkpoint save host GiB (node, summed)", _num(m.checkpoint_save_host_gib, "{:.2f}")),
         ("trial folder", result.trial_dir or "-"),
     ]
     for note in result.notes:
@@ -96,3 +98,32 @@ def print_doctor(report: Any) -> None:
     for problem in report.problems:
         console.print(f"[red]problem[/]: {problem}")
     console.print("[green]all nodes agree[/]" if report.ok else "[red]nodes disagree or paths are missing[/]")
+
+
+def print_migration(migration: Any) -> None:
+    """``sweeper migrate`` on a terminal: the verdict, then what changed."""
+    from sweeper.space.layout import Layout
+
+    source, target = Layout.from_dict(migration.source).short(), Layout.from_dict(migration.target).short()
+    colour = "green" if migration.passed else "red"
+    console.print(f"[bold]{source} -> {target}[/]: [{colour}]{migration.status}[/]"
+                  + (f" ({migration.failure_kind}: {migration.error})" if migration.failure_kind else ""))
+    loads = [t for t in migration.load_s_per_rank if t is not None]
+    spread, timeout = migration.load_spread_s, migration.nccl_timeout_s
+    table = Table(show_header=False)
+    rows: list[tuple[str, Any]] = [
+        ("checkpoint", f"{migration.checkpoint or '-'} ({migration.written_by or '-'})"),
+        ("tensors resharded", f"{len(migration.resharded)} of {_num(migration.tensors, '{}')}"),
+        ("optimizer state", migration.optimizer_state),
+        ("load s per rank", " ".join(f"{t:.2f}" for t in loads) or "-"),
+        ("load spread s", "-" if spread is None else
+         f"{spread:.2f} ({spread / timeout:.2%} of the {timeout:.0f} s NCCL timeout)"),
+        ("equivalence rel. error", _num(migration.equivalence_rel_err, "{:.2e}")),
+        ("steps after the load", migration.steps_after_load),
+    ]
+    rows += [("resharded", key) for key in migration.resharded[:12]]
+    if len(migration.resharded) > 12:
+        rows.append(("resharded", f"... {len(migration.resharded) - 12} more (--json lists all)"))
+    for key, value in rows:
+        table.add_row(key, str(value))
+    console.print(table)

@@ -59,3 +59,19 @@ def test_a_confirmation_whose_steps_slow_down_does_not_confirm(tmp_path: Path) -
     # On the CPU backend cores are shared between trials: the drift is not held against the layout.
     records[1].result.memory_kind = "host"
     assert candidates(records, cfg)[0].confirmed(cfg)
+
+
+def test_best_layout_names_the_layouts_the_reference_checkpoint_moved_into(tmp_path: Path) -> None:
+    # Selection test data (not trials): two stable layouts loaded the reference (equivalence checked), one did not.
+    cfg = _cfg(tmp_path)
+    a, b, c = (layout_from_string(cfg, text) for text in ("gpus=2,pp=2,mbs=2", "gpus=4,ep=4,mbs=2", "gpus=2,mbs=1"))
+    loaded = {"from_layout": "TP1-PP1-DP1-MBS1-fp32", "tensors": 20, "resharded": ["x"], "load_s": [0.1, 0.1]}
+    results = [_result([1.0] * 6, 900.0), _result([1.0] * 6, 800.0), _result([1.0] * 6, 700.0)]
+    for result in results[:2]:
+        result.checks.equivalence_rel_err, result.reference_load = 1e-6, loaded
+    records = [TrialRecord(n, lo.to_dict(), r) for n, (lo, r) in enumerate(zip((a, b, c), results), start=1)]
+    cands = candidates(records, cfg)
+    doc = best_layout_document(cfg, cands[0], None, cands)
+    moves = doc["checkpoint_moves_to"]
+    assert moves["layouts"] == [a.short(), b.short()] and moves["written_by"] == ["TP1-PP1-DP1-MBS1-fp32"]
+    assert "sweeper migrate" in moves["note"]

@@ -311,6 +311,43 @@ def test_node_loss_during_a_trial_is_infra(sim, tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+def test_checkpoint_host_memory_is_per_node_sum_and_a_save_over_the_node_fails_as_its_own_kind() -> None:
+    # Aggregation test data (not a trial): two nodes of two ranks, each rank's peak resident memory while saving.
+    gib = 2**30
+
+    def outcome(rank: int, node: str, rss_gib: float, host_gib: float) -> RankOutcome:
+        return RankOutcome(rank, node, _ok(rank, [1.0, 1.0], checkpoint_save_s=0.5 + rank, checkpoint_load_s=0.25,
+                                           checkpoint_save_rss_bytes=int(rss_gib * gib),
+                                           host_memory_bytes=int(host_gib * gib)))
+
+    fits = [outcome(0, "a", 1.0, 4.0), outcome(1, "a", 1.5, 4.0), outcome(2, "b", 1.0, 4.0), outcome(3, "b", 1.0, 4.0)]
+    result = aggregate(fits, world_size=4, warmup_steps=0, trial_dir="/t")
+    assert result.passed
+    m = result.metrics
+    assert m.checkpoint_save_host_gib == pytest.approx(2.5) and m.checkpoint_save_s == 3.5 and m.checkpoint_load_s == 0.25
+    over = [outcome(0, "a", 1.0, 2.0), outcome(1, "a", 1.5, 2.0), outcome(2, "b", 0.5, 2.0), outcome(3, "b", 0.5, 2.0)]
+    result = aggregate(over, world_size=4, warmup_steps=0, trial_dir="/t")
+    assert (result.status, result.failure_kind) == ("failed", "checkpoint_host_oom")
+    assert result.error == ("checkpoint save held 2.50 GiB of host memory on node a (ranks 0,1, peak resident "
+                            "memory during the save, summed), more than the node's 2.00 GiB")
+    assert result.checks.checkpoint_saved  # it did save: the verdict is about the node's memory
+
+
+def test_peak_resident_sees_memory_held_only_inside_the_block() -> None:
+    import torch
+
+    from sweeper.backends.megatron.memory import PeakResident
+
+    with PeakResident() as before:
+        pass
+    with PeakResident() as during:
+        held = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+        time.sleep(0.05)
+        del held
+    assert during.peak_bytes >= before.peak_bytes + 48 * 2**20
+
+
+@pytest.mark.e2e
 def test_real_megatron_tiny_gpt_tp2_pp2(sim, tmp_path: Path) -> None:
     pytest.importorskip("sweeper.backends.megatron")
     cfg = _cfg(timeout_s=300)
@@ -321,6 +358,10 @@ def test_real_megatron_tiny_gpt_tp2_pp2(sim, tmp_path: Path) -> None:
     assert len(set(result.rank_nodes[:2])) == 1 and result.rank_nodes[0] != result.rank_nodes[2]
     assert result.checks.checkpoint_saved and result.checkpoint
     assert result.metrics.loss_last is not None and result.metrics.step_time_s
+    # Checkpoint cost (issue 17): both phases timed, and a node held its two ranks' resident sets while saving.
+    m = result.metrics
+    assert m.checkpoint_save_s and m.checkpoint_load_s and m.checkpoint_save_host_gib
+    assert m.checkpoint_save_host_gib >= 2 * 0.1  # two ranks with torch and megatron-core loaded, each > 100 MiB
     # Proof of placement, from the groups megatron-core built: TP pairs are adjacent ranks on one node, PP pairs
     # span the two nodes, every rank has its node and (simulated) GPU id, and nothing spans nodes that must not.
     placement = result.placement
@@ -362,3 +403,16 @@ def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() ->
     assert result.passed and not is_stable(result, cfg)
     allowed = cfg.model_copy(update={"search": cfg.search.model_copy(update={"allow_cross_node_tp": True})})
     assert is_stable(result, allowed)
+
+
+@pytest.mark.e2e
+def test_real_megatron_save_over_the_nodes_host_memory_is_checkpoint_host_oom(sim, tmp_path: Path) -> None:
+    pytest.importorskip("sweeper.backends.megatron")
+    cfg = _cfg(timeout_s=300, steps=1)
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"host_memory_gib": 0.2})})
+    result, _ = _run(sim, tmp_path, cfg, Layout(world_size=2, tp=2, gbs=4),
+                     backend="sweeper.backends.megatron:run_rank")
+    assert (result.status, result.failure_kind) == ("failed", "checkpoint_host_oom"), result.error
+    assert "more than the node's 0.20 GiB" in (result.error or "") and result.checks.checkpoint_saved
+    assert result.metrics.checkpoint_save_host_gib > 0.2
+    assert_nothing_left()

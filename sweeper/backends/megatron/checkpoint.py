@@ -61,6 +61,27 @@ def load(built: Built, directory: Path) -> None:
         ddp.module.load_state_dict(loaded[key], strict=True)
 
 
+def resharding(built: Built, directory: Path) -> tuple[list[str], list[str]]:
+    """(every tensor key this rank loads, the keys of those it loads resharded): a tensor is resharded when a
+    shard this rank asks for is not exactly one chunk the checkpoint stored (other offsets or sizes, i.e. the
+    writing layout split it otherwise), so the load reads parts of several stored chunks."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+    wanted = _sharded_state_dict(built)
+    apply_factories(wanted)
+    keys: dict[str, bool] = {}
+    for sh in nested_values(wanted):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        chunk = (tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
+        chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in getattr(stored.get(sh.key), "chunks", ())}
+        keys[sh.key] = keys.get(sh.key, False) or chunk not in chunks
+    return sorted(keys), sorted(k for k, moved in keys.items() if moved)
+
+
 def snapshot(built: Built) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in built.named_parameters().items()}
 

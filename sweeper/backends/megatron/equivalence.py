@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -268,7 +269,11 @@ def run(
         _log.warning("equivalence gate skipped: %s", gate.skip_reason)
         return
     enter("checkpoint_load")
+    keys, moved = ckpt.resharding(built, gate.directory)
+    started = time.perf_counter()
     ckpt.load(built, gate.directory)
+    report.reference_load = {"layout": ref.layout, "tensors": keys, "resharded": moved,
+                             "load_s": time.perf_counter() - started}
     # The optimizer's FP32 main copies (mixed precision, distributed optimizer) still hold the built weights.
     built.optimizer.reload_model_params()
     if request.inject == "swap_shards":

@@ -91,3 +91,40 @@ class MemoryWatchdog:
                 logging.shutdown()
                 os._exit(12)
             return
+
+
+class PeakResident:
+    """This process's peak resident set while the block runs, sampled every ``interval_s`` (and at both ends).
+
+    The save of a sharded checkpoint stages every shard in host memory (device-to-host copies on a GPU); what a
+    node must hold is its ranks' resident sets at that moment, so the figure is the whole process's, not the
+    growth."""
+
+    def __init__(self, interval_s: float = 0.005) -> None:
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="sweeper-checkpoint-rss", daemon=True)
+
+    def _sample(self) -> None:
+        self.peak_bytes = max(self.peak_bytes, self._process.memory_info().rss)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> PeakResident:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def host_memory_bytes(limit_gib: float | None) -> int:
+    """The node's host memory: the configured figure, else what this node has."""
+    return int(limit_gib * GIB) if limit_gib is not None else int(psutil.virtual_memory().total)

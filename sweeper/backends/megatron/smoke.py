@@ -31,7 +31,7 @@ from sweeper.backends.megatron.failures import (
     UnsupportedError,
     classify,
 )
-from sweeper.backends.megatron.memory import MemoryWatchdog, peak_memory_bytes
+from sweeper.backends.megatron.memory import MemoryWatchdog, PeakResident, host_memory_bytes, peak_memory_bytes
 from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.config.units import GIB
@@ -265,13 +265,20 @@ def _save_and_reload(
     directory = ckpt.checkpoint_path(request.trial_dir, step)
     saved = ckpt.snapshot(built)
     enter("checkpoint_save")
-    _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
+    started = time.perf_counter()
+    with PeakResident() as resident:
+        _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
+    report.checkpoint_save_s = time.perf_counter() - started
+    report.checkpoint_save_rss_bytes = resident.peak_bytes
+    report.host_memory_bytes = host_memory_bytes(request.host_memory_gib)
     if final:
         report.checks.checkpoint_saved = True
         report.checkpoint_dir = str(directory)
     safe_point()
     enter("checkpoint_load")
+    started = time.perf_counter()
     _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
+    report.checkpoint_load_s = time.perf_counter() - started
     if final:
         report.checks.checkpoint_reloaded = True
 
