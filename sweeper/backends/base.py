@@ -45,6 +45,9 @@ class SmokeRequest:
     # Wall-clock time (time.time()) at which a rank still running dumps every thread's stack into
     # <trial_dir>/stacks/ (trial/stacks.py), shortly before the runner's wall-time limit; None: no dump.
     stack_dump_at: float | None = None
+    # Routing stress (MoE with EP > 1, confirmations): after the checkpoint, this many steps per stress mode with
+    # the router forced onto hot experts (backends/megatron/routing.py); 0: none.
+    routing_stress_steps: int = 0
     inject: Inject | None = None  # fault injection for tests (simulated clusters only)
     inject_rank: int = 0
 
@@ -77,6 +80,9 @@ class RankReport:
     # The reference checkpoint's load into this layout: {"layout": the writer's Layout.to_dict(), "tensors": keys
     # this rank loaded, "resharded": those whose shard is not a stored chunk, "load_s": seconds}
     reference_load: dict[str, Any] | None = None
+    # Routing stress: mode -> {"peak_memory_bytes": this rank's peak during the mode's steps, "hot_rank_factor":
+    # the busiest EP rank's tokens over the mean it produced, "finite": loss and gradient norm stayed finite}
+    routing_stress: dict[str, dict[str, Any]] | None = None
     notes: list[str] = field(default_factory=list)
     timings_s: dict[str, float] = field(default_factory=dict)  # import, init, build, equivalence, steps, checkpoint_*
     # Proof of placement: group kind (tp, pp, cp, dp, ep, etp, edp) -> the global ranks of this rank's group, as

@@ -165,6 +165,10 @@ class SearchConfig(_Strict):
     # warm-up) by more than this factor does not confirm the layout: time that grows with the steps (memory
     # fragmentation, a leak, throttling) is what a longer run would hit.
     confirm_max_step_time_drift: float = Field(1.5, gt=1.0)
+    # Routing stress of MoE finalists (issue 17): a confirmation of a layout with EP > 1 ends with this many steps
+    # with the router forced onto one expert, then this many onto one EP rank's experts; its peak memory under
+    # stress must keep the headroom too. 0: no stress.
+    routing_stress_steps: int = Field(2, ge=0)
     wall_time_s: PositiveFloat | None = None
     gpu_hours: PositiveFloat | None = None
     # Stop exploring after this many ended trials without a better stable layout (None: spend the budget).

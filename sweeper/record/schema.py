@@ -47,6 +47,9 @@ class TrialMetrics:
     checkpoint_save_s: float | None = None
     checkpoint_load_s: float | None = None
     checkpoint_save_host_gib: float | None = None
+    # Routing stress (issue 17; MoE confirmations with EP > 1): the highest peak memory (max over ranks and stress
+    # modes, measured as peak_memory_gib is) while the router was forced onto hot experts; None: not stressed
+    stress_peak_memory_gib: float | None = None
 
 
 @dataclass
@@ -93,6 +96,10 @@ class TrialResult:
     # wrote it, the tensors loaded, those resharded (a shard asked for is not a chunk the writer stored) and each
     # rank's load seconds (rank order); None when no reference was loaded.
     reference_load: dict[str, Any] | None = None
+    # Routing stress (issue 17): mode ("hot_expert", "hot_rank") -> {"peak_memory_gib": max over ranks,
+    # "hot_rank_factor": the busiest EP rank's tokens over the mean under that forcing, "finite": bool}; None when
+    # the trial ran no stress (explorations, dense models, EP 1).
+    routing_stress: dict[str, dict[str, Any]] | None = None
 
     @property
     def passed(self) -> bool:

@@ -352,6 +352,7 @@ def attempts_table(rows: Sequence[TrialRow], mlflow: dict[str, Any] | None = Non
         error = (r.result.error or "").strip()
         short = error if len(error) <= _ERROR_CHARS else error[: _ERROR_CHARS - 1] + "…"
         layout_title = r.built.to_string() if r.built is not None else json.dumps(r.layout)
+        m = r.result.metrics
         body.append([
             str(r.number), str(r.attempt), esc(r.phase),
             f'<span title="{esc(layout_title)}">{esc(r.name)}</span>',
@@ -360,13 +361,13 @@ def attempts_table(rows: Sequence[TrialRow], mlflow: dict[str, Any] | None = Non
             f'<span class="err" title="{esc(error)}">{esc(short)}</span>',
             num(r.tokens_per_s, "{:,.0f}"), num(r.result.metrics.tflops_per_gpu),
             num(r.peak_memory_gib, "{:.2f}"), num(r.predicted_memory_gib, "{:.2f}"),
-            num(r.result.metrics.checkpoint_save_s, "{:.2f}"), num(r.result.metrics.checkpoint_load_s, "{:.2f}"),
-            num(r.result.metrics.checkpoint_save_host_gib, "{:.2f}"),
+            *(num(value, "{:.2f}") for value in (m.checkpoint_save_s, m.checkpoint_load_s, m.checkpoint_save_host_gib,
+                                                 m.stress_peak_memory_gib)),
             num(r.duration_s, "{:.0f}"), _run_cell(mlflow or {}, r.mlflow_run_id),
         ])
     headers = ["#", "attempt", "phase", "layout", "status", "failure", "error", "tokens/s", "TFLOP/s/GPU",
                "peak mem (GiB)", "predicted (GiB)", "ckpt save (s)", "ckpt load (s)", "ckpt save host (GiB)",
-               "time (s)", "MLflow run"]
+               "stress peak (GiB)", "time (s)", "MLflow run"]
     return html_table(headers, body, cls="attempts")
 
 

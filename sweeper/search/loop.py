@@ -334,7 +334,8 @@ class Sweep:
         run = Running(number, attempt, phase, layout, proposal, predicted, run_id, now(), slot)
         steps = (self.cfg.search.confirm_steps or 2 * self.cfg.training.steps) if phase == "confirm" else None
         self.scheduler.submit(run, cfg=self.cfg, layout=layout, trial_dir=self.dir.trial_dir(number, attempt, phase),
-                              inject=inject, steps=steps, reference=self.reference)
+                              inject=inject, steps=steps, reference=self.reference,
+                              routing_stress=phase == "confirm")  # finalists only (issue 17)
         console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"
                       + (f" [magenta](inject {inject})[/]" if inject else ""))
         self._print_progress(line=False)

@@ -65,13 +65,15 @@ NOT_THE_LAYOUTS = ("infra", "internal")
 
 
 def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
-    """Passed, within the memory headroom, and (unless ``search.allow_cross_node_tp``) no TP or ETP group ran
-    across nodes."""
+    """Passed, within the memory headroom (under routing stress too, when the trial ran it), and (unless
+    ``search.allow_cross_node_tp``) no TP or ETP group ran across nodes."""
     if not result.passed:
         return False
     if result.placement_warnings and not cfg.search.allow_cross_node_tp:
         return False
-    peak = result.metrics.peak_memory_gib
+    peak, stressed = result.metrics.peak_memory_gib, result.metrics.stress_peak_memory_gib
+    if stressed is not None and stressed > cfg.memory_limit_gib:
+        return False
     return peak is not None and peak <= cfg.memory_limit_gib
 
 

@@ -117,11 +117,15 @@ def aggregate(
         status, kind, error = "failed", "checkpoint_host_oom", over
 
     memory_kinds = {r.memory_kind for r in reports}
+    metrics = _metrics(reports, world_size, warmup_steps, held)
+    stress = _routing_stress(reports)
+    if stress:
+        metrics.stress_peak_memory_gib = max(mode["peak_memory_gib"] for mode in stress.values())
     return TrialResult(
         status=status,  # type: ignore[arg-type]
         failure_kind=kind,  # type: ignore[arg-type]
         error=error,
-        metrics=_metrics(reports, world_size, warmup_steps, held),
+        metrics=metrics,
         checks=_checks(outcomes, world_size),
         checkpoint=_checkpoint(reports, world_size),
         rank_nodes=[o.node for o in sorted(outcomes, key=lambda o: o.rank)],
@@ -136,7 +140,23 @@ def aggregate(
         placement=(placement := _placement(reports, {o.rank: o.node for o in outcomes})),
         placement_warnings=_spanning(placement),
         reference_load=_reference_load(reports),
+        routing_stress=stress,
     )
+
+
+def _routing_stress(reports: list[RankReport]) -> dict[str, dict[str, Any]] | None:
+    """Each stress mode over the ranks: the highest peak, the hot-rank factor, finite everywhere."""
+    stressed = [r.routing_stress for r in reports if r.routing_stress]
+    if not stressed:
+        return None
+    out: dict[str, dict[str, Any]] = {}
+    for mode in dict.fromkeys(m for s in stressed for m in s):
+        runs = [s[mode] for s in stressed if mode in s]
+        factors = [x["hot_rank_factor"] for x in runs if x.get("hot_rank_factor") is not None]
+        out[mode] = {"peak_memory_gib": max(x["peak_memory_bytes"] for x in runs) / GIB,
+                     "hot_rank_factor": max(factors) if factors else None,
+                     "finite": all(x["finite"] for x in runs)}
+    return out
 
 
 def _reference_load(reports: list[RankReport]) -> dict[str, Any] | None:

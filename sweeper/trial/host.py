@@ -133,12 +133,12 @@ class TrialHost:
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,
                   inject: str | None = None, cancel: threading.Event | None = None,
                   steps: int | None = None, reference: str | None = None,
-                  make_reference: bool = False) -> TrialResult:
+                  make_reference: bool = False, routing_stress: bool = False) -> TrialResult:
         if steps is not None:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
         return run_trial(cfg, layout, self.handle, trial_dir, inject=inject, cancel=cancel,
                          nodes=reservation.node_ids, reference_checkpoint=reference, make_reference=make_reference,
-                         pool=self.pool)
+                         pool=self.pool, routing_stress=routing_stress)
 
     def add_node(self) -> str:
         """node-join fault injection: one more simulated node. Call from the main thread (Ray's node start

@@ -55,7 +55,7 @@ class Host(Protocol):
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,
                   inject: str | None = None, cancel: threading.Event | None = None,
                   steps: int | None = None, reference: str | None = None,
-                  make_reference: bool = False) -> TrialResult: ...
+                  make_reference: bool = False, routing_stress: bool = False) -> TrialResult: ...
 
     def add_node(self) -> str:
         """node-join fault injection (simulated clusters)."""

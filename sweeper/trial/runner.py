@@ -85,6 +85,7 @@ def run_trial(
     reference_checkpoint: str | None = None,
     make_reference: bool = False,
     pool: RankPool | None = None,
+    routing_stress: bool = False,
 ) -> TrialResult:
     """Run one smoke trial; never raises for a trial failure (the TrialResult says what failed and why).
 
@@ -94,6 +95,7 @@ def run_trial(
     thread to stop the trial (Ctrl-C of a sweep); the ranks are killed and the result is ``infra``/cancelled.
     ``nodes``: Ray node ids, one per placement bundle, chosen by the sweep's scheduler (None: Ray chooses).
     ``reference_checkpoint`` / ``make_reference``: the equivalence gate (load, or create, the sweep's reference).
+    ``routing_stress``: end with ``search.routing_stress_steps`` steps per routing-stress mode (MoE, EP > 1).
     ``pool``: run on the sweep's warm ranks (``trial.pool``; needs ``nodes``) instead of new rank actors in a
     placement group of the trial's own.
     KeyboardInterrupt in this thread also kills the ranks and removes the group before propagating.
@@ -110,7 +112,8 @@ def run_trial(
     backend_inject = inject if inject in BACKEND_INJECTS else None
     request = _request(cfg, layout, handle, trial_dir, limit, backend_inject, inject_rank)
     request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference,
-                      stack_dump_at=stacks.dump_time(limit))
+                      stack_dump_at=stacks.dump_time(limit),
+                      routing_stress_steps=cfg.search.routing_stress_steps if routing_stress else 0)
     node_loss_rank = inject_rank if inject == "node-loss" else None
 
     try:

@@ -128,8 +128,8 @@ def test_dp2_same_numbers_with_and_without_distributed_optimizer(tmp_path: Path)
 
 
 @pytest.mark.e2e
-def test_moe_ep2(tmp_path: Path) -> None:
-    reports = _run(_request(tmp_path, Layout(world_size=2, ep=2, gbs=4), "tiny-moe"), 2)
+def test_moe_ep2_with_routing_stress(tmp_path: Path) -> None:
+    reports = _run(_request(tmp_path, Layout(world_size=2, ep=2, gbs=4), "tiny-moe", routing_stress_steps=1), 2)
     _assert_passed(reports)
     # The router's load on the two EP ranks, measured over the EP group: both ranks agree on it, and it lies
     # between even (1) and everything on one rank (EP x min(top-k, local experts) / top-k).
@@ -137,6 +137,16 @@ def test_moe_ep2(tmp_path: Path) -> None:
     bound = 2 * min(spec.moe_router_topk, spec.num_moe_experts // 2) / spec.moe_router_topk
     factors = {r.moe_hot_rank_factor for r in reports}
     assert len(factors) == 1 and 1.0 <= factors.pop() <= bound
+    # Routing stress (issue 17), after the normal steps: forcing the router onto EP rank 0's two experts sends
+    # every token's top-2 there (factor = the bound, 2); onto expert 0 alone, each token's first choice is rank 0
+    # and its second is its own, so rank 0 gets more than half of the routed tokens. Each rank measured its peak.
+    for r in reports:
+        stress = r.routing_stress
+        assert stress is not None and set(stress) == {"hot_expert", "hot_rank"}
+        assert stress["hot_rank"]["hot_rank_factor"] == pytest.approx(bound)
+        assert 1.0 < stress["hot_expert"]["hot_rank_factor"] < bound
+        assert all(s["finite"] and s["peak_memory_bytes"] > 100 * 2**20 for s in stress.values())
+    assert len(reports[0].losses) == 3  # the stress steps are not the trial's steps
 
 
 @pytest.mark.e2e

@@ -75,3 +75,16 @@ def test_best_layout_names_the_layouts_the_reference_checkpoint_moved_into(tmp_p
     moves = doc["checkpoint_moves_to"]
     assert moves["layouts"] == [a.short(), b.short()] and moves["written_by"] == ["TP1-PP1-DP1-MBS1-fp32"]
     assert "sweeper migrate" in moves["note"]
+
+
+def test_a_confirmation_over_the_headroom_under_routing_stress_is_not_stable(tmp_path: Path) -> None:
+    # Selection test data (not trials): the quickstart's 4 GiB GPUs at 10% headroom allow 3.6 GiB.
+    from sweeper.search.selection import is_stable
+
+    cfg = _cfg(tmp_path)
+    result = _result([1.0] * 6, 900.0)
+    assert is_stable(result, cfg)
+    result.metrics.stress_peak_memory_gib = 3.5
+    assert is_stable(result, cfg)
+    result.metrics.stress_peak_memory_gib = 3.7
+    assert not is_stable(result, cfg)

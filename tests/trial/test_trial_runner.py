@@ -416,3 +416,23 @@ def test_real_megatron_save_over_the_nodes_host_memory_is_checkpoint_host_oom(si
     assert "more than the node's 0.20 GiB" in (result.error or "") and result.checks.checkpoint_saved
     assert result.metrics.checkpoint_save_host_gib > 0.2
     assert_nothing_left()
+
+
+def test_routing_stress_is_folded_over_ranks_and_its_peak_is_a_metric() -> None:
+    # Aggregation test data (not a trial): two EP ranks' stress reports.
+    gib = 2**30
+
+    def stressed(rank: int, hot: float, finite: bool) -> RankOutcome:
+        modes = {"hot_expert": {"peak_memory_bytes": int((1 + rank) * gib), "hot_rank_factor": 1.3, "finite": True},
+                 "hot_rank": {"peak_memory_bytes": int(hot * gib), "hot_rank_factor": 2.0, "finite": finite}}
+        return RankOutcome(rank, "a", _ok(rank, [1.0, 1.0], routing_stress=modes))
+
+    result = aggregate([stressed(0, 3.0, True), stressed(1, 1.5, False)], world_size=2, warmup_steps=0,
+                       trial_dir="/t")
+    assert result.routing_stress == {
+        "hot_expert": {"peak_memory_gib": 2.0, "hot_rank_factor": 1.3, "finite": True},
+        "hot_rank": {"peak_memory_gib": 3.0, "hot_rank_factor": 2.0, "finite": False},
+    }
+    assert result.metrics.stress_peak_memory_gib == 3.0 and result.metrics.peak_memory_gib == 1.0
+    plain = aggregate([RankOutcome(0, "a", _ok(0, [1.0]))], world_size=1, warmup_steps=0, trial_dir="/t")
+    assert plain.routing_stress is None and plain.metrics.stress_peak_memory_gib is None

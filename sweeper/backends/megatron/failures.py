@@ -15,7 +15,8 @@ import traceback
 from pathlib import Path
 from typing import Literal
 
-Phase = Literal["setup", "init", "build", "steps", "replicas", "checkpoint_save", "checkpoint_load", "report"]
+Phase = Literal["setup", "init", "build", "steps", "replicas", "checkpoint_save", "checkpoint_load", "stress",
+                "report"]
 
 
 class SmokeFailure(Exception):

@@ -128,3 +128,27 @@ class PeakResident:
 def host_memory_bytes(limit_gib: float | None) -> int:
     """The node's host memory: the configured figure, else what this node has."""
     return int(limit_gib * GIB) if limit_gib is not None else int(psutil.virtual_memory().total)
+
+
+class PhasePeak:
+    """Peak memory of one phase of the smoke run, as the trial's peak is measured: on a GPU torch's peak reserved
+    memory since the phase began (the allocator's statistics are reset), on the CPU the peak resident set."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.peak_bytes = 0
+        self._resident = PeakResident()
+
+    def __enter__(self) -> PhasePeak:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            self._resident.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            self.peak_bytes = int(torch.cuda.max_memory_reserved())
+        else:
+            self._resident.__exit__()
+            self.peak_bytes = self._resident.peak_bytes

@@ -12,9 +12,17 @@ memory by it (``EstimatorConstants.moe_hot_rank_factor``, raised by calibration 
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Literal
 
 import torch
+
+StressMode = Literal["hot_expert", "hot_rank"]
+STRESS_MODES: tuple[StressMode, ...] = ("hot_expert", "hot_rank")
+# Added to the hot experts' router logits (O(1) otherwise): every token's top-k takes them first, in any router
+# dtype (fp16 included) and through softmax, sigmoid and group-limited routing alike.
+STRESS_BIAS = 1e4
 
 
 class RoutingProbe:
@@ -47,3 +55,30 @@ class RoutingProbe:
         per_rank = counts.view(counts.shape[0], ep, -1).sum(dim=-1).double()  # forwards x EP ranks, received
         mean = per_rank.mean(dim=1).clamp(min=1.0)
         return float((per_rank.max(dim=1).values / mean).max())
+
+
+@contextlib.contextmanager
+def forced_routing(chunks: list[Any], mode: StressMode, ep: int) -> Iterator[int]:
+    """Routing stress for the block: every TopKRouter's logits get ``STRESS_BIAS`` on its hot experts, expert 0
+    (``hot_expert``: each token's first choice is that one expert) or the experts of EP rank 0 (``hot_rank``: each
+    token's top-k lands on one rank as far as it holds k experts). Dropless MoE then sizes the hot rank's
+    permutation buffers and expert activations for that load, which is what grows memory after steps of uneven
+    routing. Yields the number of routers stressed; their gating is restored after the block."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+    for router in routers:
+        experts = router.config.num_moe_experts
+        bias = torch.zeros(experts)
+        bias[: 1 if mode == "hot_expert" else max(1, experts // ep)] = STRESS_BIAS
+
+        def gating(inputs: torch.Tensor, _gating: Any = router.gating, _bias: torch.Tensor = bias) -> torch.Tensor:
+            logits = _gating(inputs)
+            return logits + _bias.to(device=logits.device, dtype=logits.dtype)
+
+        router.gating = gating  # an instance attribute shadows the method TopKRouter.forward calls
+    try:
+        yield len(routers)
+    finally:
+        for router in routers:
+            del router.gating

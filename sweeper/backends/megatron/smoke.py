@@ -1,4 +1,5 @@
-"""The smoke run of one rank: init → build → equivalence gate → N steps → replica check → save → reload → report.
+"""The smoke run of one rank: init → build → equivalence gate → N steps → replica check → save → reload → routing
+stress (MoE confirmations) → report.
 
 ``run_rank`` is called in a rank's process after the runner has set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 and LOCAL_RANK. It never raises: every failure becomes a RankReport with ok=False, a failure kind and a
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -31,7 +32,13 @@ from sweeper.backends.megatron.failures import (
     UnsupportedError,
     classify,
 )
-from sweeper.backends.megatron.memory import MemoryWatchdog, PeakResident, host_memory_bytes, peak_memory_bytes
+from sweeper.backends.megatron.memory import (
+    MemoryWatchdog,
+    PeakResident,
+    PhasePeak,
+    host_memory_bytes,
+    peak_memory_bytes,
+)
 from sweeper.backends.megatron.routing import RoutingProbe
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.config.units import GIB
@@ -87,10 +94,13 @@ def run_rank(request: SmokeRequest) -> RankReport:
         kind, error = classify(exc, progress.phase)
         if isinstance(exc, SimulatedOOMError) and watchdog is not None and watchdog.exceeded_bytes:
             error = str(watchdog.error())
+        if progress.phase == "stress":
+            error = f"under routing stress (tokens forced onto hot experts): {error}"
         report.ok, report.failure_kind, report.error = False, kind, error
         _log.error("rank %d failed in %s: [%s] %s", rank, progress.phase, kind, error, exc_info=exc)
     finally:
-        report.peak_memory_bytes = peak_memory_bytes(cuda)
+        if not report.peak_memory_bytes:  # set before the routing stress: the normal run's peak
+            report.peak_memory_bytes = peak_memory_bytes(cuda)
         _teardown()
         _close_rank_log(handler)
     return report
@@ -245,9 +255,44 @@ def _smoke(
     if request.checkpoint:
         _save_and_reload(request, built, report, request.steps, enter, safe_point)
 
+    # -- routing stress (MoE finalists): last, so the trial's own figures are the normal run's -------------------
+    if request.routing_stress_steps and spec.is_moe and layout.ep > 1:
+        report.peak_memory_bytes = peak_memory_bytes(cuda)  # the normal run's peak, before the stress can raise it
+        enter("stress")
+        report.routing_stress = _routing_stress(request, built, device, cuda, safe_point)
+
     enter("report")
     torch.distributed.barrier()  # nobody tears the process group down while a peer still uses it
     report.ok = True
+
+
+def _routing_stress(request: SmokeRequest, built: Built, device: torch.device, cuda: bool,
+                    safe_point: Callable[[], None]) -> dict[str, dict[str, Any]]:
+    """A few steps per stress mode with the router forced onto hot experts; each mode's peak memory on this rank,
+    the hot-rank factor the forcing produced (proof it concentrated the tokens) and whether the steps stayed
+    finite (recorded, not a failure: forced routing is not training). Running out of memory here fails the trial
+    (the winner must keep its headroom under stress)."""
+    from sweeper.backends.megatron.routing import STRESS_MODES, RoutingProbe, forced_routing
+    from sweeper.backends.megatron.steps import micro_batches, train_step
+
+    layout = request.layout
+    out: dict[str, dict[str, Any]] = {}
+    for mode in STRESS_MODES:
+        probe = RoutingProbe(built.model)
+        finite = True
+        with PhasePeak(cuda) as peak, forced_routing(built.model, mode, layout.ep):
+            for step in range(1, request.routing_stress_steps + 1):
+                batches = micro_batches(seed=request.seed + 1, step=step, layout=layout,
+                                        seq_length=request.seq_length, vocab_size=request.model.vocab_size,
+                                        device=device)
+                result = train_step(built, layout, batches, request.seq_length)
+                finite = finite and math.isfinite(result.loss) and (result.skipped or math.isfinite(result.grad_norm))
+                _log.info("routing stress %s step %d loss %.5f grad_norm %.5f", mode, step, result.loss,
+                          result.grad_norm)
+                safe_point()
+        out[mode] = {"peak_memory_bytes": peak.peak_bytes, "hot_rank_factor": probe.hot_rank_factor(layout.ep, device),
+                     "finite": finite}
+    return out
 
 
 def _save_and_reload(
