@@ -127,6 +127,11 @@ class Tracker:
                     for step, t in enumerate(result.step_times_s)]
         metrics += [Metric(f"peak_memory_gib/rank_{rank:03d}", float(gib), now, 0)
                     for rank, gib in enumerate(result.rank_peak_memory_gib) if gib is not None]
+        # Routing stress per mode (issue 17), next to the normal peak in the UI.
+        for mode, stress in (result.routing_stress or {}).items():
+            metrics.append(Metric(f"stress_peak_memory_gib/{mode}", float(stress["peak_memory_gib"]), now, 0))
+            if stress.get("hot_rank_factor") is not None:
+                metrics.append(Metric(f"stress_hot_rank_factor/{mode}", float(stress["hot_rank_factor"]), now, 0))
         tags = [
             RunTag(tag("status"), result.status),
             RunTag(tag("failure_kind"), result.failure_kind or ""),

@@ -78,6 +78,9 @@ def print_trial(cfg: SweepConfig, layout: Layout, result: TrialResult) -> None:
         ("checkpoint", result.checkpoint or "-"),
         ("checkpoint save / load s", f"{_num(m.checkpoint_save_s, '{:.2f}')} / {_num(m.checkpoint_load_s, '{:.2f}')}"),
         ("checkpoint save host GiB (node, summed)", _num(m.checkpoint_save_host_gib, "{:.2f}")),
+        *((f"routing stress {mode}", f"peak {_num(s['peak_memory_gib'], '{:.2f}')} GiB, hot-rank factor "
+           f"{_num(s['hot_rank_factor'], '{:.2f}')}, finite {s['finite']}")
+          for mode, s in (result.routing_stress or {}).items()),
         ("trial folder", result.trial_dir or "-"),
     ]
     for note in result.notes:

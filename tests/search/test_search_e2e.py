@@ -91,5 +91,17 @@ def test_quickstart_search_end_to_end(tmp_path: Path) -> None:
     assert {r["phase"] for r in winner} == {"explore", "confirm"}
     assert all(r["result"]["status"] == "passed" for r in winner)
     assert best["megatron_args"] and best["megatron_bridge_overrides"]
+    # Issue 17: every passed trial timed its checkpoint and measured the host memory its save held; each loaded
+    # the reference resharded, so the winner is among the layouts a checkpoint moves into; a confirmation of an
+    # EP > 1 layout ran the routing stress, and only those did.
+    for r in launched:
+        if r["result"]["status"] == "passed":
+            m = r["result"]["metrics"]
+            assert m["checkpoint_save_s"] > 0 and m["checkpoint_load_s"] > 0 and m["checkpoint_save_host_gib"] > 0
+            assert r["result"]["reference_load"]["tensors"] > 0
+            stressed = r["phase"] == "confirm" and r["layout"]["ep"] > 1
+            assert (r["result"]["routing_stress"] is not None) == stressed
+            assert (m["stress_peak_memory_gib"] is not None) == stressed
+    assert Layout.from_dict(best["layout"]).short() in best["checkpoint_moves_to"]["layouts"]
     assert (out / "report.html").stat().st_size > 10_000
     assert json.loads((out / "sweep.json").read_text())["status"] == "finished"
