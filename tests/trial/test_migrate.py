@@ -47,7 +47,7 @@ def test_migrate_moves_a_checkpoint_between_two_cpu_layouts_and_refuses_an_incom
     monkeypatch.chdir(tmp_path)  # MLflow-free command, but the default folders land here
     out_dir = tmp_path / "move"
     code, out, err = _migrate(capsys, "--from", "gpus=2,ep=2", "--to", "gpus=4,tp=2,ep=2", "--out", str(out_dir),
-                              "--set", "training.steps=2")
+                              "--set", "training.steps=2", "--set", "training.warmup_steps=1")
     assert out is not None, err
     assert code == 0 and out["status"] == "passed", out["error"]
     assert out["from"]["ep"] == 2 and (out["to"]["tp"], out["to"]["ep"]) == (2, 2)

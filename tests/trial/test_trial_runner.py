@@ -408,7 +408,7 @@ def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() ->
 @pytest.mark.e2e
 def test_real_megatron_save_over_the_nodes_host_memory_is_checkpoint_host_oom(sim, tmp_path: Path) -> None:
     pytest.importorskip("sweeper.backends.megatron")
-    cfg = _cfg(timeout_s=300, steps=1)
+    cfg = _cfg(timeout_s=300, steps=2)
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"host_memory_gib": 0.2})})
     result, _ = _run(sim, tmp_path, cfg, Layout(world_size=2, tp=2, gbs=4),
                      backend="sweeper.backends.megatron:run_rank")

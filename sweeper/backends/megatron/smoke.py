@@ -310,10 +310,8 @@ def _save_and_reload(
     directory = ckpt.checkpoint_path(request.trial_dir, step)
     saved = ckpt.snapshot(built)
     enter("checkpoint_save")
-    started = time.perf_counter()
     with PeakResident() as resident:
-        _timed(report, "checkpoint_save", lambda: ckpt.save(built, directory))
-    report.checkpoint_save_s = time.perf_counter() - started
+        report.checkpoint_save_s = _seconds(report, "checkpoint_save", lambda: ckpt.save(built, directory))
     report.checkpoint_save_rss_bytes = resident.peak_bytes
     report.host_memory_bytes = host_memory_bytes(request.host_memory_gib)
     if final:
@@ -321,9 +319,8 @@ def _save_and_reload(
         report.checkpoint_dir = str(directory)
     safe_point()
     enter("checkpoint_load")
-    started = time.perf_counter()
-    _timed(report, "checkpoint_load", lambda: ckpt.reload_and_compare(built, directory, saved))
-    report.checkpoint_load_s = time.perf_counter() - started
+    report.checkpoint_load_s = _seconds(report, "checkpoint_load",
+                                        lambda: ckpt.reload_and_compare(built, directory, saved))
     if final:
         report.checks.checkpoint_reloaded = True
 
@@ -353,6 +350,13 @@ def _timed(report: RankReport, key: str, action: Callable[[], T]) -> T:
         return action()
     finally:
         report.timings_s[key] = report.timings_s.get(key, 0.0) + time.perf_counter() - start
+
+
+def _seconds(report: RankReport, key: str, action: Callable[[], object]) -> float:
+    """``_timed``, returning this run's seconds (the phase's total adds up every run)."""
+    before = report.timings_s.get(key, 0.0)
+    _timed(report, key, action)
+    return report.timings_s[key] - before
 
 
 def _open_rank_log(trial_dir: str, rank: int) -> logging.Handler | None:
