@@ -175,7 +175,7 @@ def _write(cfg: SweepConfig, host: Host, source: Layout, target: Layout, folder:
         if slot is None:
             return TrialResult(status="failed", failure_kind="infra", backend=host.backend_name,
                                error=f"no free GPUs for --from {source.short()} ({source.world_size} GPUs)")
-        return host.run_trial(short, writer, run_dir, reservation=slot, steps=1, reference=str(folder),
+        return host.run_trial(short, writer, run_dir, reservation=slot, steps=0, reference=str(folder),
                               make_reference=True)
 
 

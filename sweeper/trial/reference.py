@@ -76,7 +76,8 @@ def ensure_reference(cfg: SweepConfig, host: Host, folder: Path) -> ReferenceOut
             return ReferenceOutcome(None, layout,
                                     f"equivalence gate off: no free GPUs for the reference {layout.short()}")
         short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
-        result = host.run_trial(short, layout, folder.parent / f"{folder.name}-run", reservation=slot, steps=1,
+        # No training steps: the reference is its fitted weights and their loss on the fixed batch.
+        result = host.run_trial(short, layout, folder.parent / f"{folder.name}-run", reservation=slot, steps=0,
                                 reference=str(folder), make_reference=True)
     if not result.passed or not (folder / REFERENCE_FILE).is_file():
         return ReferenceOutcome(None, layout, f"equivalence gate off: the reference run {layout.short()} failed "
