@@ -110,6 +110,9 @@ def test_node_loss_mid_trial_is_infra_and_the_layout_is_retried(tmp_path: Path) 
             "every finished trial; the sweep ended with a best layout")
 
 
+# ~100 s of CI's 40 minutes on 2 cores: with `-m slow` (scripts/reliability_table.py runs it); a node joining a
+# running cluster is also tested at the cluster level in CI (tests/cluster/test_cluster.py::test_node_join_and_loss).
+@pytest.mark.slow
 def test_node_join_lets_larger_trials_run_afterwards(tmp_path: Path) -> None:
     space = _space(tmp_path, nodes=2, gpus=[2, 4], max_trials=3)
     proc = _search(tmp_path, space, "--inject", "node-loss@trial=1", "--inject", "node-join@trial=2")

@@ -406,15 +406,21 @@ def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() ->
 
 
 @pytest.mark.e2e
-def test_real_megatron_save_over_the_nodes_host_memory_is_checkpoint_host_oom(sim, tmp_path: Path) -> None:
+def test_real_megatron_moe_under_routing_stress_and_a_save_over_the_nodes_host_memory(sim, tmp_path: Path) -> None:
+    """Issue 17 items 1 and 4 in one real trial (tiny MoE, EP2): the routing stress a confirmation runs, and a node
+    whose host memory (set to 0.2 GiB) is less than what its ranks held while saving."""
     pytest.importorskip("sweeper.backends.megatron")
-    cfg = _cfg(timeout_s=300, steps=2)
+    cfg = _cfg("tiny-moe", timeout_s=300, steps=2)
     cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"host_memory_gib": 0.2})})
-    result, _ = _run(sim, tmp_path, cfg, Layout(world_size=2, tp=2, gbs=4),
-                     backend="sweeper.backends.megatron:run_rank")
+    result, _ = _run(sim, tmp_path, cfg, Layout(world_size=2, ep=2, gbs=4),
+                     backend="sweeper.backends.megatron:run_rank", routing_stress=True)
     assert (result.status, result.failure_kind) == ("failed", "checkpoint_host_oom"), result.error
     assert "more than the node's 0.20 GiB" in (result.error or "") and result.checks.checkpoint_saved
     assert result.metrics.checkpoint_save_host_gib > 0.2
+    stress = result.routing_stress
+    assert stress is not None and stress["hot_rank"]["hot_rank_factor"] == pytest.approx(2.0)  # tiny-moe: 4 x top-2
+    assert result.metrics.stress_peak_memory_gib == max(s["peak_memory_gib"] for s in stress.values())
+    assert len(result.losses) == 2  # the stress steps are not the trial's
     assert_nothing_left()
 
 
