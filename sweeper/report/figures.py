@@ -359,7 +359,7 @@ def attempts_table(rows: Sequence[TrialRow], mlflow: dict[str, Any] | None = Non
             f'<span class="cat" style="background:{CATEGORY_COLORS[r.category]}">{esc(r.category)}</span>',
             esc(r.result.failure_kind or ""),
             f'<span class="err" title="{esc(error)}">{esc(short)}</span>',
-            num(r.tokens_per_s, "{:,.0f}"), num(r.result.metrics.tflops_per_gpu),
+            num(r.tokens_per_s, "{:,.0f}"), num(m.tflops_per_gpu),
             num(r.peak_memory_gib, "{:.2f}"), num(r.predicted_memory_gib, "{:.2f}"),
             *(num(value, "{:.2f}") for value in (m.checkpoint_save_s, m.checkpoint_load_s, m.checkpoint_save_host_gib,
                                                  m.stress_peak_memory_gib)),
