@@ -67,11 +67,8 @@ class Migration:
         return self.status == "passed"
 
     def to_json(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = asdict(self)  # the trial results too, as TrialResult.to_json writes them
         data["from"], data["to"] = data.pop("source"), data.pop("target")
-        for key in ("from_result", "to_result"):
-            result = getattr(self, key)
-            data[key] = result.to_json() if result is not None else None
         return data
 
 
