@@ -26,6 +26,7 @@ from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
 from sweeper.backends.megatron.failures import (
     InvalidLayoutError,
+    NonFiniteError,
     Phase,
     ReplicaDivergenceError,
     SimulatedOOMError,
@@ -273,7 +274,7 @@ def _routing_stress(request: SmokeRequest, built: Built, device: torch.device, c
     finite (recorded, not a failure: forced routing is not training). Running out of memory here fails the trial
     (the winner must keep its headroom under stress)."""
     from sweeper.backends.megatron.routing import STRESS_MODES, RoutingProbe, forced_routing
-    from sweeper.backends.megatron.steps import micro_batches, train_step
+    from sweeper.backends.megatron.steps import check_finite, micro_batches, train_step
 
     layout = request.layout
     out: dict[str, dict[str, Any]] = {}
@@ -286,7 +287,10 @@ def _routing_stress(request: SmokeRequest, built: Built, device: torch.device, c
                                         seq_length=request.seq_length, vocab_size=request.model.vocab_size,
                                         device=device)
                 result = train_step(built, layout, batches, request.seq_length)
-                finite = finite and math.isfinite(result.loss) and (result.skipped or math.isfinite(result.grad_norm))
+                try:
+                    check_finite(step, result)  # the steps' own verdict (a skipped FP16 step is finite), not raised
+                except NonFiniteError:
+                    finite = False
                 _log.info("routing stress %s step %d loss %.5f grad_norm %.5f", mode, step, result.loss,
                           result.grad_norm)
                 safe_point()
