@@ -5,6 +5,7 @@ model resolved to a ``ModelSpec``, or raises ``ConfigError`` with one line that 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast, get_args
@@ -45,6 +46,17 @@ def proxy_config(cfg: SweepConfig) -> SweepConfig:
     return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
 
 
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's floats: ``1e12`` and ``2.5E-3`` are numbers (YAML 1.1, PyYAML's
+    default, needs a dot and a signed exponent, so ``budget: {tokens: 1e12}`` would read as the string '1e12')."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
 SHIPPED_SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
 
 
@@ -70,7 +82,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> SweepConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(), Loader=_Loader)  # _Loader is a SafeLoader
     except RecursionError:
         raise ConfigError(f"{path}: YAML nested too deeply to read") from None
     except yaml.YAMLError as exc:

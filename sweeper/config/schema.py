@@ -177,6 +177,17 @@ class SearchConfig(_Strict):
     allow_cross_node_tp: bool = False
 
 
+class BudgetConfig(_Strict):
+    """What the production run must train, for the decision section of the report (issue 18): its time and cost on
+    the winner and the runners-up."""
+
+    tokens: PositiveFloat  # tokens to train, e.g. 1.0e12
+    gpu_hour_usd: PositiveFloat | None = None  # price of one GPU-hour; None: no cost, only time and GPU-hours
+    # GPUs of the production run: copies of the trial's layout side by side (data parallel, assumed to scale
+    # linearly); None: the trial's own GPU count.
+    gpus: PositiveInt | None = None
+
+
 class TrackingConfig(_Strict):
     mlflow_tracking_uri: str | None = None
     experiment: str | None = None
@@ -192,6 +203,7 @@ class SweepConfig(_Strict):
     tracking: TrackingConfig = TrackingConfig()
     estimate: EstimatorConstants = EstimatorConstants()
     run: RunSettings = RunSettings()  # run settings that move memory (issue 13): estimator, smoke run, exports
+    budget: BudgetConfig | None = None  # the production run's token budget (the report's decision section)
     source: Path | None = None  # the YAML this came from (set by load_config)
 
     @field_validator("name")

@@ -194,6 +194,9 @@ class SweepMeta(BaseModel):
     stopped_early: str | None = None  # why exploring stopped before the budget (search.patience)
     scheduling_efficiency: float | None = None  # GPU-seconds busy over GPU-seconds held
     calibration: list[str] | None = None  # the estimator's fit, one line per factor
+    # The winner and runners-up: throughput basis and band, the budget's projected time and cost, and why
+    # (sweeper/search/decision.py; issue 18)
+    decision: dict[str, Any] | None = None
 
     @property
     def memory_limit_gib(self) -> float | None:

@@ -142,6 +142,51 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
     )
 
 
+def _band(low: float | None, high: float | None, fmt: str) -> str:
+    return "" if low is None or high is None else f" <span class='dim'>({num(low, fmt)} – {num(high, fmt)})</span>"
+
+
+def decision_section(info: SweepMeta) -> str:
+    """The winner and runners-up with the budget's projected time and cost and why (sweep.json ``decision``)."""
+    block = info.decision or {}
+    layouts = block.get("layouts") or []
+    if not layouts:
+        return '<p class="note">No stable layout: nothing to project.</p>'
+    budget = block.get("budget")
+    rows = []
+    for e in layouts:
+        rate, proj = e.get("tokens_per_s") or {}, e.get("projection") or {}
+        row = [esc(e.get("role")), f"{esc(e.get('layout'))} <span class='dim'>(trial {esc(e.get('number'))})</span>",
+               esc(rate.get("basis")),
+               num(rate.get("median"), "{:,.0f}") + _band(rate.get("low"), rate.get("high"), "{:,.0f}")]
+        if budget:
+            row += [num(proj.get("gpus"), "{:,.0f}"),
+                    num(proj.get("days"), "{:,.1f}") + _band(proj.get("days_fast"), proj.get("days_slow"), "{:,.1f}"),
+                    num(proj.get("gpu_hours"), "{:,.0f}")]
+            if budget.get("gpu_hour_usd") is not None:
+                row.append(num(proj.get("cost_usd"), "${:,.0f}")
+                           + _band(proj.get("cost_usd_fast"), proj.get("cost_usd_slow"), "${:,.0f}"))
+        rows.append(row)
+    headers = ["", "layout", "throughput basis", "tokens/s (band)"]
+    intro = ""
+    if budget:
+        headers += ["GPUs", "days (band)", "GPU-hours"] + (["cost (band)"] if budget.get("gpu_hour_usd") else [])
+        price = (f" at ${budget['gpu_hour_usd']:g} per GPU-hour" if budget.get("gpu_hour_usd") else "")
+        intro = (f"<p>Training {budget.get('tokens', 0):.3g} tokens{esc(price)}; copies of a layout side by side fill "
+                 "the production GPUs (data parallel, assumed to scale linearly).</p>")
+    else:
+        intro = ("<p class='note'>No <code>budget:</code> in the YAML (e.g. <code>budget: {tokens: 1.0e12, "
+                 "gpu_hour_usd: 2.5, gpus: 1024}</code>): no projected time or cost.</p>")
+    notes = []
+    if any(str((e.get("tokens_per_s") or {}).get("basis", "")).startswith("predicted") for e in layouts):
+        notes.append("Predicted throughput: these trials did not run on the cluster's GPUs (the CPU backend), so "
+                     "the rate is the estimator's for the configured GPUs and its band is estimate.throughput_low .. "
+                     "throughput_high times it (how far measured runs have lain from predictions).")
+    whys = "".join(f"<p><b>{esc(e.get('layout'))}</b> — {esc(e.get('why'))}</p>" for e in layouts)
+    return (intro + figures.html_table(headers, rows)
+            + "".join(f'<p class="caveat">{esc(n)}</p>' for n in notes) + whys)
+
+
 def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int, memory_kind: str | None,
             sweep_dir: Path) -> str:
     model = info.model or {}
@@ -184,6 +229,7 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
     title = esc(info.name or sweep_dir.name)
     return (f"<h1>Sweep report: {title}</h1>{notes_html}<dl>{dl}</dl>"
             f"<h2 id='best'>Best layout</h2>{_best_section(info, recorded, rows, sweep_dir)}"
+            f"<h2 id='decision'>Decision: time and cost to train</h2>{decision_section(info)}"
             f"<h2 id='counts'>Counts</h2>{figures.counts_table(rows)}")
 
 

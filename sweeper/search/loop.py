@@ -30,6 +30,7 @@ from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report, report_figures
 from sweeper.search.console import Display, Verbosity, console
+from sweeper.search.decision import decision, summary_line
 from sweeper.search.dominance import Dominance
 from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
@@ -482,6 +483,7 @@ class Sweep:
             self.cfg.search.objective: winner.median(self.cfg.search.objective)}
         meta.scheduling_efficiency = self.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
         meta.stopped_early = self.stopped_early
+        meta.decision = decision(self.cfg, cands, winner, self.records, self.calibrator.current)
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         self.dir.write_meta(meta)
@@ -499,6 +501,8 @@ class Sweep:
             console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
             return EXIT_FAILED
         console.print(f"[green]best stable layout[/]: {winner.layout.short()} -> {self.dir.best}", important=True)
+        if (projected := summary_line(meta.decision)) is not None:
+            console.print(projected, important=True)
         return EXIT_FAILED if status == "interrupted" else EXIT_OK
 
 

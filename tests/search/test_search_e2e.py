@@ -35,7 +35,8 @@ def test_quickstart_search_end_to_end(tmp_path: Path) -> None:
     started = time.monotonic()
     proc = subprocess.run(
         # 4 of the quickstart's 8 trials keep the suite short; the two seeds still share the cluster.
-        [sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep", "--max-trials", str(MAX_TRIALS)],
+        [sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep", "--max-trials", str(MAX_TRIALS),
+         "--set", "budget.tokens=1e9", "--set", "budget.gpu_hour_usd=2.5"],
         cwd=tmp_path, capture_output=True, text=True, timeout=900,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
@@ -104,4 +105,12 @@ def test_quickstart_search_end_to_end(tmp_path: Path) -> None:
             assert (m["stress_peak_memory_gib"] is not None) == stressed
     assert Layout.from_dict(best["layout"]).short() in best["checkpoint_moves_to"]["layouts"]
     assert (out / "report.html").stat().st_size > 10_000
-    assert json.loads((out / "sweep.json").read_text())["status"] == "finished"
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["status"] == "finished"
+    # Issue 18: the decision names the winner first, projects the budget from the estimator's GPU prediction (a CPU
+    # sweep measured the CPU) and says why; the report shows it.
+    first = meta["decision"]["layouts"][0]
+    assert first["number"] == best["trial"] and first["role"] == "winner"
+    assert first["tokens_per_s"]["basis"].startswith("predicted") and first["projection"]["cost_usd"] > 0
+    assert first["why"].startswith(Layout.from_dict(best["layout"]).short())
+    assert "Decision: time and cost to train" in (out / "report.html").read_text()

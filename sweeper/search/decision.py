@@ -1,0 +1,200 @@
+"""The decision (issue 18): for the winner and the runners-up, what training the budget would take and why each
+layout is what it is.
+
+Throughput is the measured median over a layout's runs (exploration and confirmations, their minimum and maximum
+as the band) when the trials ran on the cluster's GPUs. A CPU sweep measured the CPU, not the GPUs the budget will
+run on: there the basis is the estimator's prediction for the configured cluster (calibrated when the sweep
+calibrated it), with the band ``estimate.throughput_low`` .. ``throughput_high`` (how far measured runs have lain
+from predictions). The production run puts ``budget.gpus / gpus`` copies of the layout side by side (data
+parallel), assumed to scale linearly: the projection is the time at the measured rate, not a promise about the
+all-reduce at that size.
+
+The "why" is one paragraph per layout: its predicted memory breakdown on the worst pipeline rank, the binding
+constraint (memory when the peak is close to the stability limit, else step time), and what it traded: the layout
+of the same size the estimator ranked fastest that the sweep did not choose, and why not (pruned, failed, over the
+memory limit, or measured slower).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from sweeper.config.schema import SweepConfig
+from sweeper.estimate import estimate
+from sweeper.estimate.calibration import Calibration
+from sweeper.record.schema import TrialRecord
+from sweeper.search.selection import Candidate, is_stable
+from sweeper.space.axes import SEARCHED
+from sweeper.space.layout import Layout
+
+RUNNERS_UP = 2
+# A layout whose peak memory is at least this share of the stability limit is bound by memory.
+MEMORY_BINDS_AT = 0.9
+SECONDS_PER_DAY = 86400.0
+# The estimator's breakdown, grouped as a user reads it.
+_PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("weights", ("weights", "fp8_weights")),
+    ("gradients", ("grads",)),
+    ("optimizer state", ("optimizer", "grad_copies")),
+    ("activations", ("activations",)),
+    ("transients and logits", ("transient", "logits")),
+    ("workspaces, fragmentation, CUDA/NCCL", ("workspaces", "fragmentation", "non_torch")),
+)
+
+
+def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None, records: list[TrialRecord],
+             calibration: Calibration | None = None) -> dict[str, Any] | None:
+    """The decision block of ``sweep.json``: the winner first, then up to ``RUNNERS_UP`` other stable layouts by
+    their median objective; None when nothing was stable."""
+    if winner is None and not cands:
+        return None
+    objective = cfg.search.objective
+    ranked = sorted((c for c in cands if winner is None or c.number != winner.number),
+                    key=lambda c: -c.median(objective))
+    chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
+    lead = _throughput(cfg, chosen[0], calibration)["median"]
+    layouts = []
+    for rank, cand in enumerate(chosen):
+        rate = _throughput(cfg, cand, calibration)
+        entry: dict[str, Any] = {
+            "number": cand.number, "layout": cand.layout.short(), "gpus": cand.layout.world_size,
+            "role": "winner" if winner is not None and rank == 0 else "runner-up", "tokens_per_s": rate,
+            "relative_to_first": rate["median"] / lead if lead else None,
+        }
+        if cfg.budget is not None:
+            entry["projection"] = projection(cfg, cand.layout.world_size, rate)
+        entry.update(_why(cfg, cand, records, calibration))
+        layouts.append(entry)
+    return {"budget": None if cfg.budget is None else cfg.budget.model_dump(), "layouts": layouts}
+
+
+def _measured_on_gpus(cand: Candidate) -> bool:
+    return cand.explore.result.memory_kind == "device"
+
+
+def _throughput(cfg: SweepConfig, cand: Candidate, calibration: Calibration | None) -> dict[str, Any]:
+    if _measured_on_gpus(cand):
+        values = [v for v in cand.values("tokens_per_s") if v > 0]
+        return {"basis": "measured", "median": statistics.median(values), "low": min(values), "high": max(values),
+                "runs": len(values)}
+    predicted = _estimate(cfg, cand.layout, calibration).tokens_per_s or 0.0
+    basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
+    return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
+            "high": predicted * cfg.estimate.throughput_high, "runs": 0}
+
+
+def projection(cfg: SweepConfig, layout_gpus: int, rate: dict[str, Any]) -> dict[str, Any]:
+    """Days, GPU-hours and cost of ``budget.tokens`` at the rate's median, with its band (slow end, fast end)."""
+    budget = cfg.budget
+    assert budget is not None
+    gpus = budget.gpus or layout_gpus
+    copies = gpus // layout_gpus
+    out: dict[str, Any] = {"gpus": gpus, "copies": copies}
+    if copies == 0:
+        out["note"] = f"budget.gpus ({gpus}) is fewer than the layout's {layout_gpus} GPUs"
+        return out
+    if gpus % layout_gpus:
+        out["note"] = (f"{gpus} GPUs hold {copies} copies of the {layout_gpus}-GPU layout; "
+                       f"{gpus - copies * layout_gpus} stay idle (counted in the cost)")
+    for name, key in (("", "median"), ("_slow", "low"), ("_fast", "high")):
+        tokens_per_s = rate[key] * copies
+        seconds = budget.tokens / tokens_per_s if tokens_per_s > 0 else float("inf")
+        out["days" + name] = seconds / SECONDS_PER_DAY
+        out["gpu_hours" + name] = gpus * seconds / 3600.0
+        if budget.gpu_hour_usd is not None:
+            out["cost_usd" + name] = out["gpu_hours" + name] * budget.gpu_hour_usd
+    return out
+
+
+def _estimate(cfg: SweepConfig, layout: Layout, calibration: Calibration | None) -> Any:
+    return estimate(cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
+                    headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
+
+
+def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord],
+         calibration: Calibration | None) -> dict[str, Any]:
+    predicted = _estimate(cfg, cand.layout, calibration)
+    parts = {label: round(sum(predicted.breakdown.get(k, 0.0) for k in keys), 2) for label, keys in _PARTS}
+    limit = cfg.memory_limit_gib
+    measured = [r.result.metrics.peak_memory_gib for r in (cand.explore, *cand.confirmations)
+                if r.result.metrics.peak_memory_gib is not None]
+    on_gpus = _measured_on_gpus(cand)
+    peak = max(measured) if on_gpus and measured else predicted.memory_gib
+    share = peak / limit if limit else 0.0
+    memory_text = ", ".join(f"{label} {gib:.1f}" for label, gib in parts.items() if gib >= 0.05)
+    sentences = [
+        f"{cand.layout.short()} on {cand.layout.world_size} GPUs: predicted {predicted.memory_gib:.1f} GiB on its "
+        f"worst pipeline rank ({memory_text} GiB)"
+        + (f", measured {max(measured):.1f} GiB" if on_gpus and measured else "") + "."]
+    if share >= MEMORY_BINDS_AT:
+        binding = "memory"
+        sentences.append(f"Memory binds: it peaks at {share:.0%} of the {limit:.1f} GiB stability limit, so a "
+                         "layout that keeps more per GPU would not be stable.")
+    else:
+        binding = "step time"
+        sentences.append(f"Memory does not bind ({share:.0%} of the {limit:.1f} GiB limit): its step time does, "
+                         "and a faster layout would spend the spare memory (fewer model-parallel ranks, larger "
+                         "micro-batches, less recompute).")
+    # Compared on the predictions the sweep launched with (the records'), so that every layout is priced alike.
+    own = (cand.explore.predicted or {}).get("tokens_per_s") or predicted.tokens_per_s or 0.0
+    traded = _traded(cfg, cand, records, float(own))
+    sentences.append(traded)
+    return {"memory_gib": parts, "peak_share_of_limit": round(share, 3), "binding": binding,
+            "why": " ".join(sentences)}
+
+
+def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float) -> str:
+    """The layout of the same size the estimator ranked fastest above this one, and why the sweep did not take it."""
+    faster: dict[tuple[Any, ...], TrialRecord] = {}
+    for rec in records:
+        lo = rec.layout
+        tokens = (rec.predicted or {}).get("tokens_per_s")
+        if lo.get("gpus") != cand.layout.world_size or not isinstance(tokens, (int, float)) or tokens <= own:
+            continue
+        if rec.number == cand.number:
+            continue
+        key = tuple(sorted((k, str(v)) for k, v in lo.items()))
+        # The attempt that says the most: a launched one over a refusal, the latest of equals.
+        if key not in faster or rec.attempt >= faster[key].attempt:
+            faster[key] = rec
+    if not faster:
+        return "No layout of this size that the sweep tried was predicted faster."
+    best = max(faster.values(), key=lambda r: (r.predicted or {}).get("tokens_per_s") or 0.0)
+    other = Layout.from_dict(best.layout)
+    diff = ", ".join(f"{a.name} {a.value(other)} instead of {a.value(cand.layout)}" for a in SEARCHED
+                     if a.name != "gpus" and a.value(other) != a.value(cand.layout))
+    gain = ((best.predicted or {}).get("tokens_per_s") or 0.0) / own - 1 if own else 0.0
+    result = best.result
+    if result.status == "pruned":
+        why = f"it was not launched: {result.error}"
+    elif result.status == "failed":
+        why = f"it failed ({result.failure_kind}): {(result.error or '').splitlines()[0] if result.error else ''}"
+    elif not is_stable(result, cfg):
+        peak = result.metrics.peak_memory_gib
+        why = (f"it passed but was not stable (peak {peak:.1f} GiB over the {cfg.memory_limit_gib:.1f} GiB limit, or "
+               "a TP group across nodes)" if peak is not None else "it passed but was not stable")
+    else:
+        measured = result.metrics.tokens_per_s or 0.0
+        mine = cand.median(cfg.search.objective) if cfg.search.objective == "tokens_per_s" else None
+        if mine is not None and measured > mine:
+            why = (f"it measured faster in exploration ({measured:,.0f} tokens/s) but was not confirmed (a "
+                   "confirmation failed, drifted or was not run)")
+        else:
+            why = f"it ran stable but measured slower ({measured:,.0f} tokens/s)"
+    return (f"It trades the estimator's faster {other.short()} ({diff or 'same axes'}; predicted {gain:+.0%}): "
+            f"{why.rstrip(': ')}.")
+
+
+def summary_line(block: dict[str, Any] | None) -> str | None:
+    """One console line for the winner's projection, e.g. ``budget 1e+12 tokens on 1024 GPUs: 12.3 days (9.1-15.0),
+    302,000 GPU-hours, $755,000 (predicted throughput)``; None without a budget or a winner."""
+    layouts = (block or {}).get("layouts") or []
+    if not layouts or layouts[0].get("role") != "winner" or "days" not in (layouts[0].get("projection") or {}):
+        return None
+    first = layouts[0]
+    p, budget = first["projection"], block["budget"]  # type: ignore[index]
+    cost = f", ${p['cost_usd']:,.0f}" if "cost_usd" in p else ""
+    return (f"budget {budget['tokens']:.3g} tokens on {p['gpus']} GPUs: {p['days']:,.1f} days "
+            f"({p['days_fast']:,.1f}-{p['days_slow']:,.1f}), {p['gpu_hours']:,.0f} GPU-hours{cost} "
+            f"({first['tokens_per_s']['basis']} throughput)")
