@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sweeper.config.units import readable
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.files import write_atomic
@@ -142,8 +143,14 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
     )
 
 
-def _band(low: float | None, high: float | None, fmt: str) -> str:
-    return "" if low is None or high is None else f" <span class='dim'>({num(low, fmt)} – {num(high, fmt)})</span>"
+def _amount(value: float | None, unit: str = "") -> str:
+    return "–" if value is None else unit + readable(value)
+
+
+def _band(low: float | None, high: float | None, unit: str = "") -> str:
+    if low is None or high is None:
+        return ""
+    return f" <span class='dim'>({_amount(low, unit)} – {_amount(high, unit)})</span>"
 
 
 def decision_section(info: SweepMeta) -> str:
@@ -158,16 +165,16 @@ def decision_section(info: SweepMeta) -> str:
         rate, proj = e.get("tokens_per_s") or {}, e.get("projection") or {}
         row = [esc(e.get("role")), f"{esc(e.get('layout'))} <span class='dim'>(trial {esc(e.get('number'))})</span>",
                esc(rate.get("basis")),
-               num(rate.get("median"), "{:,.0f}") + _band(rate.get("low"), rate.get("high"), "{:,.0f}")]
+               _amount(rate.get("median")) + _band(rate.get("low"), rate.get("high"))]
         if budget:
-            row += [num(proj.get("gpus"), "{:,.0f}"),
-                    num(proj.get("days"), "{:,.1f}") + _band(proj.get("days_fast"), proj.get("days_slow"), "{:,.1f}"),
-                    num(proj.get("gpu_hours"), "{:,.0f}")]
+            row += [_amount(proj.get("gpus")),
+                    _amount(proj.get("days")) + _band(proj.get("days_fast"), proj.get("days_slow")),
+                    _amount(proj.get("gpu_hours"))]
             if budget.get("gpu_hour_usd") is not None:
-                row.append(num(proj.get("cost_usd"), "${:,.0f}")
-                           + _band(proj.get("cost_usd_fast"), proj.get("cost_usd_slow"), "${:,.0f}"))
+                row.append(_amount(proj.get("cost_usd"), "$")
+                           + _band(proj.get("cost_usd_fast"), proj.get("cost_usd_slow"), "$"))
         rows.append(row)
-    headers = ["", "layout", "throughput basis", "tokens/s (band)"]
+    headers = ["", "layout (in the sweep's order)", "throughput basis", "tokens/s (band)"]
     intro = ""
     if budget:
         headers += ["GPUs", "days (band)", "GPU-hours"] + (["cost (band)"] if budget.get("gpu_hour_usd") else [])

@@ -21,6 +21,7 @@ import statistics
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
+from sweeper.config.units import readable
 from sweeper.estimate import estimate
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialRecord
@@ -187,14 +188,15 @@ def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: 
 
 
 def summary_line(block: dict[str, Any] | None) -> str | None:
-    """One console line for the winner's projection, e.g. ``budget 1e+12 tokens on 1024 GPUs: 12.3 days (9.1-15.0),
+    """One console line for the winner's projection, e.g. ``budget 1e+12 tokens on 1024 GPUs: 12.3 days (9.1-15),
     302,000 GPU-hours, $755,000 (predicted throughput)``; None without a budget or a winner."""
     layouts = (block or {}).get("layouts") or []
     if not layouts or layouts[0].get("role") != "winner" or "days" not in (layouts[0].get("projection") or {}):
         return None
     first = layouts[0]
     p, budget = first["projection"], block["budget"]  # type: ignore[index]
-    cost = f", ${p['cost_usd']:,.0f}" if "cost_usd" in p else ""
-    return (f"budget {budget['tokens']:.3g} tokens on {p['gpus']} GPUs: {p['days']:,.1f} days "
-            f"({p['days_fast']:,.1f}-{p['days_slow']:,.1f}), {p['gpu_hours']:,.0f} GPU-hours{cost} "
+    r = readable
+    cost = f", ${r(p['cost_usd'])}" if "cost_usd" in p else ""
+    return (f"budget {budget['tokens']:.3g} tokens on {p['gpus']} GPUs: {r(p['days'])} days "
+            f"({r(p['days_fast'])}-{r(p['days_slow'])}), {r(p['gpu_hours'])} GPU-hours{cost} "
             f"({first['tokens_per_s']['basis']} throughput)")
