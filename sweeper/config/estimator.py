@@ -87,6 +87,10 @@ class EstimatorConstants(BaseModel):
     throughput_high: float = Field(1.7, gt=0)
     # Fraction of the FP8 peak reached by FP8 GEMMs (lower than BF16's: casts and amax bookkeeping).
     achievable_mfu_fp8: float = Field(0.30, gt=0, le=1)
+    # Fraction of the dense NVFP4 peak reached by NVFP4 GEMMs: lower again (16-element block scales, the random
+    # Hadamard transform on the weight-gradient inputs, stochastic rounding of gradients). An assumption, not a
+    # measurement: no NVFP4 run has been timed by sweeper.
+    achievable_mfu_fp4: float = Field(0.22, gt=0, le=1)
     # Fraction of the link bandwidth a NCCL collective actually achieves (bus bandwidth / link bandwidth).
     comm_efficiency: float = Field(0.70, gt=0, le=1)
     # Fraction of context-parallel KV exchange hidden behind attention compute (TE overlaps the ring steps).

@@ -30,6 +30,7 @@ from sweeper.models.params import (
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
+from sweeper.space.axes import QUANTIZED
 from sweeper.space.layout import PipelineSplit, recompute_modules
 from sweeper.space.pipeline import stage_layer_kinds
 
@@ -37,6 +38,8 @@ BF16_BYTES = 2
 FP32_BYTES = 4
 # Flash attention keeps one FP32 log-sum-exp per head and token for its backward.
 FLASH_LSE_BYTES = FP32_BYTES
+# NVFP4: a 4-bit E2M1 value plus one E4M3 scale byte per 16-element block (TE's NVFP4BlockScaling).
+NVFP4_BYTES = 0.5 + 1 / 16
 # The router keeps FP32 logits and FP32 probabilities per token and expert.
 ROUTER_BYTES_PER_SCORE = 2 * FP32_BYTES
 
@@ -146,6 +149,10 @@ def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capa
     buffer (param_and_grad_buffer.py ``shared_buffer``), so only the MXFP8 row-wise and column-wise data remain."""
     if constants.fp8_weight_cache_bytes_per_param is not None:
         return float(BF16_BYTES), constants.fp8_weight_cache_bytes_per_param
+    if precision == "nvfp4":
+        # Megatron-Bridge's bf16_with_nvfp4_mixed keeps BF16 parameters (fp4_param off); TE caches the NVFP4 weight
+        # row-wise and column-wise, each 0.5 byte plus one E4M3 scale per 16 elements.
+        return float(BF16_BYTES), 2 * NVFP4_BYTES
     recipe = run.recipe(precision, compute_capability) or "delayed"
     scales = 1 / 32 if recipe == "mxfp8" else 0.0
     copy = 1.0 + scales
@@ -199,7 +206,7 @@ def model_state_bytes(
     optimizer = optimizer_bytes_per_param(precision, run) * on_device
     weights = float(weight_bytes_per_param(precision) * total)
     fp8 = 0.0
-    if precision in ("fp8", "mxfp8"):
+    if precision in QUANTIZED:
         # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.
         quantised = params.layers.total
         weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability, run)
@@ -250,7 +257,10 @@ class ActivationShape:
 
     @property
     def linear_input_bytes(self) -> float:
-        """Tensors kept only as a linear layer's input are kept quantised (1 byte) by TE under FP8."""
+        """Tensors kept only as a linear layer's input are kept quantised by TE for the weight-gradient GEMM: 1 byte
+        under FP8, NVFP4's 0.5 byte and block scale under NVFP4."""
+        if self.precision == "nvfp4":
+            return NVFP4_BYTES
         return 1.0 if self.precision in ("fp8", "mxfp8") else float(self.act_bytes)
 
 

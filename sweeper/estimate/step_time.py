@@ -145,9 +145,12 @@ def step_time(
 ) -> float:
     """Seconds per optimizer step (all micro-batches of the global batch)."""
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
-    fp8 = x.precision in ("fp8", "mxfp8") and device.fp8_tflops is not None
     bf16_rate = device.bf16_tflops * TFLOP * constants.achievable_mfu
-    gemm_rate = device.fp8_tflops * TFLOP * constants.achievable_mfu_fp8 if fp8 and device.fp8_tflops else bf16_rate
+    gemm_rate = bf16_rate
+    if x.precision in ("fp8", "mxfp8") and device.fp8_tflops:
+        gemm_rate = device.fp8_tflops * TFLOP * constants.achievable_mfu_fp8
+    elif x.precision == "nvfp4" and device.fp4_tflops:
+        gemm_rate = device.fp4_tflops * TFLOP * constants.achievable_mfu_fp4
     act_bytes = 4 if x.precision == "fp32" else 2
     tp_bytes = tokens * spec.hidden_size * act_bytes  # one block's hidden state, gathered/scattered over TP
     routed = tokens / (x.tp if x.sp else 1) * spec.moe_router_topk * spec.hidden_size * act_bytes

@@ -52,6 +52,8 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
         "fp8_amax_compute_algo": "max", "fp8_param_gather": True},
     "bf16_with_mxfp8_mixed": {**_BF16, "fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True,
                               "reuse_grad_buf_for_mxfp8_param_ag": True},
+    "bf16_with_nvfp4_mixed": {**_BF16, "fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4", "fp8_param_gather": False,
+                              "fp8_recipe": None},
 }
 
 

@@ -473,14 +473,23 @@ def fp8_hardware(c: RuleContext) -> str | None:
             f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on "
             f"{c.cluster.compute_capability}"
         )
+    if c.layout.precision == "nvfp4" and cc[0] != 10:
+        # Transformer Engine's check_nvfp4_support wants >= 10.0, and TE's own tests skip 12.x: NVFP4BlockScaling
+        # fails there in the random Hadamard transform kernel (hadamard_transform_cast_fusion.cu, "invalid argument").
+        return (
+            f"NVFP4 needs compute capability 10.x (B200/GB200/B300): Transformer Engine requires >= 10.0 and its "
+            f"NVFP4 recipe fails on 12.x; the cluster is {c.cluster.compute_capability}"
+        )
     return None
 
 
 @rule("precision", "tp", "etp", "mbs", "sp", "cp")
 def fp8_gemm_shapes(c: RuleContext) -> str | None:
     lo, m = c.layout, c.model
-    if not lo.is_fp8:
+    if not lo.quantized:
         return None
+    # MXFP8 scales 32-element blocks, NVFP4 16-element blocks (both along rows and columns: the weight-gradient GEMM
+    # quantises the tokens dimension); per-tensor FP8 needs Hopper's 16-byte GEMM alignment.
     align = 32 if lo.precision == "mxfp8" else 16
     dims = {"hidden_size": m.hidden_size, "ffn_hidden_size / TP": m.ffn_hidden_size // lo.tp}
     if m.is_moe:
@@ -489,6 +498,7 @@ def fp8_gemm_shapes(c: RuleContext) -> str | None:
         if value % align:
             return f"{lo.precision} GEMMs need {name} ({value}) divisible by {align}"
     tokens = c.seq_length * lo.mbs // (lo.tp if lo.sp else 1) // lo.cp
-    if tokens % 8:
-        return f"{lo.precision} GEMMs need tokens per micro-batch per rank ({tokens}) divisible by 8"
+    token_align = 16 if lo.precision == "nvfp4" else 8
+    if tokens % token_align:
+        return f"{lo.precision} GEMMs need tokens per micro-batch per rank ({tokens}) divisible by {token_align}"
     return None

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["int", "bool", "precision", "recompute", "text"]
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8")
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4")
+# Precisions whose GEMMs run in a Transformer Engine quantisation recipe (BF16 parameters, TE's quantised copies):
+# FP8 (delayed / tensorwise / blockwise), MXFP8 and NVFP4 (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4).
+QUANTIZED: tuple[str, ...] = ("fp8", "mxfp8", "nvfp4")
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from sweeper.errors import LayoutError
-from sweeper.space.axes import AXES, AXIS, CONTRACT_KEYS, PARALLEL_SIZES, PARSED, PIPELINE_SPLIT, PRECISIONS
+from sweeper.space.axes import AXES, AXIS, CONTRACT_KEYS, PARALLEL_SIZES, PARSED, PIPELINE_SPLIT, PRECISIONS, QUANTIZED
 
-Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8"]
+Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]
 # Recompute granularities. "selective" recomputes Megatron's default module (core_attn); "selective:a+b" names
 # the modules (Megatron's --recompute-modules), e.g. "selective:moe_act+layernorm".
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
@@ -109,6 +109,11 @@ class Layout:
     @property
     def is_fp8(self) -> bool:
         return self.precision in ("fp8", "mxfp8")
+
+    @property
+    def quantized(self) -> bool:
+        """GEMMs in a Transformer Engine low-precision recipe (FP8, MXFP8 or NVFP4): BF16 weights, TE's copies."""
+        return self.precision in QUANTIZED
 
     @property
     def recompute_granularity(self) -> str:
@@ -261,6 +266,7 @@ _PRECISION_FLAGS: dict[str, list[str]] = {
     "bf16": ["--bf16"],
     "fp8": ["--bf16", "--fp8-format=hybrid"],  # the recipe is a run setting (RunSettings.megatron_args)
     "mxfp8": ["--bf16", "--fp8-format=e4m3", "--fp8-recipe=mxfp8"],
+    "nvfp4": ["--bf16", "--fp4-format=e2m1", "--fp4-recipe=nvfp4"],
 }
 # Megatron-Bridge's mixed-precision recipe names (megatron/bridge/training/mixed_precision.py).
 _BRIDGE_PRECISION: dict[str, str] = {
@@ -269,6 +275,7 @@ _BRIDGE_PRECISION: dict[str, str] = {
     "bf16": "bf16_mixed",
     "fp8": "bf16_with_fp8_delayed_scaling_mixed",
     "mxfp8": "bf16_with_mxfp8_mixed",
+    "nvfp4": "bf16_with_nvfp4_mixed",
 }
 
 _PARSED = {a.name: a for a in PARSED}

@@ -108,6 +108,16 @@ def test_mxfp8_only_on_10_x():
         gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), B200, fp8_recipe="delayed")
 
 
+def test_nvfp4_only_on_10_x():
+    plan = gpu.gpu_plan(preset("tiny-gpt"), lo(precision="nvfp4"), B200)
+    assert plan.config_kwargs == dict(fp4="e2m1", fp4_recipe="nvfp4") and plan.fp8_recipe == "nvfp4"
+    for capability, text in ((HOPPER, "9.0"), (RTX_PRO_6000, "12.0")):
+        with pytest.raises(gpu.GpuPrecisionError, match=rf"NVFP4 needs compute capability 10.x .* is {text}"):
+            gpu.gpu_plan(preset("tiny-gpt"), lo(precision="nvfp4"), capability)
+    with pytest.raises(gpu.GpuPrecisionError, match="nvfp4 has its own recipe"):
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="nvfp4"), B200, fp8_recipe="tensorwise")
+
+
 def test_a_precision_the_device_cannot_run_is_reported_unsupported():
     with pytest.raises(gpu.GpuPrecisionError) as info:
         gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), HOPPER)
@@ -220,8 +230,9 @@ def test_support_matrix_gpu_vs_cpu():
         "Transformer Engine on a GPU")
     assert "mamba_stack_spec needs Transformer Engine" in unsupported_reason(hybrid, lo(), cuda=True, te=False)
     assert unsupported_reason(preset("tiny-gpt"), lo(precision="fp8"), cuda=True, te=True) is None
-    assert "FP8 GEMMs need Transformer Engine" in unsupported_reason(preset("tiny-gpt"), lo(precision="fp8"),
-                                                                     cuda=False, te=False)
+    for precision in ("fp8", "nvfp4"):  # NVFP4 without TE would train in BF16: never a CPU pass
+        assert "FP8 and FP4 GEMMs need Transformer Engine" in unsupported_reason(
+            preset("tiny-gpt"), lo(precision=precision), cuda=False, te=False)
 
 
 def test_gpu_refuses_hybrid_without_mamba_ssm_and_fp8_mla_with_cp():

@@ -259,6 +259,23 @@ def test_fp8_adds_weight_cache_and_shrinks_linear_inputs() -> None:
     assert fp8.step_time_s is not None and bf16.step_time_s is not None and fp8.step_time_s < bf16.step_time_s
 
 
+def test_nvfp4_on_blackwell_keeps_two_fp4_weight_copies_and_runs_its_gemms_at_the_fp4_rate() -> None:
+    """TE's NVFP4 weight workspace: row- and column-wise, 0.5 byte + one E4M3 scale per 16 elements each; linear
+    inputs kept at the same 0.5625 byte; GEMMs at the dense FP4 peak (B200: 9 PFLOP/s) times achievable_mfu_fp4."""
+    from sweeper.estimate.memory import fp8_weight_bytes
+
+    assert fp8_weight_bytes("nvfp4", EstimatorConstants(), "10.0") == (2.0, pytest.approx(2 * (0.5 + 1 / 16)))
+    b200 = ClusterConfig(nodes=1, gpus_per_node=8, gpu_memory_gib=180, compute_capability="10.0")
+    by = {p: estimate(LLAMA, Layout(world_size=8, mbs=1, gbs=64, precision=p), b200, 4096)
+          for p in ("bf16", "mxfp8", "nvfp4")}
+    layer_params = stage_params(LLAMA, 1, 1)[0].layers.total
+    assert by["nvfp4"].breakdown["fp8_weights"] * 2**30 == pytest.approx(2 * 0.5625 * layer_params, rel=1e-6)
+    assert by["nvfp4"].breakdown["activations"] < by["mxfp8"].breakdown["activations"] < by["bf16"].breakdown[
+        "activations"]
+    times = {p: by[p].step_time_s or 0.0 for p in by}
+    assert times["nvfp4"] < times["mxfp8"] < times["bf16"]
+
+
 def test_fragmentation_applies_to_dynamic_memory_only() -> None:
     """Megatron's param/grad buffers and optimizer shards are a few tensors made once: reserved = state +
     fragmentation x (activations + transients + logits)."""

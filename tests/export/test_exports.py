@@ -164,7 +164,7 @@ def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(space: 
         assert precision["params_dtype"] == {"_target_": "torch.bfloat16", "_call_": False}
     else:
         assert precision in ("bf16_mixed", "fp16_mixed", "bf16_with_fp8_delayed_scaling_mixed",
-                             "bf16_with_mxfp8_mixed", None)
+                             "bf16_with_mxfp8_mixed", "bf16_with_nvfp4_mixed", None)
     assert ("fp8_recipe" in (precision or {})) == (layout.precision in ("fp8", "mxfp8"))
     header = text_yaml.splitlines()[1]
     recipe = {"nemotron.yaml": "nemotron_3_nano_pretrain_config", "deepseek_v2_lite.yaml":

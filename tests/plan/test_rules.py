@@ -266,6 +266,11 @@ CASES: dict[str, list[Case]] = {
         (DENSE, L(16, precision="mxfp8"), ClusterConfig(nodes=2, compute_capability="12.0"), SEQ,
          "Transformer Engine rejects it on 12.0"),
         (DENSE, L(16, precision="bf16"), ClusterConfig(nodes=2, compute_capability="8.0"), SEQ, None),
+        (DENSE, L(16, precision="nvfp4"), ClusterConfig(nodes=2, compute_capability="10.0"), SEQ, None),
+        (DENSE, L(16, precision="nvfp4"), ClusterConfig(nodes=2, compute_capability="9.0"), SEQ,
+         "NVFP4 needs compute capability 10.x (B200/GB200/B300)"),
+        (DENSE, L(16, precision="nvfp4"), ClusterConfig(nodes=2, compute_capability="12.0"), SEQ,
+         "its NVFP4 recipe fails on 12.x; the cluster is 12.0"),
     ],
     "fp8_gemm_shapes": [
         (DENSE, L(16, tp=2, sp=True, precision="fp8"), H100x2, SEQ, None),
@@ -278,6 +283,9 @@ CASES: dict[str, list[Case]] = {
         (MOE.model_copy(update=dict(moe_ffn_hidden_size=520)), L(16, precision="fp8"), H100x2, SEQ,
          "fp8 GEMMs need moe_ffn_hidden_size / ETP (520) divisible by 16"),
         (DENSE, L(16, precision="fp8"), H100x2, 4092, "fp8 GEMMs need tokens per micro-batch per rank (4092)"),
+        (DENSE, L(16, precision="fp8"), H100x2, 4088, None),  # 4088 % 8 = 0
+        (DENSE, L(16, precision="nvfp4"), ClusterConfig(nodes=2, compute_capability="10.0"), 4088,
+         "nvfp4 GEMMs need tokens per micro-batch per rank (4088) divisible by 16"),
     ],
 }
 
@@ -319,7 +327,8 @@ def test_check_collects_every_reason_and_nothing_for_a_valid_layout() -> None:
 @pytest.mark.parametrize(
     ("capability", "precision", "valid"),
     [("9.0", "mxfp8", False), ("12.0", "mxfp8", False), ("10.0", "mxfp8", True), ("10.3", "mxfp8", True),
-     ("8.6", "fp8", False), ("8.9", "fp8", True), ("9.0", "fp8", True), ("12.0", "fp8", True)],
+     ("8.6", "fp8", False), ("8.9", "fp8", True), ("9.0", "fp8", True), ("12.0", "fp8", True),
+     ("9.0", "nvfp4", False), ("10.0", "nvfp4", True), ("10.3", "nvfp4", True), ("12.0", "nvfp4", False)],
 )
 def test_precision_gating_by_compute_capability(capability: str, precision: str, valid: bool) -> None:
     cluster = ClusterConfig(nodes=2, gpus_per_node=8, compute_capability=capability)

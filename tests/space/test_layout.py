@@ -99,7 +99,7 @@ LAYOUTS = st.builds(
     sp=st.booleans(),
     mbs=st.sampled_from([1, 2, 4]),
     gbs=st.sampled_from([8, 64, 128]),
-    precision=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "mxfp8"]),
+    precision=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]),
     recompute=st.sampled_from(["none", "selective", "full", "selective:moe", "selective:moe_act+layernorm"]),
     distributed_optimizer=st.booleans(),
 )
@@ -154,20 +154,22 @@ def test_bad_layout_strings(text: str, message: str) -> None:
 # --decoder-first/last-pipeline-num-layers, --sequence-parallel, --use-distributed-optimizer, --fp16/--bf16,
 # --fp8-format {e4m3,hybrid}, --fp8-recipe {tensorwise,delayed,mxfp8,blockwise}, --recompute-granularity
 # {full,selective}, --recompute-modules (nargs *, Megatron-Core's module names), --recompute-method {uniform,block},
-# --recompute-num-layers.
+# --recompute-num-layers, --fp4-format {e2m1}, --fp4-recipe {nvfp4,custom} (TransformerConfig.fp4 / fp4_recipe).
 KNOWN_FLAGS = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size",
     "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--micro-batch-size", "--global-batch-size",
     "--num-virtual-stages-per-pipeline-rank", "--decoder-first-pipeline-num-layers",
     "--decoder-last-pipeline-num-layers", "--sequence-parallel", "--use-distributed-optimizer", "--fp16", "--bf16",
     "--fp8-format", "--fp8-recipe", "--recompute-granularity", "--recompute-modules", "--recompute-method",
-    "--recompute-num-layers",
+    "--recompute-num-layers", "--fp4-format", "--fp4-recipe",
 }
 CHOICES = {
     "--fp8-format": {"e4m3", "hybrid"},
     "--fp8-recipe": {"tensorwise", "delayed", "mxfp8", "blockwise"},
     "--recompute-granularity": {"full", "selective"},
     "--recompute-method": {"uniform", "block"},
+    "--fp4-format": {"e2m1"},
+    "--fp4-recipe": {"nvfp4", "custom"},
 }
 RECOMPUTE_MODULE_CHOICES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
 
@@ -205,7 +207,9 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
     assert ("--sequence-parallel" in args) == lo.sp
     assert ("--use-distributed-optimizer" in args) == lo.distributed_optimizer
     assert args.get("--decoder-first-pipeline-num-layers") == (str(split[0]) if split else None)
-    assert ("--bf16" in args) == (lo.precision in ("bf16", "fp8", "mxfp8"))
+    assert ("--bf16" in args) == (lo.precision in ("bf16", "fp8", "mxfp8", "nvfp4"))
+    assert ("--fp4-format" in args) == (lo.precision == "nvfp4")
+    assert not ("--fp4-format" in args and "--fp8-format" in args)  # "cannot be used simultaneously" (Megatron-LM)
     assert ("--fp16" in args) == (lo.precision == "fp16")
     # The FP8 recipe is a run setting (RunSettings.megatron_args); the layout names MXFP8's own recipe only.
     assert args.get("--fp8-recipe") == {"mxfp8": "mxfp8"}.get(lo.precision)
@@ -218,7 +222,8 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
 # Section and recipe names verified against Megatron-Bridge: ConfigContainer groups train/model/optimizer/ddp/
 # mixed_precision; train.micro_batch_size, train.global_batch_size, ddp.use_distributed_optimizer and
 # optimizer.use_distributed_optimizer (kept in sync); recipes in megatron/bridge/training/mixed_precision.py.
-BRIDGE_RECIPES = {"null", "fp16_mixed", "bf16_mixed", "bf16_with_fp8_delayed_scaling_mixed", "bf16_with_mxfp8_mixed"}
+BRIDGE_RECIPES = {"null", "fp16_mixed", "bf16_mixed", "bf16_with_fp8_delayed_scaling_mixed", "bf16_with_mxfp8_mixed",
+                  "bf16_with_nvfp4_mixed"}
 BRIDGE_OTHER_FIELDS = {
     "train.micro_batch_size", "train.global_batch_size", "ddp.use_distributed_optimizer",
     "optimizer.use_distributed_optimizer", "mixed_precision",

@@ -38,7 +38,7 @@ from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
 Capability = tuple[int, int]
-Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8"]
+Fp8Recipe = Literal["delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4"]
 FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise")
 # catalog.resolve_model names a ``model: {hf: DIR}`` spec "hf:<absolute DIR>": the only field of ModelSpec that
 # travels to the rank unchanged, so the GPU trial knows to build Megatron-Bridge's model from that folder.
@@ -85,6 +85,14 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
                 f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on {cc}"
             )
         return dict(fp8="e4m3", fp8_recipe="mxfp8"), "mxfp8", "precision mxfp8: MXFP8BlockScaling (e4m3)"
+    if precision == "nvfp4":
+        if recipe not in (None, "nvfp4"):
+            raise GpuPrecisionError(f"precision nvfp4 has its own recipe; run.fp8_recipe={recipe} does not apply")
+        if capability[0] != 10:
+            raise GpuPrecisionError(f"NVFP4 needs compute capability 10.x (B200/GB200/B300); this GPU is {cc}")
+        # megatron-core's fp4 / fp4_recipe (transformer_config.py); fp4_utils.get_fp4_recipe builds TE's
+        # NVFP4BlockScaling and raises itself below TE 2.7.
+        return dict(fp4="e2m1", fp4_recipe="nvfp4"), "nvfp4", "precision nvfp4: NVFP4BlockScaling (e2m1)"
     if precision != "fp8":
         return {}, None, None
     if capability < (8, 9):

@@ -65,9 +65,10 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         # and sweeper's CPU CP attention (cpu_attention.py) is written for equal K/V head widths, not MLA's.
         return no(f"multi_latent_attention with context parallel (cp={layout.cp})", "MLA's context-parallel "
                   "attention is Transformer Engine's (cp_comm_type p2p); Megatron's local attention refuses CP")
-    if layout.is_fp8:
-        if not cuda or not te:
-            return no(f"precision {layout.precision}", "FP8 GEMMs need Transformer Engine on a GPU")
+    if layout.quantized and not (cuda and te):
+        # Without TE megatron-core accepts fp4="e2m1" and trains in BF16 (fp4_utils.get_fp4_context is a
+        # nullcontext): a pass would be a false one.
+        return no(f"precision {layout.precision}", "FP8 and FP4 GEMMs need Transformer Engine on a GPU")
     discarding = [m for m in ("moe_act", "layernorm", "mla_up_proj") if m in layout.recompute_modules]
     if discarding and not (cuda and te):
         # Megatron's output-discarding checkpoint (CheckpointWithoutOutput) asks Transformer Engine for the FP8
