@@ -11,7 +11,16 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, create_model, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from sweeper.config.address import check_address
 from sweeper.config.estimator import EstimatorConstants
@@ -19,7 +28,7 @@ from sweeper.config.run_settings import RunSettings
 from sweeper.errors import LayoutError, UsageError
 from sweeper.models.spec import ModelSpec
 from sweeper.space.axes import PRECISIONS, SEARCHED, Axis
-from sweeper.space.layout import Layout, canonical_recompute, parse_assignments, resolve_sp
+from sweeper.space.layout import Layout, canonical_cuda_graph, canonical_recompute, parse_assignments, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
 
 
@@ -128,21 +137,35 @@ class _SpaceBase(_Strict):
             raise ValueError(str(exc).removeprefix("recompute: ")) from None
 
 
+    @field_validator("cuda_graph", mode="after", check_fields=False)
+    @classmethod
+    def _cuda_graph(cls, value: list[str]) -> list[str]:
+        try:
+            return list(dict.fromkeys(canonical_cuda_graph(str(v)) for v in value))
+        except LayoutError as exc:
+            raise ValueError(str(exc).removeprefix("cuda_graph: ")) from None
+
+
 _VALUE_TYPES: dict[str, Any] = {
     "int": PositiveInt,
+    "int0": NonNegativeInt,
     "bool": bool,
     "precision": Literal[PRECISIONS],
     "recompute": str,
+    "text": str,
 }
 
 
 def _space_field(axis: Axis) -> tuple[Any, Any]:
-    value = _VALUE_TYPES[axis.kind]
+    if axis.kind == "choice":  # None (the axis left unset) is its default, never listed by a user
+        value: Any = Literal[axis.choices] | None
+    else:
+        value = _VALUE_TYPES[axis.kind]
     if axis.name == "sp":
         value = Literal["auto"] | bool
     if axis.space_default is None:  # gpus: every GPU of the cluster
-        return list[value] | None, Field(None, description=axis.doc)  # type: ignore[valid-type]
-    return list[value], Field(list(axis.space_default), description=axis.doc)  # type: ignore[valid-type]
+        return list[value] | None, Field(None, description=axis.doc)
+    return list[value], Field(list(axis.space_default), description=axis.doc)
 
 
 if TYPE_CHECKING:

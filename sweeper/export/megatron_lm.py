@@ -143,7 +143,8 @@ def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
         f"if [[ $NNODES -ne {nodes} ]]; then echo \"this layout needs {nodes} node(s), NNODES is $NNODES\" >&2; "
         "exit 2; fi",
         "",
-        _array("MODEL_ARGS", model_args(cfg.model, cfg.training.seq_length) + spec),
+        _array("MODEL_ARGS", [a for a in model_args(cfg.model, cfg.training.seq_length) + spec
+                              if not (layout.moe_token_dispatcher and a.startswith("--moe-token-dispatcher-type="))]),
         _array("LAYOUT_ARGS", layout_args(cfg, layout)),
         _array("TRAINING_ARGS", [
             "--train-iters=${TRAIN_ITERS:-100000}", "--lr=${LR:-3e-4}", "--min-lr=${MIN_LR:-3e-5}",

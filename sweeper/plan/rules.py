@@ -502,3 +502,77 @@ def fp8_gemm_shapes(c: RuleContext) -> str | None:
     if tokens % token_align:
         return f"{lo.precision} GEMMs need tokens per micro-batch per rank ({tokens}) divisible by {token_align}"
     return None
+
+
+# -- issue 18: the dispatcher, A2A overlap, CUDA graphs, activation offload (transformer_config.py __post_init__,
+#    token_dispatcher.py, Megatron-LM's validate_args); each message is Megatron's own where it has one ------------
+@rule("moe_token_dispatcher", "ep", "etp")
+def token_dispatcher(c: RuleContext) -> str | None:
+    lo = c.layout
+    if lo.moe_token_dispatcher is None:
+        return None
+    if not c.model.is_moe:
+        return "moe_token_dispatcher only applies to MoE models (this model has no experts)"
+    if lo.dispatcher == "flex" and lo.etp * lo.ep == 1:
+        # token_dispatcher.py MoEFlexTokenDispatcher: tp_size is the expert-tensor-parallel size.
+        return "Flex token dispatcher requires TPxEP > 1 (expert_tensor_parallel_size x expert_model_parallel_size)"
+    return None
+
+
+@rule("moe_a2a_overlap", "ep", "moe_token_dispatcher", "pp", "vpp", "recompute", "precision")
+def a2a_overlap(c: RuleContext) -> str | None:
+    lo = c.layout
+    if not lo.moe_a2a_overlap:
+        return None
+    if not c.model.is_moe or lo.ep == 1:
+        return "overlap_moe_expert_parallel_comm is only supported with expert model parallelism"
+    if lo.dispatcher not in ("alltoall", "flex"):
+        return "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher"
+    if lo.pp > 1 and lo.vpp == 1:
+        return ("If enabling EP A2A overlap, virtual_pipeline_model_parallel_size must be specified when "
+                "pipeline_model_parallel_size > 1")
+    if lo.recompute == "full":
+        return "disable full recomputation when enabling overlap_moe_expert_parallel_comm"
+    if lo.precision == "fp32":
+        return "overlap_moe_expert_parallel_comm is only supported with bf16 or fp16 model"
+    return None
+
+
+@rule("cuda_graph", "recompute", "offload_layers", "moe_a2a_overlap", "ep")
+def cuda_graphs(c: RuleContext) -> str | None:
+    lo, m = c.layout, c.model
+    if lo.cuda_graph == "none":
+        return None
+    scope = set(lo.cuda_graph_scope)
+    if lo.offload_layers:
+        return "CUDA graphs not supported with CPU offloading."
+    if scope & {"moe", "moe_router"} and not m.is_moe:
+        return "moe cuda graph is only supported for MoE."
+    if "mlp" in scope and not m.count("mlp"):
+        return "mlp cuda graph is only supported for dense layers, but not found in the model."
+    if {"moe", "moe_router"} <= scope:
+        return "cuda_graph_scope must not contain both moe and moe_router."
+    if "moe_preprocess" in scope and "moe_router" not in scope:
+        return "moe_preprocess cuda graph is only supported with moe_router cuda graph."
+    if "moe" in scope:  # sweeper's MoE trials are dropless: no capacity factor, no padding
+        return "moe cuda graph is only supported with drop-padding MoE."
+    if lo.recompute_granularity == "full" and lo.cuda_graph != "full_iteration":
+        return "full recompute is only supported with full iteration CUDA graph."
+    if lo.moe_a2a_overlap and (lo.cuda_graph_impl != "transformer_engine" or scope & {"moe", "mlp"}):
+        return ("overlap_moe_expert_parallel_comm needs cuda_graph_impl transformer_engine; CUDA graph scope on "
+                "moe and mlp is not supported with overlap_moe_expert_parallel_comm")
+    return None
+
+
+@rule("offload_layers", "pp", "recompute")
+def activation_offload(c: RuleContext) -> str | None:
+    lo, layers = c.layout, c.model.num_layers
+    if not lo.offload_layers:
+        return None
+    if lo.offload_layers >= layers:
+        return f"CPU offloading can be done only for layers less than {layers}"
+    if lo.pp > 1:
+        return "Currently there is no support for Pipeline parallelism with CPU offloading"
+    if lo.recompute != "none":
+        return "CPU offloading does not work when activation recomputation is enabled"
+    return None

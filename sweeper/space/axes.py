@@ -16,11 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-Kind = Literal["int", "bool", "precision", "recompute", "text"]
+Kind = Literal["int", "int0", "bool", "precision", "recompute", "text", "choice"]
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4")
 # Precisions whose GEMMs run in a Transformer Engine quantisation recipe (BF16 parameters, TE's quantised copies):
 # FP8 (delayed / tensorwise / blockwise), MXFP8 and NVFP4 (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4).
 QUANTIZED: tuple[str, ...] = ("fp8", "mxfp8", "nvfp4")
+# Megatron's MoE token dispatchers (moe_token_dispatcher_type); "flex:<backend>" also sets moe_flex_dispatcher_backend.
+DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex:deepep", "flex:hybridep")
+# CUDA graphs: none; "local" (Megatron's own graphs of whole layers, cuda_graph_impl=local, scope empty);
+# "full_iteration" (local, the whole forward-backward step); "te:<scope>+<scope>" (cuda_graph_impl=transformer_engine
+# with those cuda_graph_scope parts of each layer, e.g. te:attn+moe_router+moe_preprocess).
+CUDA_GRAPH_SCOPES: tuple[str, ...] = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class Axis:
     bridge: tuple[str, ...] = ()  # Megatron-Bridge override keys
     bridge_null: Any = None  # a value Bridge is given as null (None: none; a None value is never exported)
     bridge_always: bool = False  # a bool Bridge is always given (true/false), not only when true
+    choices: tuple[str, ...] = ()  # the values of a "choice" axis
 
     @property
     def field(self) -> str:
@@ -90,6 +97,19 @@ AXES: tuple[Axis, ...] = (
     Axis("recompute", "recompute", "activation recompute: none | selective | full | selective:<modules>, e.g. "
          "selective:moe_act+layernorm (Megatron's recompute modules)", searched=True, space_default=("none",),
          megatron="recompute_granularity", megatron_attr="recompute_granularity"),
+    # Issue 18: the knobs of the memory, communication and compute walls. Each defaults to what sweeper ran before.
+    Axis("moe_token_dispatcher", "choice", "MoE token dispatcher: " + " | ".join(DISPATCHERS) + " (unset: alltoall "
+         "as before the axis existed; exported only when set)", searched=True, space_default=(None,),
+         megatron="moe_token_dispatcher_type", choices=DISPATCHERS),
+    Axis("moe_a2a_overlap", "bool", "overlap the expert all-to-all with another micro-batch's compute",
+         searched=True, space_default=(False,), megatron="overlap_moe_expert_parallel_comm",
+         flag="overlap-moe-expert-parallel-comm",
+         bridge=("model.overlap_moe_expert_parallel_comm", "comm_overlap.overlap_moe_expert_parallel_comm")),
+    Axis("cuda_graph", "text", "CUDA graphs: none | local | full_iteration | te:<scopes> with scopes from "
+         + "+".join(CUDA_GRAPH_SCOPES), searched=True, space_default=("none",)),
+    Axis("offload_layers", "int0", "decoder layers whose activations are offloaded to the host "
+         "(Megatron's cpu_offloading_num_layers); 0 = none", searched=True, space_default=(0,),
+         megatron="cpu_offloading_num_layers", flag="cpu-offloading-num-layers", omit=0),
     Axis("distributed_optimizer", "bool", "shard the optimizer state over data-parallel ranks", searched=True,
          space_default=(True,), megatron="use_distributed_optimizer", flag="use-distributed-optimizer",
          bridge=("ddp.use_distributed_optimizer", "optimizer.use_distributed_optimizer"), bridge_always=True),

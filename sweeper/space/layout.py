@@ -12,7 +12,18 @@ from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from sweeper.errors import LayoutError
-from sweeper.space.axes import AXES, AXIS, CONTRACT_KEYS, PARALLEL_SIZES, PARSED, PIPELINE_SPLIT, PRECISIONS, QUANTIZED
+from sweeper.space.axes import (
+    AXES,
+    AXIS,
+    CONTRACT_KEYS,
+    CUDA_GRAPH_SCOPES,
+    DISPATCHERS,
+    PARALLEL_SIZES,
+    PARSED,
+    PIPELINE_SPLIT,
+    PRECISIONS,
+    QUANTIZED,
+)
 
 Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]
 # Recompute granularities. "selective" recomputes Megatron's default module (core_attn); "selective:a+b" names
@@ -66,6 +77,14 @@ class Layout:
     # Megatron's pipeline_model_parallel_layout, e.g. "Et|(tt|)*62tL": every (virtual) stage's layers, "|" between
     # stages, stage i = vpp_rank * PP + pp_rank (megatron/core/transformer/pipeline_parallel_layer_layout.py).
     pipeline_layout: str | None = None
+    # Issue 18. The MoE token dispatcher (DISPATCHERS; None: alltoall, the value every trial used before it was an
+    # axis, and nothing exported); the expert all-to-all overlapped with another micro-batch's compute
+    # (overlap_moe_expert_parallel_comm); CUDA graphs (canonical_cuda_graph); decoder layers whose activations
+    # live on the host between forward and backward (cpu_offloading_num_layers).
+    moe_token_dispatcher: str | None = None
+    moe_a2a_overlap: bool = False
+    cuda_graph: str = "none"
+    offload_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "mbs", "gbs"):
@@ -75,6 +94,12 @@ class Layout:
         if self.precision not in PRECISIONS:
             raise LayoutError(f"precision: must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         object.__setattr__(self, "recompute", canonical_recompute(self.recompute))
+        object.__setattr__(self, "cuda_graph", canonical_cuda_graph(self.cuda_graph))
+        if self.moe_token_dispatcher is not None and self.moe_token_dispatcher not in DISPATCHERS:
+            raise LayoutError(f"moe_token_dispatcher: must be one of {', '.join(DISPATCHERS)}, "
+                              f"got {self.moe_token_dispatcher!r}")
+        if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
+            raise LayoutError(f"offload_layers: must be 0 or a positive integer, got {self.offload_layers!r}")
         if self.pipeline_layout is not None and (not self.pipeline_layout.strip() or "," in self.pipeline_layout):
             raise LayoutError(f"pipeline_layout: must be a Megatron layout string without commas, e.g. "
                               f"'Et|(tt|)*62tL', got {self.pipeline_layout!r}")
@@ -121,6 +146,28 @@ class Layout:
         return self.recompute.partition(":")[0]
 
     @property
+    def dispatcher(self) -> str:
+        """Megatron's moe_token_dispatcher_type this layout runs (alltoall unless the axis says otherwise)."""
+        return (self.moe_token_dispatcher or "alltoall").partition(":")[0]
+
+    @property
+    def flex_backend(self) -> str | None:
+        """moe_flex_dispatcher_backend (deepep, hybridep) of a flex dispatcher; None otherwise."""
+        return (self.moe_token_dispatcher or "").partition(":")[2] or None
+
+    @property
+    def cuda_graph_impl(self) -> str:
+        """Megatron's cuda_graph_impl: none, local or transformer_engine."""
+        return {"none": "none", "local": "local", "full_iteration": "local"}.get(self.cuda_graph, "transformer_engine")
+
+    @property
+    def cuda_graph_scope(self) -> tuple[str, ...]:
+        """Megatron's cuda_graph_scope (empty: whole layers)."""
+        if self.cuda_graph == "full_iteration":
+            return ("full_iteration",)
+        return tuple(self.cuda_graph.partition(":")[2].split("+")) if self.cuda_graph.startswith("te:") else ()
+
+    @property
     def recompute_modules(self) -> tuple[str, ...]:
         """Megatron's recompute_modules under selective granularity (empty for none and full)."""
         return recompute_modules(self.recompute)
@@ -138,6 +185,18 @@ class Layout:
         if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
             out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
                        pipeline_layout=self.pipeline_layout)
+        out.update(self._knobs())
+        return out
+
+    def _knobs(self) -> dict[str, Any]:
+        """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
+        a layout that sets none reads and writes exactly as before the knobs existed)."""
+        out: dict[str, Any] = {}
+        for name in KNOBS:
+            axis = AXIS[name]
+            value = axis.value(self)
+            if value != _KNOB_DEFAULTS[name]:
+                out[name] = value
         return out
 
     @classmethod
@@ -168,6 +227,15 @@ class Layout:
             parts.append(f"PPL[{self.pipeline_layout}]")
         if not self.distributed_optimizer:
             parts.append("noDO")
+        if self.moe_token_dispatcher is not None:
+            parts.append({"alltoall": "A2A", "allgather": "AG"}.get(self.moe_token_dispatcher,
+                                                                     (self.flex_backend or "").upper()))
+        if self.moe_a2a_overlap:
+            parts.append("A2AOVL")
+        if self.cuda_graph != "none":
+            parts.append(f"CG-{self.cuda_graph.replace('te:', 'te-')}")
+        if self.offload_layers:
+            parts.append(f"OFF{self.offload_layers}")
         parts.append(self.precision)
         return "-".join(parts)
 
@@ -193,6 +261,7 @@ class Layout:
                       f"account_for_loss={str(self.account_for_loss).lower()}"]
         if self.pipeline_layout:
             items.append(f"pipeline_layout={self.pipeline_layout}")
+        items += [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in self._knobs().items()]
         return ",".join(items)
 
     def parallel_sizes(self) -> dict[str, int | None]:
@@ -228,6 +297,19 @@ class Layout:
                 args += ["--recompute-modules", *self.recompute_modules]
         elif self.recompute == "full":
             args += ["--recompute-granularity=full", "--recompute-method=uniform", "--recompute-num-layers=1"]
+        if self.moe_token_dispatcher is not None:
+            args.append(f"--moe-token-dispatcher-type={self.dispatcher}")
+            if self.flex_backend:  # DeepEP asserts FP32 router probabilities (token_dispatcher.py)
+                args += [f"--moe-flex-dispatcher-backend={self.flex_backend}", "--moe-router-dtype=fp32"]
+        if self.cuda_graph != "none":
+            args.append(f"--cuda-graph-impl={self.cuda_graph_impl}")
+            if self.cuda_graph_scope:
+                args += ["--cuda-graph-scope", *self.cuda_graph_scope]
+            # Megatron-LM's validate_args asserts both (arguments.py, core_v0.16.1).
+            if self.cuda_graph == "full_iteration":
+                args.append("--no-check-for-nan-in-loss-and-grad")
+            if self.cuda_graph_impl == "local" and self.ep > 1:
+                args.append("--moe-pad-experts-for-cuda-graph-inference")
         return args
 
     def bridge_overrides(self) -> list[str]:
@@ -253,6 +335,34 @@ class Layout:
             out.append(f"model.recompute_modules=[{','.join(self.recompute_modules)}]")
         if self.recompute == "full":
             out += ["model.recompute_method=uniform", "model.recompute_num_layers=1"]
+        if self.moe_token_dispatcher is not None:
+            out.append(f"model.moe_token_dispatcher_type={self.dispatcher}")
+            if self.flex_backend:
+                out += [f"model.moe_flex_dispatcher_backend={self.flex_backend}", "model.moe_router_dtype=fp32"]
+        if self.cuda_graph != "none":
+            out += [f"model.cuda_graph_impl={self.cuda_graph_impl}",
+                    f"model.cuda_graph_scope=[{','.join(self.cuda_graph_scope)}]"]
+        if self.offload_layers:  # Megatron-LM's flag turns cpu_offloading on itself; Bridge's config does not
+            out += ["model.cpu_offloading=true", f"model.cpu_offloading_num_layers={self.offload_layers}"]
+        return out
+
+    def knob_config(self) -> dict[str, Any]:
+        """The issue-18 knobs under Megatron-Core's TransformerConfig names (the MoE dispatcher is the MoE
+        section's: ``moe_config``)."""
+        out: dict[str, Any] = {}
+        if self.moe_a2a_overlap:
+            out["overlap_moe_expert_parallel_comm"] = True
+        if self.cuda_graph != "none":
+            out.update(cuda_graph_impl=self.cuda_graph_impl, cuda_graph_scope=list(self.cuda_graph_scope))
+        if self.offload_layers:
+            out.update(cpu_offloading=True, cpu_offloading_num_layers=self.offload_layers)
+        return out
+
+    def moe_config(self) -> dict[str, Any]:
+        """The token dispatcher under TransformerConfig's names (a MoE model's)."""
+        out: dict[str, Any] = {"moe_token_dispatcher_type": self.dispatcher}
+        if self.flex_backend:
+            out.update(moe_flex_dispatcher_backend=self.flex_backend, moe_router_dtype="fp32")
         return out
 
 
@@ -277,6 +387,11 @@ _BRIDGE_PRECISION: dict[str, str] = {
     "mxfp8": "bf16_with_mxfp8_mixed",
     "nvfp4": "bf16_with_nvfp4_mixed",
 }
+
+# The issue-18 knobs (axis keys) and the value each takes when it is not set.
+KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers")
+_KNOB_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher": None, "moe_a2a_overlap": False, "cuda_graph": "none",
+                                  "offload_layers": 0}
 
 _PARSED = {a.name: a for a in PARSED}
 
@@ -312,6 +427,20 @@ def _parse_value(key: str, raw: str, what: str) -> Any:
         if low not in ("true", "false", "1", "0", "on", "off", "yes", "no"):
             raise LayoutError(f"{what}: {key} must be true or false, got '{raw}'")
         return low in ("true", "1", "on", "yes")
+    if kind == "int0":
+        if not (raw.isascii() and raw.isdigit()):
+            raise LayoutError(f"{what}: {key} must be 0 or a positive integer, got '{raw}'")
+        return int(raw)
+    if kind == "choice":
+        choices = _PARSED[key].choices
+        if raw.lower() not in choices:
+            raise LayoutError(f"{what}: {key} must be one of {', '.join(choices)}, got '{raw}'")
+        return raw.lower()
+    if key == "cuda_graph":
+        try:
+            return canonical_cuda_graph(raw.lower())
+        except LayoutError as exc:
+            raise LayoutError(f"{what}: {exc}") from None
     if kind == "text":
         return raw  # case matters (E, L, t, m); Layout checks it is not empty
     if kind == "recompute":
@@ -354,6 +483,25 @@ def canonical_recompute(value: str) -> str:
         )
     modules = tuple(m for m in RECOMPUTE_MODULES if m in names)
     return "selective" if modules == DEFAULT_RECOMPUTE_MODULES else "selective:" + "+".join(modules)
+
+
+def canonical_cuda_graph(value: str) -> str:
+    """``none``, ``local``, ``full_iteration`` or ``te:<scope>+<scope>`` with Megatron's CudaGraphScope names in
+    CUDA_GRAPH_SCOPES order. Raises LayoutError naming the problem."""
+    if not isinstance(value, str):
+        raise LayoutError(f"cuda_graph: must be a string such as 'te:attn', got {value!r}")
+    if value in ("none", "local", "full_iteration"):
+        return value
+    impl, sep, listed = value.partition(":")
+    names = [m.strip() for m in listed.split("+")] if sep else []
+    if impl != "te" or not names or not all(names):
+        raise LayoutError(f"cuda_graph: must be none, local, full_iteration or te:<scopes> (e.g. "
+                          f"te:attn+moe_router), got {value!r}")
+    unknown = [m for m in names if m not in CUDA_GRAPH_SCOPES]
+    if unknown:
+        raise LayoutError(f"cuda_graph: unknown scope {unknown[0]!r} in {value!r} (Megatron's CUDA graph scopes "
+                          f"for transformer_engine graphs: {', '.join(CUDA_GRAPH_SCOPES)})")
+    return "te:" + "+".join(m for m in CUDA_GRAPH_SCOPES if m in names)
 
 
 def resolve_sp(value: str | bool, tp: int) -> bool:

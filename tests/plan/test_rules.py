@@ -287,6 +287,46 @@ CASES: dict[str, list[Case]] = {
         (DENSE, L(16, precision="nvfp4"), ClusterConfig(nodes=2, compute_capability="10.0"), 4088,
          "nvfp4 GEMMs need tokens per micro-batch per rank (4088) divisible by 16"),
     ],
+    # -- issue 18 knobs -----------------------------------------------------------------------------------------
+    "token_dispatcher": [
+        (MOE, L(16, ep=8, moe_token_dispatcher="allgather"), H100x2, SEQ, None),
+        (MOE, L(16, ep=8, moe_token_dispatcher="flex:deepep"), H100x2, SEQ, None),
+        (DENSE, L(16, moe_token_dispatcher="alltoall"), H100x2, SEQ, "only applies to MoE models"),
+        (MOE, L(16, moe_token_dispatcher="flex:hybridep"), H100x2, SEQ, "Flex token dispatcher requires TPxEP > 1"),
+    ],
+    "a2a_overlap": [
+        (MOE, L(16, ep=8, moe_a2a_overlap=True), H100x2, SEQ, None),
+        (MOE, L(16, pp=2, vpp=2, ep=8, moe_a2a_overlap=True, recompute="selective"), H100x2, SEQ, None),
+        (MOE, L(16, moe_a2a_overlap=True), H100x2, SEQ, "only supported with expert model parallelism"),
+        (MOE, L(16, ep=8, moe_a2a_overlap=True, moe_token_dispatcher="allgather"), H100x2, SEQ,
+         "supported with alltoall/flex token dispatcher"),
+        (MOE, L(16, pp=2, ep=8, moe_a2a_overlap=True), H100x2, SEQ,
+         "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1"),
+        (MOE, L(16, ep=8, moe_a2a_overlap=True, recompute="full"), H100x2, SEQ, "disable full recomputation"),
+        (MOE, L(16, ep=8, moe_a2a_overlap=True, precision="fp32"), H100x2, SEQ, "only supported with bf16 or fp16"),
+    ],
+    "cuda_graphs": [
+        (MOE, L(16, ep=8, cuda_graph="te:attn+moe_router+moe_preprocess"), H100x2, SEQ, None),
+        (DENSE, L(16, cuda_graph="local"), H100x2, SEQ, None),
+        (DENSE, L(16, cuda_graph="full_iteration", recompute="full"), H100x2, SEQ, None),
+        (DENSE, L(16, cuda_graph="te:attn", offload_layers=2), H100x2, SEQ, "not supported with CPU offloading"),
+        (DENSE, L(16, cuda_graph="te:moe_router"), H100x2, SEQ, "moe cuda graph is only supported for MoE."),
+        (MOE, L(16, cuda_graph="te:mlp"), H100x2, SEQ, "mlp cuda graph is only supported for dense layers"),
+        (MOE, L(16, cuda_graph="te:moe+moe_router"), H100x2, SEQ, "must not contain both moe and moe_router"),
+        (MOE, L(16, cuda_graph="te:moe_preprocess"), H100x2, SEQ, "only supported with moe_router cuda graph"),
+        (MOE, L(16, cuda_graph="te:moe"), H100x2, SEQ, "only supported with drop-padding MoE"),
+        (DENSE, L(16, cuda_graph="te:attn", recompute="full"), H100x2, SEQ,
+         "full recompute is only supported with full iteration CUDA graph"),
+        (MOE, L(16, ep=8, cuda_graph="local", moe_a2a_overlap=True), H100x2, SEQ,
+         "needs cuda_graph_impl transformer_engine"),
+    ],
+    "activation_offload": [
+        (DENSE, L(16, offload_layers=4), H100x2, SEQ, None),
+        (DENSE, L(16, offload_layers=8), H100x2, SEQ, "CPU offloading can be done only for layers less than 8"),
+        (DENSE, L(16, pp=2, offload_layers=2), H100x2, SEQ, "no support for Pipeline parallelism with CPU offloading"),
+        (DENSE, L(16, offload_layers=2, recompute="selective"), H100x2, SEQ,
+         "CPU offloading does not work when activation recomputation is enabled"),
+    ],
 }
 
 RULE_NAMES = [fn.__name__ for fn in rules.RULES]

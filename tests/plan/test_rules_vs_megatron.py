@@ -113,6 +113,12 @@ EXCLUDED: dict[str, str] = {
     "fp8_mla_cp": "Transformer Engine (GPU) check",
     "fp8_hardware": "hardware: compute capability of the cluster",
     "fp8_gemm_shapes": "Transformer Engine FP8 GEMM alignment (GPU)",
+    # Issue 18's knobs are left at their defaults by the drawn layouts; test_knob_rules_agree_with_megatron asks
+    # TransformerConfig about each of them instead.
+    "token_dispatcher": "knob: test_knob_rules_agree_with_megatron",
+    "a2a_overlap": "knob: test_knob_rules_agree_with_megatron",
+    "cuda_graphs": "knob: test_knob_rules_agree_with_megatron",
+    "activation_offload": "knob: test_knob_rules_agree_with_megatron",
 }
 COMPARED = [fn for fn in rules.RULES if fn.__name__ not in EXCLUDED]
 BIG_CLUSTER = ClusterConfig(nodes=64, gpus_per_node=8)
@@ -487,3 +493,40 @@ EXAMPLES = [
 def test_known_cases(case: Case, valid: bool) -> None:
     assert (megatron_verdict(case) is None) == valid, megatron_verdict(case)
     assert (not sweeper_reasons(case)) == valid, sweeper_reasons(case)
+
+
+# -- issue 18's knobs: each knob rule against TransformerConfig.__post_init__ ----------------------------------
+# The rule cases of test_rules.py for the four knob rules, less the verdicts TransformerConfig cannot give: a
+# dispatcher named on a dense model (sweeper's own: Megatron ignores it) and flex with ETP x EP = 1 (asserted when
+# the flex dispatcher is built, token_dispatcher.py).
+NOT_IN_CONFIG = ("only applies to MoE models", "Flex token dispatcher requires TPxEP > 1")
+
+
+def _knob_cases() -> list:  # of pytest.param
+    from test_rules import CASES as RULE_CASES  # tests/plan is on sys.path (pytest rootdir import mode)
+
+    out = []
+    for name in ("token_dispatcher", "a2a_overlap", "cuda_graphs", "activation_offload"):
+        for i, (model, layout, _cluster, seq, expected) in enumerate(RULE_CASES[name]):
+            if expected is None or not any(text in expected for text in NOT_IN_CONFIG):
+                out.append(pytest.param(model, layout, seq, expected is None, id=f"{name}-{i}"))
+    return out
+
+
+@pytest.mark.parametrize(("model", "layout", "seq", "valid"), _knob_cases())
+def test_knob_rules_agree_with_megatron(model: ModelSpec, layout: Layout, seq: int, valid: bool) -> None:
+    """The same layout with its knobs as TransformerConfig fields (Layout.knob_config, moe_config,
+    recompute_config and the precision's params dtype) is accepted by megatron-core exactly when the rules accept
+    it."""
+    base = transformer_config(Case(model, layout, seq))
+    fields = dict(layout.knob_config(), **layout.recompute_config())
+    if model.is_moe:
+        fields.update(layout.moe_config())
+    if layout.precision in ("bf16", "fp8", "mxfp8", "nvfp4"):
+        fields.update(bf16=True, params_dtype=torch.bfloat16)
+    try:
+        replace(base, **fields)
+        refused = None
+    except (ValueError, AssertionError) as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    assert (refused is None) == valid, refused

@@ -3,7 +3,7 @@
 ModelSpec field names follow TransformerConfig, so most fields pass straight through; the layout supplies the
 parallel sizes, precision, recompute and the uneven pipeline split. On the CPU backend the model uses Megatron's
 local (pure torch) layer spec (for hybrid Mamba models a local stack spec with torch Mamba2 kernels, cpu_mamba.py),
-CPU initialisation and the allgather MoE token dispatcher; on a GPU with
+CPU initialisation and the layout's MoE token dispatcher (alltoall unless it says otherwise); on a GPU with
 Transformer Engine it uses the TE layer spec. With virtual pipeline stages one model chunk is built per stage.
 """
 
@@ -69,9 +69,9 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
             moe_router_num_groups=spec.moe_router_num_groups,
             moe_router_load_balancing_type=MOE_LOAD_BALANCING_TYPE,
             moe_aux_loss_coeff=MOE_AUX_LOSS_COEFF,
-            # The alltoall dispatcher fails under gloo; allgather is Megatron's other general dispatcher.
-            moe_token_dispatcher_type="alltoall" if cuda else "allgather",
             moe_grouped_gemm=te,
+            # alltoall unless the layout says otherwise; on the CPU through cpu_compat._patch_alltoall_dispatcher.
+            **layout.moe_config(),
         )
     fp8: dict[str, Any] = {}
     if layout.precision == "fp8":
@@ -124,6 +124,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         # pipelines. (overlap_p2p_comm, Megatron-LM's VPP default, still drifted by 7% on gloo: left off.)
         batch_p2p_comm=layout.vpp <= 1,
         **moe,
+        **layout.knob_config(),
         **layout.recompute_config(),
         **fp8,
         **arch,

@@ -10,8 +10,8 @@ How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations o
 (GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
-``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE allgather
-dispatcher is chosen in ``build.py``.
+``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE alltoall
+dispatcher gets host split sizes as numpy arrays and uneven all-gathers (``_patch_alltoall_dispatcher``).
 """
 
 from __future__ import annotations
@@ -156,6 +156,53 @@ def _patch_megatron() -> None:
     mrandom.CudaRNGStatesTracker = _make_cpu_tracker(mrandom.CudaRNGStatesTracker)
     # A tracker created before install (e.g. by an import) would be the CUDA one; force the next one to be ours.
     mrandom.initialize_rng_tracker(force_reset=True)
+    _patch_alltoall_dispatcher(moe_utils)
+
+
+def _patch_alltoall_dispatcher(moe_utils: Any) -> None:
+    """The alltoall token dispatcher on the CPU. It hands its expert-parallel split sizes to all_to_all_single after
+    ``maybe_move_tensor_to_cpu(..., as_numpy=True)``, which only converts CUDA tensors: on the CPU the sizes stayed
+    int64 tensors, which c10d's all_to_all_single binding refuses (for every backend). A host tensor becomes the
+    numpy array a GPU's device-to-host copy gives. With ETP > 1 and EP > 1 the dispatcher also all-gathers uneven
+    token splits over the expert-tensor group, which gloo refuses ("ProcessGroupGloo::allgather: invalid tensor
+    size"); ``_all_gather_uneven`` pads, gathers and cuts. Measured: losses and gradient norms bit-identical to the
+    allgather dispatcher at EP2 and TP2-SP-EP2 (fp32, bf16, routing stress), within 4e-8 at TP2-SP-EP2-ETP2."""
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    move = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()
+        return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # imported by name there
+    if not getattr(torch.distributed.all_gather, "sweeper_uneven", False):
+        torch.distributed.all_gather = _all_gather_uneven(torch.distributed.all_gather)
+
+
+def _all_gather_uneven(all_gather: Callable[..., Any]) -> Callable[..., Any]:
+    """torch.distributed.all_gather that also takes a list of tensors differing in their first dimension (what
+    NCCL takes and gloo refuses): each rank's tensor is padded to the longest, gathered, and its rows copied out."""
+
+    def gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+               async_op: bool = False) -> Any:
+        uneven = (not async_op and tensor.dim() > 0 and len({tuple(t.shape) for t in tensor_list}) > 1
+                  and all(t.shape[1:] == tensor.shape[1:] for t in tensor_list))
+        if not uneven:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+        padded[: tensor.shape[0]].copy_(tensor)
+        gathered = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(gathered, padded, group=group)
+        for out, got in zip(tensor_list, gathered, strict=True):
+            out.copy_(got[: out.shape[0]])
+        return None
+
+    gather.sweeper_uneven = True  # type: ignore[attr-defined]
+    return gather
 
 
 def _make_cpu_tracker(base: type) -> type:

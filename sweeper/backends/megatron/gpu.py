@@ -120,6 +120,9 @@ def gpu_unsupported_reason(spec: ModelSpec, layout: Layout, *, mamba_ssm: bool |
         if not has_mamba:
             return ("hybrid Mamba model (hybrid_layer_pattern)",
                     "Megatron's MambaMixer needs the mamba_ssm package (pip install mamba-ssm causal-conv1d)")
+    if layout.dispatcher == "flex" and not module_present("deep_ep"):
+        return (f"moe_token_dispatcher {layout.moe_token_dispatcher}",
+                "the flex dispatcher needs DeepEP (deep_ep; HybridEP is its hybrid-ep branch) on the GPU nodes")
     if spec.multi_latent_attention and layout.cp > 1 and layout.is_fp8:
         return (f"FP8 multi_latent_attention with context parallel (cp={layout.cp})",
                 "Transformer Engine's MLA context-parallel attention has no FP8 path")

@@ -69,6 +69,10 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         # Without TE megatron-core accepts fp4="e2m1" and trains in BF16 (fp4_utils.get_fp4_context is a
         # nullcontext): a pass would be a false one.
         return no(f"precision {layout.precision}", "FP8 and FP4 GEMMs need Transformer Engine on a GPU")
+    if not (cuda and te):
+        knob = _gpu_only_knob(layout)
+        if knob:
+            return no(*knob)
     discarding = [m for m in ("moe_act", "layernorm", "mla_up_proj") if m in layout.recompute_modules]
     if discarding and not (cuda and te):
         # Megatron's output-discarding checkpoint (CheckpointWithoutOutput) asks Transformer Engine for the FP8
@@ -77,4 +81,23 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
                   "layernorm, mla_up_proj) needs Transformer Engine on a GPU")
     # Without Transformer Engine, CP runs through cpu_attention.py (K/V all-gather, load-balanced causal mask)
     # and SP through cpu_norm.py (norm weights marked sequence_parallel); both are exercised on gloo.
+    return None
+
+
+def _gpu_only_knob(layout: Layout) -> tuple[str, str] | None:
+    """(feature, why) of an issue-18 knob that needs a GPU with Transformer Engine; None when the layout sets none.
+    The alltoall and allgather dispatchers run everywhere (cpu_compat)."""
+    if layout.dispatcher == "flex":
+        return (f"moe_token_dispatcher {layout.moe_token_dispatcher}", "the flex dispatcher's DeepEP and HybridEP "
+                "kernels are CUDA (NVSHMEM) libraries; megatron raises 'DeepEP is not installed' without them")
+    if layout.moe_a2a_overlap:
+        return ("moe_a2a_overlap (overlap_moe_expert_parallel_comm)", "Megatron's combined 1F1B schedule overlaps "
+                "the all-to-all on CUDA streams, which are no-ops on the CPU: nothing would overlap")
+    if layout.cuda_graph != "none":
+        return (f"cuda_graph {layout.cuda_graph}", "CUDA graphs are captured on a GPU (torch.cuda.CUDAGraph, "
+                "Transformer Engine's make_graphed_callables)")
+    if layout.offload_layers:
+        return (f"offload_layers {layout.offload_layers}", "Megatron's activation offload is Transformer Engine's "
+                "cpu_offload ('CPU Offloading is enabled when TE is not present', transformer_block.py), and on "
+                "the CPU there is no device memory to free")
     return None
