@@ -8,6 +8,7 @@ a CP2 run's losses and gradient norms on the same batches equal the CP1 run's.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import queue
@@ -330,6 +331,21 @@ def test_tp2_sp_trial(tmp_path: Path) -> None:
 def test_moe_tp2_sp_ep2_trial(tmp_path: Path) -> None:
     # Megatron refuses MoE with TP>1 unless SP is on: with SP on the CPU, this layout runs at all.
     _passed(_request(tmp_path, Layout(world_size=2, tp=2, sp=True, ep=2, gbs=2), "tiny-moe"), 2)
+
+
+@pytest.mark.e2e
+def test_alltoall_and_allgather_dispatchers_train_alike(tmp_path: Path) -> None:
+    """Issue 18: the alltoall dispatcher (every MoE trial's default) runs on gloo and trains exactly as the
+    allgather one: same routing, same experts, only the exchange differs (fp32, EP2 and TP2-SP-EP2)."""
+    for name, layout in (("ep2", Layout(world_size=2, ep=2, gbs=2, precision="fp32")),
+                         ("tp2ep2", Layout(world_size=2, tp=2, sp=True, ep=2, gbs=2, precision="fp32"))):
+        runs = {}
+        for dispatcher in ("alltoall", "allgather"):
+            lo = dataclasses.replace(layout, moe_token_dispatcher=dispatcher)
+            runs[dispatcher] = _passed(_request(tmp_path / f"{name}-{dispatcher}", lo, "tiny-moe",
+                                                checkpoint=False), 2)[0]
+        assert runs["alltoall"].losses == runs["allgather"].losses, name
+        assert runs["alltoall"].grad_norms == pytest.approx(runs["allgather"].grad_norms, rel=1e-6), name
 
 
 @pytest.mark.e2e

@@ -353,3 +353,24 @@ def test_gpu_check_plan_only_writes_valid_spaces(tmp_path):
     assert "skipped" in rows["fp8-blockwise"]  # Hopper only
     for name in set(rows) - {"fp8-blockwise"}:
         assert " planned " in rows[name] and "invalid" not in rows[name], rows[name]
+
+
+def test_the_cpu_backend_names_each_knob_it_cannot_run():
+    """Issue 18: flex dispatch, the A2A overlap, CUDA graphs and activation offload are GPU-only; the alltoall and
+    allgather dispatchers run on the CPU (cpu_compat)."""
+    moe = preset("tiny-moe")
+    cases = ((dict(ep=2, moe_token_dispatcher="flex:deepep"), "moe_token_dispatcher flex:deepep", "DeepEP"),
+             (dict(ep=2, moe_a2a_overlap=True), "moe_a2a_overlap (overlap_moe_expert_parallel_comm)", "CUDA streams"),
+             (dict(cuda_graph="te:attn"), "cuda_graph te:attn", "CUDAGraph"),
+             (dict(offload_layers=1), "offload_layers 1", "cpu_offload"))
+    for kw, feature, why in cases:
+        reason = unsupported_reason(moe, lo(world_size=2, **kw), cuda=False, te=False)
+        assert reason is not None and reason.startswith(f"{feature} unsupported on this backend (megatron-core-cpu)")
+        assert why in reason
+    for dispatcher in ("alltoall", "allgather"):
+        assert unsupported_reason(moe, lo(world_size=2, ep=2, moe_token_dispatcher=dispatcher), cuda=False,
+                                  te=False) is None
+    with mock.patch.object(gpu, "module_present", return_value=False):
+        reason = unsupported_reason(moe, lo(world_size=2, ep=2, moe_token_dispatcher="flex:hybridep"), cuda=True,
+                                    te=True)
+    assert reason is not None and "needs DeepEP" in reason
