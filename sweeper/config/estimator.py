@@ -45,6 +45,9 @@ class EstimatorConstants(BaseModel):
     # Transient copies of the routed tokens a MoE all-to-all dispatcher holds while one layer runs
     # (permuted send buffer + received buffer), in units of (routed tokens x hidden x 2 bytes).
     moe_dispatch_buffer_copies: float = Field(2.0, ge=0)
+    # Static tensors a captured CUDA graph keeps per graphed block and micro-batch, in units of the block's hidden
+    # state (tokens x hidden x 2 bytes): its input and its output (memory.graph_static_bytes).
+    cuda_graph_static_copies: float = Field(2.0, ge=0)
     # Routed tokens the busiest expert-parallel rank receives over the mean, for dropless MoE: the permuted tokens,
     # the experts' activations and the dispatch buffers follow the hottest rank, and early steps route unevenly
     # (capped by memory.hot_rank_factor's bound; EP 1 has none). 1.2: the published dropless runs' peaks (max over
@@ -98,6 +101,17 @@ class EstimatorConstants(BaseModel):
     # Fraction of data-parallel gradient reduce / parameter gather hidden behind backward/forward when the run
     # overlaps them (run.overlap_grad_reduce, e.g. Bridge's pretrain default); nothing is hidden when it does not.
     dp_comm_overlap: float = Field(0.8, ge=0, le=1)
+    # Fraction of link bandwidth the flex dispatcher's DeepEP / HybridEP kernels reach: DeepEP's README reports
+    # ~153-158 GB/s of H800's ~160 GB/s NVLink intranode and ~43-58 GB/s of a 50 GB/s (400 Gb/s) RDMA NIC for its
+    # normal kernels, against comm_efficiency for NCCL's all-to-all.
+    flex_comm_efficiency: float = Field(0.9, gt=0, le=1)
+    # Fraction of the expert all-to-all hidden behind another micro-batch's compute with moe_a2a_overlap (Megatron's
+    # combined 1F1B), at most that compute's length. An assumption (not measured by sweeper): the dispatch and combine
+    # of one micro-batch overlap the attention and expert GEMMs of the other, less the synchronisation between them.
+    moe_a2a_overlap_efficiency: float = Field(0.8, ge=0, le=1)
+    # Host time to launch one kernel in eager PyTorch with Transformer Engine (Python dispatch + CUDA launch);
+    # what a block whose kernels are short waits for without CUDA graphs (step_time.KERNELS_PER_SCOPE).
+    kernel_launch_us: float = Field(6.0, ge=0)
 
     @model_validator(mode="after")
     def _throughput_band(self) -> EstimatorConstants:

@@ -59,6 +59,9 @@ class ClusterConfig(_Strict):
     connect_timeout_s: PositiveFloat = 10.0
     intra_node_bandwidth_gbs: PositiveFloat = 50.0  # GB/s per GPU inside a node (PCIe 5 x16 ~ 50; NVLink 4 ~ 450)
     inter_node_bandwidth_gbs: PositiveFloat = 25.0  # GB/s per GPU between nodes (a 200 Gb/s NIC ~ 25)
+    # GB/s per GPU between its memory and the host's, what activation offload copies over (PCIe 5 x16: ~50 raw per
+    # direction, ~25 with the NICs and the other GPUs of a PCIe switch sharing it; GH200's NVLink-C2C ~450)
+    host_link_gbs: PositiveFloat = 25.0
     # Keep one rank process per GPU for the whole sweep, megatron imported once, each trial's rank a fresh fork
     # of it (sweeper/trial/pool.py); false: new rank actors in a placement group of each trial's own.
     warm_ranks: bool = True

@@ -94,7 +94,8 @@ def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
 
 
 @lru_cache(maxsize=8192)
-def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float) -> Links:
+def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float,
+           host_gbs: float = 25.0) -> Links:
     intra, inter = intra_gbs * 1e9 * efficiency, inter_gbs * 1e9 * efficiency
 
     def bw(span: int) -> float:
@@ -109,6 +110,7 @@ def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: floa
         etp=bw(layout.etp),
         ep=bw(layout.etp * layout.ep),
         edp=bw(layout.etp * layout.ep * layout.edp),
+        host=host_gbs * 1e9,
     )
 
 
@@ -122,6 +124,7 @@ class StageMemory:
     parts: dict[str, float]
     in_flight_microbatches: float
     params: StageParams  # the parameters this rank holds
+    layer_activation_bytes: float = 0.0  # one decoder layer's activations per micro-batch (what offload moves)
 
     @property
     def state_gib(self) -> float:
@@ -175,6 +178,7 @@ def _activation_shape(
         seq_length=seq_length, unfused_attention=constants.attention_backend == "unfused",
         hidden_dropout=constants.hidden_dropout > 0, attention_dropout=constants.attention_dropout > 0,
         hot_rank_factor=max(constants.moe_hot_rank_factor, (calibration and calibration.moe_hot_rank_factor) or 1.0),
+        dispatcher=layout.dispatcher, cuda_graph=layout.cuda_graph,
     )
 
 
@@ -207,6 +211,17 @@ def _stage_memory(
         state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
                                   compute_capability, run)
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
+        activations = a.per_microbatch * in_flight
+        per_layer = a.per_microbatch / max(a.layers, 1)
+        if lo.moe_a2a_overlap and model.is_moe:
+            # Megatron's combined 1F1B pairs each layer's forward of the next micro-batch with a layer's backward of
+            # this one: the backward frees a layer as the forward builds one, so the peak holds one layer more.
+            activations += per_layer
+        if lo.offload_layers:
+            # cpu_offloading_num_layers (PP 1, the rules): those layers' activations wait on the host between
+            # forward and backward; the one being copied out or back in is still on the device.
+            activations -= per_layer * min(lo.offload_layers, a.layers) * in_flight
+            activations += per_layer
         s, f = calibration.state_factor, calibration.activation_factor
         parts = {
             "weights": s * state.weights / GIB,
@@ -215,11 +230,11 @@ def _stage_memory(
             "fp8_weights": s * state.fp8_weights / GIB,
             "workspaces": s * constants.workspace_gib,
             "grad_copies": s * state.grad_copies / GIB,
-            "activations": f * a.per_microbatch * in_flight / GIB,
+            "activations": f * (activations + a.graph_static * in_flight) / GIB,
             "transient": f * a.transient / GIB,
             "logits": f * a.logits / GIB,
         }
-        out.append(StageMemory(parts, in_flight, p))
+        out.append(StageMemory(parts, in_flight, p, a.per_microbatch / max(a.layers, 1)))
     return tuple(out)
 
 
@@ -263,11 +278,14 @@ def estimate(
     microbatches = _microbatches(lo)
     device = device_for(cluster.gpu_kind, cluster.compute_capability)
     links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
-                   constants.comm_efficiency)
+                   constants.comm_efficiency, cluster.host_link_gbs)
     inputs = TimeInputs(
         seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
         dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
         distributed_optimizer=lo.distributed_optimizer, split=lo.split, overlap_grad_reduce=run.overlaps_grad_reduce,
+        dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
+        cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers,
+        offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
     )
     seconds = _step_time_cached(model, inputs, device, links, tuple(st.params.dense for st in stages),
                                 tuple(st.params.expert for st in stages), constants)

@@ -240,6 +240,8 @@ class ActivationShape:
     hidden_dropout: bool = False
     attention_dropout: bool = False
     hot_rank_factor: float = 1.0  # busiest EP rank's routed tokens over the mean (EstimatorConstants, calibration)
+    dispatcher: str = "alltoall"  # Megatron's moe_token_dispatcher_type (Layout.dispatcher)
+    cuda_graph: str = "none"  # Layout.cuda_graph
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -390,11 +392,26 @@ def layer_input_bytes(spec: ModelSpec, s: ActivationShape) -> float:
     return s.tokens * spec.hidden_size * s.act_bytes / s.seq_div
 
 
+def dispatch_buffer_bytes(spec: ModelSpec, s: ActivationShape, constants: EstimatorConstants) -> float:
+    """What a MoE layer's token dispatcher holds while the layer runs. alltoall and flex send each token's routed
+    copies: the permuted send buffer and the received buffer (``moe_dispatch_buffer_copies`` of the routed tokens).
+    allgather (MoEAllGatherTokenDispatcher) gathers every token of the expert-tensor x expert-parallel group's
+    ranks before picking its experts' (token_dispatcher.py ``gather_from_sequence_parallel_region`` over
+    ``tp_ep_group``): the gathered hidden states, then the permuted copy of the routed ones."""
+    routed = routed_tokens(spec, s) * spec.hidden_size * s.act_bytes
+    if s.dispatcher == "allgather":
+        gathered = s.tokens / s.seq_div * s.ep * s.etp * spec.hidden_size * s.act_bytes
+        return gathered + routed
+    return constants.moe_dispatch_buffer_copies * routed
+
+
 @dataclass(frozen=True)
 class StageActivations:
     per_microbatch: float  # bytes kept per micro-batch by all of this rank's layers (all virtual stages)
     transient: float  # bytes alive for one layer at a time (full-recompute working set, MoE dispatch buffers)
     logits: float  # last stage: one micro-batch's logits/loss path and the output layer's input
+    layers: int = 1  # decoder layers on this rank (all virtual stages)
+    graph_static: float = 0.0  # per micro-batch: CUDA graphs' static input/output buffers (graph_static_bytes)
 
 
 @lru_cache(maxsize=65536)
@@ -412,9 +429,7 @@ def stage_activations(
     plain = replace(s, recompute="none")
     rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used} if s.modules else {}
     kept_per_layer = layer_input_bytes(spec, s)
-    dispatch = 0.0
-    if spec.is_moe:
-        dispatch = constants.moe_dispatch_buffer_copies * routed_tokens(spec, s) * spec.hidden_size * s.act_bytes
+    dispatch = dispatch_buffer_bytes(spec, s, constants) if spec.is_moe else 0.0
     out = []
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split)):
         per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
@@ -431,8 +446,32 @@ def stage_activations(
             logits = s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
             # Final norm input and output (the output layer's input, gathered over SP for the vocab GEMM).
             logits += s.tokens * spec.hidden_size * s.act_bytes * (1 / s.seq_div + 1)
-        out.append(StageActivations(kept, transient, logits))
+        layers = sum(n for _, n in kinds)
+        out.append(StageActivations(kept, transient, logits, layers, graph_static_bytes(spec, s, kinds, constants)))
     return tuple(out)
+
+
+# The blocks each CUDA graph scope captures (Megatron's CudaGraphScope; the moe block's router, preprocess and
+# experts are separate scopes).
+_SCOPE_BLOCKS = {"attn": "attention", "mlp": "mlp", "moe": "moe", "moe_router": "moe", "moe_preprocess": "moe",
+                 "mamba": "mamba"}
+
+
+def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, constants: EstimatorConstants) -> float:
+    """Per micro-batch, the static buffers CUDA graphs keep: a captured callable's inputs and outputs are tensors
+    owned by the graph (TE make_graphed_callables keeps its sample inputs and static outputs; Megatron captures one
+    graph per layer and micro-batch), ``cuda_graph_static_copies`` of the block's hidden state per graphed block.
+    Counted for the micro-batches in flight (the estimator multiplies), assuming a finished micro-batch's buffers
+    are reused as TE's reuse of graph input/output buffers does; local and full-iteration graphs capture every block,
+    TE graphs their scopes' blocks."""
+    if s.cuda_graph == "none":
+        return 0.0
+    if s.cuda_graph in ("local", "full_iteration"):
+        graphed = {"attention", "mlp", "moe", "mamba"}
+    else:
+        graphed = {_SCOPE_BLOCKS[name] for name in s.cuda_graph.partition(":")[2].split("+")}
+    blocks = sum(n * sum(1 for b in kind if b in graphed) for kind, n in kinds)
+    return constants.cuda_graph_static_copies * blocks * s.tokens * spec.hidden_size * s.act_bytes / s.seq_div
 
 
 def in_flight_microbatches(rank: int, pp: int, vpp: int, num_microbatches: int) -> float:

@@ -32,6 +32,15 @@ FWD_BWD_FACTOR = 3
 TP_RING_PASSES_PER_BLOCK = 4
 # Expert all-to-alls per MoE block and micro-batch: dispatch + combine, forward and backward.
 EP_ALL_TO_ALLS_PER_BLOCK = 4
+# Kernels one block launches per micro-batch, forward and backward, by CUDA graph scope (Megatron's CudaGraphScope):
+# a rough count of eager Megatron-Core with Transformer Engine (norms, GEMMs, attention, rotary, casts, the router's
+# top-k and aux loss, permute/unpermute, the grouped expert GEMMs, dispatch/combine). Each costs the host
+# ``kernel_launch_us``; a block whose kernels launch slower than the GPU runs them is host-bound, which CUDA graphs
+# remove (one graph launch replaces a scope's kernels).
+KERNELS_PER_SCOPE: dict[str, int] = {"attn": 30, "mlp": 15, "moe_router": 10, "moe_preprocess": 15, "moe": 35,
+                                     "mamba": 40}
+BLOCK_SCOPES: dict[str, tuple[str, ...]] = {"attention": ("attn",), "mlp": ("mlp",),
+                                            "moe": ("moe_router", "moe_preprocess", "moe"), "mamba": ("mamba",)}
 
 
 @dataclass(frozen=True)
@@ -99,6 +108,7 @@ class Links:
     ep: float
     etp: float
     edp: float
+    host: float = 25e9  # device <-> host copies (activation offload)
 
 
 def group_bandwidth(span: int, gpus_per_node: int, intra: float, inter: float) -> float:
@@ -132,6 +142,11 @@ class TimeInputs:
     distributed_optimizer: bool
     split: PipelineSplit = PipelineSplit()  # Layout.split: Megatron's pipeline-split options
     overlap_grad_reduce: bool = False  # run.overlap_grad_reduce: DP communication hidden behind compute
+    dispatcher: str = "alltoall"  # Layout.dispatcher
+    a2a_overlap: bool = False  # Layout.moe_a2a_overlap
+    cuda_graph: str = "none"  # Layout.cuda_graph
+    offload_layers: int = 0  # Layout.offload_layers
+    offload_bytes_per_layer: float = 0.0  # one offloaded layer's activations per micro-batch (the estimator's)
 
 
 def step_time(
@@ -186,10 +201,12 @@ def step_time(
             # Ring attention passes every KV block around the CP group; backward also returns dKV.
             comm += 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
         if b == "moe":
-            # Recomputing the MoE layer dispatches and combines its tokens once more.
-            a2a = EP_ALL_TO_ALLS_PER_BLOCK + (2 if recomputed else 0)
-            comm += a2a * ring(routed, x.ep, links.ep)
-            comm += TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp)
+            exchange = _token_exchange(x, links, routed, tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1),
+                                       recomputed, constants)
+            if x.a2a_overlap:  # the exchange runs behind another micro-batch's compute, as far as that lasts
+                exchange -= min(exchange, compute / x.tp) * constants.moe_a2a_overlap_efficiency
+            comm += exchange
+        comm += _exposed_launches(b, compute / x.tp + comm, x.cuda_graph, constants)
         per_block[b] = (compute, comm)
 
     slowest = 0.0
@@ -201,6 +218,10 @@ def step_time(
             compute += tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
         slowest = max(slowest, compute / x.tp + comm)
 
+    if x.offload_layers:  # each offloaded layer's activations go out in forward and come back in backward
+        layers = max(1, sum(n for _, n in stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)[0]))
+        copy = x.offload_bytes_per_layer / links.host
+        slowest += 2 * x.offload_layers * max(0.0, copy - slowest / layers)  # behind the next layer's compute
     pipeline_slots = x.num_microbatches + (x.pp - 1) / x.vpp
     total = slowest * pipeline_slots
     if x.pp > 1:
@@ -220,3 +241,34 @@ def step_time(
                    + 2 * ring(expert * grad_bytes, x.edp, links.edp))
     total += dp_time * (1 - (constants.dp_comm_overlap if x.overlap_grad_reduce else 0.0))
     return total
+
+
+def _token_exchange(x: TimeInputs, links: Links, routed: float, local: float, recomputed: bool,
+                    constants: EstimatorConstants) -> float:
+    """Seconds per micro-batch one MoE block spends exchanging tokens (recomputing the layer exchanges them once
+    more). alltoall and flex send each token's top-k routed copies across EP, then gather them over ETP; flex's
+    DeepEP/HybridEP kernels reach ``flex_comm_efficiency`` of the link instead of NCCL's ``comm_efficiency``.
+    allgather gathers every token of the ETP x EP group to every rank of it and reduce-scatters the result back:
+    EP x ETP times the local tokens where alltoall moves top-k times them (ahead when EP is small against top-k)."""
+    passes = EP_ALL_TO_ALLS_PER_BLOCK + (2 if recomputed else 0)
+    if x.dispatcher == "allgather":
+        group = x.ep * x.etp
+        return passes * ring(local * group, group, links.ep)
+    exchange = passes * ring(routed, x.ep, links.ep) + TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp,
+                                                                                         links.etp)
+    if x.dispatcher == "flex":
+        exchange *= constants.comm_efficiency / constants.flex_comm_efficiency
+    return exchange
+
+
+def _exposed_launches(block: str, gpu_s: float, cuda_graph: str, constants: EstimatorConstants) -> float:
+    """Seconds per micro-batch the GPU waits for the host to launch one block's kernels: the launch time beyond the
+    block's own GPU time. CUDA graphs launch their scopes' kernels as one: local and full-iteration graphs every
+    block's, TE graphs the scopes they name."""
+    if cuda_graph in ("local", "full_iteration"):
+        graphed: set[str] = set(KERNELS_PER_SCOPE)
+    else:
+        graphed = set(cuda_graph.partition(":")[2].split("+")) if cuda_graph.startswith("te:") else set()
+    kernels = sum(KERNELS_PER_SCOPE[scope] for scope in BLOCK_SCOPES[block] if scope not in graphed)
+    kernels += any(scope in graphed for scope in BLOCK_SCOPES[block])  # the graph's own launch
+    return max(0.0, kernels * constants.kernel_launch_us * 1e-6 - gpu_s)

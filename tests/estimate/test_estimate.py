@@ -276,6 +276,33 @@ def test_nvfp4_on_blackwell_keeps_two_fp4_weight_copies_and_runs_its_gemms_at_th
     assert times["nvfp4"] < times["mxfp8"] < times["bf16"]
 
 
+def test_the_knobs_move_memory_and_step_time_the_way_their_mechanisms_do() -> None:
+    """Issue 18 (memory.dispatch_buffer_bytes, graph_static_bytes, step_time._token_exchange, _exposed_launches):
+    at EP 8 and top-6, allgather moves and holds every token of the group where alltoall moves the routed copies;
+    flex's kernels use more of the link; the A2A overlap hides exchange time and keeps one more layer alive;
+    CUDA graphs keep static buffers and remove launch waits where kernels are short; offloaded layers leave the
+    device and cost copy time only where the copy outlasts a layer's compute."""
+    moe = dict(world_size=8, tp=1, sp=False, ep=8, mbs=1, gbs=64)
+    by = {d: _est(NEMOTRON, **moe, moe_token_dispatcher=d) for d in ("alltoall", "allgather", "flex:deepep")}
+    assert _est(NEMOTRON, **moe).step_time_s == by["alltoall"].step_time_s  # unset is alltoall
+    assert by["allgather"].breakdown["transient"] > by["alltoall"].breakdown["transient"]
+    assert by["allgather"].step_time_s > by["alltoall"].step_time_s > by["flex:deepep"].step_time_s  # type: ignore
+    overlap = _est(NEMOTRON, **moe, moe_a2a_overlap=True)
+    assert overlap.step_time_s < by["alltoall"].step_time_s  # type: ignore[operator]
+    layer = by["alltoall"].breakdown["activations"] / NEMOTRON.num_layers  # one more layer alive at the peak
+    assert overlap.breakdown["activations"] - by["alltoall"].breakdown["activations"] == pytest.approx(layer, rel=1e-9)
+    # A CPU-sized model at a tiny micro-batch is launch-bound: graphs make it faster and hold static buffers.
+    tiny = preset("tiny-gpt")
+    eager, graphed = (_est(tiny, seq=64, tp=1, sp=False, cuda_graph=g) for g in ("none", "local"))
+    assert graphed.step_time_s < eager.step_time_s  # type: ignore[operator]
+    assert graphed.breakdown["activations"] > eager.breakdown["activations"]
+    big_eager, big_graphed = (_est(LLAMA, tp=1, sp=False, cuda_graph=g) for g in ("none", "te:attn"))
+    assert big_graphed.step_time_s == pytest.approx(big_eager.step_time_s)  # long kernels: nothing to save
+    plain, offloaded = (_est(LLAMA, tp=1, sp=False, offload_layers=n) for n in (0, 16))
+    assert offloaded.breakdown["activations"] < 0.6 * plain.breakdown["activations"]
+    assert offloaded.step_time_s >= plain.step_time_s  # type: ignore[operator]
+
+
 def test_fragmentation_applies_to_dynamic_memory_only() -> None:
     """Megatron's param/grad buffers and optimizer shards are a few tensors made once: reserved = state +
     fragmentation x (activations + transients + logits)."""
