@@ -191,6 +191,8 @@ class SweepMeta(BaseModel):
     reference: dict[str, Any] | None = None  # the equivalence gate's reference checkpoint
     memory_pruned: list[dict[str, Any]] | None = None  # layouts never launched on memory grounds (issue 13)
     dominated: list[dict[str, Any]] | None = None  # layouts a measured trial made not worth running (issue 15)
+    # valid layouts the cluster's backend cannot run ({layout, reason}: "... unsupported on this backend (...)")
+    unsupported: list[dict[str, Any]] | None = None
     stopped_early: str | None = None  # why exploring stopped before the budget (search.patience)
     scheduling_efficiency: float | None = None  # GPU-seconds busy over GPU-seconds held
     calibration: list[str] | None = None  # the estimator's fit, one line per factor

@@ -329,6 +329,15 @@ def dominated_table(dominated: Sequence[dict[str, Any]], stopped_early: str | No
     return "".join(parts)
 
 
+def unsupported_table(unsupported: Sequence[dict[str, Any]]) -> str:
+    """The valid layouts the backend cannot run (sweep.json ``unsupported``): never proposed, never a pass."""
+    if not unsupported:
+        return ""
+    body = [[esc(str(u.get("layout"))), esc(str(u.get("reason", "")))] for u in unsupported]
+    return (f"<details><summary>{len(unsupported)} valid layouts this backend cannot run (never launched)"
+            f"</summary>{html_table(['layout', 'reason'], body)}</details>")
+
+
 def mlflow_run_url(mlflow: dict[str, Any], run_id: str | None) -> str | None:
     """The MLflow UI page of a run when the sweep logged to a tracking server (http/https); None for a local
     store, which has no address to link to."""

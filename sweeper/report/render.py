@@ -309,6 +309,7 @@ def build_html(sweep_dir: Path) -> str:
         figures.pruned_reasons_table(rows),
         figures.memory_pruned_table(info.memory_pruned or []),
         figures.dominated_table(info.dominated or [], info.stopped_early),
+        figures.unsupported_table(info.unsupported or []),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
         fig_html.div(drawn["axis_effects"], "No axis took more than one value among passed trials."),
         f"<h2 id='attempts'>Every trial attempt ({len(rows)})</h2>", figures.attempts_table(rows, info.mlflow),

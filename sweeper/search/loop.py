@@ -108,6 +108,10 @@ class Sweep:
                 self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
         self.stopped_early: str | None = None
         self.launchable = self._launchable()
+        skipped = self.dir.read_meta().unsupported or []
+        if skipped:
+            console.print(f"[yellow]backend[/] {len(skipped)} valid layouts cannot run here and are not proposed "
+                          f"(sweep.json unsupported), e.g. {skipped[0]['layout']}: {skipped[0]['reason']}")
         self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
         self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self._candidates())
@@ -120,7 +124,7 @@ class Sweep:
         never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
         ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
         plan = assess_all(self.cfg, enumerate_layouts(self.cfg), self.calibrator.current)
-        entries, pruned, dominated = [], [], []
+        entries, pruned, dominated, unsupported = [], [], [], []
         for e in plan:
             if not e.valid or e.predicted is None:
                 continue
@@ -128,7 +132,9 @@ class Sweep:
             if why is not None:
                 pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
                 continue
-            if self.handle.unsupported(self.cfg.model, e.layout):
+            backend_says = self.handle.unsupported(self.cfg.model, e.layout)
+            if backend_says:
+                unsupported.append({"layout": e.layout.short(), "reason": backend_says})
                 continue
             inferred = self.dominance.verdict(e.layout)
             if inferred is not None and not self._taken(e.layout):
@@ -138,6 +144,7 @@ class Sweep:
         meta = self.dir.read_meta()
         meta.memory_pruned = sorted(pruned, key=lambda p: p["memory_gib"])
         meta.dominated = dominated
+        meta.unsupported = unsupported
         self.dir.write_meta(meta)
         return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
 

@@ -294,6 +294,10 @@ def test_a_space_the_backend_cannot_run_at_all_ends_without_asking(
     assert time.monotonic() - started < 30
     assert sweep.launchable == [] and sweep.study.counts.asks == 0
     assert host.calls == [] and _explore_records(sweep) == []
+    # Not silent: every valid layout is listed with the backend's reason, and the report shows them.
+    meta = sweep.dir.read_meta()
+    assert meta.unsupported and {u["reason"] for u in meta.unsupported} == {"hybrid Mamba model unsupported (stand-in)"}
+    assert "valid layouts this backend cannot run" in (sweep.dir.root / "report.html").read_text()
 
 
 def test_grid_sampler_launches_every_launchable_layout_in_grid_order_once(
