@@ -114,3 +114,29 @@ def test_quickstart_search_end_to_end(tmp_path: Path) -> None:
     assert first["tokens_per_s"]["basis"].startswith("predicted") and first["projection"]["cost_usd"] > 0
     assert first["why"].startswith(Layout.from_dict(best["layout"]).short())
     assert "Decision: time and cost to train" in (out / "report.html").read_text()
+
+
+def test_a_moe_knob_space_sweeps_on_the_cpu_and_lists_what_it_cannot_run(tmp_path: Path) -> None:
+    """Issue 18: search_spaces/moe_knobs.yaml on the simulated cluster. Its two seeds run the alltoall and the
+    allgather dispatcher for real; flex dispatch, the A2A overlap and activation offload are listed with the CPU
+    backend's reason and never launched; the decision projects the YAML's budget."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "sweeper", "search", str(ROOT / "search_spaces" / "moe_knobs.yaml"), "--out", "sweep",
+         "--max-trials", "2", "--set", "search.confirm_top=0"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = tmp_path / "sweep"
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    ran = {r["layout"].get("moe_token_dispatcher"): r["result"] for r in records}
+    assert set(ran) == {"alltoall", "allgather"} and all(r["status"] == "passed" for r in ran.values())
+    assert all(r["checks"]["equivalence_rel_err"] is not None for r in ran.values())
+    meta = json.loads((out / "sweep.json").read_text())
+    reasons = " ".join(u["reason"] for u in meta["unsupported"])
+    for knob in ("moe_token_dispatcher flex:deepep", "moe_a2a_overlap", "offload_layers 1"):
+        assert f"{knob}" in reasons and "unsupported on this backend (megatron-core-cpu)" in reasons
+    assert not any(r["layout"].get("offload_layers") or r["layout"].get("moe_a2a_overlap") for r in records)
+    projection = meta["decision"]["layouts"][0]["projection"]
+    assert projection["gpus"] == 1024 and projection["cost_usd"] > 0
+    best = yaml.safe_load((out / "best_layout.yaml").read_text())
+    assert any(a.startswith("--moe-token-dispatcher-type=") for a in best["megatron_args"])
