@@ -34,6 +34,11 @@ CASES = [
     ("deepseek_v2_lite.yaml", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=fp8"),
     ("deepseek_v2_lite.yaml", "gpus=8,ep=8,recompute=full"),
     ("quickstart.yaml", "gpus=4,tp=2,pp=2,ep=2,sp=true"),
+    # issue 18's knobs: the dispatcher replaces the model block's alltoall, graphs, overlap, offload, NVFP4
+    ("deepseek_v2_lite.yaml", "gpus=16,ep=16,moe_token_dispatcher=flex:deepep,moe_a2a_overlap=true,"
+                              "cuda_graph=te:attn+moe_router+moe_preprocess"),
+    ("nemotron.yaml", "gpus=8,ep=8,moe_token_dispatcher=allgather,cuda_graph=local"),
+    ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1,precision=nvfp4"),
 ]
 # Megatron-Bridge 0.3.1: ConfigContainer's and MixedPrecisionConfig's fields (megatron/bridge/training/config.py,
 # mixed_precision.py); the recipes' dataset config takes seq_length, the model providers add seq_length to
@@ -106,6 +111,8 @@ def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_
     assert flags.get("--hybrid-override-pattern") == spec.hybrid_layer_pattern
     for item in layout.megatron_args():  # the layout's flags, exactly as best_layout.yaml gives them
         assert item in argv
+    dispatchers = [a for a in argv if a.startswith("--moe-token-dispatcher-type=")]
+    assert dispatchers == ([f"--moe-token-dispatcher-type={layout.dispatcher}"] if spec.is_moe else [])
     assert flags["--tensor-model-parallel-size"] == str(layout.tp)
     assert "--mock-data" in flags and flags["--vocab-size"] == str(spec.vocab_size)  # the default data
 

@@ -102,6 +102,10 @@ LAYOUTS = st.builds(
     precision=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]),
     recompute=st.sampled_from(["none", "selective", "full", "selective:moe", "selective:moe_act+layernorm"]),
     distributed_optimizer=st.booleans(),
+    moe_token_dispatcher=st.sampled_from([None, "alltoall", "allgather", "flex:deepep", "flex:hybridep"]),
+    moe_a2a_overlap=st.booleans(),
+    cuda_graph=st.sampled_from(["none", "local", "full_iteration", "te:attn", "te:attn+moe_router+moe_preprocess"]),
+    offload_layers=st.sampled_from([0, 1, 3]),
 )
 
 
@@ -162,6 +166,10 @@ KNOWN_FLAGS = {
     "--decoder-last-pipeline-num-layers", "--sequence-parallel", "--use-distributed-optimizer", "--fp16", "--bf16",
     "--fp8-format", "--fp8-recipe", "--recompute-granularity", "--recompute-modules", "--recompute-method",
     "--recompute-num-layers", "--fp4-format", "--fp4-recipe",
+    # issue 18's knobs
+    "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-router-dtype",
+    "--overlap-moe-expert-parallel-comm", "--cuda-graph-impl", "--cuda-graph-scope",
+    "--no-check-for-nan-in-loss-and-grad", "--moe-pad-experts-for-cuda-graph-inference", "--cpu-offloading-num-layers",
 }
 CHOICES = {
     "--fp8-format": {"e4m3", "hybrid"},
@@ -170,7 +178,12 @@ CHOICES = {
     "--recompute-method": {"uniform", "block"},
     "--fp4-format": {"e2m1"},
     "--fp4-recipe": {"nvfp4", "custom"},
+    "--moe-token-dispatcher-type": {"allgather", "alltoall", "flex"},
+    "--moe-flex-dispatcher-backend": {"deepep", "hybridep"},
+    "--moe-router-dtype": {"fp32", "fp64"},
+    "--cuda-graph-impl": {"none", "local", "transformer_engine"},
 }
+CUDA_GRAPH_SCOPE_CHOICES = {"full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"}
 RECOMPUTE_MODULE_CHOICES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
 
 
@@ -216,6 +229,10 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
     assert args.get("--recompute-granularity") == (None if lo.recompute == "none" else lo.recompute_granularity)
     modules = args.get("--recompute-modules", "core_attn" if lo.recompute == "selective" else "").split()
     assert set(modules) <= RECOMPUTE_MODULE_CHOICES and tuple(modules) == lo.recompute_modules
+    assert set(args.get("--cuda-graph-scope", "").split()) <= CUDA_GRAPH_SCOPE_CHOICES
+    assert ("--cuda-graph-impl" in args) == (lo.cuda_graph != "none")
+    assert args.get("--cpu-offloading-num-layers") == (str(lo.offload_layers) if lo.offload_layers else None)
+    assert ("--moe-token-dispatcher-type" in args) == (lo.moe_token_dispatcher is not None)
 
 
 # -- Megatron-Bridge overrides ------------------------------------------------------------------------------------
@@ -227,6 +244,7 @@ BRIDGE_RECIPES = {"null", "fp16_mixed", "bf16_mixed", "bf16_with_fp8_delayed_sca
 BRIDGE_OTHER_FIELDS = {
     "train.micro_batch_size", "train.global_batch_size", "ddp.use_distributed_optimizer",
     "optimizer.use_distributed_optimizer", "mixed_precision",
+    "comm_overlap.overlap_moe_expert_parallel_comm",  # Bridge's CommOverlapConfig sets the model's from it
 }
 
 
