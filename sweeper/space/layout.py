@@ -388,10 +388,9 @@ _BRIDGE_PRECISION: dict[str, str] = {
     "nvfp4": "bf16_with_nvfp4_mixed",
 }
 
-# The issue-18 knobs (axis keys) and the value each takes when it is not set.
+# The issue-18 knobs (axis keys, Layout fields) and the value each takes when it is not set (the field's default).
 KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers")
-_KNOB_DEFAULTS: dict[str, Any] = {"moe_token_dispatcher": None, "moe_a2a_overlap": False, "cuda_graph": "none",
-                                  "offload_layers": 0}
+_KNOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Layout) if f.name in KNOBS}
 
 _PARSED = {a.name: a for a in PARSED}
 
