@@ -38,6 +38,7 @@ CASES = [
     ("deepseek_v2_lite.yaml", "gpus=16,ep=16,moe_token_dispatcher=flex:deepep,moe_a2a_overlap=true,"
                               "cuda_graph=te:attn+moe_router+moe_preprocess"),
     ("nemotron.yaml", "gpus=8,ep=8,moe_token_dispatcher=allgather,cuda_graph=local"),
+    ("deepseek_v2_lite.yaml", "gpus=16,tp=2,sp=true,ep=8,moe_a2a_overlap=true"),
     ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1,precision=nvfp4"),
 ]
 # Megatron-Bridge 0.3.1: ConfigContainer's and MixedPrecisionConfig's fields (megatron/bridge/training/config.py,
@@ -111,6 +112,9 @@ def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_
     assert flags.get("--hybrid-override-pattern") == spec.hybrid_layer_pattern
     for item in layout.megatron_args():  # the layout's flags, exactly as best_layout.yaml gives them
         assert item in argv
+    one_connection = "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
+    hopper = int(cfg.cluster.compute_capability.partition(".")[0]) < 10
+    assert one_connection == ((layout.tp > 1 or layout.cp > 1) and hopper and not layout.moe_a2a_overlap)
     dispatchers = [a for a in argv if a.startswith("--moe-token-dispatcher-type=")]
     assert dispatchers == ([f"--moe-token-dispatcher-type={layout.dispatcher}"] if spec.is_moe else [])
     assert flags["--tensor-model-parallel-size"] == str(layout.tp)
