@@ -262,6 +262,13 @@ class Sweep:
                 return  # wait for capacity (a lost node may come back, or running trials end)
             if isinstance(waiting, tuple):
                 run, reserved = waiting
+                if run.run_id is None:  # a proposal that waited for GPUs: what finished meanwhile may rule it out
+                    entry = assess(self.cfg, run.layout, self.calibrator.current)
+                    reason = self._refusal(entry)
+                    if reason is not None:
+                        self.handle.release(reserved)
+                        self._record_pruned(entry, reason, run.proposal, number=run.number)
+                        continue
                 self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, reserved)
                 continue
             if not self._budget_left():
