@@ -12,7 +12,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -500,8 +499,9 @@ def test_estimator_imports_no_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_nemotron_space_is_estimated_fast() -> None:
-    """The 2x8 Nemotron space: every valid layout estimated well inside plan's 2 s budget."""
+def test_every_valid_layout_of_the_nemotron_space_is_estimated() -> None:
+    """The 2x8 Nemotron space: every layout the rules accept gets a finite prediction. (How fast is measured by
+    benchmarks/plan_speed.py, not asserted here: a timed assertion fails on a busy machine, not on slow code.)"""
     from sweeper.config.load import load_config
     from sweeper.plan.rules import check
     from sweeper.plan.space import enumerate_layouts
@@ -509,10 +509,9 @@ def test_nemotron_space_is_estimated_fast() -> None:
     cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
     valid = [lo for lo in enumerate_layouts(cfg) if not check(cfg.model, lo, cfg.cluster, cfg.training.seq_length)]
     assert len(valid) > 500
-    start = time.perf_counter()
     for lo in valid:
-        estimate(cfg.model, lo, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate)
-    assert time.perf_counter() - start < 1.0
+        e = estimate(cfg.model, lo, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate)
+        assert math.isfinite(e.memory_gib) and e.step_time_s is not None and e.step_time_s > 0
 
 
 # -- calibration -------------------------------------------------------------------------------------------------
