@@ -30,8 +30,8 @@ from sweeper.models.params import (
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
-from sweeper.space.axes import QUANTIZED
-from sweeper.space.layout import PipelineSplit, recompute_modules
+from sweeper.space.axes import QUANTIZED, SCOPE_BLOCK
+from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
 from sweeper.space.pipeline import stage_layer_kinds
 
 BF16_BYTES = 2
@@ -451,12 +451,6 @@ def stage_activations(
     return tuple(out)
 
 
-# The blocks each CUDA graph scope captures (Megatron's CudaGraphScope; the moe block's router, preprocess and
-# experts are separate scopes).
-_SCOPE_BLOCKS = {"attn": "attention", "mlp": "mlp", "moe": "moe", "moe_router": "moe", "moe_preprocess": "moe",
-                 "mamba": "mamba"}
-
-
 def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, constants: EstimatorConstants) -> float:
     """Per micro-batch, the static buffers CUDA graphs keep: a captured callable's inputs and outputs are tensors
     owned by the graph (TE make_graphed_callables keeps its sample inputs and static outputs; Megatron captures one
@@ -464,12 +458,9 @@ def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, consta
     Counted for the micro-batches in flight (the estimator multiplies), assuming a finished micro-batch's buffers
     are reused as TE's reuse of graph input/output buffers does; local and full-iteration graphs capture every block,
     TE graphs their scopes' blocks."""
-    if s.cuda_graph == "none":
+    graphed = {SCOPE_BLOCK[scope] for scope in graphed_scopes(s.cuda_graph)}
+    if not graphed:
         return 0.0
-    if s.cuda_graph in ("local", "full_iteration"):
-        graphed = {"attention", "mlp", "moe", "mamba"}
-    else:
-        graphed = {_SCOPE_BLOCKS[name] for name in s.cuda_graph.partition(":")[2].split("+")}
     blocks = sum(n * sum(1 for b in kind if b in graphed) for kind, n in kinds)
     return constants.cuda_graph_static_copies * blocks * s.tokens * spec.hidden_size * s.act_bytes / s.seq_div
 

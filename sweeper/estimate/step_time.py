@@ -15,7 +15,8 @@ from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
-from sweeper.space.layout import PipelineSplit, recompute_modules
+from sweeper.space.axes import SCOPE_BLOCK
+from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
 from sweeper.space.pipeline import stage_layer_kinds
 
 GB = 1e9
@@ -39,8 +40,6 @@ EP_ALL_TO_ALLS_PER_BLOCK = 4
 # remove (one graph launch replaces a scope's kernels).
 KERNELS_PER_SCOPE: dict[str, int] = {"attn": 30, "mlp": 15, "moe_router": 10, "moe_preprocess": 15, "moe": 35,
                                      "mamba": 40}
-BLOCK_SCOPES: dict[str, tuple[str, ...]] = {"attention": ("attn",), "mlp": ("mlp",),
-                                            "moe": ("moe_router", "moe_preprocess", "moe"), "mamba": ("mamba",)}
 
 
 @dataclass(frozen=True)
@@ -265,10 +264,8 @@ def _exposed_launches(block: str, gpu_s: float, cuda_graph: str, constants: Esti
     """Seconds per micro-batch the GPU waits for the host to launch one block's kernels: the launch time beyond the
     block's own GPU time. CUDA graphs launch their scopes' kernels as one: local and full-iteration graphs every
     block's, TE graphs the scopes they name."""
-    if cuda_graph in ("local", "full_iteration"):
-        graphed: set[str] = set(KERNELS_PER_SCOPE)
-    else:
-        graphed = set(cuda_graph.partition(":")[2].split("+")) if cuda_graph.startswith("te:") else set()
-    kernels = sum(KERNELS_PER_SCOPE[scope] for scope in BLOCK_SCOPES[block] if scope not in graphed)
-    kernels += any(scope in graphed for scope in BLOCK_SCOPES[block])  # the graph's own launch
+    graphed = graphed_scopes(cuda_graph)
+    scopes = [scope for scope, owner in SCOPE_BLOCK.items() if owner == block]
+    kernels = sum(KERNELS_PER_SCOPE[scope] for scope in scopes if scope not in graphed)
+    kernels += any(scope in graphed for scope in scopes)  # the graph's own launch
     return max(0.0, kernels * constants.kernel_launch_us * 1e-6 - gpu_s)

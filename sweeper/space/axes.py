@@ -27,6 +27,10 @@ DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex:deepep", "flex:hy
 # "full_iteration" (local, the whole forward-backward step); "te:<scope>+<scope>" (cuda_graph_impl=transformer_engine
 # with those cuda_graph_scope parts of each layer, e.g. te:attn+moe_router+moe_preprocess).
 CUDA_GRAPH_SCOPES: tuple[str, ...] = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")
+# The block (sweeper.models.spec.Block) each scope captures part of: the moe block's router, preprocess and experts
+# are separate scopes.
+SCOPE_BLOCK: dict[str, str] = {"attn": "attention", "mlp": "mlp", "moe": "moe", "moe_router": "moe",
+                               "moe_preprocess": "moe", "mamba": "mamba"}
 
 
 @dataclass(frozen=True)

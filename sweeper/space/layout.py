@@ -165,7 +165,9 @@ class Layout:
         """Megatron's cuda_graph_scope (empty: whole layers)."""
         if self.cuda_graph == "full_iteration":
             return ("full_iteration",)
-        return tuple(self.cuda_graph.partition(":")[2].split("+")) if self.cuda_graph.startswith("te:") else ()
+        if self.cuda_graph_impl != "transformer_engine":
+            return ()
+        return tuple(s for s in CUDA_GRAPH_SCOPES if s in graphed_scopes(self.cuda_graph))
 
     @property
     def recompute_modules(self) -> tuple[str, ...]:
@@ -501,6 +503,16 @@ def canonical_cuda_graph(value: str) -> str:
         raise LayoutError(f"cuda_graph: unknown scope {unknown[0]!r} in {value!r} (Megatron's CUDA graph scopes "
                           f"for transformer_engine graphs: {', '.join(CUDA_GRAPH_SCOPES)})")
     return "te:" + "+".join(m for m in CUDA_GRAPH_SCOPES if m in names)
+
+
+def graphed_scopes(cuda_graph: str) -> frozenset[str]:
+    """The CUDA graph scopes a (canonical) cuda_graph value captures: every one for local and full-iteration
+    graphs, the listed ones for ``te:<scopes>``, none for ``none``."""
+    if cuda_graph == "none":
+        return frozenset()
+    if cuda_graph in ("local", "full_iteration"):
+        return frozenset(CUDA_GRAPH_SCOPES)
+    return frozenset(cuda_graph.partition(":")[2].split("+"))
 
 
 def resolve_sp(value: str | bool, tp: int) -> bool:
