@@ -22,7 +22,7 @@ from typing import Any
 
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import readable
-from sweeper.estimate import estimate
+from sweeper.estimate import Estimate, estimate
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialRecord
 from sweeper.search.selection import Candidate, is_stable
@@ -54,10 +54,11 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     ranked = sorted((c for c in cands if winner is None or c.number != winner.number),
                     key=lambda c: -c.median(objective))
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
-    lead = _throughput(cfg, chosen[0], calibration)["median"]
+    predicted = [_estimate(cfg, cand.layout, calibration) for cand in chosen]
+    rates = [_throughput(cfg, cand, p, calibration) for cand, p in zip(chosen, predicted, strict=True)]
+    lead = rates[0]["median"]
     layouts = []
-    for rank, cand in enumerate(chosen):
-        rate = _throughput(cfg, cand, calibration)
+    for rank, (cand, estimated, rate) in enumerate(zip(chosen, predicted, rates, strict=True)):
         entry: dict[str, Any] = {
             "number": cand.number, "layout": cand.layout.short(), "gpus": cand.layout.world_size,
             "role": "winner" if winner is not None and rank == 0 else "runner-up", "tokens_per_s": rate,
@@ -65,7 +66,7 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
         }
         if cfg.budget is not None:
             entry["projection"] = projection(cfg, cand.layout.world_size, rate)
-        entry.update(_why(cfg, cand, records, calibration))
+        entry.update(_why(cfg, cand, records, estimated))
         layouts.append(entry)
     return {"budget": None if cfg.budget is None else cfg.budget.model_dump(), "layouts": layouts}
 
@@ -74,12 +75,13 @@ def _measured_on_gpus(cand: Candidate) -> bool:
     return cand.explore.result.memory_kind == "device"
 
 
-def _throughput(cfg: SweepConfig, cand: Candidate, calibration: Calibration | None) -> dict[str, Any]:
+def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate,
+                calibration: Calibration | None) -> dict[str, Any]:
     if _measured_on_gpus(cand):
         values = [v for v in cand.values("tokens_per_s") if v > 0]
         return {"basis": "measured", "median": statistics.median(values), "low": min(values), "high": max(values),
                 "runs": len(values)}
-    predicted = _estimate(cfg, cand.layout, calibration).tokens_per_s or 0.0
+    predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
     return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
             "high": predicted * cfg.estimate.throughput_high, "runs": 0}
@@ -108,14 +110,12 @@ def projection(cfg: SweepConfig, layout_gpus: int, rate: dict[str, Any]) -> dict
     return out
 
 
-def _estimate(cfg: SweepConfig, layout: Layout, calibration: Calibration | None) -> Any:
+def _estimate(cfg: SweepConfig, layout: Layout, calibration: Calibration | None) -> Estimate:
     return estimate(cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
                     headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
 
 
-def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord],
-         calibration: Calibration | None) -> dict[str, Any]:
-    predicted = _estimate(cfg, cand.layout, calibration)
+def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicted: Estimate) -> dict[str, Any]:
     parts = {label: round(sum(predicted.breakdown.get(k, 0.0) for k in keys), 2) for label, keys in _PARTS}
     limit = cfg.memory_limit_gib
     measured = [r.result.metrics.peak_memory_gib for r in (cand.explore, *cand.confirmations)
@@ -147,7 +147,7 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord],
 
 def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float) -> str:
     """The layout of the same size the estimator ranked fastest above this one, and why the sweep did not take it."""
-    faster: dict[tuple[Any, ...], TrialRecord] = {}
+    faster: dict[Layout, TrialRecord] = {}
     for rec in records:
         lo = rec.layout
         tokens = (rec.predicted or {}).get("tokens_per_s")
@@ -155,14 +155,13 @@ def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: 
             continue
         if rec.number == cand.number:
             continue
-        key = tuple(sorted((k, str(v)) for k, v in lo.items()))
+        key = Layout.from_dict(lo)
         # The attempt that says the most: a launched one over a refusal, the latest of equals.
         if key not in faster or rec.attempt >= faster[key].attempt:
             faster[key] = rec
     if not faster:
         return "No layout of this size that the sweep tried was predicted faster."
-    best = max(faster.values(), key=lambda r: (r.predicted or {}).get("tokens_per_s") or 0.0)
-    other = Layout.from_dict(best.layout)
+    other, best = max(faster.items(), key=lambda kv: (kv[1].predicted or {}).get("tokens_per_s") or 0.0)
     diff = ", ".join(f"{a.name} {a.value(other)} instead of {a.value(cand.layout)}" for a in SEARCHED
                      if a.name != "gpus" and a.value(other) != a.value(cand.layout))
     gain = ((best.predicted or {}).get("tokens_per_s") or 0.0) / own - 1 if own else 0.0
