@@ -262,13 +262,10 @@ class Sweep:
                 return  # wait for capacity (a lost node may come back, or running trials end)
             if isinstance(waiting, tuple):
                 run, reserved = waiting
-                if run.run_id is None:  # a proposal that waited for GPUs: what finished meanwhile may rule it out
-                    entry = assess(self.cfg, run.layout, self.calibrator.current)
-                    reason = self._refusal(entry)
-                    if reason is not None:
-                        self.handle.release(reserved)
-                        self._record_pruned(entry, reason, run.proposal, number=run.number)
-                        continue
+                # A proposal that waited for GPUs: what finished meanwhile may rule it out.
+                if run.run_id is None and self._admitted(run.layout, run.proposal, run.number) is None:
+                    self.handle.release(reserved)
+                    continue
                 self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, reserved)
                 continue
             if not self._budget_left():
@@ -282,10 +279,8 @@ class Sweep:
             if proposal is None:
                 return  # every launchable layout has been proposed (or, backfilling, none fits now)
             layout = proposal.layout
-            entry = assess(self.cfg, layout, self.calibrator.current)
-            reason = self._refusal(entry)
-            if reason is not None:
-                self._record_pruned(entry, reason, proposal.trial)
+            entry = self._admitted(layout, proposal.trial)
+            if entry is None:
                 continue
             number, attempt = self._number_for(layout)
             slot = self.handle.reserve(layout)
@@ -317,6 +312,16 @@ class Sweep:
             return resumed
         self.next_number += 1
         return self.next_number - 1, 0
+
+    def _admitted(self, layout: Layout, trial: Any, number: int | None = None) -> PlanEntry | None:
+        """The layout's plan entry as it stands now, or None after recording it as pruned (the rules, memory or the
+        backend refuse it; ``number``: the trial number it already holds)."""
+        entry = assess(self.cfg, layout, self.calibrator.current)
+        reason = self._refusal(entry)
+        if reason is None:
+            return entry
+        self._record_pruned(entry, reason, trial, number=number)
+        return None
 
     def _refusal(self, entry: PlanEntry) -> tuple[str, str] | None:
         if entry.reasons:
