@@ -95,7 +95,7 @@ def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
 
 @lru_cache(maxsize=8192)
 def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float,
-           host_gbs: float = 25.0) -> Links:
+           host_gbs: float) -> Links:
     intra, inter = intra_gbs * 1e9 * efficiency, inter_gbs * 1e9 * efficiency
 
     def bw(span: int) -> float:
@@ -234,7 +234,7 @@ def _stage_memory(
             "transient": f * a.transient / GIB,
             "logits": f * a.logits / GIB,
         }
-        out.append(StageMemory(parts, in_flight, p, a.per_microbatch / max(a.layers, 1)))
+        out.append(StageMemory(parts, in_flight, p, per_layer))
     return tuple(out)
 
 

@@ -107,7 +107,7 @@ class Links:
     ep: float
     etp: float
     edp: float
-    host: float = 25e9  # device <-> host copies (activation offload)
+    host: float  # device <-> host copies (activation offload; cluster.host_link_gbs)
 
 
 def group_bandwidth(span: int, gpus_per_node: int, intra: float, inter: float) -> float:
