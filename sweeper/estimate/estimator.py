@@ -209,7 +209,7 @@ def _stage_memory(
     out = []
     for rank, (p, a) in enumerate(zip(params, acts)):
         state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
-                                  compute_capability, run)
+                                  compute_capability, run, lo.fsdp)
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         activations = a.per_microbatch * in_flight
         per_layer = a.per_microbatch / max(a.layers, 1)
@@ -284,7 +284,7 @@ def estimate(
         dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
         distributed_optimizer=lo.distributed_optimizer, split=lo.split, overlap_grad_reduce=run.overlaps_grad_reduce,
         dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
-        cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers,
+        cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
         offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
     )
     seconds = _step_time_cached(model, inputs, device, links, tuple(st.params.dense for st in stages),

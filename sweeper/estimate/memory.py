@@ -52,6 +52,7 @@ class StageParams:
     layers: ShardParams
     embedding: int  # word (+ position) embedding, first stage only
     output: int  # final norm + output layer (or the tied copy), last stage only
+    largest_layer: int = 0  # the biggest decoder layer's parameters on this rank (Megatron-FSDP's unit)
 
     @property
     def dense(self) -> int:
@@ -83,15 +84,19 @@ def stage_params(
     ``split`` (``Layout.split``) replaces ``first``/``last`` with all of Megatron's pipeline-split options."""
     out = []
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last, split)):
-        layers = ShardParams()
+        layers, largest = ShardParams(), 0
         for kind, n in kinds:
+            layer = ShardParams()
             for block in kind:
-                layers = layers + block_params(spec, block, tp, ep, etp, local_spec).scaled(n)
+                layer = layer + block_params(spec, block, tp, ep, etp, local_spec)
+            layers = layers + layer.scaled(n)
+            largest = max(largest, layer.total if n else 0)
         out.append(
             StageParams(
                 layers=layers,
                 embedding=embedding_params(spec, tp) if rank == 0 else 0,
                 output=output_params(spec, tp, pp) if rank == pp - 1 else 0,
+                largest_layer=largest,
             )
         )
     return tuple(out)
@@ -185,6 +190,11 @@ def optimizer_bytes_per_param(precision: str, run: RunSettings = RunSettings()) 
     return run.moment_bytes + (0 if precision == "fp32" else FP32_BYTES)
 
 
+# Megatron-FSDP's unsharded decoder layers alive at once: the one computing and the one its all-gather pipeline
+# prefetches (or, for gradients, the one reduce-scattering while the next is produced).
+FSDP_LAYERS_IN_FLIGHT = 2
+
+
 @lru_cache(maxsize=65536)  # plan: the same stage state for every micro-batch, recompute and SP choice
 def model_state_bytes(
     params: StageParams,
@@ -195,26 +205,39 @@ def model_state_bytes(
     constants: EstimatorConstants,
     compute_capability: str | None = None,
     run: RunSettings = RunSettings(),
+    fsdp: str | None = None,
 ) -> StateBytes:
     """Bytes of weights, grads and optimizer state on one rank (device memory). ``dense_shards`` is DP*CP and
-    ``expert_shards`` is EDP: the groups the distributed optimizer shards over (ignored without it).
+    ``expert_shards`` is EDP: the groups the distributed optimizer (and Megatron-FSDP) shard over.
     ``compute_capability`` decides TE's FP8 weight copies (None: a Hopper-like device). The offloaded fraction of the
-    optimizer shard (``run.offloaded_fraction``) and of its FP32 grad copies lives on the host."""
+    optimizer shard (``run.offloaded_fraction``) and of its FP32 grad copies lives on the host.
+
+    ``fsdp`` (Layout.fsdp): Megatron-FSDP's sharding strategy. ``optim`` shards what the distributed optimizer
+    does. ``optim_grads`` also shards the grad buffer: gradients are reduce-scattered after every backward
+    (megatron_fsdp.py ``grad_reduce_every_bprop``), so only the layers being reduced are whole. ``optim_grads_params``
+    also shards the weights: each decoder layer (its FSDP unit, mcore_fsdp_adapter.py) is all-gathered before it
+    runs and released after; the embedding and output layer are not units and are counted whole (the conservative
+    side). TE's quantised weight copies are counted whole as without FSDP."""
     total = params.total
-    owned = params.dense / dense_shards + params.expert / expert_shards if distributed_optimizer else total
+    sharded = params.dense / dense_shards + params.expert / expert_shards
+    owned = sharded if distributed_optimizer else total
     on_device = owned * (1.0 - run.offloaded_fraction)
     optimizer = optimizer_bytes_per_param(precision, run) * on_device
-    weights = float(weight_bytes_per_param(precision) * total)
+    in_flight = FSDP_LAYERS_IN_FLIGHT * params.largest_layer
+    layers = float(params.layers.total)  # decoder-layer weights resident on the device
+    if fsdp == "optim_grads_params":
+        layers = min(layers, params.layers.dense / dense_shards + params.layers.expert / expert_shards + in_flight)
+    grad_params = min(total, sharded + in_flight) if fsdp in ("optim_grads", "optim_grads_params") else total
+    weights = float(weight_bytes_per_param(precision) * (layers + params.embedding + params.output))
     fp8 = 0.0
     if precision in QUANTIZED:
         # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.
-        quantised = params.layers.total
         weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability, run)
-        weights += (weight_bytes - BF16_BYTES) * quantised
-        fp8 = extra * quantised
+        weights += (weight_bytes - BF16_BYTES) * layers
+        fp8 = extra * params.layers.total
     return StateBytes(
         weights=weights,
-        grads=(FP32_BYTES if run.grad_buffer_fp32(precision) else BF16_BYTES) * total,
+        grads=(FP32_BYTES if run.grad_buffer_fp32(precision) else BF16_BYTES) * grad_params,
         optimizer=optimizer,
         fp8_weights=fp8,
         grad_copies=optimizer_grad_copy_bytes(precision, run) * on_device,

@@ -146,6 +146,7 @@ class TimeInputs:
     cuda_graph: str = "none"  # Layout.cuda_graph
     offload_layers: int = 0  # Layout.offload_layers
     offload_bytes_per_layer: float = 0.0  # one offloaded layer's activations per micro-batch (the estimator's)
+    fsdp: str | None = None  # Layout.fsdp: Megatron-FSDP's sharding strategy
 
 
 def step_time(
@@ -232,12 +233,20 @@ def step_time(
     dense = max(stage_dense_params)
     expert = max(stage_expert_params)
     dense_group, dense_link = x.dp * x.cp, links.dp
-    if x.distributed_optimizer:  # reduce-scatter grads + all-gather updated params
-        dp_time = ring(dense * grad_bytes, dense_group, dense_link) + ring(dense * param_bytes, dense_group, dense_link)
-        dp_time += ring(expert * grad_bytes, x.edp, links.edp) + ring(expert * param_bytes, x.edp, links.edp)
+
+    def sharded(nbytes: int) -> float:  # one reduce-scatter or all-gather of every parameter over its DP group
+        return ring(dense * nbytes, dense_group, dense_link) + ring(expert * nbytes, x.edp, links.edp)
+
+    if x.fsdp in ("optim_grads", "optim_grads_params"):
+        # Megatron-FSDP reduce-scatters the gradients after every micro-batch's backward (grad_reduce_every_bprop);
+        # optim_grads_params also all-gathers each layer's weights before its forward and again before its backward,
+        # optim_grads once after the optimizer step.
+        gathers = 2 * x.num_microbatches if x.fsdp == "optim_grads_params" else 1
+        dp_time = x.num_microbatches * sharded(grad_bytes) + gathers * sharded(param_bytes)
+    elif x.distributed_optimizer:  # reduce-scatter grads + all-gather updated params (Megatron-FSDP's optim too)
+        dp_time = sharded(grad_bytes) + sharded(param_bytes)
     else:  # all-reduce = reduce-scatter + all-gather of the grads
-        dp_time = (2 * ring(dense * grad_bytes, dense_group, dense_link)
-                   + 2 * ring(expert * grad_bytes, x.edp, links.edp))
+        dp_time = 2 * sharded(grad_bytes)
     total += dp_time * (1 - (constants.dp_comm_overlap if x.overlap_grad_reduce else 0.0))
     return total
 

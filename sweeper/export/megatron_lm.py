@@ -100,9 +100,10 @@ def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
 def needs_one_device_connection(layout: Layout, compute_capability: str) -> bool:
     """Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 before Blackwell
     (compute capability < 10), so that the communication kernels are queued before the compute they overlap;
-    with the expert A2A overlap it only warns, since that overlap wants more connections, so it is left unset."""
+    with the expert A2A overlap it only warns, since that overlap wants more connections, so it is left unset.
+    Megatron-FSDP asserts the opposite ("FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset")."""
     return ((layout.tp > 1 or layout.cp > 1) and int(compute_capability.partition(".")[0]) < 10
-            and not layout.moe_a2a_overlap)
+            and not layout.moe_a2a_overlap and not layout.fsdp)
 
 
 def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
@@ -113,7 +114,7 @@ def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
     env = ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM asserts it with TP or CP > 1 before Blackwell"
            if needs_one_device_connection(layout, cfg.cluster.compute_capability)
            else "# CUDA_DEVICE_MAX_CONNECTIONS is left unset: Megatron-LM asks for 1 only with TP or CP > 1 before "
-                "Blackwell, and not with the expert A2A overlap"]
+                "Blackwell, and not with the expert A2A overlap or Megatron-FSDP"]
     env.append("export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}")
     env.append("export TORCH_NCCL_AVOID_RECORD_STREAMS=1")
     spec = ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"] if cfg.model.is_hybrid \

@@ -504,7 +504,7 @@ def fp8_gemm_shapes(c: RuleContext) -> str | None:
     return None
 
 
-# -- issue 18: the dispatcher, A2A overlap, CUDA graphs, activation offload (transformer_config.py __post_init__,
+# -- issue 18: the dispatcher, A2A overlap, CUDA graphs, activation offload, Megatron-FSDP (transformer_config.py,
 #    token_dispatcher.py, Megatron-LM's validate_args); each message is Megatron's own where it has one ------------
 @rule("moe_token_dispatcher", "ep", "etp")
 def token_dispatcher(c: RuleContext) -> str | None:
@@ -575,4 +575,14 @@ def activation_offload(c: RuleContext) -> str | None:
         return "Currently there is no support for Pipeline parallelism with CPU offloading"
     if lo.recompute != "none":
         return "CPU offloading does not work when activation recomputation is enabled"
+    return None
+
+
+@rule("fsdp", "distributed_optimizer")
+def megatron_fsdp(c: RuleContext) -> str | None:
+    # Megatron-LM's validate_args (main) and Megatron-Bridge's _validate_and_apply_megatron_fsdp_configs both turn
+    # the distributed optimizer on under Megatron-FSDP; megatron-core 0.16.1 builds a replicated optimizer without
+    # it, whose replicas drift apart once the gradients are sharded.
+    if c.layout.fsdp and not c.layout.distributed_optimizer:
+        return "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"
     return None

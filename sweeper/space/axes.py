@@ -31,6 +31,10 @@ CUDA_GRAPH_SCOPES: tuple[str, ...] = ("attn", "mlp", "moe", "moe_router", "moe_p
 # are separate scopes.
 SCOPE_BLOCK: dict[str, str] = {"attn": "attention", "mlp": "mlp", "moe": "moe", "moe_router": "moe",
                                "moe_preprocess": "moe", "mamba": "mamba"}
+# Megatron-FSDP's data_parallel_sharding_strategy values that shard something: the optimizer state (ZeRO-1), also
+# the gradients (ZeRO-2), also the parameters (ZeRO-3, gathered per decoder layer). Its "no_shard" is left out: it
+# replicates everything as Megatron's DDP does, and fails with the distributed optimizer Megatron-FSDP asks for.
+FSDP_STRATEGIES: tuple[str, ...] = ("optim", "optim_grads", "optim_grads_params")
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,10 @@ AXES: tuple[Axis, ...] = (
     Axis("offload_layers", "int0", "decoder layers whose activations are offloaded to the host "
          "(Megatron's cpu_offloading_num_layers); 0 = none", searched=True, space_default=(0,),
          megatron="cpu_offloading_num_layers", flag="cpu-offloading-num-layers", omit=0),
+    Axis("fsdp", "choice", "Megatron-FSDP instead of Megatron's DDP, with its sharding strategy: "
+         + " | ".join(FSDP_STRATEGIES) + " (unset: DDP)", searched=True, space_default=(None,),
+         megatron="data_parallel_sharding_strategy", flag="data-parallel-sharding-strategy",
+         bridge=("ddp.data_parallel_sharding_strategy",), choices=FSDP_STRATEGIES),
     Axis("distributed_optimizer", "bool", "shard the optimizer state over data-parallel ranks", searched=True,
          space_default=(True,), megatron="use_distributed_optimizer", flag="use-distributed-optimizer",
          bridge=("ddp.use_distributed_optimizer", "optimizer.use_distributed_optimizer"), bridge_always=True),

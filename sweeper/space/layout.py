@@ -18,6 +18,7 @@ from sweeper.space.axes import (
     CONTRACT_KEYS,
     CUDA_GRAPH_SCOPES,
     DISPATCHERS,
+    FSDP_STRATEGIES,
     PARALLEL_SIZES,
     PARSED,
     PIPELINE_SPLIT,
@@ -85,6 +86,8 @@ class Layout:
     moe_a2a_overlap: bool = False
     cuda_graph: str = "none"
     offload_layers: int = 0
+    # Megatron-FSDP's data_parallel_sharding_strategy (FSDP_STRATEGIES); None: Megatron's DDP.
+    fsdp: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("world_size", "tp", "pp", "cp", "ep", "etp", "vpp", "mbs", "gbs"):
@@ -98,6 +101,8 @@ class Layout:
         if self.moe_token_dispatcher is not None and self.moe_token_dispatcher not in DISPATCHERS:
             raise LayoutError(f"moe_token_dispatcher: must be one of {', '.join(DISPATCHERS)}, "
                               f"got {self.moe_token_dispatcher!r}")
+        if self.fsdp is not None and self.fsdp not in FSDP_STRATEGIES:
+            raise LayoutError(f"fsdp: must be one of {', '.join(FSDP_STRATEGIES)}, got {self.fsdp!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise LayoutError(f"offload_layers: must be 0 or a positive integer, got {self.offload_layers!r}")
         if self.pipeline_layout is not None and (not self.pipeline_layout.strip() or "," in self.pipeline_layout):
@@ -238,6 +243,8 @@ class Layout:
             parts.append(f"CG-{self.cuda_graph.replace('te:', 'te-')}")
         if self.offload_layers:
             parts.append(f"OFF{self.offload_layers}")
+        if self.fsdp:
+            parts.append(f"FSDP-{self.fsdp}")
         parts.append(self.precision)
         return "-".join(parts)
 
@@ -312,6 +319,8 @@ class Layout:
                 args.append("--no-check-for-nan-in-loss-and-grad")
             if self.cuda_graph_impl == "local" and self.ep > 1:
                 args.append("--moe-pad-experts-for-cuda-graph-inference")
+        if self.fsdp:  # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format"
+            args += ["--use-megatron-fsdp", "--ckpt-format=fsdp_dtensor"]
         return args
 
     def bridge_overrides(self) -> list[str]:
@@ -346,6 +355,8 @@ class Layout:
                     f"model.cuda_graph_scope=[{','.join(self.cuda_graph_scope)}]"]
         if self.offload_layers:  # Megatron-LM's flag turns cpu_offloading on itself; Bridge's config does not
             out += ["model.cpu_offloading=true", f"model.cpu_offloading_num_layers={self.offload_layers}"]
+        if self.fsdp:  # Bridge's ConfigContainer asserts fsdp_dtensor whenever a run saves or loads
+            out += ["ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor"]
         return out
 
     def knob_config(self) -> dict[str, Any]:
@@ -391,7 +402,7 @@ _BRIDGE_PRECISION: dict[str, str] = {
 }
 
 # The issue-18 knobs (axis keys, Layout fields) and the value each takes when it is not set (the field's default).
-KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers")
+KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers", "fsdp")
 _KNOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Layout) if f.name in KNOBS}
 
 _PARSED = {a.name: a for a in PARSED}

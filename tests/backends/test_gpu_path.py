@@ -362,7 +362,8 @@ def test_the_cpu_backend_names_each_knob_it_cannot_run():
     cases = ((dict(ep=2, moe_token_dispatcher="flex:deepep"), "moe_token_dispatcher flex:deepep", "DeepEP"),
              (dict(ep=2, moe_a2a_overlap=True), "moe_a2a_overlap (overlap_moe_expert_parallel_comm)", "CUDA streams"),
              (dict(cuda_graph="te:attn"), "cuda_graph te:attn", "CUDAGraph"),
-             (dict(offload_layers=1), "offload_layers 1", "cpu_offload"))
+             (dict(offload_layers=1), "offload_layers 1", "cpu_offload"),
+             (dict(fsdp="optim"), "fsdp optim (Megatron-FSDP)", "fsdp_dtensor"))
     for kw, feature, why in cases:
         reason = unsupported_reason(moe, lo(world_size=2, **kw), cuda=False, te=False)
         assert reason is not None and reason.startswith(f"{feature} unsupported on this backend (megatron-core-cpu)")

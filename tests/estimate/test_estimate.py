@@ -302,6 +302,25 @@ def test_the_knobs_move_memory_and_step_time_the_way_their_mechanisms_do() -> No
     assert offloaded.step_time_s >= plain.step_time_s  # type: ignore[operator]
 
 
+def test_megatron_fsdp_shards_what_its_strategy_names_and_pays_for_it_in_traffic() -> None:
+    """Issue 18 (memory.model_state_bytes, step_time): Megatron-FSDP's optim shards what the distributed optimizer
+    does; optim_grads also shards the grads, reduce-scattered after every micro-batch; optim_grads_params also the
+    weights, all-gathered per decoder layer twice per micro-batch. Two layers are whole at a time."""
+    kw = dict(tp=1, sp=False, gbs=64)  # DP 8, 8 micro-batches
+    ddp, optim, grads, params = (_est(**kw, fsdp=f) for f in (None, "optim", "optim_grads", "optim_grads_params"))
+    assert optim.breakdown == ddp.breakdown and optim.step_time_s == ddp.step_time_s
+    stage = stage_params(LLAMA, 1, 1)[0]
+    whole = 2 * stage.largest_layer
+    gib = 1 << 30
+    assert grads.breakdown["grads"] == pytest.approx(4 * (stage.total / 8 + whole) / gib)
+    assert grads.breakdown["weights"] == ddp.breakdown["weights"]
+    assert params.breakdown["weights"] == pytest.approx(
+        2 * (stage.layers.total / 8 + whole + stage.embedding + stage.output) / gib)
+    assert params.breakdown["optimizer"] == ddp.breakdown["optimizer"]
+    assert params.memory_gib < grads.memory_gib < ddp.memory_gib
+    assert ddp.step_time_s < grads.step_time_s < params.step_time_s  # type: ignore[operator]
+
+
 def test_fragmentation_applies_to_dynamic_memory_only() -> None:
     """Megatron's param/grad buffers and optimizer shards are a few tensors made once: reserved = state +
     fragmentation x (activations + transients + logits)."""

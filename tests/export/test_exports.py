@@ -40,6 +40,7 @@ CASES = [
     ("nemotron.yaml", "gpus=8,ep=8,moe_token_dispatcher=allgather,cuda_graph=local"),
     ("deepseek_v2_lite.yaml", "gpus=16,tp=2,sp=true,ep=8,moe_a2a_overlap=true"),
     ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1,precision=nvfp4"),
+    ("nemotron.yaml", "gpus=16,tp=2,sp=true,ep=8,fsdp=optim_grads_params"),
 ]
 # Megatron-Bridge 0.3.1: ConfigContainer's and MixedPrecisionConfig's fields (megatron/bridge/training/config.py,
 # mixed_precision.py); the recipes' dataset config takes seq_length, the model providers add seq_length to
@@ -114,7 +115,8 @@ def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_
         assert item in argv
     one_connection = "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
     hopper = int(cfg.cluster.compute_capability.partition(".")[0]) < 10
-    assert one_connection == ((layout.tp > 1 or layout.cp > 1) and hopper and not layout.moe_a2a_overlap)
+    assert one_connection == ((layout.tp > 1 or layout.cp > 1) and hopper and not layout.moe_a2a_overlap
+                              and not layout.fsdp)  # Megatron-FSDP asserts it is not 1
     dispatchers = [a for a in argv if a.startswith("--moe-token-dispatcher-type=")]
     assert dispatchers == ([f"--moe-token-dispatcher-type={layout.dispatcher}"] if spec.is_moe else [])
     assert flags["--tensor-model-parallel-size"] == str(layout.tp)

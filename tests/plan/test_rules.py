@@ -327,6 +327,11 @@ CASES: dict[str, list[Case]] = {
         (DENSE, L(16, offload_layers=2, recompute="selective"), H100x2, SEQ,
          "CPU offloading does not work when activation recomputation is enabled"),
     ],
+    "megatron_fsdp": [
+        (MOE, L(16, ep=8, fsdp="optim_grads_params"), H100x2, SEQ, None),
+        (DENSE, L(16, fsdp="optim", distributed_optimizer=False), H100x2, SEQ,
+         "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"),
+    ],
 }
 
 RULE_NAMES = [fn.__name__ for fn in rules.RULES]

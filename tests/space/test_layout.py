@@ -106,6 +106,7 @@ LAYOUTS = st.builds(
     moe_a2a_overlap=st.booleans(),
     cuda_graph=st.sampled_from(["none", "local", "full_iteration", "te:attn", "te:attn+moe_router+moe_preprocess"]),
     offload_layers=st.sampled_from([0, 1, 3]),
+    fsdp=st.sampled_from([None, "optim", "optim_grads", "optim_grads_params"]),
 )
 
 
@@ -170,6 +171,7 @@ KNOWN_FLAGS = {
     "--moe-token-dispatcher-type", "--moe-flex-dispatcher-backend", "--moe-router-dtype",
     "--overlap-moe-expert-parallel-comm", "--cuda-graph-impl", "--cuda-graph-scope",
     "--no-check-for-nan-in-loss-and-grad", "--moe-pad-experts-for-cuda-graph-inference", "--cpu-offloading-num-layers",
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format",
 }
 CHOICES = {
     "--fp8-format": {"e4m3", "hybrid"},
@@ -182,6 +184,8 @@ CHOICES = {
     "--moe-flex-dispatcher-backend": {"deepep", "hybridep"},
     "--moe-router-dtype": {"fp32", "fp64"},
     "--cuda-graph-impl": {"none", "local", "transformer_engine"},
+    "--data-parallel-sharding-strategy": {"no_shard", "optim", "optim_grads", "optim_grads_params"},
+    "--ckpt-format": {"fsdp_dtensor"},  # what Megatron-FSDP asks for; sweeper leaves the format alone otherwise
 }
 CUDA_GRAPH_SCOPE_CHOICES = {"full_iteration", "attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba"}
 RECOMPUTE_MODULE_CHOICES = {"core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts"}
@@ -233,6 +237,8 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
     assert ("--cuda-graph-impl" in args) == (lo.cuda_graph != "none")
     assert args.get("--cpu-offloading-num-layers") == (str(lo.offload_layers) if lo.offload_layers else None)
     assert ("--moe-token-dispatcher-type" in args) == (lo.moe_token_dispatcher is not None)
+    assert args.get("--data-parallel-sharding-strategy") == lo.fsdp
+    assert ("--use-megatron-fsdp" in args) == ("--ckpt-format" in args) == (lo.fsdp is not None)
 
 
 # -- Megatron-Bridge overrides ------------------------------------------------------------------------------------
@@ -245,6 +251,7 @@ BRIDGE_OTHER_FIELDS = {
     "train.micro_batch_size", "train.global_batch_size", "ddp.use_distributed_optimizer",
     "optimizer.use_distributed_optimizer", "mixed_precision",
     "comm_overlap.overlap_moe_expert_parallel_comm",  # Bridge's CommOverlapConfig sets the model's from it
+    "checkpoint.ckpt_format",  # CheckpointConfig; Megatron-FSDP asserts fsdp_dtensor there
 }
 
 
@@ -256,12 +263,17 @@ def test_bridge_model_overrides_are_megatron_core_config_fields(lo: Layout, unev
 
     if uneven:
         lo = dataclasses.replace(lo, first_stage_layers=3, last_stage_layers=2)
+    from megatron.core.distributed import DistributedDataParallelConfig
+
     config_fields = {f.name for f in dataclasses.fields(TransformerConfig)}  # includes ModelParallelConfig's
+    ddp_fields = {f.name for f in dataclasses.fields(DistributedDataParallelConfig)}  # Bridge's ddp subclasses it
     overrides = dict(o.split("=", 1) for o in lo.bridge_overrides())
     for key in overrides:
         section, _, name = key.partition(".")
         if section == "model":
             assert name in config_fields, key
+        elif section == "ddp":
+            assert name in ddp_fields, key
         else:
             assert key in BRIDGE_OTHER_FIELDS, key
     assert overrides["mixed_precision"] in BRIDGE_RECIPES
@@ -269,6 +281,8 @@ def test_bridge_model_overrides_are_megatron_core_config_fields(lo: Layout, unev
     assert overrides["model.virtual_pipeline_model_parallel_size"] == (str(lo.vpp) if lo.vpp > 1 else "null")
     assert overrides["model.sequence_parallel"] == str(lo.sp).lower()
     assert overrides["ddp.use_distributed_optimizer"] == overrides["optimizer.use_distributed_optimizer"]
+    assert overrides.get("ddp.data_parallel_sharding_strategy") == (f'"{lo.fsdp}"' if lo.fsdp else None)
+    assert overrides.get("ddp.use_megatron_fsdp") == ("true" if lo.fsdp else None)
     assert ("model.num_layers_in_first_pipeline_stage" in overrides) == uneven
     if lo.recompute != "none":
         assert overrides["model.recompute_granularity"] == lo.recompute_granularity

@@ -47,6 +47,12 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         # at a few GFLOP/s: a production-size model would swap the machine or run for hours, not fail cleanly.
         return no(f"a {params / 1e9:.1f}B-parameter model", f"CPU trials are for models up to "
                   f"{CPU_MAX_PARAMS / 1e9:.0f}B parameters; --proxy runs the same layer structure at CPU size")
+    if layout.fsdp:
+        # Megatron-FSDP checkpoints only in its fsdp_dtensor format (Megatron-LM's validate_args); the smoke run's
+        # reload check is torch_dist. On the CPU, MegatronFSDP also refuses any device but torch.cuda's current one.
+        return no(f"fsdp {layout.fsdp} (Megatron-FSDP)", "sweeper's trials build Megatron's DDP only: Megatron-FSDP "
+                  "checkpoints in fsdp_dtensor, not the smoke run's torch_dist, and needs a CUDA device; plan, the "
+                  "estimator and the exports take it")
     if cuda and te:  # the GPU path (gpu.py) builds MLA and MambaModel; it refuses only what TE/kernels lack
         from sweeper.backends.megatron.gpu import gpu_unsupported_reason
 
