@@ -104,6 +104,15 @@ class Layout:
             raise LayoutError(f"pipeline_layout: must be a Megatron layout string without commas, e.g. "
                               f"'Et|(tt|)*62tL', got {self.pipeline_layout!r}")
 
+    @classmethod
+    def from_checked(cls, fields: dict[str, Any]) -> Layout:
+        """The Layout of every field's value, each one already checked and canonical (a value that went through the
+        constructor once): ``enumerate_layouts`` checks each axis value once, not once per layout of the product.
+        ``fields`` becomes the layout's own and must not be used afterwards."""
+        layout = object.__new__(cls)
+        layout.__dict__.update(fields)
+        return layout
+
     @property
     def split(self) -> PipelineSplit:
         """How the decoder layers are split over pipeline ranks (``sweeper.space.pipeline`` places them)."""
