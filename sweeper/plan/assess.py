@@ -43,8 +43,9 @@ class PlanEntry:
         return self.launchable and self.predicted is not None and self.predicted.uncertain
 
     def to_json(self) -> dict[str, Any]:
-        predicted = self.predicted.to_json() if self.predicted else dict(_NO_PREDICTION)
-        return {"layout": self.layout.to_dict(), "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
+        predicted = self.predicted.to_json() if self.predicted else _NO_PREDICTION.copy()
+        return {"layout": self.layout.to_dict(), "valid": not self.reasons, "reasons": self.reasons,
+                "predicted": predicted}
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
