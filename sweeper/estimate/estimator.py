@@ -288,6 +288,7 @@ class Estimator:
     ) -> None:
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
         self.constants, self.calibration, self.run = constants, calibration, run
+        self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
         self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split)
@@ -312,8 +313,7 @@ class Estimator:
         states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp)
         if states_key not in self._states:
             self._states[states_key] = _stage_states(params, lo, constants, self.cluster.compute_capability, run)
-        stages = _combine_stages(model, lo, params, acts, self._states[states_key], constants,
-                                 self.calibration or Calibration())
+        stages = _combine_stages(model, lo, params, acts, self._states[states_key], constants, self._factors)
         return shape, stages
 
     def __call__(self, layout: Layout) -> Estimate:
