@@ -7,6 +7,6 @@ ray or megatron: ``plan`` must stay instant.
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.calibration import Calibration
-from sweeper.estimate.estimator import Estimate, StageMemory, estimate, stage_memory
+from sweeper.estimate.estimator import Estimate, Estimator, StageMemory, estimate, stage_memory
 
-__all__ = ["Calibration", "Estimate", "EstimatorConstants", "StageMemory", "estimate", "stage_memory"]
+__all__ = ["Calibration", "Estimate", "Estimator", "EstimatorConstants", "StageMemory", "estimate", "stage_memory"]

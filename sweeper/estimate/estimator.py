@@ -27,7 +27,7 @@ raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layout
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from sweeper.config.estimator import EstimatorConstants
@@ -38,7 +38,9 @@ from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dyn
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
     ActivationShape,
+    StageActivations,
     StageParams,
+    StateBytes,
     in_flight_microbatches,
     model_state_bytes,
     stage_activations,
@@ -126,7 +128,8 @@ class StageMemory:
     params: StageParams  # the parameters this rank holds
     layer_activation_bytes: float = 0.0  # one decoder layer's activations per micro-batch (what offload moves)
 
-    @property
+    # Cached: ``estimate`` reads the state and the dynamic part several times per stage.
+    @cached_property
     def state_gib(self) -> float:
         """Weights, grads and optimizer state: made once, kept for the whole run."""
         return sum(self.parts[k] for k in STATE_KEYS)
@@ -137,7 +140,7 @@ class StageMemory:
         the optimizer's FP32 grad copies, which live from the optimizer step until the next zero_grad."""
         return self.state_gib + sum(self.parts[k] for k in STEP_KEYS)
 
-    @property
+    @cached_property
     def dynamic_gib(self) -> float:
         """What the peak holds beyond the state: forward/backward's activations, transients and logits, or the
         optimizer step's grad copies, whichever is larger."""
@@ -205,11 +208,25 @@ def _stage_memory(
     vpp = lo.vpp if lo.pp > 1 else 1
     params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, split=lo.split)
     acts = stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
+    states = _stage_states(params, lo, constants, compute_capability, run)
+    return _combine_stages(model, lo, params, acts, states, constants, calibration)
+
+
+def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: EstimatorConstants,
+                  compute_capability: str | None, run: RunSettings) -> tuple[StateBytes, ...]:
+    return tuple(model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
+                                   compute_capability, run, lo.fsdp) for p in params)
+
+
+def _combine_stages(
+    model: ModelSpec, lo: Layout, params: tuple[StageParams, ...], acts: tuple[StageActivations, ...],
+    states: tuple[StateBytes, ...], constants: EstimatorConstants, calibration: Calibration,
+) -> tuple[StageMemory, ...]:
+    """One rank of every pipeline stage: its model state and its activations times the micro-batches in flight."""
+    vpp = lo.vpp if lo.pp > 1 else 1
     microbatches = _microbatches(lo)
     out = []
-    for rank, (p, a) in enumerate(zip(params, acts)):
-        state = model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
-                                  compute_capability, run, lo.fsdp)
+    for rank, (p, a, state) in enumerate(zip(params, acts, states)):
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         activations = a.per_microbatch * in_flight
         per_layer = a.per_microbatch / max(a.layers, 1)
@@ -250,59 +267,108 @@ def estimate(
 ) -> Estimate:
     """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster`` under the run
     settings ``run`` (the YAML's ``run:``)."""
-    lo = layout
-    _check_divisible(lo, seq_length)
-    shape = _activation_shape(model, lo, seq_length, constants, calibration)
-    stages = _stage_memory(model, lo, shape, constants, calibration or Calibration(), cluster.compute_capability, run)
-    non_torch = non_torch_gib(lo, constants)
+    return Estimator(model, cluster, seq_length, constants, headroom, calibration, run)(layout)
 
-    worst: dict[str, float] = {}
-    worst_reserved = -1.0
-    for rank, stage in enumerate(stages):
-        allocated = stage.allocated_gib
-        reserved = stage.reserved_gib(constants.allocator_fragmentation)
+
+class Estimator:
+    """``estimate`` for the many layouts of one model, cluster and settings (a space): the parts that depend on
+    fewer axes than the whole layout (a stage's parameters, its model state, its activations per micro-batch) are
+    kept per value of those axes, so ``plan`` computes each a few hundred times instead of once per layout. The kept
+    values are tuples of frozen dataclasses, never mutated."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: ClusterConfig,
+        seq_length: int,
+        constants: EstimatorConstants = EstimatorConstants(),
+        headroom: float = 0.10,
+        calibration: Calibration | None = None,
+        run: RunSettings = RunSettings(),
+    ) -> None:
+        self.model, self.cluster, self.seq_length = model, cluster, seq_length
+        self.constants, self.calibration, self.run = constants, calibration, run
+        self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
+        self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
+        self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
+        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split)
+        self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
+        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+
+    def _stage_memory(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
+        model, constants, run = self.model, self.constants, self.run
+        vpp = lo.vpp if lo.pp > 1 else 1
+        split = lo.split
+        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
+        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
+        acts_key = (*shape_axes, lo.pp, vpp, split)
+        if acts_key not in self._activations:
+            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
+            self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, split, constants)
+        shape, acts = self._activations[acts_key]
+        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
+        if params_key not in self._params:
+            self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=split)
+        params = self._params[params_key]
+        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
+        if states_key not in self._states:
+            self._states[states_key] = _stage_states(params, lo, constants, self.cluster.compute_capability, run)
+        stages = _combine_stages(model, lo, params, acts, self._states[states_key], constants, self._factors)
+        return shape, stages
+
+    def __call__(self, layout: Layout) -> Estimate:
+        lo, model, cluster, constants, calibration = layout, self.model, self.cluster, self.constants, self.calibration
+        seq_length = self.seq_length
+        _check_divisible(lo, seq_length)
+        shape, stages = self._stage_memory(lo)
+        non_torch = non_torch_gib(lo, constants)
+
+        worst: dict[str, float] = {}
+        worst_reserved = -1.0
+        for rank, stage in enumerate(stages):
+            allocated = stage.allocated_gib
+            reserved = stage.reserved_gib(constants.allocator_fragmentation)
+            if calibration:
+                reserved += calibration.overhead_gib  # fitted against measured max_memory_reserved
+            if reserved > worst_reserved:
+                worst_reserved = reserved
+                worst = {
+                    **stage.parts,
+                    "fragmentation": reserved - allocated,
+                    "non_torch": non_torch,
+                    "pipeline_rank": float(rank),
+                    "in_flight_microbatches": stage.in_flight_microbatches,
+                }
+
+        ep, etp = shape.ep, shape.etp
+        vpp = lo.vpp if lo.pp > 1 else 1
+        microbatches = _microbatches(lo)
+        links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
+                       constants.comm_efficiency, cluster.host_link_gbs)
+        inputs = TimeInputs(
+            seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
+            dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
+            distributed_optimizer=lo.distributed_optimizer, split=lo.split,
+            overlap_grad_reduce=self.run.overlaps_grad_reduce,
+            dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
+            cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
+            offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
+        )
+        seconds = _step_time_cached(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
+                                    tuple(st.params.expert for st in stages), constants)
         if calibration:
-            reserved += calibration.overhead_gib  # fitted against measured max_memory_reserved
-        if reserved > worst_reserved:
-            worst_reserved = reserved
-            worst = {
-                **stage.parts,
-                "fragmentation": reserved - allocated,
-                "non_torch": non_torch,
-                "pipeline_rank": float(rank),
-                "in_flight_microbatches": stage.in_flight_microbatches,
-            }
-
-    ep, etp = shape.ep, shape.etp
-    vpp = lo.vpp if lo.pp > 1 else 1
-    microbatches = _microbatches(lo)
-    device = device_for(cluster.gpu_kind, cluster.compute_capability)
-    links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
-                   constants.comm_efficiency, cluster.host_link_gbs)
-    inputs = TimeInputs(
-        seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
-        dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
-        distributed_optimizer=lo.distributed_optimizer, split=lo.split, overlap_grad_reduce=run.overlaps_grad_reduce,
-        dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
-        cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
-        offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
-    )
-    seconds = _step_time_cached(model, inputs, device, links, tuple(st.params.dense for st in stages),
-                                tuple(st.params.expert for st in stages), constants)
-    if calibration:
-        seconds *= calibration.step_time_factor
-    tokens = lo.gbs * seq_length
-    limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
-    band = memory_band(worst_reserved, constants)
-    return Estimate(
-        memory_gib=worst_reserved,
-        fits=worst_reserved + non_torch <= limit,
-        step_time_s=seconds,
-        tokens_per_s=tokens / seconds if seconds > 0 else None,
-        breakdown=worst,
-        memory_band_gib=band,
-        may_fit=band[0] + non_torch <= limit,
-    )
+            seconds *= calibration.step_time_factor
+        tokens = lo.gbs * seq_length
+        band = memory_band(worst_reserved, constants)
+        return Estimate(
+            memory_gib=worst_reserved,
+            fits=worst_reserved + non_torch <= self._limit,
+            step_time_s=seconds,
+            tokens_per_s=tokens / seconds if seconds > 0 else None,
+            breakdown=worst,
+            memory_band_gib=band,
+            may_fit=band[0] + non_torch <= self._limit,
+        )
 
 
 _step_time_cached = lru_cache(maxsize=65536)(step_time)

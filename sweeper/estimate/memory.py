@@ -17,8 +17,10 @@ recompute; the layer being rebuilt in backward is a transient. Checked against p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from types import MappingProxyType
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
@@ -437,6 +439,27 @@ class StageActivations:
     graph_static: float = 0.0  # per micro-batch: CUDA graphs' static input/output buffers (graph_static_bytes)
 
 
+@dataclass(frozen=True)
+class LayerActivations:
+    """What one layer of each block kind keeps for backward per micro-batch: independent of the pipeline split, so
+    the layouts that differ only in PP, VPP or split share it."""
+
+    blocks: Mapping[Block, float]  # bytes each block kind keeps
+    rebuilt: Mapping[Block, float]  # what its selective recomputation rebuilds during its backward (empty: none)
+    kept_per_layer: float  # what full recomputation keeps per layer
+    dispatch: float  # a MoE layer's token dispatcher buffers
+
+
+@lru_cache(maxsize=65536)
+def layer_activations(spec: ModelSpec, s: ActivationShape, constants: EstimatorConstants) -> LayerActivations:
+    kinds_used = spec.block_counts.keys()
+    blocks = {b: block_activation(spec, b, s) for b in kinds_used}
+    plain = replace(s, recompute="none")
+    rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used} if s.modules else {}
+    dispatch = dispatch_buffer_bytes(spec, s, constants) if spec.is_moe else 0.0
+    return LayerActivations(MappingProxyType(blocks), MappingProxyType(rebuilt), layer_input_bytes(spec, s), dispatch)
+
+
 @lru_cache(maxsize=65536)
 def stage_activations(
     spec: ModelSpec,
@@ -446,13 +469,9 @@ def stage_activations(
     split: PipelineSplit,
     constants: EstimatorConstants,
 ) -> tuple[StageActivations, ...]:
-    kinds_used = spec.block_counts.keys()
-    blocks = {b: block_activation(spec, b, s) for b in kinds_used}
-    # What one layer's recomputation rebuilds during its backward (selective recompute modules).
-    plain = replace(s, recompute="none")
-    rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used} if s.modules else {}
-    kept_per_layer = layer_input_bytes(spec, s)
-    dispatch = dispatch_buffer_bytes(spec, s, constants) if spec.is_moe else 0.0
+    per_layer = layer_activations(spec, s, constants)
+    blocks, rebuilt, kept_per_layer, dispatch = (per_layer.blocks, per_layer.rebuilt, per_layer.kept_per_layer,
+                                                 per_layer.dispatch)
     out = []
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split)):
         per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]

@@ -10,6 +10,7 @@ inside one node in Megatron's rank order (tp -> cp -> ep/dp -> pp; expert side e
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
@@ -273,8 +274,13 @@ def _exposed_launches(block: str, gpu_s: float, cuda_graph: str, constants: Esti
     """Seconds per micro-batch the GPU waits for the host to launch one block's kernels: the launch time beyond the
     block's own GPU time. CUDA graphs launch their scopes' kernels as one: local and full-iteration graphs every
     block's, TE graphs the scopes they name."""
+    return max(0.0, _launched_kernels(block, cuda_graph) * constants.kernel_launch_us * 1e-6 - gpu_s)
+
+
+@lru_cache(maxsize=256)
+def _launched_kernels(block: str, cuda_graph: str) -> int:
+    """Launches the host makes for one block per micro-batch: its ungraphed scopes' kernels, one per graph."""
     graphed = graphed_scopes(cuda_graph)
     scopes = [scope for scope, owner in SCOPE_BLOCK.items() if owner == block]
     kernels = sum(KERNELS_PER_SCOPE[scope] for scope in scopes if scope not in graphed)
-    kernels += any(scope in graphed for scope in scopes)  # the graph's own launch
-    return max(0.0, kernels * constants.kernel_launch_us * 1e-6 - gpu_s)
+    return kernels + any(scope in graphed for scope in scopes)  # the graph's own launch

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate import Estimate, estimate
+from sweeper.estimate import Estimate, Estimator, estimate
 from sweeper.estimate.calibration import Calibration
 from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
@@ -43,21 +43,23 @@ class PlanEntry:
         return self.launchable and self.predicted is not None and self.predicted.uncertain
 
     def to_json(self) -> dict[str, Any]:
-        predicted = self.predicted.to_json() if self.predicted else dict(_NO_PREDICTION)
-        return {"layout": self.layout.to_dict(), "valid": self.valid, "reasons": self.reasons, "predicted": predicted}
+        predicted = self.predicted.to_json() if self.predicted else _NO_PREDICTION.copy()
+        return {"layout": self.layout.to_dict(), "valid": not self.reasons, "reasons": self.reasons,
+                "predicted": predicted}
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
-           checker: Checker | None = None) -> PlanEntry:
-    """Rules, then (for valid layouts) the estimator. ``checker``: a space's ``Checker`` (many layouts)."""
+           checker: Checker | None = None, estimator: Estimator | None = None) -> PlanEntry:
+    """Rules, then (for valid layouts) the estimator. ``checker`` and ``estimator``: a space's ``Checker`` and
+    ``Estimator`` (many layouts; the estimator's calibration is then its own, not ``calibration``)."""
     reasons = (checker(layout) if checker is not None
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
     predicted = None
     if not reasons:
-        predicted = estimate(
+        predicted = (estimator(layout) if estimator is not None else estimate(
             cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
             headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run,
-        )
+        ))
     return PlanEntry(layout, reasons, predicted)
 
 
@@ -68,9 +70,11 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[Pla
 
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
-    """``assess`` for many layouts of the space, with one rule checker for all of them."""
+    """``assess`` for many layouts of the space, with one rule checker and one estimator for all of them."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
-    return [assess(cfg, lo, calibration, checker) for lo in layouts]
+    estimator = Estimator(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
+                          headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
+    return [assess(cfg, lo, calibration, checker, estimator) for lo in layouts]
 
 
 def _order(entry: PlanEntry) -> tuple[int, float, float]:

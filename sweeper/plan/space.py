@@ -13,20 +13,33 @@ from typing import Any
 from sweeper.config.schema import SweepConfig
 from sweeper.space.axes import AXIS, SEARCHED
 from sweeper.space.layout import Layout, parse_assignments, resolve_sp
-from sweeper.space.pipeline import with_pipeline_split
+from sweeper.space.pipeline import pipeline_split_fields
 
 
 def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
-    names = [a.name for a in SEARCHED]
-    choices = [cfg.world_sizes if name == "gpus" else cfg.space.values(name) for name in names]
-    seen: dict[Layout, None] = {}
+    # Each axis value goes through the Layout constructor once (checked, canonical spelling); the product's layouts
+    # are then assembled from checked values, which is what keeps ten thousand of them instant.
+    defaults = vars(Layout(world_size=1, gbs=cfg.training.global_batch_size))
+    fields = [a.field for a in SEARCHED]
+    choices = [_checked(a.field, cfg.world_sizes if a.name == "gpus" else cfg.space.values(a.name)) for a in SEARCHED]
+    splits: dict[tuple[int, int], dict[str, Any]] = {}
+    seen: dict[tuple[Any, ...], Layout] = {}
     for values in itertools.product(*choices):
-        axes = dict(zip(names, values, strict=True))
-        world = axes.pop("gpus")
-        sp = resolve_sp(axes.pop("sp"), axes["tp"])
-        layout = Layout(world_size=world, sp=sp, gbs=cfg.training.global_batch_size, **axes)
-        seen.setdefault(with_pipeline_split(layout, cfg.model), None)
-    return list(seen)
+        axes = dict(zip(fields, values, strict=True))
+        axes["sp"] = resolve_sp(axes["sp"], axes["tp"])
+        key = tuple(axes.values())  # the split follows from PP and VPP: equal keys, equal layouts
+        if key in seen:
+            continue
+        pipeline = (axes["pp"], axes["vpp"])
+        if pipeline not in splits:
+            splits[pipeline] = pipeline_split_fields(cfg.model, *pipeline)
+        seen[key] = Layout.from_checked({**defaults, **axes, **splits[pipeline]})
+    return list(seen.values())
+
+
+def _checked(field: str, values: list[Any]) -> list[Any]:
+    """The values of one axis as a Layout holds them; LayoutError as the constructor raises it for a bad one."""
+    return [getattr(Layout(**({"world_size": 1} | {field: value})), field) for value in values]
 
 
 def only_filter(text: str | None) -> dict[str, Any]:

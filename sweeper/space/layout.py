@@ -9,6 +9,7 @@ Megatron-LM command-line flags and to Megatron-Bridge overrides.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from operator import attrgetter
 from typing import Any, Literal
 
 from sweeper.errors import LayoutError
@@ -109,6 +110,15 @@ class Layout:
             raise LayoutError(f"pipeline_layout: must be a Megatron layout string without commas, e.g. "
                               f"'Et|(tt|)*62tL', got {self.pipeline_layout!r}")
 
+    @classmethod
+    def from_checked(cls, fields: dict[str, Any]) -> Layout:
+        """The Layout of every field's value, each one already checked and canonical (a value that went through the
+        constructor once): ``enumerate_layouts`` checks each axis value once, not once per layout of the product.
+        ``fields`` becomes the layout's own and must not be used afterwards."""
+        layout = object.__new__(cls)
+        layout.__dict__.update(fields)
+        return layout
+
     @property
     def split(self) -> PipelineSplit:
         """How the decoder layers are split over pipeline ranks (``sweeper.space.pipeline`` places them)."""
@@ -182,13 +192,11 @@ class Layout:
     # -- serialisation -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The contract's JSON layout object (plus the fields it needs to be rebuilt)."""
-        out: dict[str, Any] = {key: getattr(self, key) for key in CONTRACT_KEYS}
-        out.update(
-            gpus=self.world_size,
-            distributed_optimizer=self.distributed_optimizer,
-            first_stage_layers=self.first_stage_layers,
-            last_stage_layers=self.last_stage_layers,
-        )
+        out: dict[str, Any] = dict(zip(CONTRACT_KEYS, _contract_values(self)))
+        out["gpus"] = self.world_size
+        out["distributed_optimizer"] = self.distributed_optimizer
+        out["first_stage_layers"] = self.first_stage_layers
+        out["last_stage_layers"] = self.last_stage_layers
         if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
             out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
                        pipeline_layout=self.pipeline_layout)
@@ -198,13 +206,7 @@ class Layout:
     def _knobs(self) -> dict[str, Any]:
         """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
         a layout that sets none reads and writes exactly as before the knobs existed)."""
-        out: dict[str, Any] = {}
-        for name in KNOBS:
-            axis = AXIS[name]
-            value = axis.value(self)
-            if value != _KNOB_DEFAULTS[name]:
-                out[name] = value
-        return out
+        return {name: value for name, value in zip(KNOBS, _knob_values(self)) if value != _KNOB_DEFAULTS[name]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
@@ -404,6 +406,9 @@ _BRIDGE_PRECISION: dict[str, str] = {
 # The issue-18 knobs (axis keys, Layout fields) and the value each takes when it is not set (the field's default).
 KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers", "fsdp")
 _KNOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Layout) if f.name in KNOBS}
+# Read with one call each: plan serialises every layout of a space.
+_knob_values = attrgetter(*(AXIS[name].field for name in KNOBS))
+_contract_values = attrgetter(*CONTRACT_KEYS)
 
 _PARSED = {a.name: a for a in PARSED}
 

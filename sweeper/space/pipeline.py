@@ -19,6 +19,7 @@ import re
 from collections import Counter
 from dataclasses import replace
 from functools import lru_cache
+from typing import Any
 
 from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.layout import Layout, PipelineSplit
@@ -216,12 +217,20 @@ def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
     """The layout with Megatron's pipeline split filled in when the layers do not divide by PP x VPP and the layout
     names no split itself: the uneven first/last stage sizes (27 layers on PP2: 14/13), else the embedding and the
     loss accounted as layers (126 layers on PP8 x VPP8)."""
-    if layout.pp == 1 or not layout.split.even or model.num_layers % layout.pp == 0:
+    if layout.pp == 1 or not layout.split.even:
         return layout
-    split = uneven_split(model.num_layers, layout.pp, layout.vpp)
+    fields = pipeline_split_fields(model, layout.pp, layout.vpp)
+    return replace(layout, **fields) if fields else layout
+
+
+def pipeline_split_fields(model: ModelSpec, pp: int, vpp: int) -> dict[str, Any]:
+    """The Layout fields ``with_pipeline_split`` sets for ``model`` on PP x VPP (empty: the even split)."""
+    if pp == 1 or model.num_layers % pp == 0:
+        return {}
+    split = uneven_split(model.num_layers, pp, vpp)
     if split is not None:
-        return replace(layout, first_stage_layers=split[0], last_stage_layers=split[1])
-    accounted = None if model.is_hybrid else accounted_split(model.num_layers, layout.pp, layout.vpp)
+        return {"first_stage_layers": split[0], "last_stage_layers": split[1]}
+    accounted = None if model.is_hybrid else accounted_split(model.num_layers, pp, vpp)
     if accounted is not None:
-        return replace(layout, account_for_embedding=accounted[0], account_for_loss=accounted[1])
-    return layout
+        return {"account_for_embedding": accounted[0], "account_for_loss": accounted[1]}
+    return {}

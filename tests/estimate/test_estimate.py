@@ -781,3 +781,19 @@ def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_p
     update = calibrator.add(lo, TrialResult(status="passed", memory_kind="host",
                                             metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.3)))
     assert calibrator.current.moe_hot_rank_factor == 1.7 and not update.changed
+
+
+def test_estimator_of_a_space_equals_estimate_layout_by_layout() -> None:
+    # The Estimator keeps stage parameters, state and activations per value of the axes they depend on; layouts
+    # sharing them must still get exactly what a lone estimate() gives (same floats, not merely close). Imported
+    # here: this file also runs as a script (the Megatron probe), where `sweeper` may be another checkout's.
+    from sweeper.estimate import Estimator
+
+    model, cluster = preset("nemotron-3-nano-30b-a3b"), ClusterConfig(nodes=2, gpus_per_node=8, gpu_memory_gib=96)
+    calibration = Calibration(activation_factor=1.1, overhead_gib=0.5, state_factor=0.9, step_time_factor=1.2)
+    layouts = [Layout(world_size=w, tp=tp, pp=pp, ep=ep, mbs=mbs, recompute=rc, sp=tp > 1)
+               for w in (8, 16) for tp in (1, 2) for pp in (1, 2) for ep in (1, 8) for mbs in (1, 2)
+               for rc in ("none", "full")]
+    estimator = Estimator(model, cluster, 4096, calibration=calibration)
+    for lo in (lo for lo in layouts if lo.dp and lo.edp):  # sizes that divide
+        assert estimator(lo) == estimate(model, lo, cluster, 4096, calibration=calibration)

@@ -370,6 +370,17 @@ def test_enumerate_fills_uneven_split() -> None:
     assert splits == {1: (None, None), 2: (14, 13), 4: (7, 6)}
 
 
+def test_enumerate_builds_the_layouts_the_constructor_builds() -> None:
+    # enumerate_layouts checks each axis value once and assembles the product's layouts from checked values.
+    cfg = _cfg(tp=[1, 2], pp=[1, 2], recompute=["selective:core_attn", "full"], cuda_graph=["te:moe_router+attn"],
+               sp=["auto", True])
+    layouts = enumerate_layouts(cfg)
+    rebuilt = [Layout(**vars(lo)) for lo in layouts]
+    assert rebuilt == layouts and [repr(lo) for lo in rebuilt] == [repr(lo) for lo in layouts]
+    assert {lo.recompute for lo in layouts} == {"selective", "full"}
+    assert {lo.cuda_graph for lo in layouts} == {"te:attn+moe_router"}
+
+
 def test_only_filter() -> None:
     only = only_filter("tp=2,sp=auto")
     assert matches(Layout(world_size=8, tp=2, sp=True), only)
