@@ -7,7 +7,8 @@ Landscape, one of:
                     is told infeasible, and the target is the best layout's median less max(3%, the measured noise).
   SPACE             STAND-IN: the estimator's predicted tokens/s plays the measured throughput of every layout.
 As in a sweep, the study proposes only launchable layouts, each at most once, and TPE starts from the estimator's
-two fastest predicted layouts (the sweep's prior, search.loop.PRIOR_PROPOSALS). Strategies, each sweeper's
+two fastest predicted layouts on GPUs (the sweep's prior, search.loop.PRIOR_PROPOSALS; a sweep on a simulated
+cluster, as the measured landscape was, opens without it). Strategies, each sweeper's
 LayoutStudy:
   tpe     - multivariate TPE with constraints and constant liar (define-by-run over the axes); a draw that is not
             a remaining launchable layout is declined (told to Optuna, not launched) and the nearest one proposed
@@ -42,7 +43,7 @@ from sweeper.config.load import load_config  # noqa: E402
 from sweeper.config.schema import SweepConfig  # noqa: E402
 from sweeper.plan.assess import assess  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
-from sweeper.search.loop import PRIOR_PROPOSALS  # noqa: E402
+from sweeper.search.loop import prior_proposals  # noqa: E402
 from sweeper.search.study import LayoutStudy  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
@@ -52,6 +53,7 @@ class Landscape:
     samples: dict[Layout, list[float]]  # per launchable layout: its measured tokens/s (empty: it failed)
     kind: str
     noise: float = 0.0  # median coefficient of variation over repeats (measured landscapes)
+    simulated: bool = False  # measured on a simulated cluster's CPU ranks, as scripts/measure_landscape.py does
 
     def value(self, layout: Layout) -> float:
         values = self.samples[layout]
@@ -80,14 +82,14 @@ def measured_landscape(table: dict) -> Landscape:
     spreads = [statistics.pstdev(v) / statistics.mean(v) for v in samples.values() if len(v) > 1]
     repeats = max(len(e["trials"]) for e in table["layouts"].values())
     return Landscape(samples, f"measured on {machine['cores']} x {machine['cpu']}, {table['measured_at']}, up to "
-                     f"{repeats} repeats", statistics.median(spreads) if spreads else 0.0)
+                     f"{repeats} repeats", statistics.median(spreads) if spreads else 0.0, simulated=True)
 
 
 def prior(cfg: SweepConfig, land: Landscape) -> list[Layout]:
-    """The estimator's fastest predicted layouts, which a TPE sweep proposes first."""
+    """The estimator's fastest predicted layouts, which a TPE sweep proposes first (none on a simulated cluster)."""
     predicted = {lo: assess(cfg, lo).predicted for lo in land.samples}
     ranked = sorted(land.samples, key=lambda lo: -((predicted[lo].tokens_per_s or 0.0) if predicted[lo] else 0.0))
-    return ranked[:PRIOR_PROPOSALS]
+    return ranked[:prior_proposals(land.simulated)]
 
 
 @dataclass
