@@ -1,14 +1,16 @@
 """Megatron-FSDP trials on the CPU backend: real megatron-core ranks on gloo (tests/backends/megatron_ranks.py).
 
-One FP32 reference on a single rank; then the same DP2 layout with Megatron's DDP (distributed optimizer) and with
-Megatron-FSDP, each through the whole smoke run: the equivalence gate (the reference loaded into the bare chunks
+One FP32 reference on a single rank; then the same layout (DP2; TP2xDP2) with Megatron's DDP (distributed
+optimizer) and with Megatron-FSDP, each through the whole smoke run: the equivalence gate (the reference loaded into the bare chunks
 before Megatron-FSDP wraps them), 3 training steps with a checkpoint saved and reloaded after every step (FSDP:
 Megatron-LM's fsdp_dtensor way, DCP of the distributed parameters; every shard poisoned, reloaded, compared
-bitwise), the replica check. Megatron-FSDP's losses are bit-identical to DDP's in these cases (measured): the
+bitwise), the replica check (with TP: the gathered weights TP does not shard, compared across the TP group).
+Megatron-FSDP's losses are bit-identical to DDP's in these cases (measured): the
 reduce-scatter and the distributed optimizer do the same arithmetic. Only the gradient norm is summed in another
 order; with clipping active (norm ~6 > clip 1.0) that moves a weight by an ulp now and then, so longer FP32 runs
-drift by an ulp of the loss (measured: optim_grads at step 3, optim_grads_params at step 5; BF16 bitwise for 6
-steps, every strategy). Unit tests pin what the CPU backend refuses.
+drift by an ulp of the loss (measured: DP2 optim_grads at step 3, optim_grads_params at step 5, TP2xDP2 optim at
+step 3; BF16 bitwise for 6 steps on DP2 and 3 on TP2xDP2, every strategy). Unit tests pin what the CPU backend
+refuses.
 """
 
 from __future__ import annotations
@@ -58,21 +60,23 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize(("strategy", "precision"), [("optim_grads_params", "fp32"), ("optim_grads", "bf16")])
-def test_fsdp_trial_passes_and_matches_ddp(tmp_path: Path, reference: Path, strategy: str, precision: str) -> None:
+@pytest.mark.parametrize(("strategy", "tp", "precision"), [("optim_grads_params", 1, "fp32"), ("optim", 2, "bf16")])
+def test_fsdp_trial_passes_and_matches_ddp(tmp_path: Path, reference: Path, strategy: str, tp: int,
+                                           precision: str) -> None:
     runs = {}
     for fsdp in (None, strategy):
-        layout = Layout(world_size=2, gbs=4, precision=precision, distributed_optimizer=True, fsdp=fsdp)
-        runs[fsdp] = _run(_request(tmp_path / str(fsdp), layout, reference_checkpoint=str(reference)), 2)
+        layout = Layout(world_size=2 * tp, tp=tp, gbs=4, precision=precision, distributed_optimizer=True, fsdp=fsdp)
+        runs[fsdp] = _run(_request(tmp_path / str(fsdp), layout, reference_checkpoint=str(reference)),
+                          layout.world_size)
     ddp, fsdp_reports = runs[None], runs[strategy]
     for r in fsdp_reports:
         assert r.checks.equivalence_rel_err is not None
         assert r.checks.equivalence_rel_err <= TOLERANCE[precision]
         assert r.reference_load and r.reference_load["tensors"], "the reference was loaded (before wrapping)"
         assert r.checks.finite and r.checks.checkpoint_saved and r.checks.checkpoint_reloaded
-        # Data parallelism only: the gathered full weights are one tensor on every rank by construction, so the
-        # replica check has no other copies to compare (replicas.py); it ran and found nothing to compare.
-        assert r.checks.replicas_consistent is None
+        # Across DP the gathered full weights are one tensor on every rank by construction (replicas.py): with DP
+        # alone the check has nothing to compare; with TP it compares the weights TP does not shard.
+        assert r.checks.replicas_consistent is (True if tp > 1 else None)
         assert (Path(r.checkpoint_dir or "") / ".metadata").is_file(), "a DCP (fsdp_dtensor) checkpoint"
     # Bit-identical losses after every step, through two mid-run save/poison/reload cycles.
     assert [x.hex() for x in fsdp_reports[0].losses] == [x.hex() for x in ddp[0].losses]
@@ -81,16 +85,16 @@ def test_fsdp_trial_passes_and_matches_ddp(tmp_path: Path, reference: Path, stra
     assert fsdp_reports[0].equivalence == pytest.approx(ddp[0].equivalence, rel=1e-6)
 
 
-def test_cpu_backend_runs_fsdp_with_data_parallelism_alone() -> None:
-    gpt = preset("tiny-gpt")
+def test_cpu_backend_runs_fsdp_with_data_and_tensor_parallelism() -> None:
     for strategy in ("optim", "optim_grads", "optim_grads_params"):
         for precision in ("fp32", "bf16"):
-            layout = Layout(world_size=2, gbs=4, precision=precision, fsdp=strategy)
-            assert unsupported_reason(gpt, layout, cuda=False, te=False) is None
+            for model, tp in (("tiny-gpt", 1), ("tiny-gpt", 2), ("tiny-moe", 1)):
+                layout = Layout(world_size=2 * tp, tp=tp, gbs=4, precision=precision, fsdp=strategy)
+                assert unsupported_reason(preset(model), layout, cuda=False, te=False) is None
 
 
 @pytest.mark.parametrize(("kw", "why"), [
-    (dict(world_size=4, tp=2), "tp=2"),
+    (dict(world_size=4, tp=2, sp=True), "with sp"),
     (dict(world_size=4, pp=2), "pp=2"),
     (dict(world_size=4, cp=2), "cp=2"),
     (dict(world_size=4, pp=2, vpp=2), "pp=2, vpp=2"),
@@ -107,7 +111,7 @@ def test_cpu_backend_refuses_unverified_fsdp_combinations(kw: dict, why: str) ->
 def test_cpu_backend_refuses_fsdp_with_expert_parallelism() -> None:
     layout = Layout(world_size=4, ep=2, gbs=4, precision="fp32", fsdp="optim")
     reason = unsupported_reason(preset("tiny-moe"), layout, cuda=False, te=False)
-    assert reason is not None and "ep=2" in reason
+    assert reason is not None and "ep=2" in reason and "local_experts" in reason
 
 
 def test_gpu_backend_refuses_fsdp_until_it_has_run_there() -> None:

@@ -134,6 +134,10 @@ def _patch_torch_cuda() -> None:
     torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None
+    # The "CUDA" generator of a CPU build is the CPU one (as the RNG tracker below): Megatron-FSDP's adapter
+    # copies TP rank 0's RNG states, this one included, to the other TP ranks.
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
 def _patch_megatron() -> None:
@@ -169,8 +173,13 @@ def _patch_megatron_fsdp() -> None:
     buffers are allocated on the device passed in, and a stray int device still goes through the device mode.
     Measured on gloo: Megatron-FSDP's losses bit-identical to DDP with the distributed optimizer (DP2, all three
     sharding strategies, FP32 and BF16). It logs a harmless "using device cpu instead of cuda:0" warning."""
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 
+    if not isinstance(adapter.TELinear, type):
+        # Without Transformer Engine its TELinear is a MagicMock, and the adapter's isinstance(module, (TELinear,))
+        # raises (TypeError) at TP > 1. No module of a model built without TE is a TELinear.
+        adapter.TELinear = type("NoTELinear", (), {})
     init = megatron_fsdp.MegatronFSDP.__init__
     if getattr(init, "sweeper_cpu", False):
         return
