@@ -97,8 +97,12 @@ def _fsdp_state_dict(built: Built) -> dict[str, Any]:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
         preprocess_state_dict_for_uneven_dtensor,
     )
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
 
-    chunks = [chunk.module.state_dict() for chunk in built.model]
+    # Experts by their global index (Megatron-LM does the same): local_experts.<i> names another expert on each
+    # expert-parallel rank, and the ranks' keys would collide. Renamed keys keep their tensors (loads in place).
+    chunks = [handle_experts_in_state_dict(chunk.module.state_dict(), built.config.num_moe_experts)
+              for chunk in built.model]
     state = {"model": chunks[0]} if len(chunks) == 1 else {f"model{i}": sd for i, sd in enumerate(chunks)}
     return preprocess_state_dict_for_uneven_dtensor(state)
 
@@ -140,7 +144,7 @@ def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Ten
     with torch.no_grad():
         for param in built.named_parameters().values():
             _local(param).fill_(float("nan"))
-        if built.fsdp:  # the model weights too (FP32: the same buffer; mixed precision: the BF16 copies)
+        if built.fsdp:  # the model weights too: install copies the poisoned shards into them
             for chunk in built.model:
                 chunk.module.install_optimized_model_weights()
     load(built, directory)

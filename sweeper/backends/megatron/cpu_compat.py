@@ -171,8 +171,9 @@ def _patch_megatron_fsdp() -> None:
     patched ``current_device`` (the CPU device, not an index) that is ``torch.device("cuda:cpu")``: RuntimeError.
     While that constructor runs, ``current_device`` returns index 0 (what a CUDA build returns on one device); its
     buffers are allocated on the device passed in, and a stray int device still goes through the device mode.
-    Measured on gloo: Megatron-FSDP's losses bit-identical to DDP with the distributed optimizer (DP2, all three
-    sharding strategies, FP32 and BF16). It logs a harmless "using device cpu instead of cuda:0" warning."""
+    Measured on gloo: Megatron-FSDP's losses equal DDP's with the distributed optimizer, bitwise or within an ulp
+    (DP2 and TP2xDP2, all three sharding strategies, FP32 and BF16; docs/MEGATRON_ON_CPU.md). It logs a harmless
+    "using device cpu instead of cuda:0" warning."""
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 

@@ -89,26 +89,21 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
 
 
 def _fsdp_unsupported(layout: Layout, cuda: bool) -> str | None:
-    """Why this backend does not run the layout's Megatron-FSDP, or None. Runs: the CPU backend (gloo) with data
-    and tensor parallelism, every strategy, FP32 and BF16 (docs/MEGATRON_ON_CPU.md "Megatron-FSDP"); what has
-    not been run, or fails, is refused rather than passed unproven."""
+    """Why this backend does not run the layout's Megatron-FSDP, or None. Runs: the CPU backend (gloo) with data,
+    tensor and expert parallelism (TP2xDP2, EP2xDP4), every strategy, FP32 and BF16 (docs/MEGATRON_ON_CPU.md
+    "Megatron-FSDP"); what has not been run is refused rather than passed unproven."""
     if cuda:
         return ("sweeper's Megatron-FSDP trials have run on the CPU backend only (gloo); the GPU path (device "
                 "buffers, the fused PREMUL_SUM gradient reduce, Transformer Engine modules) has not run them")
-    if layout.ep > 1 or layout.etp > 1:
-        # Megatron-LM renames experts to global indices for fsdp_dtensor (handle_experts_in_state_dict); sweeper
-        # does not (yet), so the EP ranks' local_experts.<i> collide in the DCP checkpoint.
-        return (f"with ep={layout.ep}, etp={layout.etp} its fsdp_dtensor checkpoint keys experts by their local index "
-                "(local_experts.<i>), which collide across the expert-parallel ranks: the reload check failed "
-                "(8 of 39 tensors differ, tiny-moe EP2xDP2); Megatron-LM's renaming to global expert indices is not "
-                "implemented here")
     untested = [f"{axis}={size}" for axis, size in
-                (("pp", layout.pp), ("vpp", layout.vpp), ("cp", layout.cp)) if size > 1]
+                (("pp", layout.pp), ("vpp", layout.vpp), ("cp", layout.cp), ("etp", layout.etp)) if size > 1]
+    if layout.tp > 1 and layout.ep > 1:  # each ran, not the two together
+        untested.append(f"tp={layout.tp} together with ep={layout.ep}")
     if layout.sp:
         untested.append("sp")
     if untested:
-        return (f"Megatron-FSDP has run here with data and tensor parallelism; with {', '.join(untested)} it has not "
-                "been verified against DDP (equivalence, replicas, fsdp_dtensor checkpoint)")
+        return (f"Megatron-FSDP has run here with data, tensor and expert parallelism; with {', '.join(untested)} it "
+                "has not been verified against DDP (equivalence, replicas, fsdp_dtensor checkpoint)")
     if layout.precision not in ("fp32", "bf16"):
         return (f"Megatron-FSDP has run here in fp32 and bf16; {layout.precision} (loss scaling, its optimizer "
                 "wrapper) has not")
