@@ -123,7 +123,8 @@ def test_cpu_backend_refuses_unverified_fsdp_combinations(kw: dict, why: str) ->
 
 @pytest.mark.parametrize(("kw", "why"), [
     (dict(world_size=4, ep=2, etp=2), "etp=2"),
-    (dict(world_size=8, tp=2, ep=2), "tp=2 together with ep=2"),
+    (dict(world_size=8, tp=2, ep=2), "tp=2 on an MoE model"),
+    (dict(world_size=4, tp=2), "tp=2 on an MoE model"),
 ])
 def test_cpu_backend_refuses_unverified_fsdp_expert_combinations(kw: dict, why: str) -> None:
     layout = Layout(gbs=4, precision="fp32", fsdp="optim", **kw)

@@ -48,7 +48,7 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         return no(f"a {params / 1e9:.1f}B-parameter model", f"CPU trials are for models up to "
                   f"{CPU_MAX_PARAMS / 1e9:.0f}B parameters; --proxy runs the same layer structure at CPU size")
     if layout.fsdp:
-        why = _fsdp_unsupported(layout, cuda)
+        why = _fsdp_unsupported(spec, layout, cuda)
         if why:
             return no(f"fsdp {layout.fsdp} (Megatron-FSDP)", why)
     if cuda and te:  # the GPU path (gpu.py) builds MLA and MambaModel; it refuses only what TE/kernels lack
@@ -88,17 +88,17 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     return None
 
 
-def _fsdp_unsupported(layout: Layout, cuda: bool) -> str | None:
+def _fsdp_unsupported(spec: ModelSpec, layout: Layout, cuda: bool) -> str | None:
     """Why this backend does not run the layout's Megatron-FSDP, or None. Runs: the CPU backend (gloo) with data,
-    tensor and expert parallelism (TP2xDP2, EP2xDP4), every strategy, FP32 and BF16 (docs/MEGATRON_ON_CPU.md
+    tensor (dense) and expert parallelism (TP2xDP2, EP2xDP4), every strategy, FP32 and BF16 (docs/MEGATRON_ON_CPU.md
     "Megatron-FSDP"); what has not been run is refused rather than passed unproven."""
     if cuda:
         return ("sweeper's Megatron-FSDP trials have run on the CPU backend only (gloo); the GPU path (device "
                 "buffers, the fused PREMUL_SUM gradient reduce, Transformer Engine modules) has not run them")
     untested = [f"{axis}={size}" for axis, size in
                 (("pp", layout.pp), ("vpp", layout.vpp), ("cp", layout.cp), ("etp", layout.etp)) if size > 1]
-    if layout.tp > 1 and layout.ep > 1:  # each ran, not the two together
-        untested.append(f"tp={layout.tp} together with ep={layout.ep}")
+    if layout.tp > 1 and spec.is_moe:  # TP ran on a dense model, EP on an MoE one, not TP with experts
+        untested.append(f"tp={layout.tp} on an MoE model")
     if layout.sp:
         untested.append("sp")
     if untested:
