@@ -42,7 +42,9 @@ def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
     precision = "fp32" if host.simulated else cfg.space.values("precision")[0]
     single = Layout(world_size=1, gbs=sequences, precision=precision)
     candidates = [single] + sorted(
-        (replace(lo, gbs=sequences, precision=precision, mbs=1, recompute="none") for lo in enumerate_layouts(cfg)),
+        # The reference is made with Megatron's DDP (equivalence.plan refuses Megatron-FSDP for it).
+        (replace(lo, gbs=sequences, precision=precision, mbs=1, recompute="none", fsdp=None)
+         for lo in enumerate_layouts(cfg)),
         key=lambda lo: (lo.world_size, lo.tp * lo.pp * lo.cp * lo.ep * lo.etp * lo.vpp),
     )
     for layout in candidates:

@@ -5,10 +5,13 @@ parallel sizes, precision, recompute and the uneven pipeline split. On the CPU b
 local (pure torch) layer spec (for hybrid Mamba models a local stack spec with torch Mamba2 kernels, cpu_mamba.py),
 CPU initialisation and the layout's MoE token dispatcher (alltoall unless it says otherwise); on a GPU with
 Transformer Engine it uses the TE layer spec. With virtual pipeline stages one model chunk is built per stage.
+Each chunk is wrapped in Megatron's DDP, or with ``Layout.fsdp`` in Megatron-FSDP (FullyShardedDataParallel with
+the layout's sharding strategy), under Megatron's (distributed) Adam optimizer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +28,14 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
+from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
+# Megatron-FSDP's bucket (elements), as measured on gloo (docs/MEGATRON_ON_CPU.md).
+_FSDP_BUCKET_ELEMENTS = 10**7
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -134,27 +140,47 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
 @dataclass
 class Built:
     config: TransformerConfig
-    model: list[DistributedDataParallel]  # one chunk per virtual pipeline stage (one without VPP)
+    # One chunk per virtual pipeline stage (one without VPP): DistributedDataParallel, or FullyShardedDataParallel
+    # when ``fsdp`` is set.
+    model: list[Any]
     optimizer: MegatronOptimizer
     vocab_size: int  # padded
+    fsdp: str | None = None  # Layout.fsdp: the chunks are Megatron-FSDP's
 
     def named_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of this rank's chunks, named ``chunk<i>.<name inside the chunk>``."""
+        """Every parameter of this rank's chunks, named ``chunk<i>.<name inside the chunk>``.
+
+        With Megatron-FSDP these are this rank's shards of the distributed (optimizer) parameters, DTensors over
+        the data-parallel ranks (fsdp_parameters); the module's own parameters may be views into a released
+        all-gather buffer (optim_grads_params) and are never read directly."""
+        if self.fsdp:
+            return {f"chunk{i}.{name}": param for i, name, param in self.fsdp_parameters()}
         return {
             f"chunk{i}.{name}": param
             for i, ddp in enumerate(self.model)
             for name, param in ddp.module.named_parameters()
         }
 
+    def fsdp_parameters(self) -> list[tuple[int, str, torch.Tensor]]:
+        """Megatron-FSDP: (chunk index, name, distributed parameter) in the same order on every rank."""
+        return [(i, name, param) for i, chunk in enumerate(self.model)
+                for name, param in chunk.param_and_grad_buffer.optimizer_named_parameters]
+
+    def bare_chunks(self) -> list[torch.nn.Module]:
+        """The model chunks inside the data-parallel wrappers (GPTModel, Float16Module or MambaModel)."""
+        return [chunk.module.module if self.fsdp else chunk.module for chunk in self.model]
+
 
 def build(
     spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool, seed: int, vocab_size: int | None = None,
-    run: RunSettings = RunSettings(),
+    run: RunSettings = RunSettings(), before_wrap: Callable[[list[torch.nn.Module]], None] | None = None,
 ) -> Built:
-    """Config, model chunks wrapped in Megatron DDP, and Megatron's (distributed) Adam optimizer.
+    """Config, model chunks wrapped in Megatron DDP (or Megatron-FSDP), and Megatron's (distributed) Adam optimizer.
 
     ``vocab_size``: the padded vocabulary to build with instead of Megatron's default (a multiple of 128 x TP);
-    the equivalence gate passes the reference's, which must match the checkpoint's shapes."""
+    the equivalence gate passes the reference's, which must match the checkpoint's shapes. ``before_wrap`` is
+    called with the bare chunks before they are wrapped: the gate loads the reference into them there for
+    Megatron-FSDP, whose wrapped model does not load a torch_dist checkpoint."""
     from megatron.core import tensor_parallel
 
     config = transformer_config(spec, layout, cuda=cuda, te=te, run=run)
@@ -198,22 +224,10 @@ def build(
             # As Megatron-LM does: the whole chunk (norms included) in half precision, fp32 loss on the last stage.
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
+    if before_wrap is not None:
+        before_wrap(chunks)
 
-    # The run settings' grad dtype, as the estimator counts it (run_settings.RunSettings.grad_buffer_fp32). The
-    # overlap flags only hide communication; gloo's CPU path reduces synchronously.
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
-        overlap_grad_reduce=cuda and run.overlaps_grad_reduce,
-        overlap_param_gather=cuda and run.overlaps_param_gather and layout.distributed_optimizer,
-        use_distributed_optimizer=layout.distributed_optimizer,
-    )
-    model = [
-        # Megatron-LM buckets only the first chunk's gradients; later chunks reduce as one bucket each.
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
-    for chunk in model:
-        chunk.broadcast_params()  # identical replicas across data-parallel ranks, whatever the initialisation
+    model = (_fsdp_chunks if layout.fsdp else _ddp_chunks)(config, layout, chunks, cuda=cuda, run=run)
     config.finalize_model_grads_func = finalize_model_grads
 
     dtype = params_dtype(layout)
@@ -236,4 +250,55 @@ def build(
     )
     if dtype is torch.float16:
         config.grad_scale_func = optimizer.scale_loss
-    return Built(config=config, model=model, optimizer=optimizer, vocab_size=vocab)
+    return Built(config=config, model=model, optimizer=optimizer, vocab_size=vocab, fsdp=layout.fsdp)
+
+
+def _ddp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool,
+                run: RunSettings) -> list[Any]:
+    # The run settings' grad dtype, as the estimator counts it (run_settings.RunSettings.grad_buffer_fp32). The
+    # overlap flags only hide communication; gloo's CPU path reduces synchronously.
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
+        overlap_grad_reduce=cuda and run.overlaps_grad_reduce,
+        overlap_param_gather=cuda and run.overlaps_param_gather and layout.distributed_optimizer,
+        use_distributed_optimizer=layout.distributed_optimizer,
+    )
+    model = [
+        # Megatron-LM buckets only the first chunk's gradients; later chunks reduce as one bucket each.
+        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
+    for chunk in model:
+        chunk.broadcast_params()  # identical replicas across data-parallel ranks, whatever the initialisation
+    return model
+
+
+def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool,
+                 run: RunSettings) -> list[Any]:
+    """Megatron-FSDP with the layout's sharding strategy (optim | optim_grads | optim_grads_params) and the
+    distributed optimizer (the megatron_fsdp rule requires it), on the device this rank runs on."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    if not layout.distributed_optimizer:  # the megatron_fsdp rule refuses it before launch; a direct request too
+        raise InvalidLayoutError("Megatron-FSDP v1 is only compatible with --use-distributed-optimizer")
+    ddp_config = DistributedDataParallelConfig(
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=layout.fsdp,
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
+        overlap_grad_reduce=cuda and run.overlaps_grad_reduce,
+        overlap_param_gather=cuda and run.overlaps_param_gather,
+        # Megatron's default fuses the 1/DP averaging into the reduce-scatter as a PREMUL_SUM, which gloo lacks;
+        # unfused it pre-multiplies and SUMs (the same result, measured bit-identical to DDP on gloo).
+        gradient_reduce_div_fusion=cuda,
+        bucket_size=_FSDP_BUCKET_ELEMENTS,
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    # No broadcast_params: it broadcasts the module's parameters, which under optim_grads_params are views into a
+    # released all-gather buffer. Every rank initialised the same weights from the same seed (or loaded the same
+    # reference before wrapping), and each rank's shard is cut from them.
+    return [
+        FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, device=device,
+                                 disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]

@@ -5,6 +5,14 @@ layout: ``model`` or ``model0``, ``model1``... with virtual stages), so the chec
 The reload test poisons every parameter with NaN, loads the checkpoint into the same model and requires each
 parameter to be bit-identical with what was saved: a checkpoint that silently misses a tensor fails.
 Only model weights are saved (no optimizer state): the smoke run proves the sharded write/read path.
+
+Megatron-FSDP layouts save the way Megatron-LM's ``--ckpt-format fsdp_dtensor`` does: torch.distributed.checkpoint
+(DCP) of the wrapped model's state dict, whose parameters are DTensors sharded (unevenly) over the data-parallel
+ranks, after Megatron's ``preprocess_state_dict_for_uneven_dtensor``. torch_dist cannot save them (the bare chunks'
+sharded_state_dict gives wrong global shapes for the FSDP-sharded parameters, measured). Their reload check poisons
+every rank's shard of every distributed parameter, loads with DCP into those shards, installs them into the model
+weights and compares the shards bitwise. The torch_dist loader here (``load_chunks``) still serves the equivalence
+gate: it loads the reference into the bare chunks before build wraps them.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import os
 import queue
 from pathlib import Path
+from typing import Any
 
 import torch
 from megatron.core import dist_checkpointing
@@ -24,8 +33,7 @@ def checkpoint_path(trial_dir: str, step: int) -> Path:
     return Path(trial_dir) / "checkpoint" / f"iter_{step:07d}"
 
 
-def _sharded_state_dict(built: Built) -> dict:
-    chunks = [ddp.module for ddp in built.model]
+def _sharded_state_dict(chunks: list[Any]) -> dict:  # MegatronModule chunks
     if len(chunks) == 1:
         return {"model": chunks[0].sharded_state_dict()}
     return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
@@ -43,25 +51,63 @@ def _use_in_process_results_queue() -> None:
 
 
 def save(built: Built, directory: Path) -> None:
-    _use_in_process_results_queue()
     if torch.distributed.get_rank() == 0:
         directory.mkdir(parents=True, exist_ok=True)
     # Every rank writes its shards into the directory rank 0 created.
     torch.distributed.barrier()
     os.makedirs(directory, exist_ok=True)
-    dist_checkpointing.save(_sharded_state_dict(built), str(directory), sharded_strategy=("torch_dist", 1))
+    if built.fsdp:
+        from torch.distributed import checkpoint as dcp
+
+        dcp.save(_fsdp_state_dict(built), checkpoint_id=str(directory))
+        return
+    _use_in_process_results_queue()
+    dist_checkpointing.save(_sharded_state_dict(built.bare_chunks()), str(directory),
+                            sharded_strategy=("torch_dist", 1))
 
 
 def load(built: Built, directory: Path) -> None:
-    """Load the checkpoint's weights into the model chunks. The checkpoint may come from another layout: each rank
-    asks for its shards of the global tensors (Megatron's resharding across TP/PP/VPP/EP/ETP)."""
-    loaded = dist_checkpointing.load(_sharded_state_dict(built), str(directory), sharded_strategy=("torch_dist", 1))
-    for i, ddp in enumerate(built.model):
-        key = "model" if len(built.model) == 1 else f"model{i}"
-        ddp.module.load_state_dict(loaded[key], strict=True)
+    """Load the checkpoint's weights into the model chunks (as saved by ``save``)."""
+    if built.fsdp:
+        from torch.distributed import checkpoint as dcp
+
+        # In place: the state dict's DTensors are this rank's shards of the distributed parameters.
+        dcp.load(_fsdp_state_dict(built), checkpoint_id=str(directory))
+        for chunk in built.model:
+            # As after an optimizer step: the shards (FP32 main weights in mixed precision) into the model
+            # weights, then the all-gather that makes the full weights the next forward uses.
+            chunk.module.install_optimized_model_weights()
+            chunk.start_param_sync(force_sync=True)
+        return
+    load_chunks(built.bare_chunks(), directory)
 
 
-def resharding(built: Built, directory: Path) -> tuple[list[str], list[str]]:
+def load_chunks(chunks: list[torch.nn.Module], directory: Path) -> None:
+    """Load a torch_dist checkpoint's weights into bare model chunks. The checkpoint may come from another layout:
+    each rank asks for its shards of the global tensors (Megatron's resharding across TP/PP/VPP/EP/ETP)."""
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(directory), sharded_strategy=("torch_dist", 1))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+
+
+def _fsdp_state_dict(built: Built) -> dict[str, Any]:
+    """Megatron-LM's fsdp_dtensor model state: each chunk's Megatron-FSDP state dict (its pre-hook swaps the
+    distributed parameters in), keyed like the torch_dist one, with the uneven shards' chunk metadata that DCP's
+    planner needs."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import (
+        preprocess_state_dict_for_uneven_dtensor,
+    )
+    from megatron.core.transformer.fsdp_dtensor_checkpoint import handle_experts_in_state_dict
+
+    # Experts by their global index (Megatron-LM does the same): local_experts.<i> names another expert on each
+    # expert-parallel rank, and the ranks' keys would collide. Renamed keys keep their tensors (loads in place).
+    chunks = [handle_experts_in_state_dict(chunk.module.state_dict(), built.config.num_moe_experts)
+              for chunk in built.model]
+    state = {"model": chunks[0]} if len(chunks) == 1 else {f"model{i}": sd for i, sd in enumerate(chunks)}
+    return preprocess_state_dict_for_uneven_dtensor(state)
+
+
+def resharding(chunks: list[torch.nn.Module], directory: Path) -> tuple[list[str], list[str]]:
     """(every tensor key this rank loads, the keys of those it loads resharded): a tensor is resharded when a
     shard this rank asks for is not exactly one chunk the checkpoint stored (other offsets or sizes, i.e. the
     writing layout split it otherwise), so the load reads parts of several stored chunks."""
@@ -70,29 +116,39 @@ def resharding(built: Built, directory: Path) -> tuple[list[str], list[str]]:
     from torch.distributed.checkpoint import FileSystemReader
 
     stored = FileSystemReader(str(directory)).read_metadata().state_dict_metadata
-    wanted = _sharded_state_dict(built)
+    wanted = _sharded_state_dict(chunks)
     apply_factories(wanted)
     keys: dict[str, bool] = {}
     for sh in nested_values(wanted):
         if not isinstance(sh, ShardedTensor):
             continue
         chunk = (tuple(sh.global_offset), (1,) * sh.prepend_axis_num + tuple(sh.local_shape))
-        chunks = {(tuple(c.offsets), tuple(c.sizes)) for c in getattr(stored.get(sh.key), "chunks", ())}
-        keys[sh.key] = keys.get(sh.key, False) or chunk not in chunks
+        written = {(tuple(c.offsets), tuple(c.sizes)) for c in getattr(stored.get(sh.key), "chunks", ())}
+        keys[sh.key] = keys.get(sh.key, False) or chunk not in written
     return sorted(keys), sorted(k for k, moved in keys.items() if moved)
 
 
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter: its shard of a Megatron-FSDP DTensor, the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
 def snapshot(built: Built) -> dict[str, torch.Tensor]:
-    return {name: p.detach().clone() for name, p in built.named_parameters().items()}
+    return {name: _local(p).detach().clone() for name, p in built.named_parameters().items()}
 
 
 def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Tensor]) -> None:
     """Load the checkpoint into the model after poisoning it; raise CheckpointError on any difference."""
     with torch.no_grad():
         for param in built.named_parameters().values():
-            param.fill_(float("nan"))
+            _local(param).fill_(float("nan"))
+        if built.fsdp:  # the model weights too: install copies the poisoned shards into them
+            for chunk in built.model:
+                chunk.module.install_optimized_model_weights()
     load(built, directory)
-    current = built.named_parameters()
+    current = {name: _local(p) for name, p in built.named_parameters().items()}
     bad = [name for name, value in saved.items() if not _bit_equal(value, current[name])]
     if bad:
         raise CheckpointError(

@@ -11,7 +11,8 @@ How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations o
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
 ``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE alltoall
-dispatcher gets host split sizes as numpy arrays and uneven all-gathers (``_patch_alltoall_dispatcher``).
+dispatcher gets host split sizes as numpy arrays and uneven all-gathers (``_patch_alltoall_dispatcher``);
+Megatron-FSDP's constructor gets a device index to format (``_patch_megatron_fsdp``).
 """
 
 from __future__ import annotations
@@ -133,6 +134,10 @@ def _patch_torch_cuda() -> None:
     torch.cuda.default_stream = lambda *a, **k: _NoOpStream()  # type: ignore[assignment]
     torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()  # type: ignore[assignment]
     torch.cuda.synchronize = lambda *a, **k: None
+    # The "CUDA" generator of a CPU build is the CPU one (as the RNG tracker below): Megatron-FSDP's adapter
+    # copies TP rank 0's RNG states, this one included, to the other TP ranks.
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
 def _patch_megatron() -> None:
@@ -157,6 +162,84 @@ def _patch_megatron() -> None:
     # A tracker created before install (e.g. by an import) would be the CUDA one; force the next one to be ours.
     mrandom.initialize_rng_tracker(force_reset=True)
     _patch_alltoall_dispatcher(moe_utils)
+    _patch_megatron_fsdp()
+
+
+def _patch_megatron_fsdp() -> None:
+    """MegatronFSDP.__init__ formats ``torch.device(f"cuda:{torch.cuda.current_device()}")`` to compare with the
+    device it was given (megatron_fsdp.py, megatron-core 0.16.1), even when the caller passes the CPU. With the
+    patched ``current_device`` (the CPU device, not an index) that is ``torch.device("cuda:cpu")``: RuntimeError.
+    While that constructor runs, ``current_device`` returns index 0 (what a CUDA build returns on one device); its
+    buffers are allocated on the device passed in, and a stray int device still goes through the device mode.
+    Measured on gloo: Megatron-FSDP's losses equal DDP's with the distributed optimizer, bitwise or within an ulp
+    (DP2 and TP2xDP2, all three sharding strategies, FP32 and BF16; docs/MEGATRON_ON_CPU.md). It logs a harmless
+    "using device cpu instead of cuda:0" warning."""
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
+
+    if not isinstance(adapter.TELinear, type):
+        # Without Transformer Engine its TELinear is a MagicMock, and the adapter's isinstance(module, (TELinear,))
+        # raises (TypeError) at TP > 1. No module of a model built without TE is a TELinear.
+        adapter.TELinear = type("NoTELinear", (), {})
+    init = megatron_fsdp.MegatronFSDP.__init__
+    if getattr(init, "sweeper_cpu", False):
+        return
+
+    def init_with_device_index(self: Any, *args: Any, **kwargs: Any) -> None:
+        current = torch.cuda.current_device
+        torch.cuda.current_device = lambda: 0
+        try:
+            init(self, *args, **kwargs)
+        finally:
+            torch.cuda.current_device = current
+
+    init_with_device_index.sweeper_cpu = True  # type: ignore[attr-defined]
+    megatron_fsdp.MegatronFSDP.__init__ = init_with_device_index
+    _patch_megatron_fsdp_collectives()
+
+
+class _Completed:
+    """The work object of collectives that have already completed."""
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def _patch_megatron_fsdp_collectives() -> None:
+    """Megatron-FSDP's parameter all-gathers complete before it can free a bucket (gloo).
+
+    Megatron-FSDP issues its bucket all-gathers with async_op=True inside ``_coalescing_manager`` blocks and frees
+    (``storage.resize_(0)``) buckets marked as reusable in the same block, after "waiting" for their gather. On
+    gloo a coalesced collective runs when the block exits and an async one on gloo's worker thread, so a bucket
+    could be freed before the gather that writes into it ran: a write into freed host memory. Measured with
+    optim_grads_params (which frees the unsharded weight buckets), 6 steps on DP2: 1 run in 5 ended in a
+    segmentation fault or a glibc heap-corruption abort; on CUDA the caching allocator keeps such memory mapped.
+    Here Megatron-FSDP's coalescing blocks are plain blocks (each collective runs when called, as NCCL outside a
+    group would) and every bucket all-gather is waited for as soon as it is issued, so nothing is in flight when
+    a bucket is freed. It only serialises communication that gloo ran synchronously anyway."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+
+    pipeline = buffers.AllGatherPipeline
+    gather = pipeline.async_bucket_gather
+    if getattr(gather, "sweeper_cpu", False):
+        return
+
+    @contextlib.contextmanager
+    def uncoalesced(*args: Any, **kwargs: Any) -> Iterator[_Completed]:
+        yield _Completed()
+
+    def async_bucket_gather(self: Any, bucket_id: int, bwd: bool) -> None:
+        gather(self, bucket_id, bwd)
+        event = self.param_gather_event_map.get(self.get_bucket_key(bucket_id, bwd))
+        if event is not None and event[0] is not None:
+            event[0].wait()
+
+    async_bucket_gather.sweeper_cpu = True  # type: ignore[attr-defined]
+    buffers._coalescing_manager = uncoalesced  # noqa: SLF001
+    pipeline.async_bucket_gather = async_bucket_gather
 
 
 def _patch_alltoall_dispatcher(moe_utils: Any) -> None:

@@ -52,6 +52,7 @@ from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import Phase, SmokeFailure
 from sweeper.models.spec import ModelSpec
 from sweeper.record.files import write_atomic
+from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
     from sweeper.backends.megatron.build import Built
@@ -164,6 +165,9 @@ class Plan:
     vocab_size: int | None  # padded vocabulary to build with; None: the default
     reference: Reference | None = None  # check mode
     skip_reason: str | None = None  # check mode: the layout cannot take the reference batch
+    # Megatron-FSDP: the reference was loaded into the bare chunks before build wrapped them (before_wrap), as
+    # the report's reference_load records it.
+    preloaded: dict | None = None
 
 
 def plan(request: SmokeRequest) -> Plan | None:
@@ -177,6 +181,8 @@ def plan(request: SmokeRequest) -> Plan | None:
     if request.make_reference:
         if layout.gbs % layout.dp:
             raise ReferenceError(f"reference layout: gbs={layout.gbs} is not divisible by dp={layout.dp}")
+        if layout.fsdp:  # its fit and save work on DDP's plain parameters
+            raise ReferenceError(f"reference layout: made without Megatron-FSDP, got fsdp={layout.fsdp}")
         return Plan("make", directory, reference_vocab_size(spec.vocab_size, layout.tp))
     ref = read_reference(directory)
     if ModelSpec.model_validate(ref.model) != spec:
@@ -196,6 +202,29 @@ def plan(request: SmokeRequest) -> Plan | None:
     elif ref.seq_length % (2 * layout.cp) and layout.cp > 1:
         skip = f"the reference sequence length {ref.seq_length} is not divisible by 2 x cp={2 * layout.cp}"
     return Plan("check", directory, None if skip else ref.vocab_size, ref, skip)
+
+
+def before_wrap(gate: Plan | None, layout: Layout,
+                enter: Callable[[Phase], None]) -> Callable[[list[torch.nn.Module]], None] | None:
+    """For build's ``before_wrap``: with Megatron-FSDP the reference is loaded into the bare chunks (a torch_dist
+    checkpoint loads into the bare model, not into Megatron-FSDP's wrapped one, measured); None otherwise (DDP
+    layouts load into the built model, ``run``)."""
+    if gate is None or gate.mode != "check" or gate.skip_reason or not layout.fsdp:
+        return None
+
+    def load(chunks: list[torch.nn.Module]) -> None:
+        from sweeper.backends.megatron import checkpoint as ckpt
+
+        assert gate is not None and gate.reference is not None
+        enter("checkpoint_load")
+        keys, moved = ckpt.resharding(chunks, gate.directory)
+        started = time.perf_counter()
+        ckpt.load_chunks(chunks, gate.directory)
+        gate.preloaded = {"layout": gate.reference.layout, "tensors": keys, "resharded": moved,
+                          "load_s": time.perf_counter() - started}
+        enter("build")
+
+    return load
 
 
 def fixed_batch(seed: int, sequences: int, seq_length: int, vocab_size: int, device: torch.device) -> list:
@@ -272,14 +301,18 @@ def run(
         report.notes.append(f"equivalence gate skipped: {gate.skip_reason}")
         _log.warning("equivalence gate skipped: %s", gate.skip_reason)
         return
-    enter("checkpoint_load")
-    keys, moved = ckpt.resharding(built, gate.directory)
-    started = time.perf_counter()
-    ckpt.load(built, gate.directory)
-    report.reference_load = {"layout": ref.layout, "tensors": keys, "resharded": moved,
-                             "load_s": time.perf_counter() - started}
-    # The optimizer's FP32 main copies (mixed precision, distributed optimizer) still hold the built weights.
-    built.optimizer.reload_model_params()
+    if gate.preloaded is not None:  # Megatron-FSDP: loaded before wrapping; the optimizer was built from it
+        report.reference_load = gate.preloaded
+    else:
+        enter("checkpoint_load")
+        chunks = built.bare_chunks()
+        keys, moved = ckpt.resharding(chunks, gate.directory)
+        started = time.perf_counter()
+        ckpt.load_chunks(chunks, gate.directory)
+        report.reference_load = {"layout": ref.layout, "tensors": keys, "resharded": moved,
+                                 "load_s": time.perf_counter() - started}
+        # The optimizer's FP32 main copies (mixed precision, distributed optimizer) still hold the built weights.
+        built.optimizer.reload_model_params()
     if request.inject == "swap_shards":
         _swap_shards(built)
     enter("steps")

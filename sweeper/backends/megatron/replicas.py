@@ -12,6 +12,9 @@ parameter of an experts module is an expert parameter), never from the flags DDP
 mis-tagged parameter is compared across the group it really belongs to. Each rank reduces every parameter to an
 exact integer checksum of its bits (no rounding: replicas are equal bit for bit or not at all), the checksums are
 all-gathered per group, and the first difference is reported on every rank.
+
+Megatron-FSDP keeps one shard of each parameter per data-parallel rank: the full weights are all-gathered first
+(``_fsdp_replicated_params``) and compared across the groups that still hold copies.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def check_replicas(built: Built, step: int, device: torch.device) -> int:
 
 def _replicated_params(built: Built) -> dict[str, list[tuple[str, torch.Tensor]]]:
     """Per group kind, this rank's parameters that have a copy on every other rank of that group (by name)."""
+    if built.fsdp:
+        return _fsdp_replicated_params(built)
     out: dict[str, list[tuple[str, torch.Tensor]]] = {key: [] for key in _KINDS}
     expert = {id(p) for ddp in built.model for m in ddp.modules() if isinstance(m, _EXPERT_MODULES)
               for p in m.parameters()}
@@ -121,3 +126,52 @@ def _checksum(param: torch.Tensor) -> torch.Tensor:
         plain += part.sum()
         weighted += (part * weights).sum()
     return torch.stack([plain, weighted])
+
+
+def _fsdp_replicated_params(built: Built) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """Megatron-FSDP: the full weights of the parameters that have copies across TP, ETP or the embedding group.
+
+    Each distributed parameter is all-gathered over its data-parallel group with Megatron's uneven-DTensor gather
+    (a collective: every rank walks the parameters in the same order and makes the same choice, which depends only
+    on what the ranks of one data-parallel group share: the model part, the group sizes). The module's own
+    parameters are not read: under optim_grads_params they are views into a released all-gather buffer. Across
+    the data-parallel (expert-data-parallel) group itself nothing is compared: the gather assembles one tensor
+    from the ranks' disjoint shards, so it is identical on every rank by construction."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import gather_uneven_dtensor_to_full_tensor
+    from torch.distributed.tensor import DTensor
+
+    out: dict[str, list[tuple[str, torch.Tensor]]] = {key: [] for key in _KINDS}
+    sizes = {key: _size(kind) for key, kind in _KINDS.items()}
+    bare = built.bare_chunks()
+    expert_prefixes = [tuple(f"{name}." for name, m in chunk.named_modules() if isinstance(m, _EXPERT_MODULES))
+                       for chunk in bare]
+    tied = [_tied_embedding_name(chunk) for chunk in bare]
+    for index, name, param in built.fsdp_parameters():
+        kinds = []
+        if not getattr(param, "tensor_model_parallel", False):
+            kinds.append("etp" if name.startswith(expert_prefixes[index]) else "tp")
+        if name == tied[index]:
+            kinds.append("embedding")
+        kinds = [key for key in kinds if sizes[key] > 1]
+        if not kinds:
+            continue
+        full = gather_uneven_dtensor_to_full_tensor(param) if isinstance(param, DTensor) else param
+        full = full.to_local() if isinstance(full, DTensor) else full
+        for key in kinds:
+            out[key].append((f"chunk{index}.{name}", full))
+    return out
+
+
+def _size(kind: _GroupKind) -> int:
+    group = kind.group()
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def _tied_embedding_name(chunk: torch.nn.Module) -> str | None:
+    """The name (inside the chunk) of the word embedding / output weight a first or last pipeline stage shares."""
+    model = unwrap_model(chunk)
+    if not (getattr(model, "share_embeddings_and_output_weights", False)
+            and (getattr(model, "pre_process", False) or getattr(model, "post_process", False))):
+        return None
+    prefix = "module." if model is not chunk else ""
+    return prefix + ("embedding.word_embeddings.weight" if model.pre_process else "output_layer.weight")

@@ -178,7 +178,7 @@ def _smoke(
         _injected_bug(layout)
     gate = equivalence.plan(request)  # reads the reference: the build takes its vocabulary size
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None,
-                  run=run)
+                  run=run, before_wrap=equivalence.before_wrap(gate, layout, enter))
     report.checks.model_built = True
     if is_proxy(spec):
         report.notes.append(PROXY_NOTE)

@@ -48,11 +48,9 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
         return no(f"a {params / 1e9:.1f}B-parameter model", f"CPU trials are for models up to "
                   f"{CPU_MAX_PARAMS / 1e9:.0f}B parameters; --proxy runs the same layer structure at CPU size")
     if layout.fsdp:
-        # Megatron-FSDP checkpoints only in its fsdp_dtensor format (Megatron-LM's validate_args); the smoke run's
-        # reload check is torch_dist. On the CPU, MegatronFSDP also refuses any device but torch.cuda's current one.
-        return no(f"fsdp {layout.fsdp} (Megatron-FSDP)", "sweeper's trials build Megatron's DDP only: Megatron-FSDP "
-                  "checkpoints in fsdp_dtensor, not the smoke run's torch_dist, and needs a CUDA device; plan, the "
-                  "estimator and the exports take it")
+        why = _fsdp_unsupported(spec, layout, cuda)
+        if why:
+            return no(f"fsdp {layout.fsdp} (Megatron-FSDP)", why)
     if cuda and te:  # the GPU path (gpu.py) builds MLA and MambaModel; it refuses only what TE/kernels lack
         from sweeper.backends.megatron.gpu import gpu_unsupported_reason
 
@@ -87,6 +85,28 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
                   "layernorm, mla_up_proj) needs Transformer Engine on a GPU")
     # Without Transformer Engine, CP runs through cpu_attention.py (K/V all-gather, load-balanced causal mask)
     # and SP through cpu_norm.py (norm weights marked sequence_parallel); both are exercised on gloo.
+    return None
+
+
+def _fsdp_unsupported(spec: ModelSpec, layout: Layout, cuda: bool) -> str | None:
+    """Why this backend does not run the layout's Megatron-FSDP, or None. Runs: the CPU backend (gloo) with data,
+    tensor (dense) and expert parallelism (TP2xDP2, EP2xDP4), every strategy, FP32 and BF16 (docs/MEGATRON_ON_CPU.md
+    "Megatron-FSDP"); what has not been run is refused rather than passed unproven."""
+    if cuda:
+        return ("sweeper's Megatron-FSDP trials have run on the CPU backend only (gloo); the GPU path (device "
+                "buffers, the fused PREMUL_SUM gradient reduce, Transformer Engine modules) has not run them")
+    untested = [f"{axis}={size}" for axis, size in
+                (("pp", layout.pp), ("vpp", layout.vpp), ("cp", layout.cp), ("etp", layout.etp)) if size > 1]
+    if layout.tp > 1 and spec.is_moe:  # TP ran on a dense model, EP on an MoE one, not TP with experts
+        untested.append(f"tp={layout.tp} on an MoE model")
+    if layout.sp:
+        untested.append("sp")
+    if untested:
+        return (f"Megatron-FSDP has run here with data, tensor and expert parallelism; with {', '.join(untested)} it "
+                "has not been verified against DDP (equivalence, replicas, fsdp_dtensor checkpoint)")
+    if layout.precision not in ("fp32", "bf16"):
+        return (f"Megatron-FSDP has run here in fp32 and bf16; {layout.precision} (loss scaling, its optimizer "
+                "wrapper) has not")
     return None
 
 
