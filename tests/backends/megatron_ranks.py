@@ -17,6 +17,17 @@ import time
 from typing import Any
 
 from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.models.catalog import preset
+
+
+def smoke_request(trial_dir: Any, layout: Any, model: str, seq_length: int, **kw: object) -> SmokeRequest:
+    """A one-step request without checkpoints on a catalog model, seed 1234; ``kw`` overrides any field."""
+    base: dict = dict(
+        model=preset(model), layout=layout, seq_length=seq_length, steps=1, warmup_steps=0,
+        checkpoint=False, checkpoint_every=None, trial_dir=str(trial_dir), seed=1234, timeout_s=90.0,
+    )
+    base.update(kw)
+    return SmokeRequest(**base)
 
 
 def free_port() -> int:

@@ -34,12 +34,10 @@ REF_SEQUENCES = 4  # the reference batch: a multiple of every DP size below (and
 
 
 def _request(trial_dir: Path, layout: Layout, model: str, **kw: object) -> SmokeRequest:
-    base: dict = dict(
-        model=preset(model), layout=layout, seq_length=SEQ, steps=1, warmup_steps=0,
-        checkpoint=False, checkpoint_every=None, trial_dir=str(trial_dir), seed=1234, timeout_s=90.0,
-    )
-    base.update(kw)
-    return SmokeRequest(**base)
+    sys.path.insert(0, str(Path(__file__).parent))  # the rank-spawning helper lives next to this file
+    from megatron_ranks import smoke_request
+
+    return smoke_request(trial_dir, layout, model, SEQ, **kw)
 
 
 def _run(request: SmokeRequest, world: int) -> list[RankReport]:

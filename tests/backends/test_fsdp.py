@@ -32,12 +32,12 @@ SEQ = 32
 
 
 def _request(trial_dir: Path, layout: Layout, model: str = "tiny-gpt", **kw: object) -> SmokeRequest:
-    base: dict = dict(
-        model=preset(model), layout=layout, seq_length=SEQ, steps=3, warmup_steps=0, checkpoint=True,
-        checkpoint_every=1, trial_dir=str(trial_dir), seed=1234, timeout_s=90.0,
-    )
-    base.update(kw)
-    return SmokeRequest(**base)
+    """Three steps with a checkpoint save and reload after each."""
+    sys.path.insert(0, str(Path(__file__).parent))  # the rank-spawning helper lives next to this file
+    from megatron_ranks import smoke_request
+
+    return smoke_request(trial_dir, layout, model, SEQ, **{"steps": 3, "checkpoint": True, "checkpoint_every": 1,
+                                                           **kw})
 
 
 def _run(request: SmokeRequest, world: int) -> list[RankReport]:
