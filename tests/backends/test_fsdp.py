@@ -70,8 +70,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]
 @pytest.mark.e2e
 @pytest.mark.parametrize(("model", "strategy", "tp", "ep", "precision"), [
     ("tiny-gpt", "optim_grads_params", 1, 1, "fp32"),
-    ("tiny-gpt", "optim", 2, 1, "bf16"),
-    ("tiny-moe", "optim_grads_params", 1, 2, "bf16"),
+    # 4 ranks each, DDP then FSDP: `pytest -m slow` (they keep .ci/run under its 40 minutes on 2 cores)
+    pytest.param("tiny-gpt", "optim", 2, 1, "bf16", marks=pytest.mark.slow),
+    pytest.param("tiny-moe", "optim_grads_params", 1, 2, "bf16", marks=pytest.mark.slow),
 ])
 def test_fsdp_trial_passes_and_matches_ddp(tmp_path: Path, reference: Callable[[str], Path], model: str,
                                            strategy: str, tp: int, ep: int, precision: str) -> None:
