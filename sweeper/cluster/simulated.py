@@ -6,6 +6,19 @@ offers no CPUs or GPUs (so nothing of a trial lands on it) and N worker raylets,
 ``sweeper.node = sim-<i>`` so results name nodes stably (``sim-0``, ``sim-1``, ...) even after nodes are removed
 and added for fault injection.
 
+Every process of it listens and talks on 127.0.0.1 (``LOOPBACK``). Ray's processes pick their node address by
+asking the OS for the route out of the machine (so on Linux they bind the interface's address), except where Ray
+expects a one-machine cluster (its default on macOS and Windows, switched by ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``):
+there every process uses the loopback address. ``start`` turns that switch on for the processes Ray starts (the
+environment variable, which they inherit) and for this driver (the constant Ray read from it at import, which
+``ray.init`` consults), names 127.0.0.1 as every node's address, and ``shutdown`` puts both back, so that a
+driver joining a real cluster later in the same process is not held to loopback. Ray's usage statistics are off
+for the processes of a simulated cluster (``RAY_USAGE_STATS_ENABLED=0``), so its dashboard sends no usage reports.
+What Ray still does, and sweeper cannot switch off without patching it: the dashboard's usage module asks the
+cloud metadata address (169.254.169.254) which cloud it runs on before it reads that switch, and sends one "usage
+stats disabled" notice for a cluster not started by ``ray.init`` (ray/dashboard/modules/usage_stats/
+usage_stats_head.py ``run``); both fail harmlessly on a machine without that address or the internet.
+
 Reservations are deliberately tiny (80 MiB object store per node, logical CPUs only) so a 2 x 8 = 16-rank
 cluster fits on 2 cores / 24 GB; the real limit is the ranks' own memory.
 
@@ -30,11 +43,16 @@ from typing import Any
 
 import psutil
 import ray
+import ray._private.ray_constants as ray_constants  # private: the one-machine switch ray.init consults
 from ray.cluster_utils import Cluster
 
 from sweeper.record.files import write_atomic
 
 NODE_LABEL_KEY = "sweeper.node"  # Ray node label carrying the stable simulated node name
+LOOPBACK = "127.0.0.1"
+ONE_MACHINE_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": every Ray process takes 127.0.0.1 as its address
+USAGE_STATS_ENV = "RAY_USAGE_STATS_ENABLED"  # "0": Ray's usage reports off
+_HELD_ENV = {ONE_MACHINE_ENV: "0", USAGE_STATS_ENV: "0"}
 DEFAULT_RECORD_DIR = Path(tempfile.gettempdir()) / "sweeper-clusters"
 _MIB = 1024 * 1024
 
@@ -80,18 +98,25 @@ class SimulatedCluster:
         self._next_index = 0
         self._removed_pids: list[tuple[int, float]] = []
         self._ray_start_address: str | None = None  # what `ray start`'s address file held before this cluster
+        self._outside: tuple[dict[str, str | None], bool] | None = None  # _HELD_ENV and Ray's constant before start
 
     # -- lifetime ------------------------------------------------------------------------------------------------
     def start(self) -> SimulatedCluster:
         if self._cluster is not None:
             return self
         self._ray_start_address = _read_text(ray_start_address_file())
+        self._hold_to_loopback()
         # shutdown_at_exit: Ray's own atexit hook and reaper stop the raylets if this driver exits normally.
-        self._cluster = Cluster(
-            initialize_head=True,
-            head_node_args={"num_cpus": 0, "num_gpus": 0, "object_store_memory": self.object_store_bytes},
-            shutdown_at_exit=True,
-        )
+        try:
+            self._cluster = Cluster(
+                initialize_head=True,
+                head_node_args={"num_cpus": 0, "num_gpus": 0, "object_store_memory": self.object_store_bytes,
+                                "node_ip_address": LOOPBACK},
+                shutdown_at_exit=True,
+            )
+        except BaseException:
+            self._release_loopback()
+            raise
         self._put_back_ray_start_address()
         self._write_record()
         try:
@@ -112,6 +137,7 @@ class SimulatedCluster:
             cluster.shutdown()
         finally:
             self._put_back_ray_start_address()
+            self._release_loopback()
             self._nodes.clear()
             self._kill_leftovers()
             self._delete_record()
@@ -144,6 +170,7 @@ class SimulatedCluster:
             wait=True,
             num_cpus=self.cpus_per_node,
             num_gpus=self.gpus_per_node,
+            node_ip_address=LOOPBACK,
             object_store_memory=self.object_store_bytes,
             labels={NODE_LABEL_KEY: label},
         )
@@ -226,6 +253,24 @@ class SimulatedCluster:
                 path.write_text(self._ray_start_address)
         except OSError:
             pass
+
+    def _hold_to_loopback(self) -> None:
+        """Ray's one-machine mode on and its usage stats off (see the module docstring), remembering what was."""
+        self._outside = ({name: os.environ.get(name) for name in _HELD_ENV}, ray_constants.ENABLE_RAY_CLUSTER)
+        os.environ.update(_HELD_ENV)
+        ray_constants.ENABLE_RAY_CLUSTER = False
+
+    def _release_loopback(self) -> None:
+        if self._outside is None:
+            return
+        env, constant = self._outside
+        self._outside = None
+        for name, value in env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        ray_constants.ENABLE_RAY_CLUSTER = constant
 
     def _kill_leftovers(self) -> None:
         # Rank processes of a removed node are normally gone with their raylet; make sure, by pid + start time.

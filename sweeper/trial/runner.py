@@ -17,8 +17,11 @@ the same absolute path on its local disk (a shared filesystem makes it one direc
 
 from __future__ import annotations
 
+import functools
+import ipaddress
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -346,6 +349,13 @@ def _describe(actors: list, deadline: float) -> list[RankSlot] | str:
         return f"rank actor failed to start: {_one_line(exc)}"
 
 
+@functools.cache
+def _loopback_interface() -> str:
+    """The loopback interface's name: ``lo`` on Linux, ``lo0`` on macOS and the BSDs."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name in ("lo", "lo0")), "lo")
+
+
 def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> list[dict[str, str]]:
     """torch.distributed rendezvous variables per rank, plus a node-wide CUDA_VISIBLE_DEVICES.
 
@@ -376,6 +386,10 @@ def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> 
         }
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+        if ipaddress.ip_address(master.ip).is_loopback:
+            # Every rank is on this machine (a simulated cluster): gloo's pairs on loopback too. Without it gloo
+            # binds the address the host name resolves to, the machine's interface.
+            env["GLOO_SOCKET_IFNAME"] = _loopback_interface()
         envs.append(env)
     return envs
 

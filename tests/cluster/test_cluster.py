@@ -24,6 +24,7 @@ import time
 import tomllib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -393,6 +394,75 @@ def test_inventory_of_the_simulated_cluster(sim) -> None:
     assert gpus["sim-0"].source == "simulated" and gpus["sim-0"].memory_gib == 4
     assert sim.simulated is not None and len(sim.simulated.pids()) >= 3
     assert sim.simulated.record_path is not None and sim.simulated.record_path.exists()
+
+
+@pytest.mark.e2e
+def test_the_simulated_cluster_listens_and_talks_on_loopback_only(sim) -> None:
+    """Every Ray daemon of the simulated cluster (GCS, raylets, dashboard, agents) and every worker under them has
+    only loopback sockets, and Ray lists every node at 127.0.0.1; the driver joined it there. One exception, Ray's
+    own and documented in sweeper.cluster.simulated: the dashboard's usage module asks the cloud metadata address
+    once at start-up, whatever the usage-stats switch says."""
+    import ray
+
+    assert {n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]} == {"127.0.0.1"}
+    assert sim.address.startswith("127.0.0.1:")
+    assert ray.util.get_node_ip_address() == "127.0.0.1"
+    assert sim.simulated is not None
+    daemons = [psutil.Process(pid) for pid in sim.simulated.pids()]
+    processes = daemons + [child for d in daemons for child in d.children(recursive=True)]
+    sockets = [(p.pid, c) for p in processes for c in _inet_connections(p)]
+    assert any(c.status == psutil.CONN_LISTEN for _, c in sockets)
+    dashboard = {p.pid for p in processes if any("dashboard.py" in part for part in _cmdline(p))}
+
+    def rays_metadata_probe(pid: int, c: Any) -> bool:
+        return pid in dashboard and bool(c.raddr) and c.raddr.ip == METADATA_IP
+
+    outside = [(pid, c.laddr, c.raddr) for pid, c in sockets if not rays_metadata_probe(pid, c)
+               and (not _loopback(c.laddr.ip) or (c.raddr and not _loopback(c.raddr.ip)))]
+    assert not outside, f"sockets off loopback: {outside}"
+
+
+METADATA_IP = "169.254.169.254"  # the cloud instance metadata address Ray's usage module probes
+
+
+def _cmdline(process: psutil.Process) -> list[str]:
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        return process.cmdline()
+    return []
+
+
+def _inet_connections(process: psutil.Process) -> list:
+    with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+        return process.net_connections(kind="inet")
+    return []
+
+
+def _loopback(ip: str) -> bool:
+    import ipaddress
+
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)
+    return (mapped or address).is_loopback
+
+
+def test_a_simulated_cluster_puts_rays_address_switch_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """start holds Ray to loopback (and its usage stats off) for its processes and this driver; shutdown restores
+    what was there (a real cluster joined later in the same process advertises the machine's address again).
+    Nothing starts here: the two private hooks are called directly."""
+    import ray._private.ray_constants as ray_constants
+
+    from sweeper.cluster.simulated import ONE_MACHINE_ENV, USAGE_STATS_ENV
+
+    monkeypatch.setenv(ONE_MACHINE_ENV, "1")
+    monkeypatch.delenv(USAGE_STATS_ENV, raising=False)
+    monkeypatch.setattr(ray_constants, "ENABLE_RAY_CLUSTER", True)
+    cluster = SimulatedCluster(1, 1, record_dir=tmp_path)
+    cluster._hold_to_loopback()
+    assert (os.environ[ONE_MACHINE_ENV], os.environ[USAGE_STATS_ENV], ray_constants.ENABLE_RAY_CLUSTER) == (
+        "0", "0", False)
+    cluster._release_loopback()
+    assert (os.environ[ONE_MACHINE_ENV], ray_constants.ENABLE_RAY_CLUSTER) == ("1", True)
+    assert USAGE_STATS_ENV not in os.environ
 
 
 @pytest.mark.e2e

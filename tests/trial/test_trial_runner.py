@@ -442,3 +442,22 @@ def test_routing_stress_is_folded_over_ranks_and_its_peak_is_a_metric() -> None:
     assert result.metrics.stress_peak_memory_gib == 3.0 and result.metrics.peak_memory_gib == 1.0
     plain = aggregate([RankOutcome(0, "a", _ok(0, [1.0]))], world_size=1, warmup_steps=0, trial_dir="/t")
     assert plain.routing_stress is None and plain.metrics.stress_peak_memory_gib is None
+
+
+def test_ranks_of_a_loopback_master_keep_gloo_on_loopback() -> None:
+    """A simulated cluster's rank 0 is at 127.0.0.1: gloo is told the loopback interface, so its pairs do not bind
+    the address the host name resolves to. A real cluster's ranks choose their own interface."""
+    from sweeper.trial.actor import RankSlot
+    from sweeper.trial.runner import _loopback_interface, _rank_envs
+
+    def slots(ip: str) -> list[RankSlot]:
+        return [RankSlot(rank, f"n{rank // 2}", ip, (str(rank % 2),), 100 + rank, 29500 if rank == 0 else None)
+                for rank in range(4)]
+
+    labels = {"n0": "sim-0", "n1": "sim-1"}
+    local = _rank_envs(slots("127.0.0.1"), labels, "t1")
+    assert _loopback_interface() in ("lo", "lo0")
+    assert {env["GLOO_SOCKET_IFNAME"] for env in local} == {_loopback_interface()}
+    assert {env["MASTER_ADDR"] for env in local} == {"127.0.0.1"}
+    remote = _rank_envs(slots("10.1.2.3"), labels, "t1")
+    assert all("GLOO_SOCKET_IFNAME" not in env for env in remote)
