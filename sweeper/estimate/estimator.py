@@ -26,13 +26,14 @@ raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layout
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, Concatenate, ParamSpec
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
-from sweeper.config.schema import ClusterConfig, memory_limit_gib
+from sweeper.config.schema import ClusterConfig, SweepConfig, memory_limit_gib
 from sweeper.config.units import GIB
 from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
 from sweeper.estimate.devices import device_for
@@ -197,19 +198,45 @@ def stage_memory(
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
     ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
     _check_divisible(layout, seq_length)
-    shape = _activation_shape(model, layout, seq_length, constants)
-    return _stage_memory(model, layout, shape, constants, calibration or Calibration(), compute_capability, run)
+    return _Stages(model, seq_length, constants, calibration, compute_capability, run)(layout)[1]
 
 
-def _stage_memory(
-    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, calibration: Calibration,
-    compute_capability: str | None, run: RunSettings,
-) -> tuple[StageMemory, ...]:
-    vpp = lo.vpp if lo.pp > 1 else 1
-    params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, split=lo.split)
-    acts = stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
-    states = _stage_states(params, lo, constants, compute_capability, run)
-    return _combine_stages(model, lo, params, acts, states, constants, calibration)
+class _Stages:
+    """``stage_memory`` for the many layouts of one model and settings. The parts that depend on fewer axes than the
+    whole layout (a stage's parameters, its model state, its activations per micro-batch) are kept per value of
+    those axes, so ``plan`` computes each a few hundred times instead of once per layout. The memos are dicts keyed
+    by plain tuples of layout fields in front of the module's lru_caches, which would hash the model spec and the
+    frozen dataclasses on every lookup. The kept values are tuples of frozen dataclasses, never mutated."""
+
+    def __init__(self, model: ModelSpec, seq_length: int, constants: EstimatorConstants,
+                 calibration: Calibration | None, compute_capability: str | None, run: RunSettings) -> None:
+        self.model, self.seq_length, self.constants, self.run = model, seq_length, constants, run
+        self.calibration, self.compute_capability = calibration, compute_capability
+        self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
+        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split)
+        self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
+        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+
+    def __call__(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
+        """The activation shape of ``lo`` (its sizes divide: ``_check_divisible``) and its stages' memory."""
+        model, constants = self.model, self.constants
+        vpp = lo.vpp if lo.pp > 1 else 1
+        split = lo.split
+        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
+        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
+        acts_key = (*shape_axes, lo.pp, vpp, split)
+        if acts_key not in self._activations:
+            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
+            self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, split, constants)
+        shape, acts = self._activations[acts_key]
+        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
+        if params_key not in self._params:
+            self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=split)
+        params = self._params[params_key]
+        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
+        if states_key not in self._states:
+            self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability, self.run)
+        return shape, _combine_stages(model, lo, params, acts, self._states[states_key], constants, self._factors)
 
 
 def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: EstimatorConstants,
@@ -255,26 +282,9 @@ def _combine_stages(
     return tuple(out)
 
 
-def estimate(
-    model: ModelSpec,
-    layout: Layout,
-    cluster: ClusterConfig,
-    seq_length: int,
-    constants: EstimatorConstants = EstimatorConstants(),
-    headroom: float = 0.10,
-    calibration: Calibration | None = None,
-    run: RunSettings = RunSettings(),
-) -> Estimate:
-    """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster`` under the run
-    settings ``run`` (the YAML's ``run:``)."""
-    return Estimator(model, cluster, seq_length, constants, headroom, calibration, run)(layout)
-
-
 class Estimator:
-    """``estimate`` for the many layouts of one model, cluster and settings (a space): the parts that depend on
-    fewer axes than the whole layout (a stage's parameters, its model state, its activations per micro-batch) are
-    kept per value of those axes, so ``plan`` computes each a few hundred times instead of once per layout. The kept
-    values are tuples of frozen dataclasses, never mutated."""
+    """``estimate`` for the many layouts of one model, cluster and settings (a space): stage memory through one
+    ``_Stages`` (its memos serve every layout), step time through the module's caches."""
 
     def __init__(
         self,
@@ -288,39 +298,22 @@ class Estimator:
     ) -> None:
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
         self.constants, self.calibration, self.run = constants, calibration, run
-        self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
-        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split)
-        self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
-        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+        self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
 
-    def _stage_memory(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
-        model, constants, run = self.model, self.constants, self.run
-        vpp = lo.vpp if lo.pp > 1 else 1
-        split = lo.split
-        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
-        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
-        acts_key = (*shape_axes, lo.pp, vpp, split)
-        if acts_key not in self._activations:
-            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
-            self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, split, constants)
-        shape, acts = self._activations[acts_key]
-        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
-        if params_key not in self._params:
-            self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=split)
-        params = self._params[params_key]
-        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
-        if states_key not in self._states:
-            self._states[states_key] = _stage_states(params, lo, constants, self.cluster.compute_capability, run)
-        stages = _combine_stages(model, lo, params, acts, self._states[states_key], constants, self._factors)
-        return shape, stages
+    @classmethod
+    def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None) -> Estimator:
+        """The estimator of a sweep's model, cluster and settings (the YAML's ``estimate:``, ``run:`` and memory
+        headroom)."""
+        return cls(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
+                   headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, model, cluster, constants, calibration = layout, self.model, self.cluster, self.constants, self.calibration
         seq_length = self.seq_length
         _check_divisible(lo, seq_length)
-        shape, stages = self._stage_memory(lo)
+        shape, stages = self._stages(lo)
         non_torch = non_torch_gib(lo, constants)
 
         worst: dict[str, float] = {}
@@ -372,3 +365,24 @@ class Estimator:
 
 
 _step_time_cached = lru_cache(maxsize=65536)(step_time)
+
+P = ParamSpec("P")
+
+
+def _for_one_layout(
+    make: Callable[Concatenate[ModelSpec, ClusterConfig, int, P], Estimator],
+) -> Callable[Concatenate[ModelSpec, Layout, ClusterConfig, int, P], Estimate]:
+    """``estimate`` from the ``Estimator`` class: its arguments with the layout second, listed once (in
+    ``Estimator.__init__``) and type-checked against it."""
+
+    def estimate(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int, /,
+                 *args: P.args, **kwargs: P.kwargs) -> Estimate:
+        """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster``. The further
+        arguments are ``Estimator``'s: ``constants``, ``headroom`` (0.10), ``calibration`` and ``run`` (the YAML's
+        ``run:``). For many layouts of one model and cluster, build one ``Estimator`` and call it per layout."""
+        return make(model, cluster, seq_length, *args, **kwargs)(layout)
+
+    return estimate
+
+
+estimate = _for_one_layout(Estimator)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate import Estimate, Estimator, estimate
+from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
 from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
@@ -56,10 +56,7 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
     predicted = None
     if not reasons:
-        predicted = (estimator(layout) if estimator is not None else estimate(
-            cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-            headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run,
-        ))
+        predicted = (estimator or Estimator.for_config(cfg, calibration))(layout)
     return PlanEntry(layout, reasons, predicted)
 
 
@@ -72,8 +69,7 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[Pla
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
     """``assess`` for many layouts of the space, with one rule checker and one estimator for all of them."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
-    estimator = Estimator(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-                          headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
+    estimator = Estimator.for_config(cfg, calibration)
     return [assess(cfg, lo, calibration, checker, estimator) for lo in layouts]
 
 

@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -797,3 +798,16 @@ def test_estimator_of_a_space_equals_estimate_layout_by_layout() -> None:
     estimator = Estimator(model, cluster, 4096, calibration=calibration)
     for lo in (lo for lo in layouts if lo.dp and lo.edp):  # sizes that divide
         assert estimator(lo) == estimate(model, lo, cluster, 4096, calibration=calibration)
+
+
+def test_stage_memory_is_the_memory_estimate_reports() -> None:
+    """``stage_memory`` and ``estimate`` share one path: the worst stage's parts are the estimate's breakdown, the
+    calibration (its measured hot-rank factor included) applied alike."""
+    lo = Layout(world_size=16, pp=2, ep=8, mbs=1, gbs=64)
+    calibration = Calibration(activation_factor=1.1, state_factor=0.9, moe_hot_rank_factor=2.0)
+    e = estimate(NEMOTRON, lo, H100, 4096, calibration=calibration)
+    stages = stage_memory(NEMOTRON, lo, 4096, calibration=calibration, compute_capability=H100.compute_capability)
+    worst = stages[int(e.breakdown["pipeline_rank"])]
+    assert {k: e.breakdown[k] for k in worst.parts} == worst.parts
+    assert stages != stage_memory(NEMOTRON, lo, 4096, calibration=replace(calibration, moe_hot_rank_factor=None),
+                                  compute_capability=H100.compute_capability)
