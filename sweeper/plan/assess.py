@@ -7,6 +7,7 @@ Instant and offline: imports neither torch, ray nor megatron. Each entry is the 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,9 +69,15 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[Pla
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
     """``assess`` for many layouts of the space, with one rule checker and one estimator for all of them."""
+    return list(assess_each(cfg, layouts, calibration))
+
+
+def assess_each(cfg: SweepConfig, layouts: Iterable[Layout], calibration: Calibration | None = None,
+                ) -> Iterator[PlanEntry]:
+    """``assess_all`` one layout at a time, for a caller that may stop at the first that serves."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
     estimator = Estimator.for_config(cfg, calibration)
-    return [assess(cfg, lo, calibration, checker, estimator) for lo in layouts]
+    return (assess(cfg, lo, calibration, checker, estimator) for lo in layouts)
 
 
 def _order(entry: PlanEntry) -> tuple[int, float, float]:
