@@ -28,7 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
+from functools import cached_property
+from operator import attrgetter
 from typing import Any, Concatenate, ParamSpec
 
 from sweeper.config.estimator import EstimatorConstants
@@ -47,7 +48,7 @@ from sweeper.estimate.memory import (
     stage_activations,
     stage_params,
 )
-from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
+from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, slowest_stage, step_time
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
@@ -96,13 +97,12 @@ def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
     return constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
 
 
-@lru_cache(maxsize=8192)
-def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float,
-           host_gbs: float) -> Links:
-    intra, inter = intra_gbs * 1e9 * efficiency, inter_gbs * 1e9 * efficiency
+def _links(layout: Layout, cluster: ClusterConfig, efficiency: float) -> Links:
+    intra = cluster.intra_node_bandwidth_gbs * 1e9 * efficiency
+    inter = cluster.inter_node_bandwidth_gbs * 1e9 * efficiency
 
     def bw(span: int) -> float:
-        return group_bandwidth(span, gpus_per_node, intra, inter)
+        return group_bandwidth(span, cluster.gpus_per_node, intra, inter)
 
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     return Links(
@@ -113,7 +113,7 @@ def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: floa
         etp=bw(layout.etp),
         ep=bw(layout.etp * layout.ep),
         edp=bw(layout.etp * layout.ep * layout.edp),
-        host=host_gbs * 1e9,
+        host=cluster.host_link_gbs * 1e9,
     )
 
 
@@ -167,6 +167,11 @@ def _check_divisible(layout: Layout, seq_length: int) -> None:
         raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
 
 
+# Layout.split's fields: memo keys hold them as a plain tuple, which hashes faster than the PipelineSplit.
+_split_fields = attrgetter("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+                           "pipeline_layout")
+
+
 def _microbatches(layout: Layout) -> int:
     return layout.num_microbatches or max(1, layout.gbs // max(1, layout.mbs * layout.dp))
 
@@ -213,7 +218,7 @@ class _Stages:
         self.model, self.seq_length, self.constants, self.run = model, seq_length, constants, run
         self.calibration, self.compute_capability = calibration, compute_capability
         self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
-        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split)
+        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
         self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
         self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
 
@@ -221,22 +226,24 @@ class _Stages:
         """The activation shape of ``lo`` (its sizes divide: ``_check_divisible``) and its stages' memory."""
         model, constants = self.model, self.constants
         vpp = lo.vpp if lo.pp > 1 else 1
-        split = lo.split
+        split = _split_fields(lo)
         ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
         shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
         acts_key = (*shape_axes, lo.pp, vpp, split)
-        if acts_key not in self._activations:
+        kept = self._activations.get(acts_key)
+        if kept is None:
             shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
-            self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, split, constants)
-        shape, acts = self._activations[acts_key]
+            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
+        shape, acts = kept
         params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
-        if params_key not in self._params:
-            self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=split)
-        params = self._params[params_key]
+        params = self._params.get(params_key)
+        if params is None:
+            params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
         states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
-        if states_key not in self._states:
-            self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability, self.run)
-        return shape, _combine_stages(model, lo, params, acts, self._states[states_key], constants, self._factors)
+        states = self._states.get(states_key)
+        if states is None:
+            states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability, self.run)
+        return shape, _combine_stages(model, lo, params, acts, states, constants, self._factors)
 
 
 def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: EstimatorConstants,
@@ -301,6 +308,8 @@ class Estimator:
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
         self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
+        self._links: dict[tuple, Links] = {}  # by the sizes that set each group's span
+        self._slowest: dict[tuple, float] = {}  # slowest_stage, by the fields it reads
 
     @classmethod
     def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None) -> Estimator:
@@ -335,20 +344,29 @@ class Estimator:
 
         ep, etp = shape.ep, shape.etp
         vpp = lo.vpp if lo.pp > 1 else 1
-        microbatches = _microbatches(lo)
-        links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
-                       constants.comm_efficiency, cluster.host_link_gbs)
+        sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
+        links = self._links.get(sizes)
+        if links is None:
+            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency)
+        dispatcher = lo.dispatcher if model.is_moe else "alltoall"
+        a2a_overlap = lo.moe_a2a_overlap and model.is_moe
         inputs = TimeInputs(
-            seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
-            dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
-            distributed_optimizer=lo.distributed_optimizer, split=lo.split,
-            overlap_grad_reduce=self.run.overlaps_grad_reduce,
-            dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
+            seq_length=seq_length, mbs=lo.mbs, num_microbatches=_microbatches(lo), tp=lo.tp, pp=lo.pp, vpp=vpp,
+            cp=lo.cp, dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision,
+            recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
+            overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
             cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
             offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
         )
-        seconds = _step_time_cached(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
-                                    tuple(st.params.expert for st in stages), constants)
+        # Everything slowest_stage reads: the sizes within a stage and their links, the pipeline and its split, the
+        # precision, recompute and the MoE and CUDA-graph knobs. Layouts that differ only in DP share it.
+        stage_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
+                     lo.cuda_graph, lo.pp, vpp, _split_fields(lo))
+        slowest = self._slowest.get(stage_key)
+        if slowest is None:
+            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants)
+        seconds = step_time(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
+                            tuple(st.params.expert for st in stages), constants, slowest)
         if calibration:
             seconds *= calibration.step_time_factor
         tokens = lo.gbs * seq_length
@@ -363,8 +381,6 @@ class Estimator:
             may_fit=band[0] + non_torch <= self._limit,
         )
 
-
-_step_time_cached = lru_cache(maxsize=65536)(step_time)
 
 P = ParamSpec("P")
 

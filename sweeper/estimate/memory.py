@@ -460,7 +460,8 @@ def layer_activations(spec: ModelSpec, s: ActivationShape, constants: EstimatorC
     return LayerActivations(MappingProxyType(blocks), MappingProxyType(rebuilt), layer_input_bytes(spec, s), dispatch)
 
 
-@lru_cache(maxsize=65536)
+# Not cached here: the Estimator keeps each result per value of the layout fields it depends on, so a cache would
+# only hash the model spec and the shape again on every call.
 def stage_activations(
     spec: ModelSpec,
     s: ActivationShape,

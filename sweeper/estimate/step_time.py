@@ -150,16 +150,12 @@ class TimeInputs:
     fsdp: str | None = None  # Layout.fsdp: Megatron-FSDP's sharding strategy
 
 
-def step_time(
-    spec: ModelSpec,
-    x: TimeInputs,
-    device: Device,
-    links: Links,
-    stage_dense_params: tuple[int, ...],
-    stage_expert_params: tuple[int, ...],
-    constants: EstimatorConstants,
-) -> float:
-    """Seconds per optimizer step (all micro-batches of the global batch)."""
+def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
+                  ) -> float:
+    """Seconds of the slowest pipeline stage per micro-batch: its compute and its exposed tensor/context/expert-
+    parallel communication. Of ``x`` it reads the sizes within a stage (MBS, TP, SP, CP, EP, ETP), PP, VPP and the
+    split, the precision, recompute, dispatcher, all-to-all overlap and CUDA graphs; of ``links`` TP, CP, EP and ETP:
+    not the data-parallel side, the micro-batch count or offload."""
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     bf16_rate = device.bf16_tflops * TFLOP * constants.achievable_mfu
     gemm_rate = bf16_rate
@@ -218,6 +214,25 @@ def step_time(
             logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp)
             compute += tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
         slowest = max(slowest, compute / x.tp + comm)
+    return slowest
+
+
+def step_time(
+    spec: ModelSpec,
+    x: TimeInputs,
+    device: Device,
+    links: Links,
+    stage_dense_params: tuple[int, ...],
+    stage_expert_params: tuple[int, ...],
+    constants: EstimatorConstants,
+    slowest: float | None = None,
+) -> float:
+    """Seconds per optimizer step (all micro-batches of the global batch). ``slowest``: what ``slowest_stage`` gives
+    for the same arguments, when the caller keeps it (the Estimator does, per value of the fields it reads)."""
+    if slowest is None:
+        slowest = slowest_stage(spec, x, device, links, constants)
+    tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
+    act_bytes = 4 if x.precision == "fp32" else 2
 
     if x.offload_layers:  # each offloaded layer's activations go out in forward and come back in backward
         layers = max(1, sum(n for _, n in stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)[0]))

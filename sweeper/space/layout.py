@@ -206,7 +206,10 @@ class Layout:
     def _knobs(self) -> dict[str, Any]:
         """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
         a layout that sets none reads and writes exactly as before the knobs existed)."""
-        return {name: value for name, value in zip(KNOBS, _knob_values(self)) if value != _KNOB_DEFAULTS[name]}
+        values = _knob_values(self)
+        if values == _KNOB_DEFAULT_VALUES:  # most layouts: nothing to add
+            return {}
+        return {name: value for name, value in zip(KNOBS, values) if value != _KNOB_DEFAULTS[name]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
@@ -406,6 +409,7 @@ _BRIDGE_PRECISION: dict[str, str] = {
 # The issue-18 knobs (axis keys, Layout fields) and the value each takes when it is not set (the field's default).
 KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers", "fsdp")
 _KNOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Layout) if f.name in KNOBS}
+_KNOB_DEFAULT_VALUES: tuple[Any, ...] = tuple(_KNOB_DEFAULTS[name] for name in KNOBS)
 # Read with one call each: plan serialises every layout of a space.
 _knob_values = attrgetter(*(AXIS[name].field for name in KNOBS))
 _contract_values = attrgetter(*CONTRACT_KEYS)
