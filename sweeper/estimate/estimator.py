@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property
 from operator import attrgetter
 from typing import Any, Concatenate, ParamSpec
 
@@ -128,24 +127,22 @@ class StageMemory:
     in_flight_microbatches: float
     params: StageParams  # the parameters this rank holds
     layer_activation_bytes: float = 0.0  # one decoder layer's activations per micro-batch (what offload moves)
+    # Weights, grads and optimizer state: made once, kept for the whole run.
+    state_gib: float = field(init=False, repr=False, compare=False)
+    # What the peak holds beyond the state: forward/backward's activations, transients and logits, or the optimizer
+    # step's grad copies, whichever is larger.
+    dynamic_gib: float = field(init=False, repr=False, compare=False)
 
-    # Cached: ``estimate`` reads the state and the dynamic part several times per stage.
-    @cached_property
-    def state_gib(self) -> float:
-        """Weights, grads and optimizer state: made once, kept for the whole run."""
-        return sum(self.parts[k] for k in STATE_KEYS)
+    def __post_init__(self) -> None:
+        # Computed once here: ``estimate`` reads both several times for every stage of every layout of a space.
+        object.__setattr__(self, "state_gib", sum(self.parts[k] for k in STATE_KEYS))
+        object.__setattr__(self, "dynamic_gib", dynamic_gib(self.parts))
 
     @property
     def between_steps_gib(self) -> float:
         """Allocated between two steps (what Megatron's report_memory prints after an iteration): the state and
         the optimizer's FP32 grad copies, which live from the optimizer step until the next zero_grad."""
         return self.state_gib + sum(self.parts[k] for k in STEP_KEYS)
-
-    @cached_property
-    def dynamic_gib(self) -> float:
-        """What the peak holds beyond the state: forward/backward's activations, transients and logits, or the
-        optimizer step's grad copies, whichever is larger."""
-        return dynamic_gib(self.parts)
 
     @property
     def allocated_gib(self) -> float:

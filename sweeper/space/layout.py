@@ -133,7 +133,8 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel size (0 when the world size does not divide; rules report that)."""
-        return self.world_size // self.model_parallel if self.world_size % self.model_parallel == 0 else 0
+        model_parallel = self.tp * self.pp * self.cp
+        return self.world_size // model_parallel if self.world_size % model_parallel == 0 else 0
 
     @property
     def edp(self) -> int:
