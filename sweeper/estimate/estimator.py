@@ -47,8 +47,15 @@ from sweeper.estimate.memory import (
     stage_activations,
     stage_params,
 )
-from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, slowest_stage, step_time
-from sweeper.models.spec import ModelSpec
+from sweeper.estimate.step_time import (
+    Links,
+    TimeInputs,
+    block_seconds,
+    group_bandwidth,
+    slowest_stage,
+    step_time,
+)
+from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.layout import Layout
 
 
@@ -306,6 +313,7 @@ class Estimator:
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
         self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
         self._links: dict[tuple, Links] = {}  # by the sizes that set each group's span
+        self._blocks: dict[tuple, dict[Block, tuple[float, float]]] = {}  # block_seconds, by the fields it reads
         self._slowest: dict[tuple, float] = {}  # slowest_stage, by the fields it reads
 
     @classmethod
@@ -355,13 +363,18 @@ class Estimator:
             cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
             offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
         )
-        # Everything slowest_stage reads: the sizes within a stage and their links, the pipeline and its split, the
-        # precision, recompute and the MoE and CUDA-graph knobs. Layouts that differ only in DP share it.
-        stage_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
-                     lo.cuda_graph, lo.pp, vpp, _split_fields(lo))
+        # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
+        # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.
+        block_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
+                     lo.cuda_graph)
+        stage_key = (*block_key, lo.pp, vpp, _split_fields(lo))
         slowest = self._slowest.get(stage_key)
         if slowest is None:
-            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants)
+            per_block = self._blocks.get(block_key)
+            if per_block is None:
+                per_block = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants)
+            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants,
+                                                               per_block)
         seconds = step_time(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
                             tuple(st.params.expert for st in stages), constants, slowest)
         if calibration:
