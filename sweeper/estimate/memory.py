@@ -454,8 +454,10 @@ class LayerActivations:
 def layer_activations(spec: ModelSpec, s: ActivationShape, constants: EstimatorConstants) -> LayerActivations:
     kinds_used = spec.block_counts.keys()
     blocks = {b: block_activation(spec, b, s) for b in kinds_used}
-    plain = replace(s, recompute="none")
-    rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used} if s.modules else {}
+    rebuilt = {}
+    if s.modules:
+        plain = replace(s, recompute="none")
+        rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used}
     dispatch = dispatch_buffer_bytes(spec, s, constants) if spec.is_moe else 0.0
     return LayerActivations(MappingProxyType(blocks), MappingProxyType(rebuilt), layer_input_bytes(spec, s), dispatch)
 
