@@ -811,3 +811,29 @@ def test_stage_memory_is_the_memory_estimate_reports() -> None:
     assert {k: e.breakdown[k] for k in worst.parts} == worst.parts
     assert stages != stage_memory(NEMOTRON, lo, 4096, calibration=replace(calibration, moe_hot_rank_factor=None),
                                   compute_capability=H100.compute_capability)
+
+
+def test_estimator_memos_are_keyed_by_every_field_they_read() -> None:
+    # The Estimator's memos (stage activations, parameters, state, links, per-block and slowest-stage seconds) are
+    # keyed by the layout fields each reads. A field missing from a key would hand one layout another's value, so
+    # every layout, met in an order that shares the memos as much as possible, must get what a lone estimate() gives.
+    # Two GPUs a node put every group size on its own link; a short sequence makes kernel launches (CUDA graphs) count.
+    from sweeper.estimate import Estimator
+
+    cluster = ClusterConfig(nodes=8, gpus_per_node=2, gpu_memory_gib=96, compute_capability="12.0")
+    calibration, seq = Calibration(moe_hot_rank_factor=1.5), 256
+    layouts = [Layout(world_size=w, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=tp > 1, mbs=1, gbs=64,
+                      precision=precision, recompute=recompute, moe_token_dispatcher=dispatcher,
+                      moe_a2a_overlap=overlap, cuda_graph=graph, offload_layers=offload)
+               for w in (8, 16) for tp, cp in ((1, 1), (2, 1), (1, 2)) for pp, vpp in ((1, 1), (2, 1), (2, 2))
+               for ep, etp in ((1, 1), (2, 1), (2, 2), (4, 1)) for precision, recompute in (("bf16", "none"), ("fp8", "full"))
+               for dispatcher in (None, "allgather") for overlap in (False, True) for graph in ("none", "local")
+               for offload in ((0, 1) if pp == 1 else (0,))]
+    for model in (NEMOTRON, LLAMA):
+        estimator = Estimator(model, cluster, seq, calibration=calibration)
+        for lo in layouts:
+            try:
+                expected = estimate(model, lo, cluster, seq, calibration=calibration)
+            except ValueError:  # sizes that do not divide
+                continue
+            assert estimator(lo) == expected, lo.short()
