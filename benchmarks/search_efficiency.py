@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from sweeper.config.load import load_config  # noqa: E402
 from sweeper.config.schema import SweepConfig  # noqa: E402
-from sweeper.plan.assess import assess  # noqa: E402
+from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.search.loop import prior_proposals  # noqa: E402
 from sweeper.search.study import LayoutStudy  # noqa: E402
@@ -66,10 +66,9 @@ class Landscape:
 
 def estimator_landscape(cfg: SweepConfig) -> Landscape:
     samples = {}
-    for layout in enumerate_layouts(cfg):
-        entry = assess(cfg, layout)
+    for entry in assess_all(cfg, enumerate_layouts(cfg)):
         if entry.launchable and entry.predicted and entry.predicted.tokens_per_s:
-            samples[layout] = [entry.predicted.tokens_per_s]
+            samples[entry.layout] = [entry.predicted.tokens_per_s]
     return Landscape(samples, "stand-in: estimator predictions")
 
 
@@ -87,7 +86,7 @@ def measured_landscape(table: dict) -> Landscape:
 
 def prior(cfg: SweepConfig, land: Landscape) -> list[Layout]:
     """The estimator's fastest predicted layouts, which a TPE sweep proposes first (none on a simulated cluster)."""
-    predicted = {lo: assess(cfg, lo).predicted for lo in land.samples}
+    predicted = {entry.layout: entry.predicted for entry in assess_all(cfg, list(land.samples))}
     ranked = sorted(land.samples, key=lambda lo: -((predicted[lo].tokens_per_s or 0.0) if predicted[lo] else 0.0))
     return ranked[:prior_proposals(land.simulated)]
 

@@ -1,5 +1,5 @@
 """Does the step-time model rank layouts as measured? Published throughput of several layouts of one model on one
-cluster (tests/data/measured_throughput.json) against ``estimate()``'s predicted throughput.
+cluster (tests/data/measured_throughput.json) against the estimator's predicted throughput.
 
 Per group: every layout's measured MFU next to the predicted MFU (model FLOPs per token x predicted tokens/s per
 GPU / the device's BF16 peak) and whether the estimator says it fits; then the pairs of measured layouts whose
@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config.schema import ClusterConfig
-from sweeper.estimate import estimate
+from sweeper.estimate import Estimator
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.models.catalog import resolve_model
@@ -32,11 +32,12 @@ def predict(group: dict[str, Any]) -> list[dict[str, Any]]:
     seq = int(group["seq_length"])
     peak = device_for(cluster.gpu_kind, cluster.compute_capability).bf16_tflops * 1e12
     flops_per_token = model_flops_per_token(model, seq)
+    estimator = Estimator(model, cluster, seq)
     rows = []
     for row in group["rows"]:
         layout = Layout.from_dict({"precision": "bf16", "recompute": "none", "distributed_optimizer": True,
                                    **row["layout"]})
-        e = estimate(model, layout, cluster, seq)
+        e = estimator(layout)
         tokens_per_gpu = (e.tokens_per_s or 0.0) / layout.world_size
         rows.append({
             "method": row["method"],

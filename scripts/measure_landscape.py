@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sweeper.config.load import load_config  # noqa: E402
-from sweeper.plan.assess import assess  # noqa: E402
+from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.files import write_atomic  # noqa: E402
 from sweeper.trial.host import open_host  # noqa: E402
@@ -66,7 +66,7 @@ def main() -> int:
     }
     work = Path(tempfile.mkdtemp(prefix="sweeper-landscape-"))
     with open_host(cfg) as host:
-        layouts = [e.layout for e in (assess(cfg, lo) for lo in enumerate_layouts(cfg))
+        layouts = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg))
                    if e.launchable and host.unsupported(cfg.model, e.layout) is None]
         print(f"{len(layouts)} launchable layouts x {args.repeats} repeats", flush=True)
         for layout in layouts:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate import estimate
+from sweeper.estimate import Estimator
 from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
@@ -45,6 +45,7 @@ class Calibrator:
         self.samples: list[Sample] = []
         self.current: Calibration | None = load(cache_path(), key(cfg))
         self.report: FitReport | None = None
+        self._raw = Estimator.for_config(cfg)  # the uncalibrated predictions the samples are fitted against
 
     def add(self, layout: Layout, result: TrialResult) -> CalibrationUpdate:
         """Refit with one more measured trial (only a passed trial's device memory calibrates memory). A MoE
@@ -56,8 +57,7 @@ class Calibrator:
             self.current = replace(self.current or Calibration(), moe_hot_rank_factor=factor)
         if not result.passed or result.memory_kind != "device" or result.metrics.peak_memory_gib is None:
             return CalibrationUpdate(changed=raised)
-        raw = estimate(self.cfg.model, layout, self.cfg.cluster, self.cfg.training.seq_length,
-                       constants=self.cfg.estimate, headroom=self.cfg.search.memory_headroom, run=self.cfg.run)
+        raw = self._raw(layout)
         self.samples.append(Sample(
             breakdown=raw.breakdown, fragmentation=self.cfg.estimate.allocator_fragmentation,
             predicted_step_s=raw.step_time_s, measured_peak_gib=result.metrics.peak_memory_gib,

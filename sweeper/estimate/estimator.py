@@ -26,13 +26,14 @@ raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layout
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import cached_property, lru_cache
-from typing import Any
+from operator import attrgetter
+from typing import Any, Concatenate, ParamSpec
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
-from sweeper.config.schema import ClusterConfig, memory_limit_gib
+from sweeper.config.schema import ClusterConfig, SweepConfig, memory_limit_gib
 from sweeper.config.units import GIB
 from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dynamic_gib
 from sweeper.estimate.devices import device_for
@@ -46,8 +47,15 @@ from sweeper.estimate.memory import (
     stage_activations,
     stage_params,
 )
-from sweeper.estimate.step_time import Links, TimeInputs, group_bandwidth, step_time
-from sweeper.models.spec import ModelSpec
+from sweeper.estimate.step_time import (
+    Links,
+    TimeInputs,
+    block_seconds,
+    group_bandwidth,
+    slowest_stage,
+    step_time,
+)
+from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.layout import Layout
 
 
@@ -95,13 +103,12 @@ def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
     return constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
 
 
-@lru_cache(maxsize=8192)
-def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: float, efficiency: float,
-           host_gbs: float) -> Links:
-    intra, inter = intra_gbs * 1e9 * efficiency, inter_gbs * 1e9 * efficiency
+def _links(layout: Layout, cluster: ClusterConfig, efficiency: float) -> Links:
+    intra = cluster.intra_node_bandwidth_gbs * 1e9 * efficiency
+    inter = cluster.inter_node_bandwidth_gbs * 1e9 * efficiency
 
     def bw(span: int) -> float:
-        return group_bandwidth(span, gpus_per_node, intra, inter)
+        return group_bandwidth(span, cluster.gpus_per_node, intra, inter)
 
     tp, cp, dp = layout.tp, layout.cp, layout.dp
     return Links(
@@ -112,7 +119,7 @@ def _links(layout: Layout, gpus_per_node: int, intra_gbs: float, inter_gbs: floa
         etp=bw(layout.etp),
         ep=bw(layout.etp * layout.ep),
         edp=bw(layout.etp * layout.ep * layout.edp),
-        host=host_gbs * 1e9,
+        host=cluster.host_link_gbs * 1e9,
     )
 
 
@@ -127,24 +134,22 @@ class StageMemory:
     in_flight_microbatches: float
     params: StageParams  # the parameters this rank holds
     layer_activation_bytes: float = 0.0  # one decoder layer's activations per micro-batch (what offload moves)
+    # Weights, grads and optimizer state: made once, kept for the whole run.
+    state_gib: float = field(init=False, repr=False, compare=False)
+    # What the peak holds beyond the state: forward/backward's activations, transients and logits, or the optimizer
+    # step's grad copies, whichever is larger.
+    dynamic_gib: float = field(init=False, repr=False, compare=False)
 
-    # Cached: ``estimate`` reads the state and the dynamic part several times per stage.
-    @cached_property
-    def state_gib(self) -> float:
-        """Weights, grads and optimizer state: made once, kept for the whole run."""
-        return sum(self.parts[k] for k in STATE_KEYS)
+    def __post_init__(self) -> None:
+        # Computed once here: ``estimate`` reads both several times for every stage of every layout of a space.
+        object.__setattr__(self, "state_gib", sum(self.parts[k] for k in STATE_KEYS))
+        object.__setattr__(self, "dynamic_gib", dynamic_gib(self.parts))
 
     @property
     def between_steps_gib(self) -> float:
         """Allocated between two steps (what Megatron's report_memory prints after an iteration): the state and
         the optimizer's FP32 grad copies, which live from the optimizer step until the next zero_grad."""
         return self.state_gib + sum(self.parts[k] for k in STEP_KEYS)
-
-    @cached_property
-    def dynamic_gib(self) -> float:
-        """What the peak holds beyond the state: forward/backward's activations, transients and logits, or the
-        optimizer step's grad copies, whichever is larger."""
-        return dynamic_gib(self.parts)
 
     @property
     def allocated_gib(self) -> float:
@@ -164,6 +169,11 @@ def _check_divisible(layout: Layout, seq_length: int) -> None:
         raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
     if seq_length % lo.cp:
         raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
+
+
+# Layout.split's fields: memo keys hold them as a plain tuple, which hashes faster than the PipelineSplit.
+_split_fields = attrgetter("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
+                           "pipeline_layout")
 
 
 def _microbatches(layout: Layout) -> int:
@@ -197,19 +207,47 @@ def stage_memory(
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
     ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
     _check_divisible(layout, seq_length)
-    shape = _activation_shape(model, layout, seq_length, constants)
-    return _stage_memory(model, layout, shape, constants, calibration or Calibration(), compute_capability, run)
+    return _Stages(model, seq_length, constants, calibration, compute_capability, run)(layout)[1]
 
 
-def _stage_memory(
-    model: ModelSpec, lo: Layout, shape: ActivationShape, constants: EstimatorConstants, calibration: Calibration,
-    compute_capability: str | None, run: RunSettings,
-) -> tuple[StageMemory, ...]:
-    vpp = lo.vpp if lo.pp > 1 else 1
-    params = stage_params(model, lo.tp, lo.pp, vpp, shape.ep, shape.etp, split=lo.split)
-    acts = stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
-    states = _stage_states(params, lo, constants, compute_capability, run)
-    return _combine_stages(model, lo, params, acts, states, constants, calibration)
+class _Stages:
+    """``stage_memory`` for the many layouts of one model and settings. The parts that depend on fewer axes than the
+    whole layout (a stage's parameters, its model state, its activations per micro-batch) are kept per value of
+    those axes, so ``plan`` computes each a few hundred times instead of once per layout. The memos are dicts keyed
+    by plain tuples of layout fields in front of the module's lru_caches, which would hash the model spec and the
+    frozen dataclasses on every lookup. The kept values are tuples of frozen dataclasses, never mutated."""
+
+    def __init__(self, model: ModelSpec, seq_length: int, constants: EstimatorConstants,
+                 calibration: Calibration | None, compute_capability: str | None, run: RunSettings) -> None:
+        self.model, self.seq_length, self.constants, self.run = model, seq_length, constants, run
+        self.calibration, self.compute_capability = calibration, compute_capability
+        self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
+        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
+        self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
+        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+
+    def __call__(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
+        """The activation shape of ``lo`` (its sizes divide: ``_check_divisible``) and its stages' memory."""
+        model, constants = self.model, self.constants
+        vpp = lo.vpp if lo.pp > 1 else 1
+        split = _split_fields(lo)
+        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
+        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
+        acts_key = (*shape_axes, lo.pp, vpp, split)
+        kept = self._activations.get(acts_key)
+        if kept is None:
+            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
+            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
+        shape, acts = kept
+        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
+        params = self._params.get(params_key)
+        if params is None:
+            params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
+        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
+        states = self._states.get(states_key)
+        if states is None:
+            states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability, self.run)
+        return shape, _combine_stages(model, lo, params, acts, states, constants, self._factors)
 
 
 def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: EstimatorConstants,
@@ -255,26 +293,9 @@ def _combine_stages(
     return tuple(out)
 
 
-def estimate(
-    model: ModelSpec,
-    layout: Layout,
-    cluster: ClusterConfig,
-    seq_length: int,
-    constants: EstimatorConstants = EstimatorConstants(),
-    headroom: float = 0.10,
-    calibration: Calibration | None = None,
-    run: RunSettings = RunSettings(),
-) -> Estimate:
-    """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster`` under the run
-    settings ``run`` (the YAML's ``run:``)."""
-    return Estimator(model, cluster, seq_length, constants, headroom, calibration, run)(layout)
-
-
 class Estimator:
-    """``estimate`` for the many layouts of one model, cluster and settings (a space): the parts that depend on
-    fewer axes than the whole layout (a stage's parameters, its model state, its activations per micro-batch) are
-    kept per value of those axes, so ``plan`` computes each a few hundred times instead of once per layout. The kept
-    values are tuples of frozen dataclasses, never mutated."""
+    """``estimate`` for the many layouts of one model, cluster and settings (a space): stage memory through one
+    ``_Stages`` (its memos serve every layout), step time through the module's caches."""
 
     def __init__(
         self,
@@ -288,39 +309,25 @@ class Estimator:
     ) -> None:
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
         self.constants, self.calibration, self.run = constants, calibration, run
-        self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
-        self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split)
-        self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
-        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+        self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
+        self._links: dict[tuple, Links] = {}  # by the sizes that set each group's span
+        self._blocks: dict[tuple, dict[Block, tuple[float, float]]] = {}  # block_seconds, by the fields it reads
+        self._slowest: dict[tuple, float] = {}  # slowest_stage, by the fields it reads
 
-    def _stage_memory(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
-        model, constants, run = self.model, self.constants, self.run
-        vpp = lo.vpp if lo.pp > 1 else 1
-        split = lo.split
-        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
-        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
-        acts_key = (*shape_axes, lo.pp, vpp, split)
-        if acts_key not in self._activations:
-            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
-            self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, split, constants)
-        shape, acts = self._activations[acts_key]
-        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
-        if params_key not in self._params:
-            self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=split)
-        params = self._params[params_key]
-        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
-        if states_key not in self._states:
-            self._states[states_key] = _stage_states(params, lo, constants, self.cluster.compute_capability, run)
-        stages = _combine_stages(model, lo, params, acts, self._states[states_key], constants, self._factors)
-        return shape, stages
+    @classmethod
+    def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None) -> Estimator:
+        """The estimator of a sweep's model, cluster and settings (the YAML's ``estimate:``, ``run:`` and memory
+        headroom)."""
+        return cls(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
+                   headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, model, cluster, constants, calibration = layout, self.model, self.cluster, self.constants, self.calibration
         seq_length = self.seq_length
         _check_divisible(lo, seq_length)
-        shape, stages = self._stage_memory(lo)
+        shape, stages = self._stages(lo)
         non_torch = non_torch_gib(lo, constants)
 
         worst: dict[str, float] = {}
@@ -342,20 +349,34 @@ class Estimator:
 
         ep, etp = shape.ep, shape.etp
         vpp = lo.vpp if lo.pp > 1 else 1
-        microbatches = _microbatches(lo)
-        links = _links(lo, cluster.gpus_per_node, cluster.intra_node_bandwidth_gbs, cluster.inter_node_bandwidth_gbs,
-                       constants.comm_efficiency, cluster.host_link_gbs)
+        sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
+        links = self._links.get(sizes)
+        if links is None:
+            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency)
+        dispatcher = lo.dispatcher if model.is_moe else "alltoall"
+        a2a_overlap = lo.moe_a2a_overlap and model.is_moe
         inputs = TimeInputs(
-            seq_length=seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp, cp=lo.cp,
-            dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision, recompute=lo.recompute,
-            distributed_optimizer=lo.distributed_optimizer, split=lo.split,
-            overlap_grad_reduce=self.run.overlaps_grad_reduce,
-            dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
+            seq_length=seq_length, mbs=lo.mbs, num_microbatches=_microbatches(lo), tp=lo.tp, pp=lo.pp, vpp=vpp,
+            cp=lo.cp, dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision,
+            recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
+            overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
             cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
             offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
         )
-        seconds = _step_time_cached(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
-                                    tuple(st.params.expert for st in stages), constants)
+        # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
+        # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.
+        block_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
+                     lo.cuda_graph)
+        stage_key = (*block_key, lo.pp, vpp, _split_fields(lo))
+        slowest = self._slowest.get(stage_key)
+        if slowest is None:
+            per_block = self._blocks.get(block_key)
+            if per_block is None:
+                per_block = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants)
+            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants,
+                                                               per_block)
+        seconds = step_time(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
+                            tuple(st.params.expert for st in stages), constants, slowest)
         if calibration:
             seconds *= calibration.step_time_factor
         tokens = lo.gbs * seq_length
@@ -371,4 +392,23 @@ class Estimator:
         )
 
 
-_step_time_cached = lru_cache(maxsize=65536)(step_time)
+P = ParamSpec("P")
+
+
+def _for_one_layout(
+    make: Callable[Concatenate[ModelSpec, ClusterConfig, int, P], Estimator],
+) -> Callable[Concatenate[ModelSpec, Layout, ClusterConfig, int, P], Estimate]:
+    """``estimate`` from the ``Estimator`` class: its arguments with the layout second, listed once (in
+    ``Estimator.__init__``) and type-checked against it."""
+
+    def estimate(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int, /,
+                 *args: P.args, **kwargs: P.kwargs) -> Estimate:
+        """Predict peak per-GPU memory and step time of ``layout`` for ``model`` on ``cluster``. The further
+        arguments are ``Estimator``'s: ``constants``, ``headroom`` (0.10), ``calibration`` and ``run`` (the YAML's
+        ``run:``). For many layouts of one model and cluster, build one ``Estimator`` and call it per layout."""
+        return make(model, cluster, seq_length, *args, **kwargs)(layout)
+
+    return estimate
+
+
+estimate = _for_one_layout(Estimator)

@@ -454,13 +454,16 @@ class LayerActivations:
 def layer_activations(spec: ModelSpec, s: ActivationShape, constants: EstimatorConstants) -> LayerActivations:
     kinds_used = spec.block_counts.keys()
     blocks = {b: block_activation(spec, b, s) for b in kinds_used}
-    plain = replace(s, recompute="none")
-    rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used} if s.modules else {}
+    rebuilt = {}
+    if s.modules:
+        plain = replace(s, recompute="none")
+        rebuilt = {b: block_activation(spec, b, plain) - blocks[b] for b in kinds_used}
     dispatch = dispatch_buffer_bytes(spec, s, constants) if spec.is_moe else 0.0
     return LayerActivations(MappingProxyType(blocks), MappingProxyType(rebuilt), layer_input_bytes(spec, s), dispatch)
 
 
-@lru_cache(maxsize=65536)
+# Not cached here: the Estimator keeps each result per value of the layout fields it depends on, so a cache would
+# only hash the model spec and the shape again on every call.
 def stage_activations(
     spec: ModelSpec,
     s: ActivationShape,

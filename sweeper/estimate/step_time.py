@@ -123,7 +123,9 @@ def ring(size_bytes: float, group: int, bandwidth: float) -> float:
     return (group - 1) / group * size_bytes / bandwidth
 
 
-@dataclass(frozen=True)
+# Not frozen: the Estimator builds one per layout of a space, and a frozen dataclass sets each of these fields through
+# object.__setattr__ (twice the time). Never changed after it is built.
+@dataclass
 class TimeInputs:
     seq_length: int
     mbs: int
@@ -150,23 +152,24 @@ class TimeInputs:
     fsdp: str | None = None  # Layout.fsdp: Megatron-FSDP's sharding strategy
 
 
-def step_time(
-    spec: ModelSpec,
-    x: TimeInputs,
-    device: Device,
-    links: Links,
-    stage_dense_params: tuple[int, ...],
-    stage_expert_params: tuple[int, ...],
-    constants: EstimatorConstants,
-) -> float:
-    """Seconds per optimizer step (all micro-batches of the global batch)."""
-    tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
+def _rates(precision: str, device: Device, constants: EstimatorConstants) -> tuple[float, float]:
+    """Achieved FLOP/s of BF16 work and of the GEMMs (FP8/FP4 where the precision and the device have them)."""
     bf16_rate = device.bf16_tflops * TFLOP * constants.achievable_mfu
     gemm_rate = bf16_rate
-    if x.precision in ("fp8", "mxfp8") and device.fp8_tflops:
+    if precision in ("fp8", "mxfp8") and device.fp8_tflops:
         gemm_rate = device.fp8_tflops * TFLOP * constants.achievable_mfu_fp8
-    elif x.precision == "nvfp4" and device.fp4_tflops:
+    elif precision == "nvfp4" and device.fp4_tflops:
         gemm_rate = device.fp4_tflops * TFLOP * constants.achievable_mfu_fp4
+    return bf16_rate, gemm_rate
+
+
+def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
+                  ) -> dict[Block, tuple[float, float]]:
+    """Per block kind: compute seconds (before the TP split) and exposed communication seconds per micro-batch. Of
+    ``x`` it reads the sizes within a stage (MBS, TP, SP, CP, EP, ETP), the precision, recompute, dispatcher,
+    all-to-all overlap and CUDA graphs; of ``links`` TP, CP, EP and ETP."""
+    tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
+    bf16_rate, gemm_rate = _rates(x.precision, device, constants)
     act_bytes = 4 if x.precision == "fp32" else 2
     tp_bytes = tokens * spec.hidden_size * act_bytes  # one block's hidden state, gathered/scattered over TP
     routed = tokens / (x.tp if x.sp else 1) * spec.moe_router_topk * spec.hidden_size * act_bytes
@@ -178,8 +181,7 @@ def step_time(
     full = x.recompute == "full"
     core_passes = FWD_BWD_FACTOR + (1 if full or "core_attn" in modules else 0)
 
-    # Per block kind: compute seconds (before the TP split) and exposed communication seconds per micro-batch.
-    per_block: dict[str, tuple[float, float]] = {}
+    per_block: dict[Block, tuple[float, float]] = {}
     for b in spec.block_counts:
         f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
         # The mlp and moe modules recompute exactly the block of that name.
@@ -209,7 +211,18 @@ def step_time(
             comm += exchange
         comm += _exposed_launches(b, compute / x.tp + comm, x.cuda_graph, constants)
         per_block[b] = (compute, comm)
+    return per_block
 
+
+def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
+                  per_block: dict[Block, tuple[float, float]] | None = None) -> float:
+    """Seconds of the slowest pipeline stage per micro-batch: its compute and its exposed tensor/context/expert-
+    parallel communication. Reads what ``block_seconds`` reads (``per_block``: its result, when the caller keeps
+    it), PP, VPP and the split: not the data-parallel side, the micro-batch count or offload."""
+    if per_block is None:
+        per_block = block_seconds(spec, x, device, links, constants)
+    tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
+    gemm_rate = _rates(x.precision, device, constants)[1]
     slowest = 0.0
     for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
         compute = sum(n * per_block[b][0] for kind, n in kinds for b in kind)
@@ -218,6 +231,25 @@ def step_time(
             logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp)
             compute += tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
         slowest = max(slowest, compute / x.tp + comm)
+    return slowest
+
+
+def step_time(
+    spec: ModelSpec,
+    x: TimeInputs,
+    device: Device,
+    links: Links,
+    stage_dense_params: tuple[int, ...],
+    stage_expert_params: tuple[int, ...],
+    constants: EstimatorConstants,
+    slowest: float | None = None,
+) -> float:
+    """Seconds per optimizer step (all micro-batches of the global batch). ``slowest``: what ``slowest_stage`` gives
+    for the same arguments, when the caller keeps it (the Estimator does, per value of the fields it reads)."""
+    if slowest is None:
+        slowest = slowest_stage(spec, x, device, links, constants)
+    tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
+    act_bytes = 4 if x.precision == "fp32" else 2
 
     if x.offload_layers:  # each offloaded layer's activations go out in forward and come back in backward
         layers = max(1, sum(n for _, n in stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)[0]))

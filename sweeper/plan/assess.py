@@ -7,11 +7,12 @@ Instant and offline: imports neither torch, ray nor megatron. Each entry is the 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate import Estimate, Estimator, estimate
+from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
 from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
@@ -56,10 +57,7 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
     predicted = None
     if not reasons:
-        predicted = (estimator(layout) if estimator is not None else estimate(
-            cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-            headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run,
-        ))
+        predicted = (estimator or Estimator.for_config(cfg, calibration))(layout)
     return PlanEntry(layout, reasons, predicted)
 
 
@@ -71,10 +69,15 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[Pla
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
     """``assess`` for many layouts of the space, with one rule checker and one estimator for all of them."""
+    return list(assess_each(cfg, layouts, calibration))
+
+
+def assess_each(cfg: SweepConfig, layouts: Iterable[Layout], calibration: Calibration | None = None,
+                ) -> Iterator[PlanEntry]:
+    """``assess_all`` one layout at a time, for a caller that may stop at the first that serves."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
-    estimator = Estimator(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-                          headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
-    return [assess(cfg, lo, calibration, checker, estimator) for lo in layouts]
+    estimator = Estimator.for_config(cfg, calibration)
+    return (assess(cfg, lo, calibration, checker, estimator) for lo in layouts)
 
 
 def _order(entry: PlanEntry) -> tuple[int, float, float]:

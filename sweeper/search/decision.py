@@ -22,7 +22,7 @@ from typing import Any
 
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import readable
-from sweeper.estimate import Estimate, estimate
+from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialRecord
 from sweeper.search.selection import Candidate, is_stable
@@ -54,7 +54,8 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     ranked = sorted((c for c in cands if winner is None or c.number != winner.number),
                     key=lambda c: -c.median(objective))
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
-    predicted = [_estimate(cfg, cand.layout, calibration) for cand in chosen]
+    estimator = Estimator.for_config(cfg, calibration)
+    predicted = [estimator(cand.layout) for cand in chosen]
     rates = [_throughput(cfg, cand, p, calibration) for cand, p in zip(chosen, predicted, strict=True)]
     lead = rates[0]["median"]
     layouts = []
@@ -108,11 +109,6 @@ def projection(cfg: SweepConfig, layout_gpus: int, rate: dict[str, Any]) -> dict
         if budget.gpu_hour_usd is not None:
             out["cost_usd" + name] = out["gpu_hours" + name] * budget.gpu_hour_usd
     return out
-
-
-def _estimate(cfg: SweepConfig, layout: Layout, calibration: Calibration | None) -> Estimate:
-    return estimate(cfg.model, layout, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-                    headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
 
 
 def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicted: Estimate) -> dict[str, Any]:

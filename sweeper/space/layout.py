@@ -116,7 +116,7 @@ class Layout:
         constructor once): ``enumerate_layouts`` checks each axis value once, not once per layout of the product.
         ``fields`` becomes the layout's own and must not be used afterwards."""
         layout = object.__new__(cls)
-        layout.__dict__.update(fields)
+        object.__setattr__(layout, "__dict__", fields)
         return layout
 
     @property
@@ -133,7 +133,8 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel size (0 when the world size does not divide; rules report that)."""
-        return self.world_size // self.model_parallel if self.world_size % self.model_parallel == 0 else 0
+        model_parallel = self.tp * self.pp * self.cp
+        return self.world_size // model_parallel if self.world_size % model_parallel == 0 else 0
 
     @property
     def edp(self) -> int:
@@ -192,11 +193,7 @@ class Layout:
     # -- serialisation -------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """The contract's JSON layout object (plus the fields it needs to be rebuilt)."""
-        out: dict[str, Any] = dict(zip(CONTRACT_KEYS, _contract_values(self)))
-        out["gpus"] = self.world_size
-        out["distributed_optimizer"] = self.distributed_optimizer
-        out["first_stage_layers"] = self.first_stage_layers
-        out["last_stage_layers"] = self.last_stage_layers
+        out: dict[str, Any] = dict(zip(_DICT_KEYS, _dict_values(self)))
         if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
             out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
                        pipeline_layout=self.pipeline_layout)
@@ -206,7 +203,10 @@ class Layout:
     def _knobs(self) -> dict[str, Any]:
         """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
         a layout that sets none reads and writes exactly as before the knobs existed)."""
-        return {name: value for name, value in zip(KNOBS, _knob_values(self)) if value != _KNOB_DEFAULTS[name]}
+        values = _knob_values(self)
+        if values == _KNOB_DEFAULT_VALUES:  # most layouts: nothing to add
+            return {}
+        return {name: value for name, value in zip(KNOBS, values) if value != _KNOB_DEFAULTS[name]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Layout:
@@ -406,9 +406,14 @@ _BRIDGE_PRECISION: dict[str, str] = {
 # The issue-18 knobs (axis keys, Layout fields) and the value each takes when it is not set (the field's default).
 KNOBS: tuple[str, ...] = ("moe_token_dispatcher", "moe_a2a_overlap", "cuda_graph", "offload_layers", "fsdp")
 _KNOB_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(Layout) if f.name in KNOBS}
+_KNOB_DEFAULT_VALUES: tuple[Any, ...] = tuple(_KNOB_DEFAULTS[name] for name in KNOBS)
 # Read with one call each: plan serialises every layout of a space.
 _knob_values = attrgetter(*(AXIS[name].field for name in KNOBS))
-_contract_values = attrgetter(*CONTRACT_KEYS)
+# to_dict's keys that every layout writes, in order: the contract's, then what rebuilding the layout needs.
+_DICT_KEYS: tuple[str, ...] = (*CONTRACT_KEYS, "gpus", "distributed_optimizer", "first_stage_layers",
+                               "last_stage_layers")
+_dict_values = attrgetter(*CONTRACT_KEYS, "world_size", "distributed_optimizer", "first_stage_layers",
+                          "last_stage_layers")
 
 _PARSED = {a.name: a for a in PARSED}
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.plan.assess import assess
+from sweeper.plan.assess import assess_each
 from sweeper.plan.space import enumerate_layouts
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, reserved
@@ -47,11 +47,8 @@ def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
          for lo in enumerate_layouts(cfg)),
         key=lambda lo: (lo.world_size, lo.tp * lo.pp * lo.cp * lo.ep * lo.etp * lo.vpp),
     )
-    for layout in candidates:
-        entry = assess(cfg, layout)
-        if entry.launchable and host.unsupported(cfg.model, layout) is None:
-            return layout
-    return None
+    return next((entry.layout for entry in assess_each(cfg, candidates)
+                 if entry.launchable and host.unsupported(cfg.model, entry.layout) is None), None)
 
 
 def _reusable(cfg: SweepConfig, folder: Path) -> bool:

@@ -12,6 +12,7 @@ import json
 import math
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -797,3 +798,42 @@ def test_estimator_of_a_space_equals_estimate_layout_by_layout() -> None:
     estimator = Estimator(model, cluster, 4096, calibration=calibration)
     for lo in (lo for lo in layouts if lo.dp and lo.edp):  # sizes that divide
         assert estimator(lo) == estimate(model, lo, cluster, 4096, calibration=calibration)
+
+
+def test_stage_memory_is_the_memory_estimate_reports() -> None:
+    """``stage_memory`` and ``estimate`` share one path: the worst stage's parts are the estimate's breakdown, the
+    calibration (its measured hot-rank factor included) applied alike."""
+    lo = Layout(world_size=16, pp=2, ep=8, mbs=1, gbs=64)
+    calibration = Calibration(activation_factor=1.1, state_factor=0.9, moe_hot_rank_factor=2.0)
+    e = estimate(NEMOTRON, lo, H100, 4096, calibration=calibration)
+    stages = stage_memory(NEMOTRON, lo, 4096, calibration=calibration, compute_capability=H100.compute_capability)
+    worst = stages[int(e.breakdown["pipeline_rank"])]
+    assert {k: e.breakdown[k] for k in worst.parts} == worst.parts
+    assert stages != stage_memory(NEMOTRON, lo, 4096, calibration=replace(calibration, moe_hot_rank_factor=None),
+                                  compute_capability=H100.compute_capability)
+
+
+def test_estimator_memos_are_keyed_by_every_field_they_read() -> None:
+    # The Estimator's memos (stage activations, parameters, state, links, per-block and slowest-stage seconds) are
+    # keyed by the layout fields each reads. A field missing from a key would hand one layout another's value, so
+    # every layout, met in an order that shares the memos as much as possible, must get what a lone estimate() gives.
+    # Two GPUs a node put every group size on its own link; a short sequence makes kernel launches (CUDA graphs) count.
+    from sweeper.estimate import Estimator
+
+    cluster = ClusterConfig(nodes=8, gpus_per_node=2, gpu_memory_gib=96, compute_capability="12.0")
+    calibration, seq = Calibration(moe_hot_rank_factor=1.5), 256
+    layouts = [Layout(world_size=w, tp=tp, pp=pp, vpp=vpp, cp=cp, ep=ep, etp=etp, sp=tp > 1, mbs=1, gbs=64,
+                      precision=precision, recompute=recompute, moe_token_dispatcher=dispatcher,
+                      moe_a2a_overlap=overlap, cuda_graph=graph, offload_layers=offload)
+               for w in (8, 16) for tp, cp in ((1, 1), (2, 1), (1, 2)) for pp, vpp in ((1, 1), (2, 1), (2, 2))
+               for ep, etp in ((1, 1), (2, 1), (2, 2), (4, 1)) for precision, recompute in (("bf16", "none"), ("fp8", "full"))
+               for dispatcher in (None, "allgather") for overlap in (False, True) for graph in ("none", "local")
+               for offload in ((0, 1) if pp == 1 else (0,))]
+    for model in (NEMOTRON, LLAMA):
+        estimator = Estimator(model, cluster, seq, calibration=calibration)
+        for lo in layouts:
+            try:
+                expected = estimate(model, lo, cluster, seq, calibration=calibration)
+            except ValueError:  # sizes that do not divide
+                continue
+            assert estimator(lo) == expected, lo.short()

@@ -302,11 +302,11 @@ def test_a_space_the_backend_cannot_run_at_all_ends_without_asking(
 
 def test_grid_sampler_launches_every_launchable_layout_in_grid_order_once(
         tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
-    from sweeper.plan.assess import assess
+    from sweeper.plan.assess import assess_all
     from sweeper.plan.space import enumerate_layouts
 
     cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 40, "confirm_top": 0, "sampler": "grid"}})
-    grid = [lo for lo in enumerate_layouts(cfg) if assess(cfg, lo).launchable]
+    grid = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.launchable]
     assert len(grid) >= 6
     host = StandInHost(delay=0.05)
     sweep = make_sweep(cfg, host, parallel=1)  # one at a time: the launch order is the proposal order

@@ -16,7 +16,7 @@ from optuna.trial import TrialState
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
-from sweeper.plan.assess import assess
+from sweeper.plan.assess import assess_all
 from sweeper.plan.space import enumerate_layouts
 from sweeper.search.study import CONSTRAINT, LayoutStudy
 from sweeper.space.layout import Layout
@@ -41,7 +41,7 @@ def cfg(tmp_path_factory: pytest.TempPathFactory) -> SweepConfig:
 
 @pytest.fixture(scope="module")
 def launchable(cfg: SweepConfig) -> list[Layout]:
-    return [lo for lo in enumerate_layouts(cfg) if assess(cfg, lo).launchable]
+    return [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.launchable]
 
 
 def speed(layout: Layout) -> float:
