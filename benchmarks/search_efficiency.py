@@ -2,14 +2,17 @@
 
 Landscape, one of:
   --landscape FILE  MEASURED: every launchable layout of a CPU space measured several times on a simulated
-                    cluster (scripts/measure_landscape.py; tests/data/landscape_quickstart.json). Each replayed
-                    trial is told one of its layout's measured repeats (drawn with the seed), a layout that failed
-                    is told infeasible, and the target is the best layout's median less max(3%, the measured noise).
+                    cluster (scripts/measure_landscape.py; tests/data/landscape_quickstart.json: the quickstart's
+                    tiny MoE, 48 layouts; tests/data/landscape_dense.json: a tiny dense GPT with a recompute axis,
+                    benchmarks/spaces/landscape_dense.yaml, 80 layouts). Each replayed trial is told one of its
+                    layout's measured repeats (drawn with the seed), a layout that failed is told infeasible, and
+                    the target is the best layout's median less max(3%, the measured noise).
   SPACE             STAND-IN: the estimator's predicted tokens/s plays the measured throughput of every layout.
-As in a sweep, the study proposes only launchable layouts, each at most once, and TPE starts from the estimator's
-two fastest predicted layouts on GPUs (the sweep's prior, search.loop.PRIOR_PROPOSALS; a sweep on a simulated
-cluster, as the measured landscape was, opens without it). Strategies, each sweeper's
-LayoutStudy:
+As in a sweep, the study proposes only launchable layouts, each at most once, never one a measured trial dominates
+(``search.dominance``: a larger micro-batch of a layout that ran out of memory, a recompute variant of a layout
+that ran stable without recompute), and TPE starts from the estimator's two fastest predicted layouts on GPUs (the
+sweep's prior, search.loop.PRIOR_PROPOSALS; a sweep on a simulated cluster, as the measured landscapes were, opens
+without it). Strategies, each sweeper's LayoutStudy:
   tpe     - multivariate TPE with constraints and constant liar (define-by-run over the axes); a draw that is not
             a remaining launchable layout is declined (told to Optuna, not launched) and the nearest one proposed
   random  - uniformly random launchable layouts, without repetition
@@ -18,6 +21,7 @@ Prints, per strategy, the median over seeds of launched trials to reach 97% of t
 the launchable layouts, and the TPE / random ratio. Goal (issue 5): best within 3% after <= 15% of the layouts.
 
     python benchmarks/search_efficiency.py --landscape tests/data/landscape_quickstart.json [--seeds 20]
+    python benchmarks/search_efficiency.py --landscape tests/data/landscape_dense.json [--seeds 20]
     python benchmarks/search_efficiency.py [search_spaces/nemotron.yaml] [--seeds 5]
 """
 
@@ -31,7 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import optuna
@@ -43,7 +47,10 @@ from sweeper.config.load import load_config  # noqa: E402
 from sweeper.config.schema import SweepConfig  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
+from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
+from sweeper.search.dominance import Dominance  # noqa: E402
 from sweeper.search.loop import prior_proposals  # noqa: E402
+from sweeper.search.selection import is_stable  # noqa: E402
 from sweeper.search.study import LayoutStudy  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
@@ -52,6 +59,7 @@ from sweeper.space.layout import Layout  # noqa: E402
 class Landscape:
     samples: dict[Layout, list[float]]  # per launchable layout: its measured tokens/s (empty: it failed)
     kind: str
+    trials: dict[Layout, list[TrialResult]] = field(default_factory=dict)  # each measured repeat (measured only)
     noise: float = 0.0  # median coefficient of variation over repeats (measured landscapes)
     simulated: bool = False  # measured on a simulated cluster's CPU ranks, as scripts/measure_landscape.py does
 
@@ -73,15 +81,20 @@ def estimator_landscape(cfg: SweepConfig) -> Landscape:
 
 
 def measured_landscape(table: dict) -> Landscape:
-    samples = {}
+    samples, trials = {}, {}
     for entry in table["layouts"].values():
+        if not entry["trials"]:
+            continue  # a partial table (the measurement was stopped): not measured yet
+        layout = Layout.from_dict(entry["layout"])
         passed = [t["tokens_per_s"] for t in entry["trials"] if t["status"] == "passed" and t["tokens_per_s"]]
-        samples[Layout.from_dict(entry["layout"])] = passed if len(passed) == len(entry["trials"]) else []
+        samples[layout] = passed if len(passed) == len(entry["trials"]) else []
+        trials[layout] = [TrialResult(status=t["status"], failure_kind=t["failure_kind"], metrics=TrialMetrics(
+            tokens_per_s=t["tokens_per_s"], peak_memory_gib=t["peak_memory_gib"])) for t in entry["trials"]]
     machine = table["machine"]
     spreads = [statistics.pstdev(v) / statistics.mean(v) for v in samples.values() if len(v) > 1]
     repeats = max(len(e["trials"]) for e in table["layouts"].values())
     return Landscape(samples, f"measured on {machine['cores']} x {machine['cpu']}, {table['measured_at']}, up to "
-                     f"{repeats} repeats", statistics.median(spreads) if spreads else 0.0, simulated=True)
+                     f"{repeats} repeats", trials, statistics.median(spreads) if spreads else 0.0, simulated=True)
 
 
 def prior(cfg: SweepConfig, land: Landscape) -> list[Layout]:
@@ -96,6 +109,7 @@ class Outcome:
     launched: int  # trials launched until one reached the target
     asks: int  # Optuna asks those proposals cost
     declined: int  # TPE draws not launched (infeasible or duplicate), told to Optuna without a launch
+    order: list[tuple[Layout, bool]] = field(default_factory=list)  # each launched layout and whether it ran stable
 
 
 def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode: str) -> Outcome:
@@ -107,19 +121,29 @@ def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode:
             for layout in prior(cfg, land):
                 study.enqueue(layout)
         seen: set[Layout] = set()
-        while (proposal := study.propose(seen.__contains__)) is not None:
+        order: list[tuple[Layout, bool]] = []
+        dominance = Dominance()
+
+        def taken(layout: Layout) -> bool:
+            return layout in seen or dominance.verdict(layout) is not None
+
+        while (proposal := study.propose(taken)) is not None:
             layout = proposal.layout
             assert layout in land.samples and layout not in seen, "the study proposed a refused or repeated layout"
             seen.add(layout)
-            samples = land.samples[layout]
-            if samples:
-                study.tell(proposal.trial, rng.choice(samples), infeasible=False)
+            if land.trials:  # a measured landscape: one of the layout's repeats, as its trial would have gone
+                result = rng.choice(land.trials[layout])
+                passed = is_stable(result, cfg) and bool(land.samples[layout])
+                dominance.add(len(seen), layout, result, passed)
+                value = result.metrics.tokens_per_s or 0.0
             else:
-                study.tell(proposal.trial, 0.0, infeasible=True)
+                passed, value = True, land.samples[layout][0]
+            study.tell(proposal.trial, value if passed else 0.0, infeasible=not passed)
+            order.append((layout, passed))
             if land.value(layout) >= target:
                 break
         counts = study.counts
-        return Outcome(len(seen), counts.asks, counts.infeasible + counts.duplicates)
+        return Outcome(len(seen), counts.asks, counts.infeasible + counts.duplicates, order)
 
 
 def main() -> None:
