@@ -133,7 +133,7 @@ class Layout:
     @property
     def dp(self) -> int:
         """Data-parallel size (0 when the world size does not divide; rules report that)."""
-        model_parallel = self.tp * self.pp * self.cp
+        model_parallel = self.model_parallel
         return self.world_size // model_parallel if self.world_size % model_parallel == 0 else 0
 
     @property
