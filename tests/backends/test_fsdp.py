@@ -5,10 +5,10 @@ Megatron's DDP (distributed optimizer) and with Megatron-FSDP, each through the 
 before Megatron-FSDP wraps them), 3 training steps with a checkpoint saved and reloaded after every step (FSDP:
 Megatron-LM's fsdp_dtensor way, DCP of the distributed parameters, experts under global indices; every shard
 poisoned, reloaded, compared bitwise), the replica check (with TP: the gathered weights TP does not shard, compared across the TP group).
-Megatron-FSDP's losses are bit-identical to DDP's in these cases (measured): the
-reduce-scatter and the distributed optimizer do the same arithmetic. Only the gradient norm is summed in another
-order; with clipping active (norm ~6 > clip 1.0) that moves a weight by an ulp now and then, so longer FP32 runs
-drift by an ulp of the loss (measured: DP2 optim_grads at step 3, optim_grads_params at step 5, TP2xDP2 optim at
+Megatron-FSDP's first loss is bit-identical to DDP's, and the later ones agree to 1e-6: the reduce-scatter and the
+distributed optimizer do the same arithmetic, but the gradient norm is summed in another order; with clipping active
+(norm ~6 > clip 1.0) that moves a weight by an ulp now and then, so FP32 runs drift by an ulp or two of the loss
+(measured: DP2 optim_grads at step 3, optim_grads_params at step 5 and, in one CI run, at step 3, TP2xDP2 optim at
 step 3, EP2xDP4 at step 3; BF16 bitwise for 6 steps on DP2 and 3 on TP2xDP2 and EP2xDP4, every strategy). Unit tests pin what the CPU backend
 refuses.
 """
@@ -92,8 +92,15 @@ def test_fsdp_trial_passes_and_matches_ddp(tmp_path: Path, reference: Callable[[
         # alone the check has nothing to compare; with TP it compares the weights TP does not shard.
         assert r.checks.replicas_consistent is (True if tp > 1 else None)
         assert (Path(r.checkpoint_dir or "") / ".metadata").is_file(), "a DCP (fsdp_dtensor) checkpoint"
-    # Bit-identical losses after every step, through two mid-run save/poison/reload cycles.
-    assert [x.hex() for x in fsdp_reports[0].losses] == [x.hex() for x in ddp[0].losses]
+    # The first loss bit-identical (the same weights, gathered, and the same data); then through two mid-run
+    # save/poison/reload cycles equal to 1e-6: Megatron-FSDP sums the squared grad norm over other shards than the
+    # distributed optimizer does, so the clip coefficient may differ in its last bit, and the next losses by an ulp
+    # or two (seen at step 3 in FP32: 0x1.cb14a2p+2 against 0x1.cb14a0p+2).
+    fsdp_losses, ddp_losses = fsdp_reports[0].losses, ddp[0].losses
+    assert len(fsdp_losses) == len(ddp_losses) > 1
+    assert fsdp_losses[0].hex() == ddp_losses[0].hex()
+    for a, b in zip(fsdp_losses[1:], ddp_losses[1:], strict=True):
+        assert math.isclose(a, b, rel_tol=1e-6)
     for a, b in zip(fsdp_reports[0].grad_norms, ddp[0].grad_norms, strict=True):
         assert math.isclose(a, b, rel_tol=1e-6)
     assert fsdp_reports[0].equivalence == pytest.approx(ddp[0].equivalence, rel=1e-6)
