@@ -350,7 +350,7 @@ def _describe(actors: list, deadline: float) -> list[RankSlot] | str:
 
 
 @functools.cache
-def _loopback_interface() -> str:
+def loopback_interface() -> str:
     """The loopback interface's name: ``lo`` on Linux, ``lo0`` on macOS and the BSDs."""
     names = [name for _, name in socket.if_nameindex()]
     return next((name for name in names if name in ("lo", "lo0")), "lo")
@@ -389,7 +389,7 @@ def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> 
         if ipaddress.ip_address(master.ip).is_loopback:
             # Every rank is on this machine (a simulated cluster): gloo's pairs on loopback too. Without it gloo
             # binds the address the host name resolves to, the machine's interface.
-            env["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+            env["GLOO_SOCKET_IFNAME"] = loopback_interface()
         envs.append(env)
     return envs
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.models.catalog import preset
+from sweeper.trial.runner import loopback_interface
 
 
 def smoke_request(trial_dir: Any, layout: Any, model: str, seq_length: int, **kw: object) -> SmokeRequest:
@@ -36,9 +37,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, request: SmokeRequest, out: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, request: SmokeRequest, out: Any, loopback: str) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        GLOO_SOCKET_IFNAME=loopback,  # gloo's pairs on loopback too, as the runner tells a simulated cluster's ranks
         # Two CPU cores shared by up to four ranks: one intra-op thread each avoids oversubscription.
         OMP_NUM_THREADS="1",
     )
@@ -73,7 +75,8 @@ def run_ranks(request: SmokeRequest, world: int, timeout_s: float = 240.0) -> li
     ctx = _context()
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, request, out), daemon=False) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, request, out, loopback_interface()),
+                         daemon=False) for r in range(world)]
     for proc in procs:
         proc.start()
     reports: dict[int, RankReport] = {}

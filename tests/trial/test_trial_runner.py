@@ -448,7 +448,7 @@ def test_ranks_of_a_loopback_master_keep_gloo_on_loopback() -> None:
     """A simulated cluster's rank 0 is at 127.0.0.1: gloo is told the loopback interface, so its pairs do not bind
     the address the host name resolves to. A real cluster's ranks choose their own interface."""
     from sweeper.trial.actor import RankSlot
-    from sweeper.trial.runner import _loopback_interface, _rank_envs
+    from sweeper.trial.runner import _rank_envs, loopback_interface
 
     def slots(ip: str) -> list[RankSlot]:
         return [RankSlot(rank, f"n{rank // 2}", ip, (str(rank % 2),), 100 + rank, 29500 if rank == 0 else None)
@@ -456,8 +456,8 @@ def test_ranks_of_a_loopback_master_keep_gloo_on_loopback() -> None:
 
     labels = {"n0": "sim-0", "n1": "sim-1"}
     local = _rank_envs(slots("127.0.0.1"), labels, "t1")
-    assert _loopback_interface() in ("lo", "lo0")
-    assert {env["GLOO_SOCKET_IFNAME"] for env in local} == {_loopback_interface()}
+    assert loopback_interface() in ("lo", "lo0")
+    assert {env["GLOO_SOCKET_IFNAME"] for env in local} == {loopback_interface()}
     assert {env["MASTER_ADDR"] for env in local} == {"127.0.0.1"}
     remote = _rank_envs(slots("10.1.2.3"), labels, "t1")
     assert all("GLOO_SOCKET_IFNAME" not in env for env in remote)
