@@ -224,11 +224,8 @@ def test_auto_joins_the_running_cluster(running_ray: tuple[str, Path], monkeypat
 @pytest.mark.e2e
 def test_a_simulated_cluster_is_never_joined_nor_hides_ray_start(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import ray._private.ray_constants
-
     monkeypatch.setattr(discovery, "cuda_visible", lambda: False)  # the no-GPU fallback, on any machine
     tmpdir = Path(tempfile.mkdtemp(prefix="swp", dir="/tmp"))  # short: Ray's socket paths live under it
-    monkeypatch.setattr(ray._private.ray_constants, "ENABLE_RAY_CLUSTER", False)
     monkeypatch.setenv("RAY_TMPDIR", str(tmpdir))
     address_file = tmpdir / "ray" / "ray_current_cluster"
     address_file.parent.mkdir(parents=True)
