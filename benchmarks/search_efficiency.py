@@ -99,9 +99,12 @@ def measured_landscape(table: dict) -> Landscape:
 
 def prior(cfg: SweepConfig, land: Landscape) -> list[Layout]:
     """The estimator's fastest predicted layouts, which a TPE sweep proposes first (none on a simulated cluster)."""
+    count = prior_proposals(land.simulated)
+    if not count:
+        return []
     predicted = {entry.layout: entry.predicted for entry in assess_all(cfg, list(land.samples))}
     ranked = sorted(land.samples, key=lambda lo: -((predicted[lo].tokens_per_s or 0.0) if predicted[lo] else 0.0))
-    return ranked[:prior_proposals(land.simulated)]
+    return ranked[:count]
 
 
 @dataclass
