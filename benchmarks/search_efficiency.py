@@ -4,7 +4,8 @@ Landscape, one of:
   --landscape FILE  MEASURED: every launchable layout of a CPU space measured several times on a simulated
                     cluster (scripts/measure_landscape.py; tests/data/landscape_quickstart.json: the quickstart's
                     tiny MoE, 48 layouts; tests/data/landscape_dense.json: a tiny dense GPT with a recompute axis,
-                    benchmarks/spaces/landscape_dense.yaml, 80 layouts). Each replayed trial is told one of its
+                    benchmarks/spaces/landscape_dense.yaml, 80 layouts; tests/data/landscape_quickstart_avx512bf16.json:
+                    the quickstart again on a CPU with AVX512-BF16). Each replayed trial is told one of its
                     layout's measured repeats (drawn with the seed), a layout that failed is told infeasible, and
                     the target is the best layout's median less max(3%, the measured noise).
   SPACE             STAND-IN: the estimator's predicted tokens/s plays the measured throughput of every layout.

@@ -36,17 +36,27 @@ from sweeper.trial.host import open_host  # noqa: E402
 from sweeper.trial.protocol import reserved  # noqa: E402
 
 
+# CPU features that decide how fast a CPU rank's GEMMs run per precision: without AVX512-BF16 or AMX, BF16 matmuls
+# are emulated and run many times slower than FP32, so the same space has a different best layout.
+MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
 def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
+    first: dict[str, str] = {}  # the first processor's block of /proc/cpuinfo
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            if not line.strip() and first:
                 break
+            key, _, value = line.partition(":")
+            first.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": version("torch"), "megatron-core": version("megatron-core"), "ray": version("ray")}
+    flags = set(first.get("flags", "").split())
+    return {"cpu": first.get("model name") or platform.processor() or platform.machine(),
+            "cpu_family": first.get("cpu family"), "cpu_model": first.get("model"),
+            "matmul_flags": [f for f in MATMUL_FLAGS if f in flags], "cores": os.cpu_count(),
+            "python": platform.python_version(), "torch": version("torch"),
+            "megatron-core": version("megatron-core"), "ray": version("ray")}
 
 
 def main() -> int:
