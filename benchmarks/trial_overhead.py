@@ -9,6 +9,12 @@ starting, rendezvous, reports travelling back, killing the actors, removing the 
 the steps, as a ratio of the steps' time, per trial and including the cluster.
 
     python benchmarks/trial_overhead.py [--layout "gpus=4,tp=2,pp=2"] [--steps 6] [--trials 3] [--pool both] [--json]
+    python benchmarks/trial_overhead.py --gpu [--trials 3]   # one GPU, 20 steps (not run on a GPU yet)
+
+``--gpu`` measures the same split on this machine's GPUs: a new local Ray instance, a ~0.85B dense model at sequence
+4096, one GPU in BF16, 20 steps by default (issue 15's goal there: overhead <= 10% of a 20-step smoke run). The side
+by side table also gives the overhead without the checkpoint save and reload, which the smoke-run contract makes
+part of every trial whatever sweeper does around it.
 
 ``--pool both`` (the default) measures the same trials twice in one run, on warm rank processes
 (``cluster.warm_ranks: true``: megatron imported once per GPU, each trial's rank a fresh fork) and on new rank actors
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import statistics
 import sys
 import tempfile
@@ -42,19 +49,49 @@ training: {{seq_length: 64, global_batch_size: 8, steps: {steps}, warmup_steps: 
            trial_timeout_s: 600}}
 space: {{gpus: [4], tp: [1, 2], pp: [1, 2], precision: [fp32, bf16]}}
 """
+# --gpu: this machine's GPUs as a new local Ray instance, and a model whose 20 steps are a smoke run's worth of GPU
+# work: a ~0.85B dense GQA model at sequence 4096, 16 sequences a step (the estimator: 0.9 s a step on one H100/H200,
+# 20 GiB), so the steps are not a few milliseconds of launch latency against seconds of checkpointing.
+GPU_SPACE = """\
+name: trial-overhead-gpu
+model: {{name: overhead-dense-0.85b, num_layers: 16, hidden_size: 2048, ffn_hidden_size: 5632,
+        num_attention_heads: 16, num_query_groups: 4, vocab_size: 32000, max_position_embeddings: 4096}}
+cluster: {{nodes: 1, gpus_per_node: {gpus}, gpu_memory_gib: {memory_gib}, compute_capability: "{capability}",
+          address: local, simulate: false, warm_ranks: {warm}}}
+training: {{seq_length: 4096, global_batch_size: 16, steps: {steps}, warmup_steps: 2, checkpoint: true,
+           trial_timeout_s: 900}}
+space: {{gpus: [{world_sizes}], tp: [1, 2], pp: [1, 2], precision: [bf16]}}
+"""
 RANK_PHASES = ("import", "init", "build", "equivalence", "steps", "checkpoint_save", "checkpoint_load")
 _PLACED = re.compile(r"reserved in ([0-9.]+)s")
 
 
-def run(layout_text: str, steps: int, trials: int, warm: bool) -> dict:
+def local_gpus() -> dict[str, str]:
+    """GPU_SPACE's cluster fields for this machine's GPUs; exits 2 when torch sees none."""
+    import torch
+
+    if not torch.cuda.is_available():
+        print("trial_overhead --gpu: no CUDA device visible (torch.cuda.is_available() is False)", file=sys.stderr)
+        raise SystemExit(2)
+    props = torch.cuda.get_device_properties(0)
+    count = torch.cuda.device_count()
+    return {"gpus": str(count), "world_sizes": ", ".join(str(n) for n in sorted({1, count})),
+            "memory_gib": f"{props.total_memory / 2**30:.0f}",
+            "capability": f"{props.major}.{props.minor}", "name": props.name}
+
+
+def run(layout_text: str, steps: int, trials: int, warm: bool, gpu: dict[str, str] | None = None) -> dict:
     from sweeper.trial.host import open_host
 
     work = Path(tempfile.mkdtemp(prefix="sweeper-overhead-"))
     space = work / "space.yaml"
-    space.write_text(SPACE.format(steps=steps, warm="true" if warm else "false"))
+    flag = "true" if warm else "false"
+    space.write_text(GPU_SPACE.format(steps=steps, warm=flag, **gpu) if gpu else SPACE.format(steps=steps, warm=flag))
     cfg = load_config(space)
     layout = layout_from_string(cfg, layout_text)
-    out: dict = {"layout": layout.short(), "steps": steps, "warm_ranks": warm, "trials": []}
+    where = f"{gpu['name']}, local Ray instance" if gpu else "simulated 2 nodes x 2 GPUs"
+    out: dict = {"layout": layout.short(), "steps": steps, "warm_ranks": warm, "where": where,
+                 "model": cfg.model.name, "trials": []}
 
     start = time.perf_counter()
     host_cm = open_host(cfg)
@@ -91,12 +128,13 @@ def run(layout_text: str, steps: int, trials: int, warm: bool) -> dict:
         start = time.perf_counter()
         host_cm.__exit__(None, None, None)
         out["cluster_stop_s"] = time.perf_counter() - start
+        shutil.rmtree(work, ignore_errors=True)  # its checkpoints: on --gpu, ~1.7 GB of weights a trial
     return out
 
 
 def report(data: dict) -> None:
     mode = "warm rank processes" if data["warm_ranks"] else "new rank actors per trial"
-    print(f"one CPU trial of tiny-gpt {data['layout']}, {data['steps']} steps, simulated 2 nodes x 2 GPUs, {mode}")
+    print(f"one trial of {data['model']} {data['layout']}, {data['steps']} steps, {data['where']}, {mode}")
     print(f"  {'cluster start':<34} {data['cluster_start_s']:7.2f} s   (once per sweep)")
     for i, t in enumerate(data["trials"]):
         steps = t["phases_s"].get("steps", 0.0)
@@ -111,19 +149,26 @@ def report(data: dict) -> None:
     print(f"  {'cluster stop':<34} {data['cluster_stop_s']:7.2f} s")
 
 
-def ratio(trial: dict) -> float:
-    steps = trial["phases_s"].get("steps", 0.0)
-    return (trial["wall_s"] - steps) / steps if steps else float("nan")
+def ratio(trial: dict, checkpoint: bool = True) -> float:
+    """Overhead over the steps' time; ``checkpoint=False`` leaves the checkpoint save and reload out of it."""
+    phases = trial["phases_s"]
+    steps = phases.get("steps", 0.0)
+    kept = trial["wall_s"] - steps
+    if not checkpoint:
+        kept -= phases.get("checkpoint_save", 0.0) + phases.get("checkpoint_load", 0.0)
+    return kept / steps if steps else float("nan")
 
 
 def side_by_side(runs: list[dict]) -> None:
     print("\noverhead / steps' time, same layout and steps, measured in this run:")
-    print(f"  {'rank processes':<28} {'first trial':>12} {'later trials (median)':>22}")
+    print(f"  {'rank processes':<28} {'first trial':>12} {'later trials (median)':>22} {'later, checkpoint apart':>24}")
     for data in runs:
         ratios = [ratio(t) for t in data["trials"]]
         later = statistics.median(ratios[1:]) if len(ratios) > 1 else float("nan")
+        apart = statistics.median(ratio(t, checkpoint=False) for t in data["trials"][1:]) if len(ratios) > 1 \
+            else float("nan")
         name = "warm (warm_ranks: true)" if data["warm_ranks"] else "new (warm_ranks: false)"
-        print(f"  {name:<28} {ratios[0]:>11.2f}x {later:>21.2f}x")
+        print(f"  {name:<28} {ratios[0]:>11.2f}x {later:>21.2f}x {apart:>23.2f}x")
     if len(runs) == 2 and all(len(d["trials"]) > 1 for d in runs):
         warm, new = (statistics.median(ratio(t) for t in d["trials"][1:]) for d in runs)
         print(f"  warm / new overhead: {warm / new:.2f}")
@@ -131,15 +176,21 @@ def side_by_side(runs: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layout", default="gpus=4,tp=2,pp=2,precision=fp32")
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--layout", help='default "gpus=4,tp=2,pp=2,precision=fp32"; with --gpu one GPU in BF16')
+    parser.add_argument("--steps", type=int, help="default 6; with --gpu 20, the smoke run issue 15 measures")
+    parser.add_argument("--gpu", action="store_true",
+                        help="this machine's GPUs (a local Ray instance, a 4-layer hidden-1024 model) instead of "
+                             "the simulated CPU cluster; exits 2 when no GPU is visible")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--pool", choices=("both", "on", "off"), default="both",
                         help="warm rank processes (on), new rank actors per trial (off), or both side by side")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
     args = parser.parse_args()
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.pool]
-    runs = [run(args.layout, args.steps, args.trials, warm) for warm in modes]
+    gpu = local_gpus() if args.gpu else None
+    layout = args.layout or ("gpus=1,tp=1,pp=1,precision=bf16" if gpu else "gpus=4,tp=2,pp=2,precision=fp32")
+    steps = args.steps or (20 if gpu else 6)
+    runs = [run(layout, steps, args.trials, warm, gpu) for warm in modes]
     if args.json:
         print(json.dumps(runs, indent=2))
         return 0
