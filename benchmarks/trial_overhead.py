@@ -62,6 +62,8 @@ training: {{seq_length: 4096, global_batch_size: 16, steps: {steps}, warmup_step
            trial_timeout_s: 900}}
 space: {{gpus: [{world_sizes}], tp: [1, 2], pp: [1, 2], precision: [bf16]}}
 """
+CPU_LAYOUT, CPU_STEPS = "gpus=4,tp=2,pp=2,precision=fp32", 6
+GPU_LAYOUT, GPU_STEPS = "gpus=1,tp=1,pp=1,precision=bf16", 20
 RANK_PHASES = ("import", "init", "build", "equivalence", "steps", "checkpoint_save", "checkpoint_load")
 _PLACED = re.compile(r"reserved in ([0-9.]+)s")
 
@@ -80,13 +82,18 @@ def local_gpus() -> dict[str, str]:
             "capability": f"{props.major}.{props.minor}", "name": props.name}
 
 
+def space_text(steps: int, warm: bool, gpu: dict[str, str] | None = None) -> str:
+    """The space YAML of one run: the simulated CPU cluster, or ``gpu`` (``local_gpus()``) as a local instance."""
+    flag = "true" if warm else "false"
+    return GPU_SPACE.format(steps=steps, warm=flag, **gpu) if gpu else SPACE.format(steps=steps, warm=flag)
+
+
 def run(layout_text: str, steps: int, trials: int, warm: bool, gpu: dict[str, str] | None = None) -> dict:
     from sweeper.trial.host import open_host
 
     work = Path(tempfile.mkdtemp(prefix="sweeper-overhead-"))
     space = work / "space.yaml"
-    flag = "true" if warm else "false"
-    space.write_text(GPU_SPACE.format(steps=steps, warm=flag, **gpu) if gpu else SPACE.format(steps=steps, warm=flag))
+    space.write_text(space_text(steps, warm, gpu))
     cfg = load_config(space)
     layout = layout_from_string(cfg, layout_text)
     where = f"{gpu['name']}, local Ray instance" if gpu else "simulated 2 nodes x 2 GPUs"
@@ -176,8 +183,8 @@ def side_by_side(runs: list[dict]) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layout", help='default "gpus=4,tp=2,pp=2,precision=fp32"; with --gpu one GPU in BF16')
-    parser.add_argument("--steps", type=int, help="default 6; with --gpu 20, the smoke run issue 15 measures")
+    parser.add_argument("--layout", help=f'default "{CPU_LAYOUT}"; with --gpu "{GPU_LAYOUT}"')
+    parser.add_argument("--steps", type=int, help=f"default {CPU_STEPS}; with --gpu {GPU_STEPS} (issue 15's smoke run)")
     parser.add_argument("--gpu", action="store_true",
                         help="this machine's GPUs (a local Ray instance, a 4-layer hidden-1024 model) instead of "
                              "the simulated CPU cluster; exits 2 when no GPU is visible")
@@ -188,8 +195,8 @@ def main() -> int:
     args = parser.parse_args()
     modes = {"both": (True, False), "on": (True,), "off": (False,)}[args.pool]
     gpu = local_gpus() if args.gpu else None
-    layout = args.layout or ("gpus=1,tp=1,pp=1,precision=bf16" if gpu else "gpus=4,tp=2,pp=2,precision=fp32")
-    steps = args.steps or (20 if gpu else 6)
+    layout = args.layout or (GPU_LAYOUT if gpu else CPU_LAYOUT)
+    steps = args.steps or (GPU_STEPS if gpu else CPU_STEPS)
     runs = [run(layout, steps, args.trials, warm, gpu) for warm in modes]
     if args.json:
         print(json.dumps(runs, indent=2))
