@@ -1,4 +1,4 @@
-"""Where the time of one CPU smoke trial goes, and how much of it is overhead around the training steps.
+"""Where the time of one smoke trial goes, and how much of it is overhead around the training steps.
 
 Starts a simulated 2-node x 2-GPU Ray cluster, runs one trial of tiny-gpt (TP2 x PP2 by default, real
 megatron-core on gloo, no equivalence reference) through the same TrialHost the sweep uses, and prints the split:
@@ -186,8 +186,8 @@ def main() -> int:
     parser.add_argument("--layout", help=f'default "{CPU_LAYOUT}"; with --gpu "{GPU_LAYOUT}"')
     parser.add_argument("--steps", type=int, help=f"default {CPU_STEPS}; with --gpu {GPU_STEPS} (issue 15's smoke run)")
     parser.add_argument("--gpu", action="store_true",
-                        help="this machine's GPUs (a local Ray instance, a 4-layer hidden-1024 model) instead of "
-                             "the simulated CPU cluster; exits 2 when no GPU is visible")
+                        help="this machine's GPUs (a local Ray instance, a ~0.85B dense model at sequence 4096) "
+                             "instead of the simulated CPU cluster; exits 2 when no GPU is visible")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--pool", choices=("both", "on", "off"), default="both",
                         help="warm rank processes (on), new rank actors per trial (off), or both side by side")
