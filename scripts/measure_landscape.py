@@ -35,8 +35,9 @@ from sweeper.record.files import write_atomic  # noqa: E402
 from sweeper.trial.host import open_host  # noqa: E402
 from sweeper.trial.protocol import reserved  # noqa: E402
 
-# CPU features that decide how fast a CPU rank's GEMMs run per precision (without AVX512-BF16 or AMX a BF16 matmul
-# ran 17-70x slower than FP32 here): the table says which kind of host its figures come from.
+# CPU features that decide how fast a CPU rank's GEMMs run per precision (on the EPYC without AVX512-BF16 or AMX
+# that measured the first two tables, a BF16 matmul ran 17-70x slower than FP32): the table says which kind of host
+# its figures come from.
 MATMUL_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
