@@ -206,11 +206,12 @@ class Sweep:
             if not self.scheduler.in_flight:
                 break
             self._wait_one()
-        if self.stop.is_set():
+        if not self.stop.is_set():
+            self._defer_waiting()
+            self._confirm()
+        if self.stop.is_set():  # while exploring or confirming: running trials are cancelled, not left to the end
             self._cancel_all()
             return self._finish("interrupted")
-        self._defer_waiting()
-        self._confirm()
         return self._finish("finished")
 
     def _make_reference(self) -> None:

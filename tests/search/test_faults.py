@@ -49,10 +49,10 @@ def _search(tmp: Path, space: Path, *extra: str, timeout: float = 900) -> subpro
                           cwd=tmp, capture_output=True, text=True, timeout=timeout, env=_env())
 
 
-def _start(tmp: Path, space: Path) -> tuple[subprocess.Popen[bytes], Path]:
+def _start(tmp: Path, space: Path, *extra: str) -> tuple[subprocess.Popen[bytes], Path]:
     """A sweep in the background; its output goes to a file (a full pipe would block it)."""
     log = tmp / "search.log"
-    proc = subprocess.Popen([sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep"],
+    proc = subprocess.Popen([sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep", *extra],
                             cwd=tmp, stdout=log.open("w"), stderr=subprocess.STDOUT, env=_env())
     return proc, log
 
@@ -180,10 +180,12 @@ def test_sigkill_then_resume_reruns_nothing_finished(tmp_path: Path) -> None:
 
 def test_ctrl_c_cancels_running_trials_and_keeps_what_finished(tmp_path: Path) -> None:
     space = _space(tmp_path, nodes=2, gpus=[2], max_trials=4, tp=[1, 2], mbs=[1, 2])
-    proc, log = _start(tmp_path, space)
+    # The first trial blocks until its timeout (120 s), so one is surely running at the Ctrl-C: on a fast host the
+    # whole sweep of 3-step trials can end within the 3 s below.
+    proc, log = _start(tmp_path, space, "--inject", "hang@trial=1")
     trial_dirs = tmp_path / "sweep" / "trials"
     _wait_until(lambda: trial_dirs.is_dir() and any(trial_dirs.glob("0*/rank_*.log")), proc, log)
-    time.sleep(3)  # let the ranks get into their steps
+    time.sleep(3)  # let the ranks get into their steps, and other trials finish beside the blocked one
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=300)
     assert proc.returncode not in (0, None), log.read_text()[-3000:]
@@ -199,4 +201,29 @@ def test_ctrl_c_cancels_running_trials_and_keeps_what_finished(tmp_path: Path) -
             f"launches stop, running trials cancelled (ranks killed, placement groups removed), {len(killed)} MLflow "
             "run(s) marked KILLED, exit 1",
             "trials.jsonl and the report for what finished; --resume continues")
+
+
+def test_ctrl_c_during_a_confirmation_cancels_it_and_ends_interrupted(tmp_path: Path) -> None:
+    space = _space(tmp_path, nodes=1, gpus=[2], max_trials=1)  # one layout (PP1 or PP2), then its confirmation
+    doc = yaml.safe_load(space.read_text())
+    doc["search"].update(confirm_top=1, confirm_steps=400)  # a confirmation far longer than the wait below
+    space.write_text(yaml.safe_dump(doc))
+    proc, log = _start(tmp_path, space)
+    trial_dirs = tmp_path / "sweep" / "trials"
+    _wait_until(lambda: trial_dirs.is_dir() and any(trial_dirs.glob("*-confirm")), proc, log)
+    time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=300)
+    assert proc.returncode not in (0, None), log.read_text()[-3000:]
+    meta = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert meta["status"] == "interrupted"
+    runs = _mlflow_runs(tmp_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    killed = [r for r in runs if r.info.status == "KILLED"]
+    assert [r.data.tags.get("sweeper.phase") for r in killed if r.data.tags.get("sweeper.kind") == "trial"] \
+        == ["confirm"], [(r.data.tags, r.info.status) for r in runs]
+    _assert_no_leak(proc.pid)
+    _report("Ctrl-C (SIGINT) during a confirmation run",
+            "the confirmation cancelled and its MLflow run marked KILLED, the sweep ends interrupted, exit 1",
+            "the explored trials; --resume continues")
 
