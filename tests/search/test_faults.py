@@ -225,5 +225,5 @@ def test_ctrl_c_during_a_confirmation_cancels_it_and_ends_interrupted(tmp_path: 
     _assert_no_leak(proc.pid)
     _report("Ctrl-C (SIGINT) during a confirmation run",
             "the confirmation cancelled and its MLflow run marked KILLED, the sweep ends interrupted, exit 1",
-            "the explored trials; --resume continues")
+            "the explored trials in trials.jsonl and MLflow")
 
