@@ -217,6 +217,7 @@ def test_ctrl_c_during_a_confirmation_cancels_it_and_ends_interrupted(tmp_path: 
     assert proc.returncode not in (0, None), log.read_text()[-3000:]
     meta = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     assert meta["status"] == "interrupted"
+    assert [r["result"]["status"] for r in _records(tmp_path) if r["phase"] == "explore"] == ["passed"]
     runs = _mlflow_runs(tmp_path)
     assert not [r for r in runs if r.info.status == "RUNNING"]
     killed = [r for r in runs if r.info.status == "KILLED"]
