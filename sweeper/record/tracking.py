@@ -160,6 +160,12 @@ class Tracker:
     def kill_trial(self, run_id: str) -> None:
         self.client.set_terminated(run_id, status="KILLED")
 
+    def kill_sweep(self) -> None:
+        """The sweep stops without finishing (a second Ctrl-C): its trial runs still RUNNING and the parent KILLED."""
+        assert self.parent_run_id is not None
+        self.close_orphans()
+        self.client.set_terminated(self.parent_run_id, status="KILLED")
+
 
 def _source_tags() -> dict[str, str]:
     """MLflow's source tags for the parent run: the command, and sweeper's git commit when it runs from a

@@ -72,6 +72,9 @@ def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker:
         previous = _install_signal_handlers(sweep.stop)
         try:
             return sweep.run()
+        except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM): no more waiting, but the records say so
+            sweep.abandon()
+            raise
         finally:
             _restore_signal_handlers(previous)
             sweep.scheduler.shutdown()

@@ -497,6 +497,14 @@ class Sweep:
             if run.run_id is not None:
                 self.tracker.kill_trial(run.run_id)
 
+    def abandon(self) -> None:
+        """A second Ctrl-C: the sweep stops without waiting for its trials (the caller's shutdown kills them). What
+        was recorded stays; sweep.json and MLflow say the sweep was interrupted, and ``--resume`` continues it."""
+        meta = self.dir.read_meta()
+        meta.status, meta.ended_at = "interrupted", now()
+        self.dir.write_meta(meta)
+        self.tracker.kill_sweep()
+
     def _finish(self, status: str) -> int:
         cands = candidates(self.records, self.cfg)
         winner = choose(cands, self.cfg, confirmed_only=self.cfg.search.confirm_top > 0)

@@ -228,3 +228,26 @@ def test_ctrl_c_during_a_confirmation_cancels_it_and_ends_interrupted(tmp_path: 
             "the confirmation cancelled and its MLflow run marked KILLED, the sweep ends interrupted, exit 1",
             "the explored trials in trials.jsonl and MLflow")
 
+
+
+def test_a_second_ctrl_c_stops_at_once_and_still_records_the_sweep_as_interrupted(tmp_path: Path) -> None:
+    space = _space(tmp_path, nodes=2, gpus=[2], max_trials=4, tp=[1, 2], mbs=[1, 2])
+    proc, log = _start(tmp_path, space, "--inject", "hang@trial=1")  # a trial surely running at both signals
+    trial_dirs = tmp_path / "sweep" / "trials"
+    _wait_until(lambda: trial_dirs.is_dir() and any(trial_dirs.glob("0*/rank_*.log")), proc, log)
+    time.sleep(3)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)  # the first one is being handled: cancelling the running trials
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=300)
+    assert proc.returncode == 130, log.read_text()[-3000:]
+    meta = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert meta["status"] == "interrupted" and meta["ended_at"]
+    runs = _mlflow_runs(tmp_path)
+    assert not [r for r in runs if r.info.status == "RUNNING"], [(r.data.tags, r.info.status) for r in runs]
+    assert [r.info.status for r in runs if r.data.tags.get("sweeper.kind") == "sweep"] == ["KILLED"]
+    _assert_no_leak(proc.pid)
+    _report("Ctrl-C twice (SIGINT, then SIGINT while the first cancels)",
+            "the sweeper stops without waiting for the trials to wind down; the running trials' MLflow runs and the "
+            "parent marked KILLED, sweep.json status interrupted, exit 130",
+            "trials.jsonl for what finished")
