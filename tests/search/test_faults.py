@@ -178,14 +178,20 @@ def test_sigkill_then_resume_reruns_nothing_finished(tmp_path: Path) -> None:
             "0 re-runs of finished trials, 0 duplicate FINISHED MLflow runs")
 
 
-def test_ctrl_c_cancels_running_trials_and_keeps_what_finished(tmp_path: Path) -> None:
-    space = _space(tmp_path, nodes=2, gpus=[2], max_trials=4, tp=[1, 2], mbs=[1, 2])
-    # The first trial blocks until its timeout (120 s), so one is surely running at the Ctrl-C: on a fast host the
-    # whole sweep of 3-step trials can end within the 3 s below.
-    proc, log = _start(tmp_path, space, "--inject", "hang@trial=1")
-    trial_dirs = tmp_path / "sweep" / "trials"
+def _sweep_with_a_blocked_trial(tmp: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """A background sweep whose first trial blocks until its timeout (120 s), once its ranks are in their steps and
+    other trials have had time to finish beside it: a trial is surely running at a signal sent now, on a fast host
+    too (there the whole sweep of 3-step trials can end within the 3 s waited here)."""
+    space = _space(tmp, nodes=2, gpus=[2], max_trials=4, tp=[1, 2], mbs=[1, 2])
+    proc, log = _start(tmp, space, "--inject", "hang@trial=1")
+    trial_dirs = tmp / "sweep" / "trials"
     _wait_until(lambda: trial_dirs.is_dir() and any(trial_dirs.glob("0*/rank_*.log")), proc, log)
-    time.sleep(3)  # let the ranks get into their steps, and other trials finish beside the blocked one
+    time.sleep(3)
+    return proc, log
+
+
+def test_ctrl_c_cancels_running_trials_and_keeps_what_finished(tmp_path: Path) -> None:
+    proc, log = _sweep_with_a_blocked_trial(tmp_path)
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=300)
     assert proc.returncode not in (0, None), log.read_text()[-3000:]
@@ -229,13 +235,8 @@ def test_ctrl_c_during_a_confirmation_cancels_it_and_ends_interrupted(tmp_path: 
             "the explored trials in trials.jsonl and MLflow")
 
 
-
 def test_a_second_ctrl_c_stops_at_once_and_still_records_the_sweep_as_interrupted(tmp_path: Path) -> None:
-    space = _space(tmp_path, nodes=2, gpus=[2], max_trials=4, tp=[1, 2], mbs=[1, 2])
-    proc, log = _start(tmp_path, space, "--inject", "hang@trial=1")  # a trial surely running at both signals
-    trial_dirs = tmp_path / "sweep" / "trials"
-    _wait_until(lambda: trial_dirs.is_dir() and any(trial_dirs.glob("0*/rank_*.log")), proc, log)
-    time.sleep(3)
+    proc, log = _sweep_with_a_blocked_trial(tmp_path)  # a trial surely running at both signals
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)  # the first one is being handled: cancelling the running trials
     proc.send_signal(signal.SIGINT)
