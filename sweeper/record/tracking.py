@@ -76,7 +76,8 @@ class Tracker:
         self.client.set_terminated(run, status=status)
 
     def close_orphans(self) -> list[str]:
-        """Child runs still RUNNING from a driver that died: mark them KILLED (their trials are re-run)."""
+        """Child runs still RUNNING, from a driver that died (on ``--resume``) or one stopping without waiting for its
+        trials (``kill_sweep``): mark them KILLED (their trials are re-run on a resume)."""
         assert self.parent_run_id is not None
         runs = self.client.search_runs(
             [self.experiment_id],
