@@ -381,12 +381,23 @@ def assert_nothing_left(timeout_s: float = 15.0) -> None:
         time.sleep(0.3)
 
 
+def free_gpus_settled(sim, expected: dict[str, int], timeout_s: float = 15.0) -> dict[str, int]:
+    """The free-GPU view once it equals `expected`, or as it stands at the deadline.
+
+    Ray's per-node availability is reported by the raylets and lags a reservation, a removal or a join by a moment.
+    """
+    deadline = time.monotonic() + timeout_s
+    while (free := sim.free_gpus_per_node()) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return free
+
+
 @pytest.mark.e2e
 def test_inventory_of_the_simulated_cluster(sim) -> None:
     nodes = sim.nodes()
     assert [n.label for n in nodes] == ["sim-0", "sim-1"]
     assert all(n.gpus == 2 and not n.is_head for n in nodes)
-    assert sim.free_gpus_per_node() == {"sim-0": 2, "sim-1": 2}
+    assert free_gpus_settled(sim, {"sim-0": 2, "sim-1": 2}) == {"sim-0": 2, "sim-1": 2}
     gpus = sim.gpu_info()
     assert gpus["sim-0"].source == "simulated" and gpus["sim-0"].memory_gib == 4
     assert sim.simulated is not None and len(sim.simulated.pids()) >= 3
@@ -475,11 +486,11 @@ def test_placement_keeps_tp_pairs_on_one_node_and_is_removed(sim) -> None:
         assert placement.plan.strategy == "STRICT_SPREAD"
         actors = [_Probe.options(scheduling_strategy=placement.strategy(r)).remote() for r in range(4)]
         nodes = ray.get([a.node.remote() for a in actors])
-        assert sim.free_gpus_per_node() == {"sim-0": 0, "sim-1": 0}
+        assert free_gpus_settled(sim, {"sim-0": 0, "sim-1": 0}) == {"sim-0": 0, "sim-1": 0}
     labels = [sim.label_of(n) for n in nodes]
     assert labels[0] == labels[1] and labels[2] == labels[3] and labels[0] != labels[2]
     assert_nothing_left()  # removing the group killed its actors too
-    assert sim.free_gpus_per_node() == {"sim-0": 2, "sim-1": 2}
+    assert free_gpus_settled(sim, {"sim-0": 2, "sim-1": 2}) == {"sim-0": 2, "sim-1": 2}
 
 
 @pytest.mark.e2e
@@ -524,7 +535,7 @@ def test_node_join_and_loss(sim) -> None:
     wait_for_node_count(3)
     assert joined.label == "sim-2"
     assert [n.label for n in sim.nodes()] == ["sim-0", "sim-1", "sim-2"]
-    assert sim.free_gpus_per_node()["sim-2"] == 2
+    assert free_gpus_settled(sim, {"sim-0": 2, "sim-1": 2, "sim-2": 2})["sim-2"] == 2
     raylet_pid = next(p for p in cluster.pids() if p not in _pids_without(cluster, joined))
     cluster.remove_node(joined)
     wait_for_node_count(2)
