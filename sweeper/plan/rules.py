@@ -186,6 +186,24 @@ def moe_tp_needs_sp(c: RuleContext) -> str | None:
     return None
 
 
+@rule("tp", "sp")
+def mla_tp_needs_sp(c: RuleContext) -> str | None:
+    # Not a Megatron check but a megatron-core <= 0.16.1 defect (measured on the CPU backend with TE's layer, FP32:
+    # 2-layer MLA, TP2, gradient norm 2.0784 vs 2.11566 unsharded). MLA's shared rotary key k_pos_emb comes out of
+    # the duplicated linear_kv_down_proj whole on every TP rank, and each rank feeds it to its own heads only.
+    # Under SP its all-gather's backward sums the ranks' shares; without SP nothing does, so each rank keeps its
+    # heads' share of that gradient (multi_latent_attention.py get_query_key_value_tensors). Open upstream:
+    # NVIDIA/Megatron-LM#1699, fix proposed in NVIDIA/Megatron-LM#6839, in no release.
+    if c.model.multi_latent_attention and c.layout.tp > 1 and not c.layout.sp:
+        return (
+            f"multi-latent attention with tensor_model_parallel_size {c.layout.tp} needs sequence parallelism: "
+            f"without it megatron-core <= 0.16.1 never sums the shared rotary key's (k_pos_emb) gradient over the "
+            f"TP ranks, so each keeps only its own heads' share and the layout trains another model "
+            f"(NVIDIA/Megatron-LM#1699, unfixed in any release); use sp=true"
+        )
+    return None
+
+
 @rule("sp", "tp", "cp")
 def sp_sequence_divisible(c: RuleContext) -> str | None:
     lo = c.layout

@@ -197,6 +197,14 @@ CASES: dict[str, list[Case]] = {
         (MOE.model_copy(update=dict(num_moe_experts=6)), L(16, ep=4), H100x2, SEQ,
          "num_moe_experts (6) must be divisible by expert_model_parallel_size (4) (moe_layer.py)"),
     ],
+    "mla_tp_needs_sp": [
+        (MLA, L(16, tp=2, sp=True), H100x2, SEQ, None),
+        (MLA, L(16, tp=1), H100x2, SEQ, None),
+        (DENSE, L(16, tp=2), H100x2, SEQ, None),  # GQA: the keys are TP-sharded with their heads
+        (MLA, L(16, tp=2), H100x2, SEQ,
+         "multi-latent attention with tensor_model_parallel_size 2 needs sequence parallelism"),
+        (MLA, L(16, tp=4), H100x2, SEQ, "NVIDIA/Megatron-LM#1699"),
+    ],
     "expert_grads_reduced_over_expert_dp": [
         (MOE, L(16, tp=2, etp=2), H100x2, SEQ, None),  # ETP = TP: the expert DP group is the dense DP group
         (MOE, L(16, tp=2, ep=2, etp=1), H100x2, SEQ, None),  # EP > 1: expert buffers reduce over expert DP

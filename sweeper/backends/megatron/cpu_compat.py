@@ -10,7 +10,8 @@ How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations o
 (GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
-``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off; the MoE alltoall
+``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off (its duplicated
+``TELinear`` becomes cpu_linear's ``DuplicatedLinear``); the MoE alltoall
 dispatcher gets host split sizes as numpy arrays and uneven all-gathers (``_patch_alltoall_dispatcher``);
 Megatron-FSDP's constructor gets a device index to format (``_patch_megatron_fsdp``).
 """
@@ -154,6 +155,11 @@ def _patch_megatron() -> None:
 
     if not getattr(te_extensions, "HAVE_TE", True):
         mla.HAVE_TE = False
+        # MLASelfAttention gives the duplicated-mode arguments to the class it knows as TELinear (a MagicMock
+        # here): the CPU spec's down projections are that layer's local twin (cpu_linear.py).
+        from sweeper.backends.megatron.cpu_linear import DuplicatedLinear
+
+        mla.TELinear = DuplicatedLinear
     # "CUDA" RNG state on a CPU build is the CPU generator's state: tracker forks and activation recompute
     # (CheckpointFunction) save/restore it through these two functions.
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # noqa: SLF001

@@ -3,8 +3,10 @@
 The local spec's ``DotProductAttention`` refuses CP and its ``WrappedTorchNorm`` refuses SP. ``adapt_local_block_spec``
 returns a copy of the block spec in which, only where the layout needs it, core attention becomes
 ``ContextParallelDotProductAttention`` (cp > 1) or, for multi-latent attention, ``LatentDotProductAttention`` (K and V
-of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Everything
-else — and the whole spec when CP is 1 and SP off — stays Megatron's own.
+of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Multi-latent
+attention's down projections become ``DuplicatedLinear``, the layer TE's spec uses there (the local spec's
+column-parallel ones drop part of the rotary key's gradient under TP: cpu_linear.py). Everything else — and the
+whole spec when CP is 1, SP off and the model without MLA — stays Megatron's own.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention, LatentDotProductAttention
+from sweeper.backends.megatron.cpu_linear import DuplicatedLinear
 from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
 
 
@@ -40,6 +44,9 @@ def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
 def _swap(node: Any, swaps: dict[type, type]) -> Any:
     if isinstance(node, type):
         return swaps.get(node, node)
+    if isinstance(node, MLASelfAttentionSubmodules):
+        # TE's spec: duplicated down projections (a column-parallel one is elsewhere in the spec, so not a swap).
+        node.linear_q_down_proj = node.linear_kv_down_proj = DuplicatedLinear
     if isinstance(node, list):
         return [_swap(item, swaps) for item in node]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
