@@ -61,8 +61,8 @@ class DuplicatedLinear(MegatronModule):
         for param in self.parameters():
             # Reduced over data parallelism like any dense weight; over TP too under SP (finalize_model_grads),
             # where each TP rank's gradient covers only its part of the sequence (TELinear sets the same).
-            param.allreduce = True  # type: ignore[attr-defined]
-            param.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+            param.allreduce = True
+            param.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.skip_bias_add:
