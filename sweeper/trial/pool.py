@@ -45,6 +45,7 @@ class WarmRank:
     def __init__(self, backend: str, driver_sys_path: list[str]) -> None:
         extend_sys_path(driver_sys_path)
         self._child: ForkedRank | None = None
+        self._reported = TrialChecks()  # the last ended child's checks (nothing proven before its first trial)
         self._lock = threading.Lock()
         module = importlib.import_module(backend.partition(":")[0])
         warm_up = getattr(module, "warm_up", None)
@@ -65,17 +66,29 @@ class WarmRank:
 
         with self._lock:
             self._child = ForkedRank(in_child, shared_checks, child_env)
+            self._reported = TrialChecks()
+        report: RankReport | RankDied | None = None
         try:
-            return self._child.wait()
+            report = self._child.wait()
+            return report
         finally:
             with self._lock:
                 self._child = None
+                if isinstance(report, RankReport):
+                    self._reported = report.checks
 
     def checks(self) -> TrialChecks:
+        """What this trial's rank has proven: asked of the running child, or, once it has ended, its report's
+        (the runner may ask after the report was sent but before it read it: the first failing peer stops it)."""
         with self._lock:
-            child = self._child
-        proven = child.checks(CHECKS_ANSWER_S) if child is not None else None
-        return proven if proven is not None else TrialChecks()
+            child, reported = self._child, self._reported
+        if child is None:
+            return reported
+        proven = child.checks(CHECKS_ANSWER_S)
+        if proven is not None:
+            return proven
+        with self._lock:  # the child ended while asked
+            return self._reported if self._child is None else TrialChecks()
 
     def stop(self) -> bool:
         """Kill the running child, if any (its ``run`` then returns RankDied); True once none runs."""

@@ -157,6 +157,8 @@ def test_misplaced_tp_shards_fail_as_equivalence(tmp_path: Path, gpt_reference: 
         assert r.error and "\n" not in r.error and "relative error" in r.error
         assert r.checks.equivalence_rel_err > 100 * TOLERANCE["fp32"]
         assert not r.losses, "the trial stops at the gate, before its training steps"
+        # What the rank proved before the gate failed it: its groups, its model, a forward and backward.
+        assert r.checks.process_group and r.checks.model_built and r.checks.forward_backward, r.checks
     print(f"\n[equivalence] tiny-gpt tp2 with swapped fc1 shards: rel_err {reports[0].checks.equivalence_rel_err:.3g}")
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from sweeper.backends.base import SmokeRequest
 from sweeper.config.schema import ClusterConfig, SweepConfig, TrainingConfig
 from sweeper.models.catalog import preset
 from sweeper.record.schema import TrialChecks
@@ -71,6 +72,29 @@ def test_child_keeps_only_its_pipes_and_stdio() -> None:
     assert len([f for f in open_fds if f > 2]) <= 3  # two pipe ends, plus the listing's own descriptor
 
 
+def gate_failure_backend(request: object) -> object:
+    """STAND-IN for the megatron backend, only to test the warm rank's bookkeeping: a rank that proved the
+    process group, the model and a forward/backward, then failed (as at the equivalence gate)."""
+    from sweeper.backends.base import RankReport
+
+    return RankReport(rank=0, node_id="n", backend="standin", ok=False, failure_kind="equivalence", error="gate",
+                      checks=TrialChecks(process_group=True, model_built=True, forward_backward=True))
+
+
+def test_warm_rank_answers_its_ended_childs_checks_not_nothing(tmp_path: Path) -> None:
+    """The runner asks a rank it has no report from yet (a peer failed first) what it proved; a child that had
+    already sent its report must not answer "nothing" (every check of a gate failure then read false)."""
+    from sweeper.trial.pool import WarmRank
+
+    rank = WarmRank.__ray_actor_class__("tests.trial.test_pool", [])  # the class behind the Ray actor
+    assert rank.checks() == TrialChecks()  # before any trial: nothing proven
+    request = SmokeRequest(model=preset("tiny-gpt"), layout=Layout(world_size=1), seq_length=32, steps=1,
+                           warmup_steps=0, checkpoint=False, checkpoint_every=None, trial_dir=str(tmp_path))
+    report = rank.run("tests.trial.test_pool:gate_failure_backend", request, {"RANK": "0"}, [])
+    assert report.failure_kind == "equivalence"
+    assert rank.checks() == TrialChecks(process_group=True, model_built=True, forward_backward=True)
+
+
 # -- e2e: layouts back to back on one pool --------------------------------------------------------------------------
 def _cfg(model: str, warm: bool) -> SweepConfig:
     cluster = ClusterConfig(nodes=2, gpus_per_node=2, gpu_memory_gib=4, simulate=True, warm_ranks=warm)
@@ -116,6 +140,8 @@ def test_layouts_back_to_back_on_warm_ranks_match_new_processes(tmp_path: Path) 
     assert all(ref.path for ref in references.values()), references
     failing = warm[4]
     assert (failing.status, failing.failure_kind) == ("failed", "nan"), failing.error
+    # What every rank proved before the NaN, whichever rank's report the runner read first.
+    assert failing.checks.process_group and failing.checks.model_built and failing.checks.forward_backward
     for i, result in enumerate(warm):
         if i == 4:
             continue
