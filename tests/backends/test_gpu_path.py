@@ -377,3 +377,21 @@ def test_the_cpu_backend_names_each_knob_it_cannot_run():
         reason = unsupported_reason(moe, lo(world_size=2, ep=2, moe_token_dispatcher="flex:hybridep"), cuda=True,
                                     te=True)
     assert reason is not None and "needs DeepEP" in reason
+
+
+def test_the_shared_loss_is_made_on_the_device_the_losses_are_on() -> None:
+    """Megatron leaves the last stage's losses on the rank's GPU; everything the aggregation makes beside them
+    must be made there. The meta device stands in for the GPU: a CPU tensor made next to a meta loss fails
+    ``torch.stack`` exactly as a CPU tensor next to a CUDA loss does."""
+    import torch
+
+    from sweeper.backends.megatron.steps import loss_pair
+
+    meta = torch.device("meta")
+    losses = [{"lm loss": torch.empty((), device=meta)} for _ in range(3)]
+    with pytest.raises(RuntimeError):  # what the aggregation did before: a CPU count stacked with the loss
+        torch.stack([torch.stack([d["lm loss"] for d in losses]).mean(), torch.tensor(1.0)])
+    assert loss_pair(losses, True, meta).device == meta
+    assert loss_pair([], False, meta).device == meta  # a stage without the loss makes its zeros there too
+    cpu = loss_pair([{"lm loss": torch.tensor(2.0)}, {"lm loss": torch.tensor(4.0)}], True, torch.device("cpu"))
+    assert cpu.tolist() == [3.0, 1.0]

@@ -28,6 +28,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
+from sweeper.backends.megatron.device import rank_device
 from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
 from sweeper.models.params import padded_vocab_size
@@ -293,7 +294,7 @@ def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.n
         gradient_reduce_div_fusion=cuda,
         bucket_size=_FSDP_BUCKET_ELEMENTS,
     )
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = rank_device()
     # No broadcast_params: it broadcasts the module's parameters, which under optim_grads_params are views into a
     # released all-gather buffer. Every rank initialised the same weights from the same seed (or loaded the same
     # reference before wrapping), and each rank's shard is cut from them.

@@ -24,6 +24,7 @@ import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
+from sweeper.backends.megatron.device import rank_device
 from sweeper.backends.megatron.failures import (
     InvalidLayoutError,
     NonFiniteError,
@@ -191,7 +192,7 @@ def _smoke(
     report.flops_per_step = report.tokens_per_step * model_flops_per_token(spec, request.seq_length, built.vocab_size)
     safe_point()
 
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = rank_device()
 
     # -- equivalence gate: on the freshly built model, before the steps change its weights -----------------------
     if gate is not None:

@@ -20,6 +20,7 @@ from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from sweeper.backends.megatron.build import Built
+from sweeper.backends.megatron.device import rank_device
 from sweeper.backends.megatron.failures import NonFiniteError
 from sweeper.space.layout import Layout
 
@@ -131,12 +132,19 @@ def check_finite(step: int, result: StepResult) -> None:
 
 def _shared_loss(losses: list[dict[str, torch.Tensor]]) -> float:
     """Mean loss over micro-batches and data-parallel replicas, identical on every rank (NaN anywhere wins)."""
-    is_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-    local = torch.stack([d["lm loss"].float() for d in losses]).mean() if is_last and losses else torch.zeros(())
-    # [sum of losses on last-stage ranks, number of last-stage ranks] over the whole world: the TP/CP copies of a
-    # replica's loss are identical (CP ranks report the whole sequence's), so this is the data-parallel mean.
-    pair = torch.stack([local.reshape(()), torch.tensor(1.0 if is_last else 0.0)])
-    if torch.cuda.is_available():
-        pair = pair.cuda()
+    pair = loss_pair(losses, parallel_state.is_pipeline_last_stage(ignore_virtual=True), rank_device())
     torch.distributed.all_reduce(pair)
     return float(pair[0] / pair[1])
+
+
+def loss_pair(losses: list[dict[str, torch.Tensor]], is_last: bool, device: torch.device) -> torch.Tensor:
+    """[this rank's mean micro-batch loss, 1] on a last pipeline stage, [0, 0] elsewhere, on ``device``.
+
+    Summed over the whole world: the TP/CP copies of a replica's loss are identical (CP ranks report the whole
+    sequence's), so the sum over the count is the data-parallel mean. The losses stay where Megatron left them
+    (a GPU's); what is made here is made on the same device."""
+    if is_last and losses:
+        local = torch.stack([d["lm loss"].float().to(device) for d in losses]).mean()
+    else:
+        local = torch.zeros((), device=device)
+    return torch.stack([local.reshape(()), torch.tensor(1.0 if is_last else 0.0, device=device)])
