@@ -354,6 +354,10 @@ def test_classification_of_oom_comm_nan_checkpoint() -> None:
     assert classify(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), "steps")[0] == "oom"
     assert classify(RuntimeError("CUDA out of memory. Tried to allocate 20 MiB"), "build")[0] == "oom"
     assert classify(SimulatedOOMError("resident host memory 3 GiB exceeded"), "steps")[0] == "oom"
+    for allocator in ("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+                      "cuDNN error: CUDNN_STATUS_ALLOC_FAILED", "CUDA driver error: CUDA_ERROR_OUT_OF_MEMORY",
+                      "cudaErrorMemoryAllocation: out of memory in the NCCL buffer"):
+        assert classify(RuntimeError(allocator), "steps")[0] == "oom", allocator
     gloo = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:2")
     assert classify(gloo, "steps") == ("comm_error", "Connection closed by peer [10.0.0.2]:2")
     assert classify(RuntimeError("Timed out waiting 90000ms for recv operation"), "steps")[0] == "comm_error"

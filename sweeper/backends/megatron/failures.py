@@ -55,7 +55,10 @@ class ReplicaDivergenceError(SmokeFailure):
     kind = "replica_divergence"
 
 
-_OOM_MARKERS = ("out of memory", "cannot allocate memory", "std::bad_alloc")
+# The allocator failures of cuBLAS, cuDNN and the CUDA runtime, which do not say "out of memory" (raised as
+# RuntimeError, e.g. "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`").
+_OOM_MARKERS = ("out of memory", "cannot allocate memory", "std::bad_alloc", "cublas_status_alloc_failed",
+                "cudnn_status_alloc_failed", "cudaerrormemoryallocation", "cuda_error_out_of_memory")
 _PEER_LOST_MARKERS = ("connection closed by peer", "connection reset", "connection refused", "broken pipe")
 _COMM_MARKERS = _PEER_LOST_MARKERS + (
     "gloo", "nccl", "timed out", "timeout", "socket", "rendezvous", "processgroup", "tcpstore",
