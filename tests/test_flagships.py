@@ -6,8 +6,8 @@ Mamba heads and MLA at CPU widths), every rank real megatron-core on gloo, the e
 FP32 reference loaded (resharded) into the layout, a torch_dist checkpoint saved and read back bitwise, and every
 replica compared. These are the layouts the campaign ran on one 8-GPU node:
 Nemotron-3-Nano EP8, PP2·EP4, TP2·EP4·SP; DeepSeek-V2-Lite EP8, TP2·PP2 (14/13 split)·EP2·SP.
-CI runs a two-rank DeepSeek-V2-Lite proxy trial (MLA, MoE, Megatron's uneven 14/13 pipeline split) on a 1 x 2
-node; the campaign's 8-rank layouts (DeepSeek TP2·PP2·EP2·SP and EP8, Nemotron TP2·EP4·SP, EP8, PP2·EP4) and the
+CI runs each axis alone at two ranks on both proxies in FP32 (tests/test_proxy_matrix.py, DeepSeek's uneven
+14/13 PP2 in BF16 too); the two-rank DeepSeek PP2 trial through the CLI, the campaign's 8-rank layouts (DeepSeek TP2·PP2·EP2·SP and EP8, Nemotron TP2·EP4·SP, EP8, PP2·EP4) and the
 extra layouts of the issue (Nemotron PP4 and CP2, DeepSeek PP2) run with ``-m slow``.
 """
 
@@ -59,6 +59,7 @@ def _trial(space: Path, layout: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
+    result["layout_precision"] = layout.rpartition("precision=")[2].split(",")[0]
     print(f"{space.stem} {layout}: {time.monotonic() - started:.0f} s wall, phases {result.get('timings_s')}")
     return result
 
@@ -72,17 +73,20 @@ def _assert_passed(result: dict, ranks: int = 8, replicated: bool = True) -> Non
                  "checkpoint_reloaded"):
         assert checks[name] is True, name
     assert checks["replicas_consistent"] is (True if replicated else None)
-    assert checks["equivalence_rel_err"] is not None and 0.0 <= checks["equivalence_rel_err"] <= TOLERANCE["bf16"]
+    precision = result["layout_precision"]
+    assert checks["equivalence_rel_err"] is not None and 0.0 <= checks["equivalence_rel_err"] <= TOLERANCE[precision]
     assert result["metrics"]["tflops_per_gpu"] > 0
     assert any(note.startswith("proxy model") for note in result["notes"])
     assert len(result["rank_nodes"]) == ranks
 
 
-# In CI: a two-rank DeepSeek-V2-Lite proxy trial, MLA and MoE under Megatron's uneven 14/13 pipeline split (about
-# 3 min on 2 cores, its one-rank reference included). The campaign's 8-rank layouts take 7-10 min each (most of it
+# A two-rank DeepSeek-V2-Lite proxy trial, MLA and MoE under Megatron's uneven 14/13 pipeline split (about 3 min on
+# 2 cores, its one-rank reference included), through the CLI. CI runs the same layout, sharing the FP32 matrix's
+# reference, in tests/test_proxy_matrix.py; this one runs with ``-m slow``. The campaign's 8-rank layouts take 7-10 min each (most of it
 # the one-rank reference's fit over 8 sequences; a Nemotron proxy trial 10.5 min), more than CI's 40 minutes on
 # 2 cores leave, so they run with ``-m slow``; Mamba under TP and SP, and MLA under TP+SP and EP, run in CI at
 # 2-rank size (tests/backends/test_backend_megatron.py).
+@pytest.mark.slow
 def test_a_flagship_proxy_trains_across_an_uneven_pipeline_split(tmp_path_factory: pytest.TempPathFactory) -> None:
     space = _space(tmp_path_factory.getbasetemp() / "deepseek-1x2", "deepseek", gpus=2)
     parsed = layout_from_string(load_config(space), "gpus=2,pp=2,precision=bf16")
@@ -95,6 +99,9 @@ def test_a_flagship_proxy_trains_across_an_uneven_pipeline_split(tmp_path_factor
 
 CAMPAIGN = [
     ("deepseek", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=bf16"),
+    # FP32 as well: the gate's strict tolerance (1e-3); BF16's 2e-2 hid MLA's TP gradient defect (issue 29).
+    ("deepseek", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=fp32"),
+    ("nemotron", "gpus=8,tp=2,ep=4,sp=true,precision=fp32"),
 ]
 EXTRA = [
     ("nemotron", "gpus=8,tp=2,ep=4,sp=true,precision=bf16"),
