@@ -26,6 +26,7 @@ import yaml
 from sweeper.backends.megatron.equivalence import TOLERANCE
 from sweeper.config.load import load_config
 from sweeper.config.schema import layout_from_string
+from sweeper.space.layout import parse_assignments
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.e2e
@@ -59,12 +60,11 @@ def _trial(space: Path, layout: str) -> dict:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
-    result["layout_precision"] = layout.rpartition("precision=")[2].split(",")[0]
     print(f"{space.stem} {layout}: {time.monotonic() - started:.0f} s wall, phases {result.get('timings_s')}")
     return result
 
 
-def _assert_passed(result: dict, ranks: int = 8, replicated: bool = True) -> None:
+def _assert_passed(result: dict, layout: str, ranks: int = 8, replicated: bool = True) -> None:
     """``replicated`` False: a layout that holds no parameter twice (PP alone, untied embeddings), whose replica
     check has nothing to compare (null)."""
     assert result["status"] == "passed", f"[{result['failure_kind']}] {result['error']}"
@@ -73,7 +73,7 @@ def _assert_passed(result: dict, ranks: int = 8, replicated: bool = True) -> Non
                  "checkpoint_reloaded"):
         assert checks[name] is True, name
     assert checks["replicas_consistent"] is (True if replicated else None)
-    precision = result["layout_precision"]
+    precision = parse_assignments(layout)["precision"]
     assert checks["equivalence_rel_err"] is not None and 0.0 <= checks["equivalence_rel_err"] <= TOLERANCE[precision]
     assert result["metrics"]["tflops_per_gpu"] > 0
     assert any(note.startswith("proxy model") for note in result["notes"])
@@ -92,7 +92,7 @@ def test_a_flagship_proxy_trains_across_an_uneven_pipeline_split(tmp_path_factor
     parsed = layout_from_string(load_config(space), "gpus=2,pp=2,precision=bf16")
     assert (parsed.first_stage_layers, parsed.last_stage_layers) == (14, 13)
     result = _trial(space, "gpus=2,pp=2,precision=bf16")
-    _assert_passed(result, ranks=2, replicated=False)
+    _assert_passed(result, "gpus=2,pp=2,precision=bf16", ranks=2, replicated=False)
     # The reference (one rank) was written whole; the two stages each load their half of the layers.
     assert result["reference_load"]["from_layout"].startswith("TP1-PP1-DP1") and result["reference_load"]["tensors"]
 
@@ -123,11 +123,11 @@ def test_reference_campaign_layout_passes_as_a_proxy_trial(tmp_path_factory: pyt
     if which == "deepseek" and "pp=2" in layout:  # 27 layers on two stages: Megatron's uneven 14/13 split
         parsed = layout_from_string(load_config(space), layout)
         assert (parsed.first_stage_layers, parsed.last_stage_layers) == (14, 13)
-    _assert_passed(_trial(space, layout))
+    _assert_passed(_trial(space, layout), layout)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("which", "layout"), EXTRA, ids=[f"{w}:{lo}" for w, lo in EXTRA])
 def test_more_flagship_layouts_pass_as_proxy_trials(tmp_path_factory: pytest.TempPathFactory, which: str,
                                                     layout: str) -> None:
-    _assert_passed(_trial(_space(tmp_path_factory.getbasetemp() / which, which), layout))
+    _assert_passed(_trial(_space(tmp_path_factory.getbasetemp() / which, which), layout), layout)
