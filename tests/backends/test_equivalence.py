@@ -26,6 +26,7 @@ from sweeper.backends.megatron.equivalence import (
     rel_err,
     tolerance,
 )
+from sweeper.config.run_settings import RunSettings
 from sweeper.models.catalog import preset
 from sweeper.space.layout import Layout
 
@@ -138,6 +139,30 @@ def test_moe_layouts_reproduce_the_reference(tmp_path: Path, moe_reference: Path
     layout = MOE_LAYOUTS[name]
     _assert_equivalent(_check(tmp_path, moe_reference, layout, "tiny-moe"), moe_reference, TOLERANCE["fp32"],
                        f"tiny-moe {name}")
+
+
+@pytest.mark.e2e
+def test_overlapped_dp_reduce_and_gather_train_as_the_synchronous_run(tmp_path: Path, gpt_reference: Path) -> None:
+    """Issue 30: overlap_grad_reduce and overlap_param_gather (Bridge's defaults) at DP 2 on gloo's async
+    collectives. The steps run four micro-batches, the gate two: without ``no_sync_func`` Megatron starts each
+    bucket's reduce-scatter once as many micro-batches as in the first batch (the gate's) are done, and the
+    steps silently train on a half-reduced gradient. With it the losses are those of Megatron-LM's defaults
+    (no overlap), the gate matches the reference, and after three steps the replicas agree and the checkpoint
+    reloads bit-identical (the all-gather the last step deferred is forced first)."""
+    layout = Layout(world_size=2, gbs=8, mbs=1, precision="fp32", distributed_optimizer=True)
+    assert layout.num_microbatches == 4
+    runs = {}
+    for framework in ("megatron-bridge", "megatron-lm"):
+        reports = _check(tmp_path / framework, gpt_reference, layout, "tiny-gpt",
+                         run=RunSettings(framework=framework), steps=3, checkpoint=True)
+        _assert_equivalent(reports, gpt_reference, TOLERANCE["fp32"], f"tiny-gpt dp2 distopt {framework}")
+        for r in reports:
+            assert r.checks.replicas_consistent and r.checks.checkpoint_reloaded, (r.failure_kind, r.error)
+        runs[framework] = reports[0]
+    overlapped, synchronous = runs["megatron-bridge"], runs["megatron-lm"]
+    assert len(overlapped.losses) == 3
+    assert overlapped.losses == pytest.approx(synchronous.losses, rel=1e-6, abs=0)
+    assert overlapped.grad_norms == pytest.approx(synchronous.grad_norms, rel=1e-6, abs=0)
 
 
 @pytest.mark.e2e

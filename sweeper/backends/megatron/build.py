@@ -162,6 +162,19 @@ class Built:
             for name, param in ddp.module.named_parameters()
         }
 
+    @property
+    def overlap_param_gather(self) -> bool:
+        return bool(self.model[0].ddp_config.overlap_param_gather)
+
+    def sync_params(self) -> None:
+        """Finish the parameter all-gather the optimizer step left to the next forward (``overlap_param_gather``
+        defers it to the forward pre-hooks, Megatron's distrib_optimizer.py): afterwards every rank's model
+        weights are the step's, as the replica check and the saves must read them (Megatron-LM forces the same
+        sync before it saves). A no-op without the overlap (the step gathered synchronously)."""
+        if self.overlap_param_gather:
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
     def fsdp_parameters(self) -> list[tuple[int, str, torch.Tensor]]:
         """Megatron-FSDP: (chunk index, name, distributed parameter) in the same order on every rank."""
         return [(i, name, param) for i, chunk in enumerate(self.model)
@@ -230,6 +243,7 @@ def build(
 
     model = (_fsdp_chunks if layout.fsdp else _ddp_chunks)(config, layout, chunks, cuda=cuda, run=run)
     config.finalize_model_grads_func = finalize_model_grads
+    _install_sync_funcs(config, model, layout, run)
 
     dtype = params_dtype(layout)
     optimizer = get_megatron_optimizer(
@@ -254,14 +268,30 @@ def build(
     return Built(config=config, model=model, optimizer=optimizer, vocab_size=vocab, fsdp=layout.fsdp)
 
 
+def _install_sync_funcs(config: TransformerConfig, model: list[Any], layout: Layout, run: RunSettings) -> None:
+    """The schedule's hooks into the data-parallel wrappers, as Megatron-LM's training.py installs them (its
+    align_grad_reduce default, align_param_gather with the interleaved schedule only).
+
+    With ``overlap_grad_reduce`` the backward hooks start a bucket's reduce-scatter as soon as its gradients are
+    ready: without ``no_sync_func`` every micro-batch counts as the last one, so the reduction starts after the
+    first micro-batch (wrong gradients, no error) and the next one finds the bucket already reduced."""
+    if run.overlaps_grad_reduce:
+        no_sync = [chunk.no_sync for chunk in model]
+        grad_sync = [chunk.start_grad_sync for chunk in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        config.grad_sync_func = grad_sync[0] if len(model) == 1 else grad_sync
+    if model[0].ddp_config.align_param_gather:
+        param_sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
+
+
 def _ddp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool,
                 run: RunSettings) -> list[Any]:
     # The run settings' grad dtype, as the estimator counts it (run_settings.RunSettings.grad_buffer_fp32). The
-    # overlap flags only hide communication; gloo's CPU path reduces synchronously.
+    # overlaps run on gloo too (its async collectives): the CPU proves their wiring (_install_sync_funcs).
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
-        overlap_grad_reduce=cuda and run.overlaps_grad_reduce,
-        overlap_param_gather=cuda and run.overlaps_param_gather and layout.distributed_optimizer,
+        **_overlap_config(layout, run),
         use_distributed_optimizer=layout.distributed_optimizer,
     )
     model = [
@@ -272,6 +302,16 @@ def _ddp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn
     for chunk in model:
         chunk.broadcast_params()  # identical replicas across data-parallel ranks, whatever the initialisation
     return model
+
+
+def _overlap_config(layout: Layout, run: RunSettings) -> dict[str, bool]:
+    """DistributedDataParallelConfig's overlap fields: the param-gather overlap needs the distributed optimizer
+    (Megatron-LM asserts it; the export leaves the flag out without it), and aligns its all-gathers with the
+    pipeline only under the interleaved schedule (Megatron-LM's validate_args turns align_param_gather off
+    otherwise)."""
+    param_gather = run.overlaps_param_gather and layout.distributed_optimizer
+    return dict(overlap_grad_reduce=run.overlaps_grad_reduce, overlap_param_gather=param_gather,
+                align_param_gather=param_gather and layout.vpp > 1)
 
 
 def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool,
@@ -287,8 +327,7 @@ def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.n
         data_parallel_sharding_strategy=layout.fsdp,
         use_distributed_optimizer=True,
         grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
-        overlap_grad_reduce=cuda and run.overlaps_grad_reduce,
-        overlap_param_gather=cuda and run.overlaps_param_gather,
+        **_overlap_config(layout, run),
         # Megatron's default fuses the 1/DP averaging into the reduce-scatter as a PREMUL_SUM, which gloo lacks;
         # unfused it pre-multiplies and SUMs (the same result, measured bit-identical to DDP on gloo).
         gradient_reduce_div_fusion=cuda,

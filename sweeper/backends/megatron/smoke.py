@@ -245,6 +245,8 @@ def _smoke(
     enter("replicas")
     from sweeper.backends.megatron.replicas import check_replicas
 
+    built.sync_params()  # the step's weights everywhere, not the all-gather deferred to the next forward
+
     compared = 0
     try:
         compared = _timed(report, "replicas", lambda: check_replicas(built, request.steps, device))
@@ -313,6 +315,7 @@ def _save_and_reload(
 
     final = step == request.steps
     directory = ckpt.checkpoint_path(request.trial_dir, step)
+    built.sync_params()  # save the step's weights, not the shards a deferred all-gather has not brought yet
     saved = ckpt.snapshot(built)
     enter("checkpoint_save")
     with PeakResident() as resident:
