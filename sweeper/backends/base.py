@@ -42,6 +42,9 @@ class SmokeRequest:
     # gradient norm on the fixed batch); see sweeper/backends/megatron/equivalence.py for the protocol.
     make_reference: bool = False
     run: RunSettings = field(default_factory=RunSettings)  # grad dtype, optimizer, FP8 weights
+    # The cluster's declared compute capability (cluster.compute_capability): the GPU ranks' Megatron environment
+    # is the export's for it (sweeper.space.environment).
+    compute_capability: str = "9.0"
     # Wall-clock time (time.time()) at which a rank still running dumps every thread's stack into
     # <trial_dir>/stacks/ (trial/stacks.py), shortly before the runner's wall-time limit; None: no dump.
     stack_dump_at: float | None = None

@@ -42,6 +42,12 @@ def default_fp8_recipe(compute_capability_major: int) -> str:
     return "tensorwise" if compute_capability_major >= 10 else "delayed"
 
 
+def fp8_format(recipe: str) -> str:
+    """Megatron's --fp8-format for an FP8 recipe: E4M3 throughout for the block-scaled recipes (DeepSeek-V3's
+    blockwise, MXFP8), hybrid (E4M3 forward, E5M2 gradients) for delayed and tensorwise scaling."""
+    return "e4m3" if recipe in ("blockwise", "mxfp8") else "hybrid"
+
+
 # The MoE router's load balancing in the smoke run and the exports (Megatron's default type, GShard's coefficient).
 MOE_LOAD_BALANCING_TYPE = "aux_loss"
 MOE_AUX_LOSS_COEFF = 1e-2
@@ -137,6 +143,11 @@ class RunSettings(BaseModel):
         value = self.overlap_param_gather
         return self.overlaps_grad_reduce and (_DEFAULTS[self.framework]["overlap"] if value is None else value)
 
+    def param_gather_overlap(self, distributed_optimizer: bool) -> bool:
+        """overlap_param_gather for a layout: only with the distributed optimizer (Megatron-LM asserts it; the
+        all-gather it overlaps is the distributed optimizer's)."""
+        return self.overlaps_param_gather and distributed_optimizer
+
     @property
     def offloaded_fraction(self) -> float:
         """Fraction of the optimizer shard on the host (0 without optimizer_cpu_offload)."""
@@ -152,12 +163,13 @@ class RunSettings(BaseModel):
         return float(MOMENT_BYTES[self.exp_avg_dtype] + MOMENT_BYTES[self.exp_avg_sq_dtype])
 
     # -- exports -------------------------------------------------------------------------------------------------
-    def megatron_args(self, precision: str, compute_capability: str | None) -> list[str]:
+    def megatron_args(self, precision: str, compute_capability: str | None, *,
+                      distributed_optimizer: bool = True) -> list[str]:
         """Megatron-LM flags for these settings (beside the layout's ``Layout.megatron_args``)."""
         args: list[str] = []
         recipe = self.recipe(precision, compute_capability)
         if recipe is not None and precision == "fp8":
-            args.append(f"--fp8-recipe={recipe}")
+            args += [f"--fp8-format={fp8_format(recipe)}", f"--fp8-recipe={recipe}"]
         if precision in ("bf16", "fp8", "mxfp8") and not self.grad_buffer_fp32(precision):
             args.append("--grad-reduce-in-bf16")
         if self.fp8_params(precision, compute_capability):
@@ -169,17 +181,20 @@ class RunSettings(BaseModel):
             args += ["--optimizer-cpu-offload", f"--optimizer-offload-fraction={self.offloaded_fraction:g}"]
         if self.overlaps_grad_reduce:
             args.append("--overlap-grad-reduce")
-        if self.overlaps_param_gather:
+        if self.param_gather_overlap(distributed_optimizer):
             args.append("--overlap-param-gather")
         return args
 
-    def bridge_overrides(self, precision: str, compute_capability: str | None) -> list[str]:
+    def bridge_overrides(self, precision: str, compute_capability: str | None, *,
+                         distributed_optimizer: bool = True) -> list[str]:
         """Megatron-Bridge overrides (``mixed_precision`` wins over ``ddp`` for the grad dtype and FP8 params, so
         both are set)."""
         out: list[str] = []
         recipe = self.recipe(precision, compute_capability)
         if recipe is not None:
             out.append(f"mixed_precision.fp8_recipe={recipe}")
+            if precision == "fp8":  # the recipe name's format is delayed scaling's
+                out.append(f"mixed_precision.fp8={fp8_format(recipe)}")
         if precision in ("bf16", "fp8", "mxfp8"):
             grads = str(self.grads_in_fp32).lower()
             out += [f"mixed_precision.grad_reduce_in_fp32={grads}", f"ddp.grad_reduce_in_fp32={grads}"]
@@ -194,7 +209,7 @@ class RunSettings(BaseModel):
             out += ["optimizer.optimizer_cpu_offload=true",
                     f"optimizer.optimizer_offload_fraction={self.offloaded_fraction:g}"]
         out += [f"ddp.overlap_grad_reduce={str(self.overlaps_grad_reduce).lower()}",
-                f"ddp.overlap_param_gather={str(self.overlaps_param_gather).lower()}"]
+                f"ddp.overlap_param_gather={str(self.param_gather_overlap(distributed_optimizer)).lower()}"]
         return out
 
 

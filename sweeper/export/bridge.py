@@ -57,10 +57,15 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+def dotted_overrides(cfg: SweepConfig, layout: Layout) -> list[str]:
+    """The winner's Megatron-Bridge overrides in dotted form (best_layout.yaml ``megatron_bridge_overrides``)."""
+    return layout.bridge_overrides() + cfg.run.bridge_overrides(
+        layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer)
+
+
 def overrides(cfg: SweepConfig, layout: Layout) -> dict[str, Any]:
     """The override tree (plain containers) for ``layout`` of ``cfg``."""
-    cc = cfg.cluster.compute_capability
-    dotted = layout.bridge_overrides() + cfg.run.bridge_overrides(layout.precision, cc)
+    dotted = dotted_overrides(cfg, layout)
     precision = [item for item in dotted if item.partition("=")[0].split(".")[0] == "mixed_precision"]
     rest = [item for item in dotted if item not in precision]
     seq = cfg.training.seq_length

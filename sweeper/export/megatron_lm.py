@@ -19,6 +19,7 @@ import shlex
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE
 from sweeper.config.schema import SweepConfig
 from sweeper.models.spec import DEEPSEEK_YARN, ModelSpec
+from sweeper.space.environment import megatron_environment
 from sweeper.space.layout import Layout
 
 LAUNCH_FILE = "launch_megatron_lm.sh"
@@ -94,16 +95,8 @@ def _mla_args(spec: ModelSpec) -> list[str]:
 
 def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
     """The layout's flags and the run settings' (best_layout.yaml ``megatron_args``)."""
-    return layout.megatron_args() + cfg.run.megatron_args(layout.precision, cfg.cluster.compute_capability)
-
-
-def needs_one_device_connection(layout: Layout, compute_capability: str) -> bool:
-    """Megatron-LM's validate_args asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with TP or CP > 1 before Blackwell
-    (compute capability < 10), so that the communication kernels are queued before the compute they overlap;
-    with the expert A2A overlap it only warns, since that overlap wants more connections, so it is left unset.
-    Megatron-FSDP asserts the opposite ("FSDP requires CUDA_DEVICE_MAX_CONNECTIONS > 1 or unset")."""
-    return ((layout.tp > 1 or layout.cp > 1) and int(compute_capability.partition(".")[0]) < 10
-            and not layout.moe_a2a_overlap and not layout.fsdp)
+    return layout.megatron_args() + cfg.run.megatron_args(
+        layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer)
 
 
 def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
@@ -111,12 +104,12 @@ def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
     per_node = min(layout.world_size, cfg.cluster.gpus_per_node)
     nodes = max(1, layout.world_size // per_node)
     entry = "pretrain_mamba.py" if cfg.model.is_hybrid else "pretrain_gpt.py"
-    env = ["export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron-LM asserts it with TP or CP > 1 before Blackwell"
-           if needs_one_device_connection(layout, cfg.cluster.compute_capability)
-           else "# CUDA_DEVICE_MAX_CONNECTIONS is left unset: Megatron-LM asks for 1 only with TP or CP > 1 before "
-                "Blackwell, and not with the expert A2A overlap or Megatron-FSDP"]
-    env.append("export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}")
-    env.append("export TORCH_NCCL_AVOID_RECORD_STREAMS=1")
+    # The trial's ranks ran with the same variables (sweeper.space.environment, trial/runner.py).
+    variables = megatron_environment(layout, cfg.cluster.compute_capability)
+    env = [f"export {v.name}={v.value}  # {v.why}" for v in variables]
+    if not any(v.name == "CUDA_DEVICE_MAX_CONNECTIONS" for v in variables):
+        env.insert(0, "# CUDA_DEVICE_MAX_CONNECTIONS is left unset: Megatron-LM asks for 1 only with TP or CP > 1 "
+                      "before Blackwell, and not with the expert A2A overlap or Megatron-FSDP")
     spec = ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"] if cfg.model.is_hybrid \
         else []
     vocab = cfg.model.vocab_size

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
+from sweeper.export.bridge import dotted_overrides
+from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.space.layout import Layout
@@ -143,7 +145,6 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
                          cands: list[Candidate] | None = None) -> dict[str, Any]:
     result = winner.explore.result
     layout = winner.layout
-    cc = cfg.cluster.compute_capability
     return {
         "name": cfg.name,
         "model": cfg.model.name,
@@ -151,8 +152,8 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "trial": winner.number,
         "layout": layout.to_dict(),
         "layout_string": layout.to_string(),
-        "megatron_args": layout.megatron_args() + cfg.run.megatron_args(layout.precision, cc),
-        "megatron_bridge_overrides": layout.bridge_overrides() + cfg.run.bridge_overrides(layout.precision, cc),
+        "megatron_args": layout_args(cfg, layout),
+        "megatron_bridge_overrides": dotted_overrides(cfg, layout),
         "run": {"framework": cfg.run.framework, **cfg.run.model_dump(exclude_defaults=True)},
         "measured": dict(vars(result.metrics)),
         "measured_median_over_runs": {

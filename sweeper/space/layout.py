@@ -389,7 +389,7 @@ _PRECISION_FLAGS: dict[str, list[str]] = {
     "fp32": [],
     "fp16": ["--fp16"],
     "bf16": ["--bf16"],
-    "fp8": ["--bf16", "--fp8-format=hybrid"],  # the recipe is a run setting (RunSettings.megatron_args)
+    "fp8": ["--bf16"],  # the format follows the recipe, a run setting (RunSettings.megatron_args)
     "mxfp8": ["--bf16", "--fp8-format=e4m3", "--fp8-recipe=mxfp8"],
     "nvfp4": ["--bf16", "--fp4-format=e2m1", "--fp4-recipe=nvfp4"],
 }

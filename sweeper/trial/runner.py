@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -48,6 +48,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
 from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
+from sweeper.space.environment import EnvVar, megatron_environment
 from sweeper.space.layout import Layout
 from sweeper.trial import stacks
 from sweeper.trial.actor import RankActor, RankSlot
@@ -172,6 +173,7 @@ def _request(
         memory_limit_gib=float(cfg.cluster.gpu_memory_gib) if handle.is_simulated else None,
         host_memory_gib=_host_memory_gib(cfg, handle),
         run=cfg.run,
+        compute_capability=cfg.cluster.compute_capability,
         inject=inject,  # type: ignore[arg-type]
         inject_rank=inject_rank,
     )
@@ -289,7 +291,8 @@ def _run_ranks(
             labels = {nid: handle.label_of(nid) for nid in {s.node_id for s in slots}}
             for slot, outcome in zip(slots, outcomes):
                 outcome.node = labels[slot.node_id]
-            envs = _rank_envs(slots, labels, trial_id)
+            envs = _rank_envs(slots, labels, trial_id,
+                              megatron_environment(request.layout, request.compute_capability))
             sys_path = [os.getcwd()] + [p for p in sys.path if p]
             pending = {actors[r].run.remote(backend, request, envs[r], sys_path): r for r in range(world_size)}
             running = RunningTrial(trial_id, [o.node for o in outcomes], [s.node_id for s in slots])
@@ -356,8 +359,10 @@ def loopback_interface() -> str:
     return next((name for name in names if name in ("lo", "lo0")), "lo")
 
 
-def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> list[dict[str, str]]:
-    """torch.distributed rendezvous variables per rank, plus a node-wide CUDA_VISIBLE_DEVICES.
+def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str,
+               gpu_env: Sequence[EnvVar] = ()) -> list[dict[str, str]]:
+    """torch.distributed rendezvous variables per rank, plus a node-wide CUDA_VISIBLE_DEVICES and, on GPU ranks,
+    ``gpu_env`` (the layout's Megatron environment, exactly what launch_megatron_lm.sh exports).
 
     Ray gives each actor only its own GPU; like torchrun, every rank of a node sees all the trial's GPUs on that
     node (NCCL's intra-node peer-to-peer needs it) and LOCAL_RANK indexes its own one among them.
@@ -386,6 +391,7 @@ def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str) -> 
         }
         if gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
+            env.update({v.name: v.value for v in gpu_env})
         if ipaddress.ip_address(master.ip).is_loopback:
             # Every rank is on this machine (a simulated cluster): gloo's pairs on loopback too. Without it gloo
             # binds the address the host name resolves to, the machine's interface.

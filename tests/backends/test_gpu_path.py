@@ -85,9 +85,10 @@ def test_the_requested_recipe_is_the_run_setting(monkeypatch):
     """run.fp8_recipe (the YAML) reaches the GPU plan; auto leaves the pick to the device."""
     seen = []
     monkeypatch.setattr(gpu, "gpu_plan", lambda spec, layout, capability, **kw: seen.append(kw["fp8_recipe"]))
-    import torch
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: HOPPER)
+    from sweeper.backends.megatron import device
+
+    monkeypatch.setattr(device, "compute_capability", lambda: HOPPER)
     gpu.device_plan(preset("tiny-gpt"), lo(precision="fp8"), RunSettings(fp8_recipe="blockwise"))
     gpu.device_plan(preset("tiny-gpt"), lo(precision="fp8"), RunSettings())
     assert seen == ["blockwise", None]
@@ -395,3 +396,51 @@ def test_the_shared_loss_is_made_on_the_device_the_losses_are_on() -> None:
     assert loss_pair([], False, meta).device == meta  # a stage without the loss makes its zeros there too
     cpu = loss_pair([{"lm loss": torch.tensor(2.0)}, {"lm loss": torch.tensor(4.0)}], True, torch.device("cpu"))
     assert cpu.tolist() == [3.0, 1.0]
+
+
+# -- issue 30: a broken Transformer Engine, the warm-rank fork guard ------------------------------------------------
+def test_a_broken_transformer_engine_fails_the_rank_as_infra(monkeypatch):
+    """Installed but not importable (a CUDA library missing): the rank fails as infra with the import error
+    instead of building Megatron's local spec on the GPU while the driver believes TE is there."""
+    import importlib.util
+    import sys
+
+    from sweeper.backends.megatron import device
+    from sweeper.backends.megatron.failures import classify
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "transformer_engine"
+                        else None)
+
+    class Broken:
+        def find_spec(self, name, path=None, target=None):
+            if name.startswith("transformer_engine"):
+                raise OSError("libcudnn.so.9: cannot open shared object file")
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Broken(), *sys.meta_path])
+    for name in [n for n in sys.modules if n.startswith("transformer_engine")]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(device.TransformerEngineImportError) as err:
+        device.transformer_engine_present()
+    assert classify(err.value, "setup") == (
+        "infra", "Transformer Engine is installed but does not import on this rank: libcudnn.so.9: "
+                 "cannot open shared object file")
+
+
+def test_transformer_engine_not_installed_is_no_te():
+    from sweeper.backends.megatron import device
+
+    assert device.transformer_engine_present() is False  # this machine has none: the local spec, no failure
+
+
+def test_warm_up_refuses_a_cuda_torch_whose_nvml_does_not_answer(monkeypatch):
+    """torch's CUDA check falls back to cudaGetDeviceCount when NVML fails, which initialises CUDA in the warm
+    parent without torch.cuda.is_initialized() saying so: its forked ranks could not use the GPU."""
+    import torch
+
+    from sweeper.backends import megatron
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    with pytest.raises(RuntimeError, match="NVML does not answer on this node.*cluster.warm_ranks: false"):
+        megatron.warm_up()

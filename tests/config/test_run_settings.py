@@ -52,8 +52,15 @@ def test_exports_carry_the_settings_as_megatron_flags_and_bridge_overrides() -> 
     run = RunSettings(framework="megatron-bridge", grad_reduce_in_fp32=False, precision_aware_optimizer=True,
                       exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
     args = run.megatron_args("fp8", "9.0")
-    assert args[:3] == ["--fp8-recipe=delayed", "--grad-reduce-in-bf16", "--fp8-param-gather"]
+    assert args[:4] == ["--fp8-format=hybrid", "--fp8-recipe=delayed", "--grad-reduce-in-bf16", "--fp8-param-gather"]
     assert "--exp-avg-dtype=bf16" in args and "--overlap-grad-reduce" in args and "--overlap-param-gather" in args
+    # The block-scaled recipe is E4M3 throughout, in the trial (gpu.py) as in both exports.
+    assert RunSettings(fp8_recipe="blockwise").megatron_args("fp8", "9.0")[:2] == [
+        "--fp8-format=e4m3", "--fp8-recipe=blockwise"]
+    assert "mixed_precision.fp8=e4m3" in RunSettings(fp8_recipe="blockwise").bridge_overrides("fp8", "9.0")
+    # The param-gather overlap is the distributed optimizer's: without it neither export asks for it.
+    assert "--overlap-param-gather" not in run.megatron_args("fp8", "9.0", distributed_optimizer=False)
+    assert "ddp.overlap_param_gather=false" in run.bridge_overrides("fp8", "9.0", distributed_optimizer=False)
     overrides = run.bridge_overrides("fp8", "9.0")
     for expected in ("mixed_precision.grad_reduce_in_fp32=false", "ddp.grad_reduce_in_fp32=false",
                      "mixed_precision.fp8_param_gather=true", "optimizer.exp_avg_dtype=torch.bfloat16",

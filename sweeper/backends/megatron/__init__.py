@@ -27,11 +27,17 @@ _WARM_MODULES = (
 def warm_up() -> None:
     """Import megatron-core and the model builders now, for a warm rank process (sweeper/trial/pool.py) whose
     forked children then start at once. CUDA must stay uninitialised here (a forked child cannot use a CUDA
-    context its parent created): torch's CUDA check goes through NVML, and Transformer Engine is left for the
-    child to import."""
+    context its parent created). torch's CUDA check goes through NVML; where NVML does not answer torch falls
+    back to cudaGetDeviceCount, which initialises CUDA without ``torch.cuda.is_initialized()`` saying so, so a
+    CUDA build of torch without NVML refuses to warm up. Megatron's layer specs import Transformer Engine here
+    too; the check after the imports catches any import that initialised CUDA."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
+    if torch.backends.cuda.is_built() and torch.cuda._device_count_nvml() < 0:  # noqa: SLF001 - torch's own probe
+        raise RuntimeError("NVML does not answer on this node, so torch's CUDA check would initialise CUDA in the "
+                           "warm rank process and its forked ranks could not use the GPU; set cluster.warm_ranks: "
+                           "false")
     from sweeper.backends.megatron import cpu_compat
 
     cpu_compat.install()

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
-from sweeper.backends.megatron.device import rank_device
+from sweeper.backends.megatron.device import capability_text, compute_capability, rank_device
 from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
 from sweeper.models.params import padded_vocab_size
@@ -38,15 +38,6 @@ from sweeper.space.layout import Layout
 # Megatron-FSDP's bucket (elements), as measured on gloo (docs/MEGATRON_ON_CPU.md).
 _FSDP_BUCKET_ELEMENTS = 10**7
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def transformer_engine_available() -> bool:
-    """True when Transformer Engine imports (the GPU layer spec needs it)."""
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # noqa: BLE001 - TE raises more than ImportError when its CUDA libraries are missing
-        return False
-    return True
 
 
 def use_transformer_engine(cuda: bool, te_available: bool) -> bool:
@@ -95,7 +86,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         from sweeper.backends.megatron import gpu
 
         plan = gpu.device_plan(spec, layout, run)
-        fp8, config_class = plan.config_kwargs, gpu.config_class(plan)
+        fp8, config_class = dict(plan.config_kwargs), gpu.config_class(plan)
+        fp8.update(gpu.run_config_kwargs(layout, run, capability_text(compute_capability())))
     return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -210,7 +202,10 @@ def build(
         model_class = mamba_model_builder(spec, adapt_local_block_spec(cpu_mamba.local_mamba_stack_spec(), config))
     # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
     torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    # A CUDA graph replays its RNG calls: Megatron's CudaGraphManager asserts a graph-safe tracker (TE's, as
+    # Megatron-LM picks it for graphs: use_te_rng_tracker, use_cudagraphable_rng).
+    tensor_parallel.model_parallel_cuda_manual_seed(seed, te_rng_tracker=config.use_te_rng_tracker,
+                                                    use_cudagraphable_rng=layout.cuda_graph != "none")
     vocab = vocab_size or padded_vocab_size(spec, layout.tp)
     vpp = layout.vpp if layout.vpp > 1 else None
     chunks: list[torch.nn.Module] = []
@@ -241,31 +236,67 @@ def build(
     if before_wrap is not None:
         before_wrap(chunks)
 
-    model = (_fsdp_chunks if layout.fsdp else _ddp_chunks)(config, layout, chunks, cuda=cuda, run=run)
+    model = (_fsdp_chunks if layout.fsdp else _ddp_chunks)(config, layout, chunks, cuda=cuda, te=te,
+                                                                 run=run)
     config.finalize_model_grads_func = finalize_model_grads
     _install_sync_funcs(config, model, layout, run)
 
+    # Megatron's own gloo groups (create_gloo_process_groups=False at init): NCCL runs need a reachable gloo
+    # interface across nodes for them and use them only for optimizer-state checkpoints, which smoke runs skip.
+    optimizer = get_megatron_optimizer(optimizer_config(layout, run), model, use_gloo_process_groups=False)
     dtype = params_dtype(layout)
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-4,
-            weight_decay=0.01,
-            adam_beta1=0.9,
-            adam_beta2=0.95,
-            clip_grad=1.0,
-            bf16=dtype is torch.bfloat16,
-            fp16=dtype is torch.float16,
-            params_dtype=dtype,
-            initial_loss_scale=2.0**16,
-            use_distributed_optimizer=layout.distributed_optimizer,
-            **run.optimizer_kwargs(),
-        ),
-        model,
-    )
     if dtype is torch.float16:
         config.grad_scale_func = optimizer.scale_loss
     return Built(config=config, model=model, optimizer=optimizer, vocab_size=vocab, fsdp=layout.fsdp)
+
+
+def optimizer_config(layout: Layout, run: RunSettings) -> OptimizerConfig:
+    """Megatron's Adam as the export's training flags set it (--clip-grad, --adam-beta1/2), the layout's
+    precision and optimizer sharding, and the run settings' moments and offload."""
+    dtype = params_dtype(layout)
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=1e-4,
+        weight_decay=0.01,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        clip_grad=1.0,
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        params_dtype=dtype,
+        initial_loss_scale=2.0**16,
+        use_distributed_optimizer=layout.distributed_optimizer,
+        **run.optimizer_kwargs(),
+    )
+
+
+def fp8_params(layout: Layout, run: RunSettings, te: bool) -> bool:
+    """FP8 weights in the parameter buffer and its all-gather (--fp8-param-gather): the run settings' choice for
+    this device, on the GPU path only (the CPU backend runs no FP8)."""
+    return te and run.fp8_params(layout.precision, capability_text(compute_capability()))
+
+
+def ddp_config(layout: Layout, run: RunSettings, *, cuda: bool, te: bool) -> DistributedDataParallelConfig:
+    """Megatron's DDP config, for DDP or (``Layout.fsdp``) Megatron-FSDP: the run settings' grad dtype, as the
+    estimator counts it (RunSettings.grad_buffer_fp32), their overlaps (run on gloo too, through its async
+    collectives: the CPU proves their wiring, _install_sync_funcs) and FP8 parameters."""
+    common: dict[str, Any] = dict(
+        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
+        **_overlap_config(layout, run),
+        use_distributed_optimizer=layout.distributed_optimizer,
+        fp8_param_gather=fp8_params(layout, run, te),
+    )
+    if not layout.fsdp:
+        return DistributedDataParallelConfig(**common)
+    return DistributedDataParallelConfig(
+        **common,
+        use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=layout.fsdp,
+        # Megatron's default fuses the 1/DP averaging into the reduce-scatter as a PREMUL_SUM, which gloo lacks;
+        # unfused it pre-multiplies and SUMs (the same result, measured bit-identical to DDP on gloo).
+        gradient_reduce_div_fusion=cuda,
+        bucket_size=_FSDP_BUCKET_ELEMENTS,
+    )
 
 
 def _install_sync_funcs(config: TransformerConfig, model: list[Any], layout: Layout, run: RunSettings) -> None:
@@ -285,18 +316,12 @@ def _install_sync_funcs(config: TransformerConfig, model: list[Any], layout: Lay
         config.param_sync_func = param_sync[0] if len(model) == 1 else param_sync
 
 
-def _ddp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool,
+def _ddp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool, te: bool,
                 run: RunSettings) -> list[Any]:
-    # The run settings' grad dtype, as the estimator counts it (run_settings.RunSettings.grad_buffer_fp32). The
-    # overlaps run on gloo too (its async collectives): the CPU proves their wiring (_install_sync_funcs).
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
-        **_overlap_config(layout, run),
-        use_distributed_optimizer=layout.distributed_optimizer,
-    )
+    ddp = ddp_config(layout, run, cuda=cuda, te=te)
     model = [
         # Megatron-LM buckets only the first chunk's gradients; later chunks reduce as one bucket each.
-        DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
+        DistributedDataParallel(config=config, ddp_config=ddp, module=chunk, disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]
     for chunk in model:
@@ -309,12 +334,12 @@ def _overlap_config(layout: Layout, run: RunSettings) -> dict[str, bool]:
     (Megatron-LM asserts it; the export leaves the flag out without it), and aligns its all-gathers with the
     pipeline only under the interleaved schedule (Megatron-LM's validate_args turns align_param_gather off
     otherwise)."""
-    param_gather = run.overlaps_param_gather and layout.distributed_optimizer
+    param_gather = run.param_gather_overlap(layout.distributed_optimizer)
     return dict(overlap_grad_reduce=run.overlaps_grad_reduce, overlap_param_gather=param_gather,
                 align_param_gather=param_gather and layout.vpp > 1)
 
 
-def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool,
+def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.nn.Module], *, cuda: bool, te: bool,
                  run: RunSettings) -> list[Any]:
     """Megatron-FSDP with the layout's sharding strategy (optim | optim_grads | optim_grads_params) and the
     distributed optimizer (the megatron_fsdp rule requires it), on the device this rank runs on."""
@@ -322,23 +347,13 @@ def _fsdp_chunks(config: TransformerConfig, layout: Layout, chunks: list[torch.n
 
     if not layout.distributed_optimizer:  # the megatron_fsdp rule refuses it before launch; a direct request too
         raise InvalidLayoutError("Megatron-FSDP v1 is only compatible with --use-distributed-optimizer")
-    ddp_config = DistributedDataParallelConfig(
-        use_megatron_fsdp=True,
-        data_parallel_sharding_strategy=layout.fsdp,
-        use_distributed_optimizer=True,
-        grad_reduce_in_fp32=run.grad_buffer_fp32(layout.precision),
-        **_overlap_config(layout, run),
-        # Megatron's default fuses the 1/DP averaging into the reduce-scatter as a PREMUL_SUM, which gloo lacks;
-        # unfused it pre-multiplies and SUMs (the same result, measured bit-identical to DDP on gloo).
-        gradient_reduce_div_fusion=cuda,
-        bucket_size=_FSDP_BUCKET_ELEMENTS,
-    )
+    fsdp_config = ddp_config(layout, run, cuda=cuda, te=te)
     device = rank_device()
     # No broadcast_params: it broadcasts the module's parameters, which under optim_grads_params are views into a
     # released all-gather buffer. Every rank initialised the same weights from the same seed (or loaded the same
     # reference before wrapping), and each rank's shard is cut from them.
     return [
-        FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=chunk, device=device,
+        FullyShardedDataParallel(config=config, ddp_config=fsdp_config, module=chunk, device=device,
                                  disable_bucketing=i > 0)
         for i, chunk in enumerate(chunks)
     ]

@@ -33,7 +33,7 @@ from typing import Any, Literal
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.failures import UnsupportedError
-from sweeper.config.run_settings import RunSettings, default_fp8_recipe
+from sweeper.config.run_settings import RunSettings, default_fp8_recipe, fp8_format
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
@@ -67,16 +67,12 @@ class GpuPlan:
     notes: tuple[str, ...] = field(default=())
 
 
-def capability_text(capability: Capability) -> str:
-    return f"{capability[0]}.{capability[1]}"
-
-
 def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | None = None
                          ) -> tuple[dict[str, Any], Fp8Recipe | None, str | None]:
     """(TransformerConfig FP8 kwargs, recipe, note) for ``precision`` on a device of ``capability``.
 
     BF16/FP16/FP32 need no FP8 kwargs. Raises GpuPrecisionError where the capability cannot run the request."""
-    cc = capability_text(capability)
+    cc = f"{capability[0]}.{capability[1]}"
     if precision == "mxfp8":
         if recipe not in (None, "mxfp8"):
             raise GpuPrecisionError(f"precision mxfp8 has its own recipe; run.fp8_recipe={recipe} does not apply")
@@ -108,7 +104,7 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
     elif chosen == "tensorwise":
         kwargs = dict(fp8="hybrid", fp8_recipe="tensorwise")
     else:
-        kwargs = dict(fp8="e4m3", fp8_recipe="blockwise")
+        kwargs = dict(fp8=fp8_format(chosen), fp8_recipe="blockwise")
     how = "requested" if recipe else f"default for compute capability {cc}"
     return kwargs, chosen, f"precision fp8: recipe {chosen} ({how}), format {kwargs['fp8']}"  # type: ignore[return-value]
 
@@ -184,6 +180,19 @@ def gpu_plan(
     )
 
 
+def run_config_kwargs(layout: Layout, run: RunSettings, capability: str | None) -> dict[str, Any]:
+    """TransformerConfig fields the GPU trial takes from the run settings and the knobs, as Megatron-LM derives
+    them from its flags: ``fp8_param`` from --fp8-param-gather (core_transformer_config_from_args), and TE's RNG
+    tracker under a CUDA graph (validate_args turns --te-rng-tracker on; megatron-core's CudaGraphManager asserts
+    a graph-safe tracker)."""
+    out: dict[str, Any] = {}
+    if run.fp8_params(layout.precision, capability):
+        out["fp8_param"] = True
+    if layout.cuda_graph != "none":
+        out["use_te_rng_tracker"] = True
+    return out
+
+
 # -- the device and its optional kernels (cheap; no CUDA call) ---------------------------------------------------
 def module_present(name: str) -> bool:
     """True when ``name`` can be found on sys.path (find_spec: no import, so no CUDA initialisation)."""
@@ -204,9 +213,11 @@ def module_imports(name: str) -> bool:
 
 def device_plan(spec: ModelSpec, layout: Layout, run: RunSettings) -> GpuPlan:
     """gpu_plan for this process's current CUDA device under the run settings. Not run on a GPU yet."""
-    import torch
+    from sweeper.backends.megatron.device import compute_capability
 
-    capability = torch.cuda.get_device_capability()
+    capability = compute_capability()
+    if capability is None:
+        raise RuntimeError("the GPU plan needs a CUDA device")
     return gpu_plan(spec, layout, capability, fp8_recipe=None if run.fp8_recipe == "auto" else run.fp8_recipe,
                     causal_conv1d=not spec.is_hybrid or module_imports("causal_conv1d"))
 

@@ -24,7 +24,7 @@ import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
-from sweeper.backends.megatron.device import rank_device
+from sweeper.backends.megatron.device import rank_device, transformer_engine_present
 from sweeper.backends.megatron.failures import (
     InvalidLayoutError,
     NonFiniteError,
@@ -76,11 +76,7 @@ def run_rank(request: SmokeRequest) -> RankReport:
     try:
         try:
             spec, layout = request.model, request.layout
-            te = False
-            if cuda:
-                from sweeper.backends.megatron.build import transformer_engine_available
-
-                te = transformer_engine_available()
+            te = cuda and transformer_engine_present()
             reason = (run_unsupported_reason(request.run, cuda=cuda, te=te)
                       or unsupported_reason(spec, layout, cuda=cuda, te=te))
             if reason:
@@ -156,6 +152,9 @@ def _smoke(
     parallel_state.initialize_model_parallel(
         **layout.parallel_sizes(),
         distributed_timeout_minutes=request.timeout_s / 60,
+        # Megatron's gloo twins of its groups: unused by a smoke run (optimizer-state checkpoints only), and on
+        # NCCL they need a gloo-reachable interface on every node. Off on both backends, so the CPU runs this too.
+        create_gloo_process_groups=False,
     )
     report.checks.process_group = True
     report.timings_s["init"] = time.perf_counter() - start
@@ -181,6 +180,8 @@ def _smoke(
     built = build(spec, layout, cuda=cuda, te=te, seed=request.seed, vocab_size=gate.vocab_size if gate else None,
                   run=run, before_wrap=equivalence.before_wrap(gate, layout, enter))
     report.checks.model_built = True
+    if cuda:  # which spec ran where the choice exists (the CPU always runs the local one)
+        report.notes.append(f"layer spec: {'Transformer Engine' if te else 'local (torch), no Transformer Engine'}")
     if is_proxy(spec):
         report.notes.append(PROXY_NOTE)
     if te:  # the FP8 recipe chosen for this device, a missing Mamba fast path (gpu.py; not run on a GPU yet)
