@@ -444,3 +444,15 @@ def test_warm_up_refuses_a_cuda_torch_whose_nvml_does_not_answer(monkeypatch):
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
     with pytest.raises(RuntimeError, match="NVML does not answer on this node.*cluster.warm_ranks: false"):
         megatron.warm_up()
+
+
+def test_the_gpu_refuses_the_cuda_graphs_it_does_not_capture():
+    """Issue 30: full-iteration and Transformer Engine graphs are captured by Megatron-LM's train loop, not by
+    megatron-core; the smoke run would measure eager layers while recording them as graphed. Local per-layer
+    graphs are captured by megatron-core's schedules and stay."""
+    moe = preset("tiny-moe")
+    for value in ("full_iteration", "te:attn", "te:attn+moe_router"):
+        reason = unsupported_reason(moe, lo(world_size=2, ep=2, cuda_graph=value), cuda=True, te=True)
+        assert reason is not None and reason.startswith(f"cuda_graph {value} unsupported on this backend")
+        assert "would measure eager layers" in reason
+    assert unsupported_reason(moe, lo(world_size=2, ep=2, cuda_graph="local"), cuda=True, te=True) is None

@@ -119,6 +119,14 @@ def gpu_unsupported_reason(spec: ModelSpec, layout: Layout, *, mamba_ssm: bool |
     if layout.dispatcher == "flex" and not module_present("deep_ep"):
         return (f"moe_token_dispatcher {layout.moe_token_dispatcher}",
                 "the flex dispatcher needs DeepEP (deep_ep; HybridEP is its hybrid-ep branch) on the GPU nodes")
+    if layout.cuda_graph == "full_iteration" or layout.cuda_graph_impl == "transformer_engine":
+        # Megatron-LM's train loop captures these itself (FullCudaGraphWrapper around the schedule,
+        # TECudaGraphHelper.create_cudagraphs after the warm-up steps); the smoke run does not yet, so its layers
+        # would run eagerly while the trial recorded them as graphed. Local (per-layer) graphs are captured by
+        # megatron-core's schedules themselves.
+        return (f"cuda_graph {layout.cuda_graph}",
+                "the smoke run does not capture full-iteration or Transformer Engine CUDA graphs yet (Megatron-LM's "
+                "training loop does), so the trial would measure eager layers; cuda_graph: local is measured")
     if spec.multi_latent_attention and layout.cp > 1 and layout.is_fp8:
         return (f"FP8 multi_latent_attention with context parallel (cp={layout.cp})",
                 "Transformer Engine's MLA context-parallel attention has no FP8 path")
