@@ -69,8 +69,12 @@ class RankReport:
     grad_norms: list[float] = field(default_factory=list)
     tokens_per_step: int = 0
     flops_per_step: float = 0.0  # Megatron's formula, whole model, one global batch
-    peak_memory_bytes: int = 0
+    peak_memory_bytes: int = 0  # through the steps (the checkpoint phase's is checkpoint_peak_memory_bytes)
     memory_kind: Literal["device", "host"] = "host"
+    # GPU only: device memory outside torch's allocator (CUDA context, NCCL buffers, cuBLAS workspaces), measured
+    # after the steps as the device's used memory less what torch has reserved.
+    non_torch_memory_bytes: int | None = None
+    checkpoint_peak_memory_bytes: int | None = None  # the saves and reloads, measured as peak_memory_bytes is
     moe_hot_rank_factor: float | None = None  # busiest EP rank's routed tokens over the mean (routing.py)
     checkpoint_dir: str | None = None
     # The last save and reload of the trial's checkpoint: seconds each, and this rank's peak resident host memory

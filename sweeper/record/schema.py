@@ -37,7 +37,13 @@ class TrialMetrics:
     tokens_per_s: float | None = None
     step_time_s: float | None = None
     tflops_per_gpu: float | None = None
-    peak_memory_gib: float | None = None  # max over ranks; device reserved on GPU, host RSS on CPU (see memory_kind)
+    # Max over ranks, through the training steps; device reserved on GPU, host RSS on CPU (see memory_kind).
+    peak_memory_gib: float | None = None
+    # GPU only: the most device memory outside torch's allocator on one rank (CUDA context, NCCL buffers; measured
+    # after the steps): peak_memory_gib + this is what the GPU must hold (search.selection.is_stable).
+    non_torch_memory_gib: float | None = None
+    # The checkpoint phase's peak (saves and reloads), measured as peak_memory_gib is; kept apart from it.
+    checkpoint_peak_memory_gib: float | None = None
     loss_first: float | None = None
     loss_last: float | None = None
     # MoE with EP > 1: the busiest EP rank's routed tokens over the mean, worst over layers and forwards (issue 13)

@@ -73,10 +73,13 @@ def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
         return False
     if result.placement_warnings and not cfg.search.allow_cross_node_tp:
         return False
+    # A GPU holds torch's reserved memory and what lives outside it (context, NCCL), as the estimator counts both;
+    # the CPU's resident set already holds everything.
+    outside = result.metrics.non_torch_memory_gib or 0.0
     peak, stressed = result.metrics.peak_memory_gib, result.metrics.stress_peak_memory_gib
-    if stressed is not None and stressed > cfg.memory_limit_gib:
+    if stressed is not None and stressed + outside > cfg.memory_limit_gib:
         return False
-    return peak is not None and peak <= cfg.memory_limit_gib
+    return peak is not None and peak + outside <= cfg.memory_limit_gib
 
 
 def objective_value(result: TrialResult, cfg: SweepConfig) -> float:

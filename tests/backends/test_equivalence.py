@@ -158,6 +158,8 @@ def test_overlapped_dp_reduce_and_gather_train_as_the_synchronous_run(tmp_path: 
         _assert_equivalent(reports, gpt_reference, TOLERANCE["fp32"], f"tiny-gpt dp2 distopt {framework}")
         for r in reports:
             assert r.checks.replicas_consistent and r.checks.checkpoint_reloaded, (r.failure_kind, r.error)
+            # The steps' peak and the checkpoint phase's, apart; nothing outside an allocator on the CPU.
+            assert r.peak_memory_bytes > 0 and r.checkpoint_peak_memory_bytes > 0 and r.non_torch_memory_bytes is None
         runs[framework] = reports[0]
     overlapped, synchronous = runs["megatron-bridge"], runs["megatron-lm"]
     assert len(overlapped.losses) == 3

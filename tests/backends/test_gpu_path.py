@@ -456,3 +456,24 @@ def test_the_gpu_refuses_the_cuda_graphs_it_does_not_capture():
         assert reason is not None and reason.startswith(f"cuda_graph {value} unsupported on this backend")
         assert "would measure eager layers" in reason
     assert unsupported_reason(moe, lo(world_size=2, ep=2, cuda_graph="local"), cuda=True, te=True) is None
+
+
+def test_the_steps_peak_leaves_a_mid_run_checkpoint_out(monkeypatch):
+    """On a GPU the allocator's high-water mark is global: the steps' peak is read before a mid-run save and the
+    statistics reset after it, so a save that briefly needs more does not become the trial's peak. The CUDA
+    allocator's two counters are stood in for by a fake (no GPU here)."""
+    import torch
+
+    from sweeper.backends.megatron.memory import PhasePeak, StepsPeak
+
+    state = {"peak": 0}
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: state["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: state.update(peak=0))
+    steps = StepsPeak(cuda=True)
+    state["peak"] = 10  # steps 1-2
+    steps.pause()
+    with PhasePeak(cuda=True) as save:
+        state["peak"] = 25  # the save
+    steps.resume()
+    state["peak"] = 12  # steps 3-4
+    assert steps.peak_bytes() == 12 and save.peak_bytes == 25

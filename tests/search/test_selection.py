@@ -88,3 +88,18 @@ def test_a_confirmation_over_the_headroom_under_routing_stress_is_not_stable(tmp
     assert is_stable(result, cfg)
     result.metrics.stress_peak_memory_gib = 3.7
     assert not is_stable(result, cfg)
+
+
+def test_a_gpu_peak_counts_the_memory_outside_torchs_allocator(tmp_path: Path) -> None:
+    """Issue 30: the allocator's reserved peak is not all a GPU holds; the context and NCCL buffers measured
+    beside it count against the headroom too (the estimator adds the same). Selection test data (not trials)."""
+    from sweeper.search.selection import is_stable
+
+    cfg = _cfg(tmp_path)  # 3.6 GiB allowed
+    result = _result([1.0] * 6, 900.0)
+    result.metrics.peak_memory_gib = 3.0
+    assert is_stable(result, cfg)
+    result.metrics.non_torch_memory_gib = 0.7
+    assert not is_stable(result, cfg)
+    result.metrics.non_torch_memory_gib, result.metrics.stress_peak_memory_gib = 0.5, 3.2
+    assert not is_stable(result, cfg)

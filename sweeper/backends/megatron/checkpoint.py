@@ -136,7 +136,9 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 
 def snapshot(built: Built) -> dict[str, torch.Tensor]:
-    return {name: _local(p).detach().clone() for name, p in built.named_parameters().items()}
+    """A host-memory copy of this rank's parameters (on a GPU a device copy would hold a second set of weights
+    during the save, where a layout could run out of memory that training never needs)."""
+    return {name: _local(p).detach().to("cpu", copy=True) for name, p in built.named_parameters().items()}
 
 
 def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Tensor]) -> None:
@@ -148,7 +150,7 @@ def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Ten
             for chunk in built.model:
                 chunk.module.install_optimized_model_weights()
     load(built, directory)
-    current = {name: _local(p) for name, p in built.named_parameters().items()}
+    current = {name: _local(p).detach().cpu() for name, p in built.named_parameters().items()}
     bad = [name for name, value in saved.items() if not _bit_equal(value, current[name])]
     if bad:
         raise CheckpointError(

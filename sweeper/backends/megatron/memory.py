@@ -93,6 +93,35 @@ class MemoryWatchdog:
             return
 
 
+def non_torch_device_bytes() -> int:
+    """The current CUDA device's used memory that torch's allocator does not hold (context, NCCL, workspaces):
+    one rank per GPU, so the device's used memory is this rank's."""
+    free, total = torch.cuda.mem_get_info()
+    return max(0, int(total - free - torch.cuda.memory_reserved()))
+
+
+class StepsPeak:
+    """The training steps' peak memory, with the checkpoint phases inside them kept out: on a GPU the allocator's
+    peak is read before each mid-run save and its statistics reset after it; on the CPU the process's peak resident
+    set (ru_maxrss cannot be reset; the save's snapshot is host memory there anyway)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self._before = 0
+
+    def pause(self) -> None:
+        if self.cuda:
+            self._before = max(self._before, int(torch.cuda.max_memory_reserved()))
+
+    def resume(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def peak_bytes(self) -> int:
+        self.pause()
+        return self._before if self.cuda else peak_memory_bytes(False)
+
+
 class PeakResident:
     """This process's peak resident set while the block runs, sampled every ``interval_s`` (and at both ends).
 

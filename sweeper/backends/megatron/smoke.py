@@ -38,7 +38,9 @@ from sweeper.backends.megatron.memory import (
     MemoryWatchdog,
     PeakResident,
     PhasePeak,
+    StepsPeak,
     host_memory_bytes,
+    non_torch_device_bytes,
     peak_memory_bytes,
 )
 from sweeper.backends.megatron.routing import RoutingProbe
@@ -206,6 +208,7 @@ def _smoke(
     probe = RoutingProbe(built.model) if spec.is_moe and layout.ep > 1 else None
     is_injected = request.inject is not None and report.rank == request.inject_rank
     steps_start = time.perf_counter()
+    steps_peak = StepsPeak(cuda)
     for step in range(1, request.steps + 1):
         if is_injected and step == INJECT_STEP:
             _inject(request, report)
@@ -234,10 +237,17 @@ def _smoke(
                 and step != request.steps:
             # Reloaded bit-identical, so training goes on from exactly the weights it would have had.
             mid_start = time.perf_counter()
-            _save_and_reload(request, built, report, step, enter, safe_point)
+            steps_peak.pause()  # the phase peaks stay disjoint too
+            _save_and_reload(request, built, report, step, enter, safe_point, cuda)
+            steps_peak.resume()
             steps_start += time.perf_counter() - mid_start  # the phase times stay disjoint
             enter("steps")
     report.timings_s["steps"] = time.perf_counter() - steps_start
+    # The trial's peak is the steps' (before the replica check and the saves); on a GPU with what the device holds
+    # outside torch's allocator beside it, so the stability check compares what the GPU really holds.
+    report.peak_memory_bytes = steps_peak.peak_bytes()
+    if cuda:
+        report.non_torch_memory_bytes = non_torch_device_bytes()
     report.checks.finite = all(math.isfinite(x) for x in report.losses)
     if probe is not None:  # one all-reduce over the EP group: how unevenly the router loaded the EP ranks
         report.moe_hot_rank_factor = probe.hot_rank_factor(layout.ep, device)
@@ -258,11 +268,10 @@ def _smoke(
 
     # -- checkpoint: save, reload into the same model, compare bitwise -------------------------------------------
     if request.checkpoint:
-        _save_and_reload(request, built, report, request.steps, enter, safe_point)
+        _save_and_reload(request, built, report, request.steps, enter, safe_point, cuda)
 
     # -- routing stress (MoE finalists): last, so the trial's own figures are the normal run's -------------------
     if request.routing_stress_steps and spec.is_moe and layout.ep > 1:
-        report.peak_memory_bytes = peak_memory_bytes(cuda)  # the normal run's peak, before the stress can raise it
         enter("stress")
         report.routing_stress = _routing_stress(request, built, device, cuda, safe_point)
 
@@ -305,13 +314,23 @@ def _routing_stress(request: SmokeRequest, built: Built, device: torch.device, c
 
 def _save_and_reload(
     request: SmokeRequest, built: Built, report: RankReport, step: int, enter: Callable[[Phase], None],
-    safe_point: Callable[[], None],
+    safe_point: Callable[[], None], cuda: bool,
 ) -> None:
     """torch_dist save of the weights after ``step``, then reload into the poisoned model and compare bitwise.
 
     The checks (and the result's checkpoint) are the last save's; an earlier save that fails raises, failing the
-    trial as checkpoint_error.
+    trial as checkpoint_error. The phase's peak memory is its own figure (checkpoint_peak_memory_bytes): the
+    snapshot it compares against lives in host memory, so the phase adds no copy of the weights on the GPU.
     """
+    with PhasePeak(cuda) as peak:
+        _save_and_compare(request, built, report, step, enter, safe_point)
+    report.checkpoint_peak_memory_bytes = max(report.checkpoint_peak_memory_bytes or 0, peak.peak_bytes)
+
+
+def _save_and_compare(
+    request: SmokeRequest, built: Built, report: RankReport, step: int, enter: Callable[[Phase], None],
+    safe_point: Callable[[], None],
+) -> None:
     from sweeper.backends.megatron import checkpoint as ckpt
 
     final = step == request.steps
