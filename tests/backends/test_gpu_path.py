@@ -314,7 +314,7 @@ def test_bridge_provider_without_bridge_installed_is_a_clear_error(tmp_path):
     with _bridge_installed(True):
         spec = resolve_model({"hf": str(_hf_dir(tmp_path))})
     with mock.patch.dict("sys.modules", {"megatron.bridge": None}), pytest.raises(gpu.BridgeMissingError) as info:
-        gpu.bridge_provider(spec, lo(), gpu.gpu_plan(spec, lo(), HOPPER))
+        gpu.bridge_provider(spec, lo(), gpu.gpu_plan(spec, lo(), HOPPER), RunSettings())
     assert str(info.value).startswith(f"model: {{hf: {tmp_path / 'tiny-llama'}}} needs Megatron-Bridge, which is "
                                       "not installed (pip install -e '.[gpu]'")
 
@@ -324,7 +324,8 @@ def test_bridge_overrides_are_transformer_config_fields():
 
     layout = lo(tp=2, pp=2, cp=2, sp=True, precision="fp8", recompute="full", first_stage_layers=3,
                 last_stage_layers=1)
-    overrides = gpu.bridge_overrides(layout, gpu.gpu_plan(preset("tiny-gpt"), layout, B200))
+    overrides = gpu.bridge_overrides(preset("tiny-gpt"), layout, gpu.gpu_plan(preset("tiny-gpt"), layout, B200),
+                                     RunSettings(), "10.0")
     assert set(overrides) <= {f.name for f in dataclasses.fields(TransformerConfig)}
     assert overrides["tensor_model_parallel_size"] == 2 and overrides["sequence_parallel"] is True
     assert overrides["virtual_pipeline_model_parallel_size"] is None
@@ -477,3 +478,39 @@ def test_the_steps_peak_leaves_a_mid_run_checkpoint_out(monkeypatch):
     steps.resume()
     state["peak"] = 12  # steps 3-4
     assert steps.peak_bytes() == 12 and save.peak_bytes == 25
+
+
+@pytest.mark.parametrize("layout", [
+    lo(world_size=2, ep=2, precision="nvfp4"),
+    lo(world_size=4, tp=2, sp=True, ep=2, moe_token_dispatcher="allgather", cuda_graph="local"),
+    lo(world_size=2, ep=2, offload_layers=1),
+    lo(world_size=4, ep=4, precision="bf16", moe_a2a_overlap=True, recompute="selective"),
+    lo(world_size=4, pp=2, vpp=2, precision="fp8"),
+])
+def test_a_bridge_model_gets_every_field_the_layout_decides(layout):
+    """Issue 30: Megatron-Bridge's provider is given the same layout fields a preset's GPU trial builds with
+    (FP4, the dispatcher, graphs, offload, the A2A overlap, recompute, the split, FP8 weights under Bridge's
+    defaults): compared against build.transformer_config on the TE path for the same model (device mocked)."""
+    from sweeper.backends.megatron import build, device
+
+    spec, run = preset("tiny-moe"), RunSettings(framework="megatron-bridge")
+    plan = gpu.gpu_plan(spec, layout, B200 if layout.precision == "nvfp4" else HOPPER, causal_conv1d=False)
+    capability = "10.0" if layout.precision == "nvfp4" else "9.0"
+    overrides = gpu.bridge_overrides(spec, layout, plan, run, capability)
+    from megatron.core import utils
+    from packaging.version import Version
+
+    cc = tuple(map(int, capability.split(".")))
+    with mock.patch.object(gpu, "device_plan", lambda s, lo, r: plan), \
+            mock.patch.object(build, "compute_capability", lambda: cc), \
+            mock.patch.object(device, "compute_capability", lambda: cc), \
+            mock.patch.object(utils, "get_te_version", lambda: Version("2.12.0")):  # FP8/FP4 MoE asks TE's version
+        config = build.transformer_config(spec, layout, cuda=True, te=True, run=run)
+    for name, value in overrides.items():
+        assert getattr(config, name) == value, name
+    for name in layout.knob_config():
+        assert name in overrides
+    if layout.precision == "nvfp4":
+        assert (overrides["fp4"], overrides["fp4_recipe"]) == ("e2m1", "nvfp4")
+    if layout.precision == "fp8":
+        assert overrides["fp8_param"] is True  # Bridge's FP8 recipes gather FP8 weights

@@ -30,6 +30,7 @@ from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_mo
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
 from sweeper.backends.megatron.device import capability_text, compute_capability, rank_device
 from sweeper.backends.megatron.failures import InvalidLayoutError
+from sweeper.backends.megatron.layout_config import layout_config_kwargs, params_dtype
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
@@ -37,7 +38,6 @@ from sweeper.space.layout import Layout
 
 # Megatron-FSDP's bucket (elements), as measured on gloo (docs/MEGATRON_ON_CPU.md).
 _FSDP_BUCKET_ELEMENTS = 10**7
-_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def use_transformer_engine(cuda: bool, te_available: bool) -> bool:
@@ -45,15 +45,9 @@ def use_transformer_engine(cuda: bool, te_available: bool) -> bool:
     return cuda and te_available
 
 
-def params_dtype(layout: Layout) -> torch.dtype:
-    # FP8 runs keep BF16 parameters; Transformer Engine casts GEMM inputs to FP8.
-    return _DTYPES.get(layout.precision, torch.bfloat16)
-
-
 def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
                        run: RunSettings = RunSettings()) -> TransformerConfig:
     """Megatron's TransformerConfig; its __post_init__ asserts the layout rules (heads % TP, ...)."""
-    dtype = params_dtype(layout)
     moe: dict[str, Any] = {}
     if spec.is_moe:
         moe = dict(
@@ -68,8 +62,6 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
             moe_router_load_balancing_type=MOE_LOAD_BALANCING_TYPE,
             moe_aux_loss_coeff=MOE_AUX_LOSS_COEFF,
             moe_grouped_gemm=te,
-            # alltoall unless the layout says otherwise; on the CPU through cpu_compat._patch_alltoall_dispatcher.
-            **layout.moe_config(),
         )
     fp8: dict[str, Any] = {}
     if layout.precision == "fp8":
@@ -104,27 +96,8 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
-        **layout.parallel_sizes(),
-        sequence_parallel=layout.sp,
-        **layout.pipeline_split_config(),
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=dtype is torch.bfloat16,
-        fp16=dtype is torch.float16,
-        use_cpu_initialization=not cuda,
-        # Megatron-LM's default: pipeline outputs are pseudo-freed and backward calls the C++ autograd engine
-        # directly. On the CPU this also keeps backward inside the device mode (torch.autograd.backward would
-        # run it from within the mode's own handler, where the mode is suspended).
-        deallocate_pipeline_outputs=True,
-        # Interleaved schedule: unbatched p2p. Batched p2p posts send_prev/recv_prev/send_next/recv_next on one
-        # group and tag; with PP=2 "prev" and "next" are the same peer, so an activation and a gradient (same
-        # shape) are matched to each other's receive, silently: PP2+VPP2 computed another model (equivalence gate,
-        # gloo: loss 3.49 vs 1.43). Megatron's unbatched p2p sends one direction over another group for 2-rank
-        # pipelines. (overlap_p2p_comm, Megatron-LM's VPP default, still drifted by 7% on gloo: left off.)
-        batch_p2p_comm=layout.vpp <= 1,
+        **layout_config_kwargs(spec, layout, cuda=cuda),
         **moe,
-        **layout.knob_config(),
-        **layout.recompute_config(),
         **fp8,
         **arch,
     )

@@ -33,6 +33,7 @@ from typing import Any, Literal
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.failures import UnsupportedError
+from sweeper.backends.megatron.layout_config import layout_config_kwargs
 from sweeper.config.run_settings import RunSettings, default_fp8_recipe, fp8_format
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
@@ -245,28 +246,26 @@ def bridge_missing_message(what: str) -> str:
             f"megatron-bridge==0.3.1 with Transformer Engine); for planning alone use model: {{hf_config: DIR}}")
 
 
-def bridge_overrides(layout: Layout, plan: GpuPlan) -> dict[str, Any]:
-    """TransformerConfig fields sweeper sets on Bridge's provider: the layout, precision and smoke-run settings.
+# What Bridge's provider takes from the device plan: the precision recipe, TE's CP exchange, the Mamba path; the
+# plan's MLA and Mamba architecture fields stay Bridge's own.
+_PLAN_KEYS_FOR_BRIDGE = ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "fp4", "fp4_recipe",
+                         "cp_comm_type", "use_mamba_mem_eff_path")
+
+
+def bridge_overrides(spec: ModelSpec, layout: Layout, plan: GpuPlan, run: RunSettings,
+                     capability: str | None) -> dict[str, Any]:
+    """TransformerConfig fields sweeper sets on Bridge's provider: everything the layout decides (the same
+    layout_config_kwargs a preset's GPU trial takes: parallel sizes, split, dtype, recompute, knobs, dispatcher),
+    the device plan's precision recipe and the run settings' FP8 weights and graph-safe RNG.
 
     The architecture (and everything else) stays Bridge's, so the trial builds exactly Bridge's model."""
-    out: dict[str, Any] = dict(
-        **layout.parallel_sizes(),
-        sequence_parallel=layout.sp,
-        **layout.pipeline_split_config(),
-        # FP8/MXFP8 keep BF16 parameters, as build.params_dtype does.
-        bf16=layout.precision not in ("fp32", "fp16"),
-        fp16=layout.precision == "fp16",
-        deallocate_pipeline_outputs=True,
-        use_cpu_initialization=False,
-    )
-    out.update(layout.recompute_config())
-    precision_keys = ("fp8", "fp8_recipe", "fp8_amax_history_len", "fp8_amax_compute_algo", "cp_comm_type",
-                      "use_mamba_mem_eff_path")
-    out.update({k: v for k, v in plan.config_kwargs.items() if k in precision_keys})
+    out = layout_config_kwargs(spec, layout, cuda=True)
+    out.update({k: v for k, v in plan.config_kwargs.items() if k in _PLAN_KEYS_FOR_BRIDGE})
+    out.update(run_config_kwargs(layout, run, capability))
     return out
 
 
-def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan) -> Any:
+def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan, run: RunSettings) -> Any:
     """Megatron-Bridge's model provider for the spec's local HF folder, with the layout applied and finalized.
 
     The provider is a TransformerConfig subclass: build.py uses it as the config (DDP, optimizer) and calls
@@ -281,12 +280,11 @@ def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan) -> Any:
         from megatron.bridge import AutoBridge
     except ImportError as exc:
         raise BridgeMissingError(bridge_missing_message(f"model: {{hf: {source}}}") + f" ({exc})") from None
-    import torch
 
     provider = AutoBridge.from_hf_pretrained(str(source)).to_megatron_provider(load_weights=False)
-    overrides = bridge_overrides(layout, plan)
-    dtype = torch.bfloat16 if overrides["bf16"] else torch.float16 if overrides["fp16"] else torch.float32
-    overrides.update(params_dtype=dtype, pipeline_dtype=dtype)
+    from sweeper.backends.megatron.device import capability_text, compute_capability
+
+    overrides = bridge_overrides(spec, layout, plan, run, capability_text(compute_capability()))
     for name, value in overrides.items():
         setattr(provider, name, value)
     finalize = getattr(provider, "finalize", None)
@@ -302,7 +300,7 @@ def gpu_model(spec: ModelSpec, layout: Layout, config: Any, run: RunSettings) ->
     yet."""
     plan = device_plan(spec, layout, run)
     if bridge_source(spec) is not None:
-        provider = bridge_provider(spec, layout, plan)
+        provider = bridge_provider(spec, layout, plan, run)
         return provider, gpu_model_class(spec, plan, provider)
     return config, gpu_model_class(spec, plan)
 
