@@ -272,7 +272,7 @@ def test_hf_key_without_bridge_is_a_clear_error(tmp_path):
     with _bridge_installed(False), pytest.raises(ModelError) as info:
         resolve_model({"hf": str(_hf_dir(tmp_path))})
     assert str(info.value) == (
-        "hf needs Megatron-Bridge, which is not installed (pip install -e '.[gpu]' installs megatron-bridge==0.3.1 "
+        "hf needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs megatron-bridge==0.3.1 "
         "with Transformer Engine); for planning alone use {hf_config: DIR}")
     assert info.value.where == ".hf"
 
@@ -316,7 +316,7 @@ def test_bridge_provider_without_bridge_installed_is_a_clear_error(tmp_path):
     with mock.patch.dict("sys.modules", {"megatron.bridge": None}), pytest.raises(gpu.BridgeMissingError) as info:
         gpu.bridge_provider(spec, lo(), gpu.gpu_plan(spec, lo(), HOPPER), RunSettings())
     assert str(info.value).startswith(f"model: {{hf: {tmp_path / 'tiny-llama'}}} needs Megatron-Bridge, which is "
-                                      "not installed (pip install -e '.[gpu]'")
+                                      "not installed (pip install -e '.[bridge]'")
 
 
 def test_bridge_overrides_are_transformer_config_fields():

@@ -242,7 +242,7 @@ class BridgeMissingError(UnsupportedError, RuntimeError):
 
 
 def bridge_missing_message(what: str) -> str:
-    return (f"{what} needs Megatron-Bridge, which is not installed (pip install -e '.[gpu]' installs "
+    return (f"{what} needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs "
             f"megatron-bridge==0.3.1 with Transformer Engine); for planning alone use model: {{hf_config: DIR}}")
 
 
