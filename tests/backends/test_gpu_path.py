@@ -514,3 +514,19 @@ def test_a_bridge_model_gets_every_field_the_layout_decides(layout):
         assert (overrides["fp4"], overrides["fp4_recipe"]) == ("e2m1", "nvfp4")
     if layout.precision == "fp8":
         assert overrides["fp8_param"] is True  # Bridge's FP8 recipes gather FP8 weights
+
+
+def test_blockwise_fp8_needs_cuda_12_9_and_is_unsupported_not_the_layouts_fault():
+    """Transformer Engine runs blockwise FP8 GEMMs from CUDA 12.9: on an older CUDA build the GPU plan refuses the
+    recipe as unsupported (the device's), before anything is built, instead of TE asserting at the first step
+    (which the trial filed invalid_layout and told Optuna)."""
+    from sweeper.backends.megatron.failures import classify
+
+    layout, spec = lo(precision="fp8"), preset("tiny-gpt")
+    assert gpu.cuda_version("12.8") == (12, 8) and gpu.cuda_version("13.0") == (13, 0) and gpu.cuda_version(None) is None
+    with pytest.raises(gpu.GpuPrecisionError, match=r"needs CUDA >= 12.9 .* built for CUDA 12.8") as err:
+        gpu.gpu_plan(spec, layout, HOPPER, fp8_recipe="blockwise", cuda=(12, 8))
+    assert classify(err.value, "build")[0] == "unsupported"
+    plan = gpu.gpu_plan(spec, layout, HOPPER, fp8_recipe="blockwise", cuda=(12, 9))
+    assert plan.config_kwargs["fp8_recipe"] == "blockwise" and plan.config_kwargs["fp8"] == "e4m3"
+    assert gpu.gpu_plan(spec, layout, HOPPER, cuda=(12, 4)).fp8_recipe == "delayed"  # only blockwise needs 12.9

@@ -68,7 +68,20 @@ class GpuPlan:
     notes: tuple[str, ...] = field(default=())
 
 
-def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | None = None
+# Transformer Engine's blockwise FP8 GEMMs need CUDA 12.9 (its check_fp8_block_scaling_support).
+BLOCKWISE_MIN_CUDA = (12, 9)
+
+
+def cuda_version(text: str | None) -> tuple[int, int] | None:
+    """torch.version.cuda ("12.8") as (12, 8); None for a CPU build."""
+    if not text:
+        return None
+    major, _, minor = text.partition(".")
+    return int(major), int(minor.partition(".")[0] or 0)
+
+
+def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | None = None,
+                         cuda: tuple[int, int] | None = None
                          ) -> tuple[dict[str, Any], Fp8Recipe | None, str | None]:
     """(TransformerConfig FP8 kwargs, recipe, note) for ``precision`` on a device of ``capability``.
 
@@ -99,6 +112,9 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
         raise GpuPrecisionError(f"unknown FP8 recipe {chosen!r} (known: {', '.join(FP8_RECIPES)})")
     if chosen == "blockwise" and capability < (9, 0):
         raise GpuPrecisionError(f"FP8 blockwise scaling needs compute capability >= 9.0; this GPU is {cc}")
+    if chosen == "blockwise" and cuda is not None and cuda < BLOCKWISE_MIN_CUDA:
+        raise GpuPrecisionError(f"FP8 blockwise scaling needs CUDA >= 12.9 in Transformer Engine; this torch is "
+                                f"built for CUDA {cuda[0]}.{cuda[1]}")
     if chosen == "delayed":
         kwargs: dict[str, Any] = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
                                       fp8_amax_compute_algo="max")
@@ -141,12 +157,14 @@ def gpu_plan(
     *,
     fp8_recipe: str | None = None,
     causal_conv1d: bool = True,
+    cuda: tuple[int, int] | None = None,
 ) -> GpuPlan:
     """The GPU trial's model class, config class, TE layer spec choice and extra TransformerConfig kwargs.
 
     Pure: ``capability`` is the device's (torch.cuda.get_device_capability()), ``causal_conv1d`` whether the
-    causal-conv1d kernels import. Raises GpuPrecisionError when the precision cannot run on this capability."""
-    kwargs, recipe, note = fp8_precision_kwargs(layout.precision, capability, fp8_recipe)
+    causal-conv1d kernels import, ``cuda`` the CUDA version torch was built for (None: not checked). Raises
+    GpuPrecisionError (unsupported, before anything is built) when the precision cannot run on this device."""
+    kwargs, recipe, note = fp8_precision_kwargs(layout.precision, capability, fp8_recipe, cuda)
     notes: list[str] = [note] if note else []
     if layout.cp > 1:
         # TE's attention does the CP exchange; MLA supports only p2p (or a2a+p2p), so p2p for every model.
@@ -222,13 +240,16 @@ def module_imports(name: str) -> bool:
 
 def device_plan(spec: ModelSpec, layout: Layout, run: RunSettings) -> GpuPlan:
     """gpu_plan for this process's current CUDA device under the run settings. Not run on a GPU yet."""
+    import torch
+
     from sweeper.backends.megatron.device import compute_capability
 
     capability = compute_capability()
     if capability is None:
         raise RuntimeError("the GPU plan needs a CUDA device")
     return gpu_plan(spec, layout, capability, fp8_recipe=None if run.fp8_recipe == "auto" else run.fp8_recipe,
-                    causal_conv1d=not spec.is_hybrid or module_imports("causal_conv1d"))
+                    causal_conv1d=not spec.is_hybrid or module_imports("causal_conv1d"),
+                    cuda=cuda_version(torch.version.cuda))
 
 
 # -- Megatron-Bridge (model: {hf: DIR}) --------------------------------------------------------------------------
