@@ -351,9 +351,11 @@ def test_gpu_check_plan_only_writes_valid_spaces(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith(("bf16", "fp8", "mxfp8"))}
     assert set(rows) == {"bf16-dense", "fp8-dense", "fp8-blockwise", "mxfp8-dense", "bf16-moe", "bf16-mla",
-                         "bf16-dense-tp2-sp", "bf16-hybrid"}
+                         "bf16-dense-tp2-sp", "bf16-hybrid", "bf16-graph-mbs1", "bf16-graph-mbs2", "bf16-overlap-dp2",
+                         "bf16-bridge-llama"}
     assert "skipped" in rows["fp8-blockwise"]  # Hopper only
-    for name in set(rows) - {"fp8-blockwise"}:
+    assert "skipped" in rows["bf16-bridge-llama"]  # --plan-only assumes no Megatron-Bridge
+    for name in set(rows) - {"fp8-blockwise", "bf16-bridge-llama"}:
         assert " planned " in rows[name] and "invalid" not in rows[name], rows[name]
 
 
