@@ -217,10 +217,23 @@ def build(
     # Megatron's own gloo groups (create_gloo_process_groups=False at init): NCCL runs need a reachable gloo
     # interface across nodes for them and use them only for optimizer-state checkpoints, which smoke runs skip.
     optimizer = get_megatron_optimizer(optimizer_config(layout, run), model, use_gloo_process_groups=False)
+    foreach_adam(optimizer)
     dtype = params_dtype(layout)
     if dtype is torch.float16:
         config.grad_scale_func = optimizer.scale_loss
     return Built(config=config, model=model, optimizer=optimizer, vocab_size=vocab, fsdp=layout.fsdp)
+
+
+def foreach_adam(optimizer: Any) -> None:
+    """torch's Adam in its foreach form where megatron-core falls back to torch's optimizer (no TE or Apex: the
+    CPU): torch picks the for-loop form off CUDA, a Python loop over thousands of expert tensors in a MoE proxy.
+    The same update; torch reads the group's flag at each step."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if isinstance(torch_optimizer, torch.optim.Adam | torch.optim.AdamW):
+            for group in torch_optimizer.param_groups:
+                if group.get("foreach") is None:
+                    group["foreach"] = True
 
 
 def optimizer_config(layout: Layout, run: RunSettings) -> OptimizerConfig:

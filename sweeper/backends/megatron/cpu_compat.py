@@ -169,6 +169,40 @@ def _patch_megatron() -> None:
     mrandom.initialize_rng_tracker(force_reset=True)
     _patch_alltoall_dispatcher(moe_utils)
     _patch_megatron_fsdp()
+    _patch_optimizer_fallbacks()
+
+
+def _patch_optimizer_fallbacks() -> None:
+    """Without TE or Apex, megatron-core's optimizer falls back to per-tensor Python loops: torch's AdamW in its
+    for-loop form, a grad-norm that turns every tensor's norm into a Python float, a scale that copies tensor by
+    tensor. A MoE proxy has thousands of parameter tensors (Nemotron's: 52 layers x 128 experts x 2), so these loops
+    were a sixth of a CPU step (benchmarks/proxy_step.py). The same math through torch's foreach kernels: norms
+    with _foreach_norm, the scale with _foreach_mul (Adam's foreach form: build.py, foreach_adam)."""
+    import megatron.core.optimizer.clip_grads as clip_grads
+    import megatron.core.optimizer.optimizer as base
+
+    if getattr(clip_grads, "l2_norm_impl", None) is not None and clip_grads.l2_norm_impl.__module__ == \
+            "megatron.core.utils":
+        clip_grads.l2_norm_impl = _foreach_l2_norm
+        clip_grads.multi_tensor_scale_impl = _foreach_scale
+    if getattr(base, "multi_tensor_scale_impl", None) is not None and base.multi_tensor_scale_impl.__module__ == \
+            "megatron.core.utils":
+        base.multi_tensor_scale_impl = _foreach_scale
+
+
+def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
+                     *args: Any) -> tuple[torch.Tensor, None]:
+    """megatron.core.utils.local_multi_tensor_l2_norm's result (the norm of every tensor's norm, on "cuda")."""
+    norms = [n for tensors in tensor_lists if tensors for n in torch._foreach_norm(tensors)]  # noqa: SLF001 - torch's foreach kernel
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    return total.reshape(1).to(torch.float, copy=True), None
+
+
+def _foreach_scale(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], scale: float) -> None:
+    """megatron.core.utils.local_multi_tensor_scale: dst = src * scale, tensor by tensor."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if src:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))  # noqa: SLF001 - torch's foreach kernels
 
 
 def _patch_megatron_fsdp() -> None:

@@ -5,8 +5,10 @@ returns a copy of the block spec in which, only where the layout needs it, core 
 ``ContextParallelDotProductAttention`` (cp > 1) or, for multi-latent attention, ``LatentDotProductAttention`` (K and V
 of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Multi-latent
 attention's down projections become ``DuplicatedLinear``, the layer TE's spec uses there (the local spec's
-column-parallel ones drop part of the rotary key's gradient under TP: cpu_linear.py). Everything else — and the
-whole spec when CP is 1, SP off and the model without MLA — stays Megatron's own.
+column-parallel ones drop part of the rotary key's gradient under TP: cpu_linear.py). A MoE layer's
+``SequentialMLP`` becomes ``GroupedSequentialMLP`` (the same experts and checkpoint, one batched matmul per
+projection instead of a loop over the experts: cpu_experts.py). Everything else — and the whole spec when CP is 1,
+SP off and the model neither MLA nor MoE — stays Megatron's own.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention, LatentDotProductAttention
+from sweeper.backends.megatron.cpu_experts import GroupedSequentialMLP
 from sweeper.backends.megatron.cpu_linear import DuplicatedLinear
 from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
 
@@ -28,6 +32,8 @@ from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
 def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
     """The block spec with CP attention and SP norms swapped in where the config needs them (a copy)."""
     swaps: dict[type, type] = {}
+    if config.num_moe_experts:
+        swaps[SequentialMLP] = GroupedSequentialMLP
     if config.multi_latent_attention:
         # MLA's core attention has K and V of different widths (MLA with CP is refused: rules.py).
         swaps[DotProductAttention] = LatentDotProductAttention
