@@ -28,6 +28,7 @@ class GroupedSequentialMLP(SequentialMLP):
     """SequentialMLP with one batched matmul per projection over the local experts (see the module docstring)."""
 
     def grouped(self) -> bool:
+        """Whether this layer takes the batched path (else SequentialMLP's own loop, see the module docstring)."""
         c = self.config
         return (self.num_local_experts > 1 and not (c.fp8 or c.fp4) and not c.use_te_activation_func
                 and not c.bias_activation_fusion and not c.moe_apply_probs_on_input)
