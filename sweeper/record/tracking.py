@@ -33,12 +33,19 @@ def tag(name: str) -> str:
     return f"{TAG}{name}"
 
 
+# The experiment tag MLflow's UI reads to open an experiment on its runs rather than in the GenAI view.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 class Tracker:
     def __init__(self, tracking_uri: str | None, experiment: str) -> None:
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self.tracking_uri = self.client.tracking_uri
         found = self.client.get_experiment_by_name(experiment)
         self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        # MLflow 3 opens an experiment of no kind in its GenAI view (traces); this one holds training runs.
+        self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
         self.experiment = experiment
         self.parent_run_id: str | None = None
 
