@@ -61,6 +61,13 @@ def _compare(rank: int, etp: int, gated: bool, bias: bool, empty: bool) -> dict[
     def rel(a: Any, b: Any) -> float:
         return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
+    # A rank whose experts got no token (routing stress): the tokens and probabilities stay in the graph, so its
+    # backward runs the dispatcher's all-to-alls as its peers do.
+    xe, pe = x[:0].clone().requires_grad_(), probs[:0].clone().requires_grad_()
+    ye, _ = ours(xe, torch.zeros(experts, dtype=torch.long), pe)
+    ye.sum().backward()
+    assert ye.shape == (0, 32) and xe.grad is not None and pe.grad is not None
+
     out["output"] = rel(y0, y1)
     out["input_grad"] = rel(gx0, gx1)
     out["probs_grad"] = rel(gp0, gp1)

@@ -42,10 +42,13 @@ class GroupedSequentialMLP(SequentialMLP):
         experts = len(self.local_experts)
         most = int(counts.max()) if counts.numel() else 0
         if most == 0 or x.shape[0] == 0:
-            # No token here: an empty output that still depends on every expert weight (zero gradients, so DDP's
-            # hooks and the optimizer see the same parameters as with tokens).
-            weights = sum(e.linear_fc1.weight.sum() * 0 + e.linear_fc2.weight.sum() * 0 for e in self.local_experts)
-            return x.new_zeros(x.shape[0], self.config.hidden_size) + weights, None
+            # No token here: an empty output that still depends on the tokens, their probabilities and every expert
+            # weight, as SequentialMLP's calls on empty tokens do. Without the tokens and probabilities in the graph
+            # this rank's backward would skip the dispatcher's all-to-alls its peers run (gloo aborts on the
+            # mismatch: measured under routing stress, where an EP rank gets no token).
+            anchor = x.sum() * 0 + probs.sum() * 0 + sum(e.linear_fc1.weight.sum() * 0 + e.linear_fc2.weight.sum() * 0
+                                       for e in self.local_experts)
+            return x.new_zeros(x.shape[0], self.config.hidden_size) + anchor, None
         # Row r of x is the (r - start[e])-th token of expert e (the dispatcher sorted them by expert).
         expert_of_row = torch.repeat_interleave(torch.arange(experts), counts)
         start = torch.cumsum(counts, 0) - counts
