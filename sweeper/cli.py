@@ -171,6 +171,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sweeper.plan.assess import build_plan
 
     entries = build_plan(cfg, only)
+    if only and not entries:
+        raise UsageError(_nothing_matched(cfg, only))
     if args.json:
         # One line; json.dumps (unlike json.dump to a stream) takes the C encoder: 11k layouts in 0.1 s. The
         # entries are fresh trees, so the encoder's check for circular references is only cost.
@@ -180,6 +182,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     print_plan(cfg, entries, limit=args.limit)
     return EXIT_OK
+
+
+def _nothing_matched(cfg: Any, only: dict[str, Any]) -> str:
+    """Why ``--only`` kept no layout: a value the space does not list, else the combination."""
+    for key, value in only.items():
+        listed = cfg.space.values(key) if hasattr(cfg.space, key) else []
+        if listed and value not in listed and not (key == "sp" and "auto" in listed):
+            return f"--only: {key}={value} is not in the space (space.{key}: {listed}); no layout matched"
+    wanted = ",".join(f"{k}={v}" for k, v in only.items())
+    return f"--only: no layout of the space has {wanted} together (each value is listed; the world sizes or "\
+           "other axes leave none)"
 
 
 # -- trial --------------------------------------------------------------------------------------------------------

@@ -124,6 +124,9 @@ ARG_CASES = [
     (["search", "{seeded}"], "search.seeds[0]: tp must be a positive integer"),
     (["plan", "{space}", "--limit", "-1"], "--limit: must be 0 (all) or a positive integer, got -1"),
     (["plan", "{space}", "--only", "tp=\u00b2"], "--only: tp must be a positive integer, got '\u00b2'"),
+    # Nothing matched is said, not printed as an empty plan.
+    (["plan", "{space}", "--only", "tp=4"], "--only: tp=4 is not in the space (space.tp: [1, 2]); no layout matched"),
+    (["plan", "{space}", "--json", "--only", "tp=2,pp=2,gpus=2"], "--only: no layout of the space has tp=2,pp=2,gpus=2"),
     (["search", "{simulated}", "--address", "127.0.0.1:6379"],
      "--address: '127.0.0.1:6379' cannot be combined with cluster.simulate: true"),
     (["trial", "{simulated}", "--layout", "tp=1", "--address", "local"], "--address: 'local' cannot be combined"),
