@@ -53,8 +53,28 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-PROXY_HELP = ("run the model's CPU-size proxy (same layers, heads, experts; small widths) with CPU-size training: "
+PROXY_HELP = ("use the model's CPU-size proxy (same layers, heads, experts; small widths) with CPU-size training: "
               "proves the layouts' distributed mechanics, not memory or speed")
+SPACE_HELP = ("the search YAML (docs/ARCHITECTURE.md); a bare name that is not a file here (quickstart, "
+              "nemotron.yaml) is looked up in search_spaces/")
+ADDRESS_HELP = "the Ray cluster: auto, local, HOST:PORT or ray://HOST:PORT (overrides cluster.address)"
+JSON_HELP = "print the result as one JSON object on stdout (the contract in docs/ARCHITECTURE.md)"
+EPILOG = """\
+example:
+  sweeper plan quickstart                      # every layout, valid or not, with predicted memory
+  sweeper trial quickstart --layout tp=2,ep=2  # one smoke run
+  sweeper search quickstart                    # the sweep; the winner in sweeps/<name>/best_layout.yaml
+
+exit codes: 0 done (search: a stable layout found), 1 failed (search: none stable; trial: the layout failed),
+2 bad input (one line naming the field), 130 interrupted.
+docs: README.md and docs/ in the repository; `sweeper <command> --help` for each command."""
+
+
+def _layout_help(what: str) -> str:
+    from sweeper.space.axes import AXES
+
+    keys = ", ".join(a.name for a in AXES)
+    return f'{what}, comma-separated KEY=VALUE, e.g. "tp=2,pp=2,ep=4"; keys: {keys}'
 
 
 def _load(args: argparse.Namespace) -> SweepConfig:
@@ -68,55 +88,60 @@ def _load(args: argparse.Namespace) -> SweepConfig:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="sweeper", formatter_class=argparse.RawDescriptionHelpFormatter,  # --version: one line
-                     description="Find the best stable Megatron parallel layout for a model on a cluster.")
-    parser.add_argument("--version", action="version", version=_versions())
+                     description="Find the best stable Megatron parallel layout for a model on a cluster.",
+                     epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=_versions(),
+                        help="print sweeper's version and those of megatron-core, torch, ray, optuna, mlflow, "
+                        "transformer-engine and megatron-bridge")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     plan = sub.add_parser("plan", help="list every layout of the space, valid or not, with predicted memory")
-    plan.add_argument("space", type=Path)
-    plan.add_argument("--json", action="store_true", help="print one JSON array")
-    plan.add_argument("--only", help='keep layouts matching these keys, e.g. "tp=2,ep=4,sp=true"')
+    plan.add_argument("space", type=Path, help=SPACE_HELP)
+    plan.add_argument("--json", action="store_true", help="print one JSON array on stdout, an element per layout")
+    plan.add_argument("--only", help=_layout_help("keep the layouts matching these keys"))
     plan.add_argument("--limit", type=int, default=40, help="valid layouts shown in the table (0 = all)")
     plan.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     _add_set(plan)
     plan.set_defaults(func=cmd_plan)
 
     trial = sub.add_parser("trial", help="run one smoke trial of a layout on the space's cluster")
-    trial.add_argument("space", type=Path)
-    trial.add_argument("--layout", required=True, help='e.g. "tp=2,pp=2,ep=1"')
-    trial.add_argument("--json", action="store_true")
+    trial.add_argument("space", type=Path, help=SPACE_HELP)
+    trial.add_argument("--layout", required=True, help=_layout_help("the layout"))
+    trial.add_argument("--json", action="store_true", help=JSON_HELP)
     trial.add_argument("--out", type=Path, help="trial folder (default sweeps/<name>/trials/manual-<time>)")
-    trial.add_argument("--address", help="Ray address (overrides cluster.address)")
+    trial.add_argument("--address", help=ADDRESS_HELP)
     trial.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     _add_set(trial)
     trial.set_defaults(func=cmd_trial)
 
     migrate = sub.add_parser("migrate", help="move a checkpoint written by one layout into another and prove it: "
                              "same loss on a fixed batch, then steps, save and reload")
-    migrate.add_argument("space", type=Path)
+    migrate.add_argument("space", type=Path, help=SPACE_HELP)
     migrate.add_argument("--from", dest="source", required=True, metavar="LAYOUT",
-                         help='the layout that writes (or wrote) the checkpoint, e.g. "tp=2,pp=2"')
-    migrate.add_argument("--to", dest="target", required=True, metavar="LAYOUT", help='the layout to move into')
+                         help=_layout_help("the layout that writes (or wrote) the checkpoint"))
+    migrate.add_argument("--to", dest="target", required=True, metavar="LAYOUT",
+                         help=_layout_help("the layout to move into"))
     migrate.add_argument("--checkpoint", type=Path, help="a checkpoint sweeper wrote (a sweep's reference/ or a "
                          "migration's from/ folder) instead of writing one with --from")
-    migrate.add_argument("--json", action="store_true")
+    migrate.add_argument("--json", action="store_true", help=JSON_HELP)
     migrate.add_argument("--out", type=Path,
                          help="migration folder (default sweeps/<name>/migrations/<from>--<to>-<time>)")
-    migrate.add_argument("--address", help="Ray address (overrides cluster.address)")
+    migrate.add_argument("--address", help=ADDRESS_HELP)
     migrate.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     _add_set(migrate)
     migrate.set_defaults(func=cmd_migrate)
 
     search = sub.add_parser("search", help="run the sweep and export the best stable layout")
-    search.add_argument("space", type=Path)
+    search.add_argument("space", type=Path, help=SPACE_HELP)
     search.add_argument("--resume", action="store_true", help="continue the sweep recorded in --out")
-    search.add_argument("--out", type=Path, help="sweep folder (default sweeps/<name>/)")
+    search.add_argument("--out", type=Path, help="sweep folder (default sweeps/<name>/); on a real cluster on a "
+                        "filesystem every node mounts at the same path (ranks write their logs and checkpoints there)")
     search.add_argument("--max-trials", type=int, help="override search.max_trials")
     search.add_argument("--parallel", type=int, help="override search.parallel (trials at once)")
-    search.add_argument("--address", help="Ray address (overrides cluster.address)")
+    search.add_argument("--address", help=ADDRESS_HELP)
     search.add_argument("--inject", action="append", default=[], metavar="SPEC",
                         help="fault injection on simulated clusters: node-loss@trial=N, node-join@trial=N, "
-                        "hang@trial=N, nan@trial=N, kill-rank@trial=N")
+                        "hang@trial=N, nan@trial=N, kill-rank@trial=N (repeatable)")
     search.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     loudness = search.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true",
@@ -127,12 +152,12 @@ def _parser() -> argparse.ArgumentParser:
     search.set_defaults(func=cmd_search)
 
     report = sub.add_parser("report", help="re-render the report of a sweep folder")
-    report.add_argument("dir", type=Path)
+    report.add_argument("dir", type=Path, help="a sweep folder (sweeps/<name>/, or a search's --out)")
     report.set_defaults(func=cmd_report)
 
     doctor = sub.add_parser("doctor", help="check every node of the cluster before any trial")
-    doctor.add_argument("space", type=Path)
-    doctor.add_argument("--address", help="Ray address (overrides cluster.address)")
+    doctor.add_argument("space", type=Path, help=SPACE_HELP)
+    doctor.add_argument("--address", help=ADDRESS_HELP)
     doctor.add_argument("--out", type=Path, help="where the sweep will write, checked to be shared by every node "
                         "(default sweeps/<name>/, as search)")
     _add_set(doctor)
@@ -142,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_set(command: argparse.ArgumentParser) -> None:
     command.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                         help="override a field of the YAML, e.g. --set training.steps=4 --set 'space.tp=[1,2]'")
+                         help="override a field of the YAML (repeatable), e.g. --set training.steps=4 "
+                         "--set 'space.tp=[1,2]'")
 
 
 def _versions() -> str:
