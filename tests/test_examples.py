@@ -237,3 +237,19 @@ def test_every_example_is_listed_in_the_examples_readme() -> None:
     for item in ("plan_from_python.py", "custom_model_from_hf/", "read_trials.py", "two_node_cluster.yaml",
                  "slurm/", "kuberay/"):
         assert f"**`{item}`**" in readme
+
+
+def test_no_two_shipped_spaces_share_a_name() -> None:
+    """The sweep folder is sweeps/<name>/: two shipped YAMLs of one name would write into each other's sweep."""
+    from sweeper.config.load import SHIPPED_SPACES
+
+    paths = sorted(SHIPPED_SPACES.glob("*.yaml")) + sorted(EXAMPLES.rglob("*.yaml"))
+    names: dict[str, Path] = {}
+    for path in paths:
+        docs = list(yaml.safe_load_all(path.read_text()))
+        doc = docs[0] if len(docs) == 1 else None
+        if not isinstance(doc, dict) or "name" not in doc or "model" not in doc:
+            continue  # not a search space (e.g. a Kubernetes manifest)
+        assert doc["name"] not in names, f"{path} and {names[doc['name']]} are both named {doc['name']!r}"
+        names[doc["name"]] = path
+    assert len(names) >= 7
