@@ -76,14 +76,26 @@ class Estimate:
         return self.may_fit and not self.fits
 
     def to_json(self) -> dict[str, Any]:
+        """``memory_gib`` is torch's reserved peak; ``allocated_gib`` what ``torch.cuda.max_memory_allocated`` would
+        show; ``memory_breakdown_gib`` the worst rank's components (its allocated parts, the allocator's
+        fragmentation, and ``non_torch``: the CUDA context and NCCL buffers outside torch), as users compare them
+        with their own torch.cuda figures."""
+        parts = {k: round(v, 3) for k, v in self.breakdown.items() if k not in _NOT_GIB}
+        allocated = sum(v for k, v in self.breakdown.items() if k not in _NOT_GIB + ("fragmentation", "non_torch"))
         return {
             "memory_gib": round(self.memory_gib, 3),
+            "allocated_gib": round(allocated, 3),
+            "memory_breakdown_gib": parts,
             "fits": self.fits,
             "step_time_s": None if self.step_time_s is None else round(self.step_time_s, 4),
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
             "memory_band_gib": [round(x, 3) for x in self.memory_band_gib],
             "may_fit": self.may_fit,
         }
+
+
+# Breakdown entries that are not sizes: which pipeline rank is the worst one, its micro-batches in flight.
+_NOT_GIB = ("pipeline_rank", "in_flight_microbatches")
 
 
 def _nccl_groups(layout: Layout) -> int:

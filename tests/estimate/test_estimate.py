@@ -484,7 +484,14 @@ def test_fits_uses_headroom_and_non_torch_memory() -> None:
 
 
 def test_to_json_has_the_contract_keys() -> None:
-    assert set(_est().to_json()) == {"memory_gib", "fits", "step_time_s", "tokens_per_s", "memory_band_gib", "may_fit"}
+    out = _est().to_json()
+    assert set(out) == {"memory_gib", "allocated_gib", "memory_breakdown_gib", "fits", "step_time_s", "tokens_per_s",
+                        "memory_band_gib", "may_fit"}
+    # The components a user compares with torch.cuda: allocated parts + fragmentation = reserved (memory_gib).
+    parts = out["memory_breakdown_gib"]
+    assert {"weights", "grads", "optimizer", "activations", "fragmentation", "non_torch"} <= set(parts)
+    assert out["allocated_gib"] + parts["fragmentation"] == pytest.approx(out["memory_gib"], abs=2e-3)
+    assert out["allocated_gib"] < out["memory_gib"]
 
 
 def test_step_time_prefers_tp_inside_a_node_and_counts_the_bubble() -> None:
