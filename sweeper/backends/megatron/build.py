@@ -289,9 +289,11 @@ def _install_sync_funcs(config: TransformerConfig, model: list[Any], layout: Lay
     """The schedule's hooks into the data-parallel wrappers, as Megatron-LM's training.py installs them (its
     align_grad_reduce default, align_param_gather with the interleaved schedule only).
 
-    With ``overlap_grad_reduce`` the backward hooks start a bucket's reduce-scatter as soon as its gradients are
-    ready: without ``no_sync_func`` every micro-batch counts as the last one, so the reduction starts after the
-    first micro-batch (wrong gradients, no error) and the next one finds the bucket already reduced."""
+    With ``overlap_grad_reduce`` the backward hooks start a bucket's reduce-scatter once its gradients are ready:
+    without ``no_sync_func`` every micro-batch counts as the last one, and megatron-core 0.16.1 (which learns the
+    count on the first batch, the equivalence gate's) starts the reduction once as many micro-batches as that batch
+    had are done: a step with more trains on a half-reduced gradient, no error (measured:
+    tests/backends/test_equivalence.py, overlapped vs synchronous losses)."""
     if run.overlaps_grad_reduce:
         no_sync = [chunk.no_sync for chunk in model]
         grad_sync = [chunk.start_grad_sync for chunk in model]
