@@ -504,7 +504,6 @@ def test_a_bridge_model_gets_every_field_the_layout_decides(layout):
 
     cc = tuple(map(int, capability.split(".")))
     with mock.patch.object(gpu, "device_plan", lambda s, lo, r: plan), \
-            mock.patch.object(build, "compute_capability", lambda: cc), \
             mock.patch.object(device, "compute_capability", lambda: cc), \
             mock.patch.object(utils, "get_te_version", lambda: Version("2.12.0")):  # FP8/FP4 MoE asks TE's version
         config = build.transformer_config(spec, layout, cuda=True, te=True, run=run)

@@ -180,7 +180,6 @@ def hopper():
     optimizers = types.ModuleType("transformer_engine.pytorch.optimizers")
     optimizers.FusedAdam = FusedAdam
     with mock.patch.object(device, "compute_capability", lambda: HOPPER), \
-            mock.patch.object(build, "compute_capability", lambda: HOPPER), \
             mock.patch.object(utils, "get_te_version", lambda: Version("2.12.0")), \
             mock.patch.dict(sys.modules, {"transformer_engine.pytorch.optimizers": optimizers}):
         yield

@@ -28,7 +28,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
 from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
-from sweeper.backends.megatron.device import capability_text, compute_capability, rank_device
+from sweeper.backends.megatron.device import device_capability_text, rank_device
 from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs, params_dtype
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
@@ -79,7 +79,7 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
 
         plan = gpu.device_plan(spec, layout, run)
         fp8, config_class = dict(plan.config_kwargs), gpu.config_class(plan)
-        fp8.update(gpu.run_config_kwargs(layout, run, capability_text(compute_capability())))
+        fp8.update(gpu.run_config_kwargs(layout, run, device_capability_text()))
     return config_class(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -259,7 +259,7 @@ def optimizer_config(layout: Layout, run: RunSettings) -> OptimizerConfig:
 def fp8_params(layout: Layout, run: RunSettings, te: bool) -> bool:
     """FP8 weights in the parameter buffer and its all-gather (--fp8-param-gather): the run settings' choice for
     this device, on the GPU path only (the CPU backend runs no FP8)."""
-    return te and run.fp8_params(layout.precision, capability_text(compute_capability()))
+    return te and run.fp8_params(layout.precision, device_capability_text())
 
 
 def ddp_config(layout: Layout, run: RunSettings, *, cuda: bool, te: bool) -> DistributedDataParallelConfig:

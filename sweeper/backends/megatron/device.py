@@ -34,6 +34,11 @@ def capability_text(capability: tuple[int, int] | None) -> str | None:
     return None if capability is None else f"{capability[0]}.{capability[1]}"
 
 
+def device_capability_text() -> str | None:
+    """This rank's compute capability as ``"9.0"``, None on the CPU."""
+    return capability_text(compute_capability())
+
+
 class TransformerEngineImportError(SmokeFailure):
     """Transformer Engine is installed but does not import on this rank (``infra``: the node's install, not the
     layout). Megatron's layer specs swallow this and would build the local spec on the GPU instead."""

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
+from sweeper.backends.megatron.device import capability_text
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs
 from sweeper.config.run_settings import RunSettings, default_fp8_recipe, fp8_format
@@ -86,7 +87,7 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
     """(TransformerConfig FP8 kwargs, recipe, note) for ``precision`` on a device of ``capability``.
 
     BF16/FP16/FP32 need no FP8 kwargs. Raises GpuPrecisionError where the capability cannot run the request."""
-    cc = f"{capability[0]}.{capability[1]}"
+    cc = capability_text(capability)
     if precision == "mxfp8":
         if recipe not in (None, "mxfp8"):
             raise GpuPrecisionError(f"precision mxfp8 has its own recipe; run.fp8_recipe={recipe} does not apply")
@@ -303,9 +304,9 @@ def bridge_provider(spec: ModelSpec, layout: Layout, plan: GpuPlan, run: RunSett
         raise BridgeMissingError(bridge_missing_message(f"model: {{hf: {source}}}") + f" ({exc})") from None
 
     provider = AutoBridge.from_hf_pretrained(str(source)).to_megatron_provider(load_weights=False)
-    from sweeper.backends.megatron.device import capability_text, compute_capability
+    from sweeper.backends.megatron.device import device_capability_text
 
-    overrides = bridge_overrides(spec, layout, plan, run, capability_text(compute_capability()))
+    overrides = bridge_overrides(spec, layout, plan, run, device_capability_text())
     for name, value in overrides.items():
         setattr(provider, name, value)
     finalize = getattr(provider, "finalize", None)
