@@ -238,6 +238,7 @@ def _smoke(
             # Reloaded bit-identical, so training goes on from exactly the weights it would have had.
             mid_start = time.perf_counter()
             steps_peak.pause()  # the phase peaks stay disjoint too
+            built.sync_params()  # save the step's weights, not the shards a deferred all-gather has not brought
             _save_and_reload(request, built, report, step, enter, safe_point, cuda)
             steps_peak.resume()
             steps_start += time.perf_counter() - mid_start  # the phase times stay disjoint
@@ -256,7 +257,8 @@ def _smoke(
     enter("replicas")
     from sweeper.backends.megatron.replicas import check_replicas
 
-    built.sync_params()  # the step's weights everywhere, not the all-gather deferred to the next forward
+    # The step's weights everywhere, not the all-gather deferred to the next forward (the final save reads them too).
+    built.sync_params()
 
     compared = 0
     try:
@@ -335,7 +337,6 @@ def _save_and_compare(
 
     final = step == request.steps
     directory = ckpt.checkpoint_path(request.trial_dir, step)
-    built.sync_params()  # save the step's weights, not the shards a deferred all-gather has not brought yet
     saved = ckpt.snapshot(built)
     enter("checkpoint_save")
     with PeakResident() as resident:
