@@ -24,12 +24,18 @@ PROXY_SEQ_LENGTH_CAP = 128
 PROXY_GLOBAL_BATCH_CAP = 32
 PROXY_STEPS = 3
 PROXY_MAX_TRIALS = 4
+# The proxy sweep's confirmation: its best layout once more (PROXY_CONFIRM_TOP), a step longer, and one step per
+# routing-stress mode, so the whole sweep ends in minutes on two cores (benchmarks/proxy_sweep.py).
+PROXY_CONFIRM_TOP = 1
+PROXY_CONFIRM_STEPS = PROXY_STEPS + 1
+PROXY_ROUTING_STRESS_STEPS = 1
 
 
 def proxy_config(cfg: SweepConfig) -> SweepConfig:
     """The space with its model's CPU-size proxy (models/proxy.py) and CPU-size training: the sequence length and
     global batch become their power-of-two parts (capped), so the layout rules' divisibility checks read the same;
-    at most PROXY_STEPS steps and PROXY_MAX_TRIALS trials. The sweep is named ``<name>-proxy``."""
+    at most PROXY_STEPS steps, PROXY_MAX_TRIALS trials and a short confirmation. The sweep is named
+    ``<name>-proxy``. Its trials run on the fewest ranks that keep each layout's groups (trial/proxy_run.py)."""
     if is_proxy(cfg.model) and cfg.name.endswith(PROXY_SUFFIX):
         return cfg
     t = cfg.training
@@ -41,7 +47,13 @@ def proxy_config(cfg: SweepConfig) -> SweepConfig:
         warmup_steps=min(t.warmup_steps, steps - 1),
         checkpoint_every=t.checkpoint_every if t.checkpoint_every and t.checkpoint_every < steps else None,
     ))
-    search = cfg.search.model_copy(update=dict(max_trials=min(cfg.search.max_trials, PROXY_MAX_TRIALS)))
+    s = cfg.search
+    search = s.model_copy(update=dict(
+        max_trials=min(s.max_trials, PROXY_MAX_TRIALS),
+        confirm_top=min(s.confirm_top, PROXY_CONFIRM_TOP),
+        confirm_steps=min(s.confirm_steps or 2 * steps, PROXY_CONFIRM_STEPS),
+        routing_stress_steps=min(s.routing_stress_steps, PROXY_ROUTING_STRESS_STEPS),
+    ))
     name = cfg.name if cfg.name.endswith(PROXY_SUFFIX) else cfg.name + PROXY_SUFFIX
     return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
 

@@ -105,7 +105,9 @@ class Sweep:
         self.decided = {_key(r.layout) for r in self.records if r.result.failure_kind not in NOT_THE_LAYOUTS}
         self.next_number = 1 + max((r.number for r in self.records), default=0)
         self.t0 = time.monotonic()
-        self.progress = Progress(self.max_trials, cfg.search.objective, self.t0)
+        search = cfg.search
+        confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
+        self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs)
         self.calibrator = Calibrator(cfg, options.out)
         self.evidence = MemoryEvidence(cfg.memory_limit_gib)
         self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale

@@ -1,10 +1,12 @@
 """The sweep's one-line progress summary: trials running / passed / failed / pruned, the current best, and how much
-of the budget is spent with an ETA from the average trial time so far. Presentation only."""
+of the budget is spent, with an ETA from the measured trials' time. Presentation only."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
 from sweeper.record.schema import TrialRecord
 
@@ -14,6 +16,9 @@ class Progress:
     max_trials: int
     objective: str
     started: float
+    # The confirmations still to come once the budget is spent, in explorations' worth of time (confirm_top runs of
+    # confirm_steps over the exploration's steps).
+    confirm_runs: float = 0.0
 
     def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None) -> str:
         explore = [r for r in records if r.phase == "explore"]
@@ -21,13 +26,27 @@ class Progress:
         failed = sum(1 for r in explore if r.result.status == "failed")
         pruned = sum(1 for r in explore if r.result.status == "pruned")
         elapsed = time.monotonic() - self.started
-        eta = ""
-        if 0 < launched < self.max_trials:
-            remaining = (self.max_trials - launched) * elapsed / launched
-            eta = f", ETA ~{_duration(remaining)} at this pace"
         best_text = f"best {best[0]} {best[1]:,.1f} {self.objective}" if best else "no stable layout yet"
         return (f"{_duration(elapsed)} | running {running} | passed {passed} | failed {failed} | pruned {pruned} | "
-                f"{best_text} | budget {launched}/{self.max_trials} trials{eta}")
+                f"{best_text} | budget {launched}/{self.max_trials} trials{self._eta(records, running, launched)}")
+
+    def _eta(self, records: list[TrialRecord], running: int, launched: int) -> str:
+        """Time left: the trials still to launch and the confirmations, each at the median time of the trials
+        that ran so far (the running ones at half of it), over as many at once as run now."""
+        confirming = any(r.phase == "confirm" for r in records)
+        durations = [d for d in map(_seconds, records) if d is not None]
+        to_launch = max(self.max_trials - launched, 0)
+        if not durations:
+            return ", ETA after the first trial" if to_launch or running else ""
+        left = (to_launch + 0.5 * running + (0.0 if confirming else self.confirm_runs)) * statistics.median(durations)
+        return f", ETA ~{_duration(left / max(running, 1))}" if left > 0 else ""
+
+
+def _seconds(record: TrialRecord) -> float | None:
+    """The wall time of a trial that ran (None for one recorded without running: pruned, refused)."""
+    if record.attempt < 1 or not record.started_at or not record.ended_at:
+        return None
+    return (datetime.fromisoformat(record.ended_at) - datetime.fromisoformat(record.started_at)).total_seconds()
 
 
 def _duration(seconds: float) -> str:

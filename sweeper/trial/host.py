@@ -24,6 +24,7 @@ from sweeper.cluster import ClusterHandle, connect, plan_placement
 from sweeper.cluster.doctor import DoctorReport, doctor
 from sweeper.cluster.placement import PlacementError
 from sweeper.config.schema import SweepConfig
+from sweeper.models.proxy import is_proxy
 from sweeper.models.spec import ModelSpec
 from sweeper.plan.rules import Checker
 from sweeper.plan.space import enumerate_layouts
@@ -32,6 +33,7 @@ from sweeper.space.layout import Layout
 from sweeper.space.pipeline import with_pipeline_split
 from sweeper.trial.pool import RankPool
 from sweeper.trial.protocol import Reservation
+from sweeper.trial.proxy_run import proxy_run_layout, proxy_run_note
 from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, run_trial
 
 
@@ -136,9 +138,28 @@ class TrialHost:
                   make_reference: bool = False, routing_stress: bool = False) -> TrialResult:
         if steps is not None:
             cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
-        return run_trial(cfg, layout, self.handle, trial_dir, inject=inject, cancel=cancel,
-                         nodes=reservation.node_ids, reference_checkpoint=reference, make_reference=make_reference,
-                         pool=self.pool, routing_stress=routing_stress)
+        run, nodes, note = layout, reservation.node_ids, None
+        if is_proxy(cfg.model) and not make_reference:  # the reference's batch is the gate's: never shrunk
+            run, nodes, note = self._proxy_run(layout, reservation)
+        result = run_trial(cfg, run, self.handle, trial_dir, inject=inject, cancel=cancel, nodes=nodes,
+                           reference_checkpoint=reference, make_reference=make_reference, pool=self.pool,
+                           routing_stress=routing_stress)
+        if note:
+            result.notes.append(note)
+        return result
+
+    def _proxy_run(self, layout: Layout, reservation: Reservation) -> tuple[Layout, list[str], str | None]:
+        """A proxy trial's layout (``proxy_run``) on the first bundles of the layout's reservation, which hold it
+        (its ranks fit in fewer or smaller bundles); the layout itself when they do not."""
+        run = proxy_run_layout(layout)
+        try:
+            plan = plan_placement(run.world_size, self.cfg.cluster.gpus_per_node,
+                                  keep_together=keep_together(run, self.cfg.cluster.gpus_per_node))
+        except PlacementError:
+            return layout, reservation.node_ids, None
+        if plan.num_bundles > len(reservation.node_ids) or plan.ranks_per_bundle > reservation.gpus_per_bundle:
+            return layout, reservation.node_ids, None
+        return run, reservation.node_ids[: plan.num_bundles], proxy_run_note(layout)
 
     def add_node(self) -> str:
         """node-join fault injection: one more simulated node. Call from the main thread (Ray's node start

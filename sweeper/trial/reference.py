@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
+from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import assess_each
 from sweeper.plan.space import enumerate_layouts
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, reserved
+from sweeper.trial.proxy_run import proxy_run_layout
 
 REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
 PLACE_TIMEOUT_S = 120.0
@@ -36,9 +38,18 @@ class ReferenceOutcome:
         return {"path": self.path, "layout": self.layout.short() if self.layout else None, "note": self.note}
 
 
+def reference_sequences(cfg: SweepConfig) -> int:
+    """The gate's batch: a multiple of the data-parallel size of every trial the space can run. That is every
+    world size (DP divides it); a proxy trial runs fewer replicas (``proxy_run``), so a proxy space's batch is
+    a multiple of those only (every sequence is one micro-batch of the gate in every trial)."""
+    if not is_proxy(cfg.model):
+        return math.lcm(*cfg.world_sizes)
+    return math.lcm(1, *{proxy_run_layout(lo).dp for lo in enumerate_layouts(cfg) if lo.dp})
+
+
 def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
     """The simplest layout this cluster can run for the reference, or None."""
-    sequences = math.lcm(*cfg.world_sizes)  # a multiple of every trial's DP (DP always divides its world size)
+    sequences = reference_sequences(cfg)
     precision = "fp32" if host.simulated else cfg.space.values("precision")[0]
     single = Layout(world_size=1, gbs=sequences, precision=precision)
     candidates = [single] + sorted(
@@ -59,7 +70,7 @@ def _reusable(cfg: SweepConfig, folder: Path) -> bool:
     except (OSError, ValueError):
         return False
     return (ref.get("model") == cfg.model.model_dump() and ref.get("seq_length") == cfg.training.seq_length
-            and ref.get("sequences", 0) % math.lcm(*cfg.world_sizes) == 0)
+            and ref.get("sequences", 0) % reference_sequences(cfg) == 0)
 
 
 def ensure_reference(cfg: SweepConfig, host: Host, folder: Path) -> ReferenceOutcome:

@@ -18,10 +18,13 @@ import pytest
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.equivalence import (
+    FORMAT,
     REFERENCE_FILE,
     TOLERANCE,
     ReferenceError,
+    gate_sequences,
     plan,
+    read_reference,
     reference_vocab_size,
     rel_err,
     tolerance,
@@ -190,6 +193,34 @@ def test_misplaced_tp_shards_fail_as_equivalence(tmp_path: Path, gpt_reference: 
 
 
 @pytest.mark.e2e
+def test_a_trial_compares_on_the_shortest_prefix_its_replicas_split(tmp_path: Path) -> None:
+    """A 16-sequence reference (a proxy sweep's, whose widest trials run 16 replicas) measures its prefixes of 4 and
+    8 sequences; a TP2 trial compares on 4 of them (a quarter of the gate's forward/backwards), within FP32's
+    tolerance, and a scrambled shard still fails there by orders of magnitude."""
+    directory = tmp_path / "reference"
+    layout = Layout(world_size=1, gbs=16, precision="fp32")
+    [made] = _run(_request(tmp_path / "ref_trial", layout, "tiny-gpt", reference_checkpoint=str(directory),
+                           make_reference=True, steps=0), 1)
+    assert made.ok, f"[{made.failure_kind}] {made.error}"
+    ref = json.loads((directory / REFERENCE_FILE).read_text())
+    assert sorted(ref["prefixes"]) == ["4", "8"] and ref["sequences"] == 16
+    assert len({ref["loss"], *(loss for loss, _ in ref["prefixes"].values())}) == 3  # three different batches
+    tp2 = Layout(world_size=2, tp=2, gbs=4, precision="fp32")
+    reports = _check(tmp_path / "tp2", directory, tp2, "tiny-gpt")
+    assert all(r.ok for r in reports), [(r.failure_kind, r.error) for r in reports]
+    got = reports[0].equivalence
+    assert got is not None and got["sequences"] == 4
+    loss, norm = ref["prefixes"]["4"]
+    assert reports[0].checks.equivalence_rel_err == max(rel_err(got["loss"], loss), rel_err(got["grad_norm"], norm))
+    assert reports[0].checks.equivalence_rel_err <= TOLERANCE["fp32"]
+    scrambled = _check(tmp_path / "swapped", directory, tp2, "tiny-gpt", inject="swap_shards")
+    assert all(r.failure_kind == "equivalence" for r in scrambled)
+    assert scrambled[0].checks.equivalence_rel_err > 100 * TOLERANCE["fp32"]
+    print(f"\n[equivalence] 4 of 16 sequences: tp2 rel_err {reports[0].checks.equivalence_rel_err:.3g}, swapped "
+          f"shards {scrambled[0].checks.equivalence_rel_err:.3g}")
+
+
+@pytest.mark.e2e
 def test_missing_reference_is_infra_not_the_layout(tmp_path: Path) -> None:
     layout = Layout(world_size=1, gbs=4, precision="fp32")
     [report] = _check(tmp_path, tmp_path / "nowhere", layout, "tiny-gpt")
@@ -203,8 +234,8 @@ def test_missing_reference_is_infra_not_the_layout(tmp_path: Path) -> None:
 
 def _write_reference(directory: Path, model: str = "tiny-gpt", **over: object) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    data = dict(format=1, model=preset(model).model_dump(), layout={}, precision="fp32", seed=1, sequences=4,
-                seq_length=32, vocab_size=1024, loss=1.5, grad_norm=2.0, loss_before_fit=7.3)
+    data = dict(format=FORMAT, model=preset(model).model_dump(), layout={}, precision="fp32", seed=1, sequences=4,
+                seq_length=32, vocab_size=1024, loss=1.5, grad_norm=2.0, loss_before_fit=7.3, prefixes={})
     data.update(over)
     (directory / REFERENCE_FILE).write_text(json.dumps(data))
 
@@ -213,6 +244,17 @@ def _plan(tmp_path: Path, layout: Layout, model: str = "tiny-gpt", **kw: object)
     kw.setdefault("reference_checkpoint", str(tmp_path / "ref"))
     request = _request(tmp_path / "t", layout, model, **kw)
     return plan(request)
+
+
+def test_a_trial_gates_on_the_shortest_measured_prefix_its_replicas_split(tmp_path: Path) -> None:
+    _write_reference(tmp_path / "ref", sequences=16, prefixes={"4": [1.0, 2.0], "8": [1.2, 2.2]})
+    ref = read_reference(tmp_path / "ref")
+    cases = {Layout(world_size=1, gbs=4): 4, Layout(world_size=2, gbs=4): 4, Layout(world_size=8, gbs=8): 8,
+             Layout(world_size=16, gbs=16): 16, Layout(world_size=4, pp=2, gbs=8): 4,
+             # The interleaved schedule needs PP micro-batches per rank: 2 replicas x 4.
+             Layout(world_size=8, pp=4, vpp=2, gbs=8): 8}
+    assert {lo.short(): gate_sequences(ref, lo) for lo in cases} == {lo.short(): k for lo, k in cases.items()}
+    assert ref.on(8) == (1.2, 2.2) and ref.on(16) == (1.5, 2.0)
 
 
 def test_plan_check_builds_with_the_reference_vocabulary(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ The reference's weights are not the bare initialisation: at Megatron's std 0.02 
 its loss is ln(vocab) whatever the weights, and a randomly initialised network with permuted weights is
 statistically the same network, so a layout that scrambles a shard moves the loss and the gradient norm by ~1e-3
 only (measured on tiny-gpt), no more than the FP32 tolerance. The reference therefore rescales the seeded
-initialisation to unit gain and takes a few Adam steps on the fixed batch: its weights now encode that batch
-(tiny-gpt: loss 7.3 -> 1.4) and any layout that computes another function loses it (the same fault: relative
+initialisation to unit gain and takes a few Adam steps on the first sequences of the fixed batch: its weights now
+encode them (tiny-gpt: loss 7.3 -> 1.4) and any layout that computes another function loses it (the same fault: relative
 error ~4), while the gradients stay O(1) so that rounding noise stays small.
 
 Making the comparison layout-independent:
@@ -58,11 +58,18 @@ if TYPE_CHECKING:
     from sweeper.backends.megatron.build import Built
 
 REFERENCE_FILE = "reference.json"
-FORMAT = 1
+FORMAT = 2  # 2: the loss and gradient norm of each prefix of the batch (``prefixes``)
 REFERENCE_VOCAB_MULTIPLE = 128 * 8
 # The reference's weights: Megatron's seeded initialisation at unit gain, then FIT_STEPS Adam steps on the fixed
-# batch at lr FIT_LR_PER_STD x the unit-gain weight std (a few percent of a weight per step), see _fit.
+# batch at lr FIT_LR_PER_STD x the unit-gain weight std (a few percent of a weight per step), see _fit. The fit
+# runs on each rank's first FIT_MICRO_BATCHES sequences only: fitting breaks the symmetry of a random
+# initialisation (what makes a scrambled shard visible) on any part of the batch, and every fitted sequence costs
+# a forward/backward per step (a 16-sequence proxy reference spent 100 of its 120 s fitting).
 FIT_STEPS = 5
+FIT_MICRO_BATCHES = 4
+# The shortest prefix of the reference batch a trial's gate compares on (the tolerances below were measured on
+# four sequences).
+GATE_MIN_SEQUENCES = 4
 FIT_LR_PER_STD = 0.025
 
 # Largest relative error (loss and gradient norm) a layout may show against the reference, by precision. Layouts
@@ -123,6 +130,17 @@ class Reference:
     loss: float
     grad_norm: float
     loss_before_fit: float  # the unit-gain initial weights' loss on the batch (about ln(vocab)); for the record
+    # The loss and gradient norm on the batch's first k sequences, for each k the reference layout can split
+    # (a divisor of ``sequences`` and a multiple of its DP): a trial compares on the shortest prefix its own
+    # data-parallel ranks split, one or more sequences each (see ``gate_sequences``). JSON keys are strings.
+    prefixes: dict[str, list[float]]
+
+    def on(self, sequences: int) -> tuple[float, float]:
+        """(loss, gradient norm) on the first ``sequences`` sequences."""
+        if sequences == self.sequences:
+            return self.loss, self.grad_norm
+        loss, norm = self.prefixes[str(sequences)]
+        return loss, norm
 
 
 
@@ -154,6 +172,23 @@ def read_reference(directory: str | Path) -> Reference:
     if data.get("format") != FORMAT:
         raise ReferenceError(f"equivalence reference {path} has format {data.get('format')}, expected {FORMAT}")
     return Reference(**{k: data[k] for k in Reference.__dataclass_fields__})
+
+
+def gate_sequences(ref: Reference, layout: Layout) -> int:
+    """The sequences a trial's gate runs: the shortest measured prefix of the reference batch that its DP ranks
+    split evenly, with at least PP micro-batches each under the interleaved schedule (every sequence costs a
+    forward/backward of the whole model; the gate proves the same equivalence on any of them, and the prefixes
+    are GATE_MIN_SEQUENCES long or more, so BF16's rounding still averages over as many tokens as the tolerances
+    were measured on)."""
+    per_rank = layout.pp if layout.vpp > 1 else 1
+    measured = sorted({ref.sequences, *map(int, ref.prefixes)})
+    return next((k for k in measured if k % layout.dp == 0 and k // layout.dp >= per_rank), ref.sequences)
+
+
+def _prefix_lengths(layout: Layout) -> list[int]:
+    """The prefixes a reference measures: divisors of its batch below it, split by its DP, of at least
+    GATE_MIN_SEQUENCES."""
+    return [k for k in range(layout.dp, layout.gbs, layout.dp) if layout.gbs % k == 0 and k >= GATE_MIN_SEQUENCES]
 
 
 @dataclass
@@ -227,15 +262,18 @@ def before_wrap(gate: Plan | None, layout: Layout,
     return load
 
 
-def fixed_batch(seed: int, sequences: int, seq_length: int, vocab_size: int, device: torch.device) -> list:
-    """This data-parallel rank's share of the reference batch: one sequence per micro-batch."""
+def fixed_batch(seed: int, sequences: int, seq_length: int, vocab_size: int, device: torch.device,
+                first: int | None = None) -> list:
+    """This data-parallel rank's share of the reference batch (of its ``first`` sequences, default all): one
+    sequence per micro-batch."""
     from megatron.core import parallel_state
 
     from sweeper.backends.megatron.steps import Batch
 
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     seqs = torch.randint(0, vocab_size, (sequences, seq_length + 1), generator=torch.Generator().manual_seed(seed))
-    per = sequences // dp
+    seqs = seqs[: first or sequences]
+    per = len(seqs) // dp
     positions = torch.arange(seq_length).unsqueeze(0).to(device)
     return [
         Batch(s[None, :-1].to(device), s[None, 1:].contiguous().to(device), positions)
@@ -274,17 +312,22 @@ def run(
         enter("steps")
         batches = fixed_batch(request.seed, layout.gbs, request.seq_length, spec.vocab_size, device)
         _unit_gain(built, spec)
-        chance_loss = _fit(built, batches, request.seq_length, FIT_STEPS, FIT_LR_PER_STD / math.sqrt(spec.hidden_size))
+        chance_loss = _fit(built, batches[: max(FIT_MICRO_BATCHES, layout.pp)], request.seq_length, FIT_STEPS,
+                           FIT_LR_PER_STD / math.sqrt(spec.hidden_size))
         enter("checkpoint_save")
         ckpt.save(built, gate.directory)
         enter("steps")
         loss, norm = measure(built, batches, request.seq_length)
-        if not (math.isfinite(loss) and math.isfinite(norm)):
+        prefixes = {}
+        for k in _prefix_lengths(layout):
+            prefix = fixed_batch(request.seed, layout.gbs, request.seq_length, spec.vocab_size, device, first=k)
+            prefixes[str(k)] = list(measure(built, prefix, request.seq_length))
+        if not all(math.isfinite(v) for v in (loss, norm, *(x for pair in prefixes.values() for x in pair))):
             raise ReferenceError(f"the reference run's loss {loss} / gradient norm {norm} is not finite")
         reference = Reference(
             format=FORMAT, model=spec.model_dump(), layout=layout.to_dict(), precision=layout.precision,
             seed=request.seed, sequences=layout.gbs, seq_length=request.seq_length, vocab_size=built.vocab_size,
-            loss=loss, grad_norm=norm, loss_before_fit=chance_loss,
+            loss=loss, grad_norm=norm, loss_before_fit=chance_loss, prefixes=prefixes,
         )
         if torch.distributed.get_rank() == 0:
             # Written last and atomically: a reference.json means the reference is complete.
@@ -316,19 +359,22 @@ def run(
     if request.inject == "swap_shards":
         _swap_shards(built)
     enter("steps")
-    batches = fixed_batch(ref.seed, ref.sequences, ref.seq_length, spec.vocab_size, device)
+    sequences = gate_sequences(ref, layout)
+    batches = fixed_batch(ref.seed, ref.sequences, ref.seq_length, spec.vocab_size, device, first=sequences)
     loss, norm = measure(built, batches, ref.seq_length)
     report.checks.forward_backward = True  # the layout's forward and backward ran, whatever the gate finds
-    err = max(rel_err(loss, ref.loss), rel_err(norm, ref.grad_norm))
-    report.equivalence = {"loss": loss, "grad_norm": norm}
+    ref_loss, ref_norm = ref.on(sequences)
+    err = max(rel_err(loss, ref_loss), rel_err(norm, ref_norm))
+    report.equivalence = {"loss": loss, "grad_norm": norm, "sequences": sequences}
     report.checks.equivalence_rel_err = err
     limit = tolerance(layout.precision, ref.precision)
     _log.info("equivalence: loss %.7f (ref %.7f) grad_norm %.7f (ref %.7f) rel_err %.3g tolerance %.3g",
-              loss, ref.loss, norm, ref.grad_norm, err, limit)
+              loss, ref_loss, norm, ref_norm, err, limit)
     if not err <= limit:
         raise EquivalenceError(
-            f"layout does not compute the reference model: loss {loss:.6g} vs {ref.loss:.6g}, gradient norm "
-            f"{norm:.6g} vs {ref.grad_norm:.6g} on the reference batch (relative error {err:.3g} > {limit:g}, "
+            f"layout does not compute the reference model: loss {loss:.6g} vs {ref_loss:.6g}, gradient norm "
+            f"{norm:.6g} vs {ref_norm:.6g} on {sequences} sequences of the reference batch (relative error "
+            f"{err:.3g} > {limit:g}, "
             f"{layout.precision})"
         )
 
