@@ -52,6 +52,7 @@ from sweeper.search.summary import folder_artifacts, sweep_metrics, trials_table
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import ensure_reference
+from sweeper.trial.runner import HOST_OUT_OF_MEMORY
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
@@ -422,7 +423,12 @@ class Sweep:
         if run.phase == "confirm":
             return
         if result.failure_kind in NOT_THE_LAYOUTS and not self.stop.is_set():
-            if run.attempt < MAX_ATTEMPTS[result.failure_kind]:
+            # On a simulated cluster every node is this machine: ranks killed for its host memory would be again.
+            exhausted = self.handle.simulated and HOST_OUT_OF_MEMORY in result.notes
+            if exhausted:
+                console.print(f"[yellow]not re-run[/] #{run.number}: its {len(result.rank_nodes) or 'many'} ranks "
+                              f"need more memory than this machine has (not the layout's fault)", important=True)
+            elif run.attempt < MAX_ATTEMPTS[result.failure_kind]:
                 self.scheduler.retry_later(run)
                 return
         if self.stop.is_set() and killed:

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import psutil
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
+from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, RayError, RayTaskError
 
 from sweeper.backends.base import SmokeRequest
 from sweeper.cluster import (
@@ -60,6 +60,9 @@ DEFAULT_BACKEND = "sweeper.backends.megatron:run_rank"
 BACKEND_INJECTS = ("nan", "hang", "crash")  # done inside a rank by the backend
 RUNNER_INJECTS = ("node-loss",)  # done by the runner (simulated clusters only)
 COLLATERAL_GRACE_S = 5.0  # after a comm error or a dead rank, how long to wait for the rank that caused it
+# A rank killed by Ray's memory monitor: its node's host memory ran out (the ranks' sum, not one GPU's share). The
+# trial is infra, and its result carries this note: on a simulated cluster the same layout would hit the same wall.
+HOST_OUT_OF_MEMORY = "host out of memory"
 CPUS_PER_RANK = 1.0
 CHECKS_PROBE_S = 2.0  # how long unreported ranks get to say what they had proven before they are stopped
 
@@ -315,6 +318,8 @@ def _run_ranks(
                 notes.append("cancelled")
     finally:
         _ask_unreported_checks(actors, outcomes)
+    if any(o.died and o.died.startswith(HOST_OUT_OF_MEMORY) for o in outcomes):
+        notes.append(HOST_OUT_OF_MEMORY)
     result = aggregate(
         outcomes,
         world_size=world_size,
@@ -431,6 +436,8 @@ def _gather(
                 outcome.died, outcome.actor_lost = f"rank process died: {_one_line(exc)}", True
             except RayTaskError as exc:  # the actor method itself raised (not the backend): a runner bug
                 outcome.died, outcome.actor_lost = f"rank actor raised: {_one_line(exc)}", True
+            except OutOfMemoryError as exc:  # Ray's memory monitor killed it: the node's host memory ran out
+                outcome.died, outcome.actor_lost = f"{HOST_OUT_OF_MEMORY}: {_one_line(exc)}", True
             except RayError as exc:
                 outcome.died, outcome.actor_lost = f"rank lost: {_one_line(exc)}", True
             else:

@@ -25,6 +25,7 @@ from sweeper.search.loop import SearchOptions, Sweep
 from sweeper.search.study import PARAMS
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
+from sweeper.trial.runner import HOST_OUT_OF_MEMORY
 
 SPACE = {
     "name": "loop",
@@ -107,6 +108,9 @@ class StandInHost:
             kind = self.fail.get(layout.short())
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
+            if kind == "host-oom":  # Ray's memory monitor killed ranks (stand-in of the runner's verdict)
+                return TrialResult(status="failed", failure_kind="infra", notes=[HOST_OUT_OF_MEMORY],
+                                   error=f"rank 1 (n1): {HOST_OUT_OF_MEMORY}: killed by the memory monitor (stand-in)")
             if kind == "internal":  # a sweeper bug on every attempt (stand-in of failures.classify's verdict)
                 return TrialResult(status="failed", failure_kind="internal",
                                    error="sweeper bug at sweeper/backends/megatron/build.py:1: TypeError (stand-in)")
@@ -191,6 +195,18 @@ def test_infra_failure_is_retried_as_new_attempt(cfg: SweepConfig, tmp_path: Pat
     assert [r.attempt for r in rows] == [1, 2]
     assert rows[0].result.failure_kind == "infra" and rows[1].result.status == "passed"
     assert rows[0].number == rows[1].number
+
+
+def test_ranks_that_exhaust_a_simulated_clusters_host_memory_are_not_rerun(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Every simulated node is this machine: a layout whose ranks it cannot hold would be killed again, so its one
+    attempt is recorded (infra, never told to Optuna as the layout's) and the sweep goes on."""
+    target = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    sweep = make_sweep(cfg, StandInHost(fail={target: "host-oom"}))
+    sweep.run()
+    rows = [r for r in sweep.records if Layout.from_dict(r.layout).short() == target and r.phase == "explore"]
+    assert [r.attempt for r in rows] == [1] and rows[0].result.failure_kind == "infra"
+    assert any(r.result.passed for r in sweep.records)
 
 
 def test_a_sweeper_bug_is_rerun_once_and_never_told_to_optuna_as_the_layouts(
