@@ -12,106 +12,111 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, model_validato
 
 
 class EstimatorConstants(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     # -- memory outside torch's caching allocator (not in max_memory_reserved, but it occupies the GPU) ----------
-    # CUDA context + cuBLAS/cuDNN workspaces + kernels loaded by Megatron/TE; not visible to torch's allocator
-    # but part of what nvidia-smi shows. ~0.5-1 GiB on Hopper/Blackwell.
     cuda_context_gib: float = Field(0.75, ge=0)
-    # NCCL communicator buffers per process group the rank belongs to.
+    """CUDA context + cuBLAS/cuDNN workspaces + kernels loaded by Megatron/TE; not visible to torch's allocator
+    but part of what nvidia-smi shows. ~0.5-1 GiB on Hopper/Blackwell."""
     nccl_buffer_gib_per_group: float = Field(0.06, ge=0)
+    """NCCL communicator buffers per process group the rank belongs to."""
 
     # -- memory inside torch's allocator ---------------------------------------------------------------------------
-    # Workspaces allocated through torch's allocator once and kept: cuBLAS's per-handle workspace
-    # (CUBLAS_WORKSPACE_CONFIG ":4096:8", 32 MiB), cuBLASLt's, Transformer Engine's GEMM workspace (32 MiB on
-    # Hopper) and Megatron-Core's global memory buffer for SP/TP gathers. About 0.1 GiB: the model state of every
-    # small Megatron-LM CI run in tests/data is under-predicted by 0.10-0.13 GiB without it.
     workspace_gib: float = Field(0.1, ge=0)
-    # torch's caching allocator keeps freed blocks cached: reserved exceeds allocated by this factor on the memory
-    # that is allocated and freed within each step (activations, logits, transients). It does not apply to the
-    # model state: Megatron allocates every parameter and main gradient of a dtype as one contiguous tensor
-    # (megatron/core/distributed/param_and_grad_buffer.py, _ParamAndGradBuffer.__init__: self.param_data /
-    # self.grad_data = torch.zeros(self.numel, ...)) and the optimizer's shards once, before the first step.
-    # With PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the slack is close to 1.0.
+    """Workspaces allocated through torch's allocator once and kept: cuBLAS's per-handle workspace
+    (CUBLAS_WORKSPACE_CONFIG ":4096:8", 32 MiB), cuBLASLt's, Transformer Engine's GEMM workspace (32 MiB on
+    Hopper) and Megatron-Core's global memory buffer for SP/TP gathers. About 0.1 GiB: the model state of every
+    small Megatron-LM CI run in tests/data is under-predicted by 0.10-0.13 GiB without it."""
     allocator_fragmentation: PositiveFloat = 1.15
-    # Bytes per element of the last stage's logits path for one micro-batch: the fp32 copy that
-    # vocab_parallel_cross_entropy makes and keeps as the softmax for backward (4) plus the bf16 logits /
-    # bf16 logits-gradient that live next to it (2).
+    """Torch's caching allocator keeps freed blocks cached: reserved exceeds allocated by this factor on the
+    memory that is allocated and freed within each step (activations, logits, transients). It does not apply to
+    the model state: Megatron allocates every parameter and main gradient of a dtype as one contiguous tensor
+    (megatron/core/distributed/param_and_grad_buffer.py, _ParamAndGradBuffer.__init__: self.param_data /
+    self.grad_data = torch.zeros(self.numel, ...)) and the optimizer's shards once, before the first step. With
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True the slack is close to 1.0."""
     logits_bytes_per_element: float = Field(6.0, ge=0)
-    # Override of the bytes per linear-layer weight TE keeps besides the BF16 weight under FP8/MXFP8 (None: derived
-    # from the recipe, the device and run.fp8_param_gather, memory.fp8_weight_bytes). The run settings that move
-    # memory (grad dtype, moment dtypes, offload, FP8 weights) are the YAML's ``run:`` (sweeper.config.run_settings).
+    """Bytes per element of the last stage's logits path for one micro-batch: the fp32 copy that
+    vocab_parallel_cross_entropy makes and keeps as the softmax for backward (4) plus the bf16 logits / bf16
+    logits-gradient that live next to it (2)."""
     fp8_weight_cache_bytes_per_param: float | None = Field(None, ge=0)
-    # Transient copies of the routed tokens a MoE all-to-all dispatcher holds while one layer runs
-    # (permuted send buffer + received buffer), in units of (routed tokens x hidden x 2 bytes).
+    """Override of the bytes per linear-layer weight TE keeps besides the BF16 weight under FP8/MXFP8 (None:
+    derived from the recipe, the device and run.fp8_param_gather, memory.fp8_weight_bytes). The run settings that
+    move memory (grad dtype, moment dtypes, offload, FP8 weights) are the YAML's ``run:``
+    (sweeper.config.run_settings)."""
     moe_dispatch_buffer_copies: float = Field(2.0, ge=0)
-    # Static tensors a captured CUDA graph keeps per graphed block and micro-batch, in units of the block's hidden
-    # state (tokens x hidden x 2 bytes): its input and its output (memory.graph_static_bytes).
+    """Transient copies of the routed tokens a MoE all-to-all dispatcher holds while one layer runs (permuted
+    send buffer + received buffer), in units of (routed tokens x hidden x 2 bytes)."""
     cuda_graph_static_copies: float = Field(2.0, ge=0)
-    # Routed tokens the busiest expert-parallel rank receives over the mean, for dropless MoE: the permuted tokens,
-    # the experts' activations and the dispatch buffers follow the hottest rank, and early steps route unevenly
-    # (capped by memory.hot_rank_factor's bound; EP 1 has none). 1.2: the published dropless runs' peaks (max over
-    # their first 100 steps) imply 1.1-1.25 (benchmarks/estimate_accuracy.py: with 1.0 all eight MoE cases at EP 4-8
-    # are under-predicted, by 0.3-4.9%); a sweep raises it to what its own trials' routers measured
-    # (backends/megatron/routing.py, metrics.moe_hot_rank_factor).
+    """Static tensors a captured CUDA graph keeps per graphed block and micro-batch, in units of the block's
+    hidden state (tokens x hidden x 2 bytes): its input and its output (memory.graph_static_bytes)."""
     moe_hot_rank_factor: float = Field(1.2, ge=1.0)
-    # Megatron's Mamba mixer trains with the fused memory-efficient path (use_mamba_mem_eff_path=True), which
-    # recomputes the convolution and scan internals in backward; its chunk size sets the SSD scan cost.
+    """Routed tokens the busiest expert-parallel rank receives over the mean, for dropless MoE: the permuted
+    tokens, the experts' activations and the dispatch buffers follow the hottest rank, and early steps route
+    unevenly (capped by memory.hot_rank_factor's bound; EP 1 has none). 1.2: the published dropless runs' peaks
+    (max over their first 100 steps) imply 1.1-1.25 (benchmarks/estimate_accuracy.py: with 1.0 all eight MoE
+    cases at EP 4-8 are under-predicted, by 0.3-4.9%); a sweep raises it to what its own trials' routers measured
+    (backends/megatron/routing.py, metrics.moe_hot_rank_factor)."""
     mamba_chunk_size: int = Field(128, ge=1)
+    """Megatron's Mamba mixer trains with the fused memory-efficient path (use_mamba_mem_eff_path=True), which
+    recomputes the convolution and scan internals in backward; its chunk size sets the SSD scan cost."""
 
     # -- settings of the production run that the layout does not carry (Megatron-LM flags) ----------------------
-    # --attention-backend: flash/fused attention (TE's default) keeps no score matrices; "unfused" keeps every
-    # attention layer's softmax output, mbs x heads/TP x seq/CP x seq in BF16, for backward.
     attention_backend: Literal["flash", "unfused"] = "flash"
-    # --hidden-dropout / --attention-dropout. Megatron-LM's defaults are 0.1; Megatron-Bridge's recipes for current
-    # models (and sweeper's smoke runs) use 0. Above 0, every block keeps its dropout mask (1 byte per element),
-    # and unfused attention keeps the score dropout's mask and output too.
+    """--attention-backend of the production run: flash/fused attention (TE's default) keeps no score matrices;
+    unfused keeps every attention layer's softmax output, mbs x heads/TP x seq/CP x seq in BF16, for backward."""
     hidden_dropout: float = Field(0.0, ge=0, lt=1)
+    """--hidden-dropout of the production run. Megatron-LM's default is 0.1; Megatron-Bridge's recipes for current
+    models (and sweeper's smoke runs) use 0. Above 0, every block keeps its dropout mask (1 byte per element), and
+    unfused attention keeps the score dropout's mask and output too."""
     attention_dropout: float = Field(0.0, ge=0, lt=1)
+    """--attention-dropout of the production run (see hidden_dropout)."""
 
     # -- how far the memory prediction may be off (pruning under uncertainty, issue 13) -----------------------------
-    # The band of the measured peak around a prediction P: [P / (1 + memory_over_prediction),
-    # P / (1 - memory_under_prediction)]. A sweep prunes a layout as out of memory only when even the band's lower
-    # end exceeds the limit; a layout inside the band is launched as a calibration probe. The defaults are the worst
-    # peak-memory error benchmarks/estimate_accuracy.py measures over all modelled published cases (19.0%), rounded
-    # up (the 7B+ cases are within 4.4%); a user who calibrated on their cluster may narrow them.
     memory_over_prediction: float = Field(0.20, ge=0, le=1)
+    """The band of the measured peak around a prediction P: [P / (1 + memory_over_prediction), P / (1 -
+    memory_under_prediction)]. A sweep prunes a layout as out of memory only when even the band's lower end
+    exceeds the limit; a layout inside the band is launched as a calibration probe. The defaults are the worst
+    peak-memory error benchmarks/estimate_accuracy.py measures over all modelled published cases (19.0%), rounded
+    up (the 7B+ cases are within 4.4%); a user who calibrated on their cluster may narrow them."""
     memory_under_prediction: float = Field(0.20, ge=0, lt=1)
+    """How far the measured peak may lie above a prediction (see memory_over_prediction)."""
 
     # -- step time -------------------------------------------------------------------------------------------------
-    # Fraction of the GPU's dense BF16 peak a well-tuned Megatron run reaches (model FLOPs utilisation).
     achievable_mfu: float = Field(0.40, gt=0, le=1)
-    # How far a measured throughput may lie from an uncalibrated prediction, as measured / predicted: the band of
-    # the decision section's projections when no trial measured the real device (a CPU sweep). The step-time model
-    # ranks layouts (benchmarks/step_time_ranking.py: 7 of 7 measured pairs in order) but prices them low: over the
-    # 8 published MoE runs there (H100, BF16) the measured throughput was 1.27-1.68 x the predicted. The low end
-    # allows for what it has not been checked on (dense models, other devices, FP8).
+    """Fraction of the GPU's dense BF16 peak a well-tuned Megatron run reaches (model FLOPs utilisation)."""
     throughput_low: float = Field(0.8, gt=0)
+    """How far a measured throughput may lie from an uncalibrated prediction, as measured / predicted: the band
+    of the decision section's projections when no trial measured the real device (a CPU sweep). The step-time
+    model ranks layouts (benchmarks/step_time_ranking.py: 7 of 7 measured pairs in order) but prices them low:
+    over the 8 published MoE runs there (H100, BF16) the measured throughput was 1.27-1.68 x the predicted. The
+    low end allows for what it has not been checked on (dense models, other devices, FP8)."""
     throughput_high: float = Field(1.7, gt=0)
-    # Fraction of the FP8 peak reached by FP8 GEMMs (lower than BF16's: casts and amax bookkeeping).
+    """The band's high end, as measured / predicted (see throughput_low)."""
     achievable_mfu_fp8: float = Field(0.30, gt=0, le=1)
-    # Fraction of the dense NVFP4 peak reached by NVFP4 GEMMs: lower again (16-element block scales, the random
-    # Hadamard transform on the weight-gradient inputs, stochastic rounding of gradients). An assumption, not a
-    # measurement: no NVFP4 run has been timed by sweeper.
+    """Fraction of the FP8 peak reached by FP8 GEMMs (lower than BF16's: casts and amax bookkeeping)."""
     achievable_mfu_fp4: float = Field(0.22, gt=0, le=1)
-    # Fraction of the link bandwidth a NCCL collective actually achieves (bus bandwidth / link bandwidth).
+    """Fraction of the dense NVFP4 peak reached by NVFP4 GEMMs: lower again (16-element block scales, the random
+    Hadamard transform on the weight-gradient inputs, stochastic rounding of gradients). An assumption, not a
+    measurement: no NVFP4 run has been timed by sweeper."""
     comm_efficiency: float = Field(0.70, gt=0, le=1)
-    # Fraction of context-parallel KV exchange hidden behind attention compute (TE overlaps the ring steps).
+    """Fraction of the link bandwidth a NCCL collective actually achieves (bus bandwidth / link bandwidth)."""
     cp_comm_overlap: float = Field(0.5, ge=0, le=1)
-    # Fraction of data-parallel gradient reduce / parameter gather hidden behind backward/forward when the run
-    # overlaps them (run.overlap_grad_reduce, e.g. Bridge's pretrain default); nothing is hidden when it does not.
+    """Fraction of context-parallel KV exchange hidden behind attention compute (TE overlaps the ring steps)."""
     dp_comm_overlap: float = Field(0.8, ge=0, le=1)
-    # Fraction of link bandwidth the flex dispatcher's DeepEP / HybridEP kernels reach: DeepEP's README reports
-    # ~153-158 GB/s of H800's ~160 GB/s NVLink intranode and ~43-58 GB/s of a 50 GB/s (400 Gb/s) RDMA NIC for its
-    # normal kernels, against comm_efficiency for NCCL's all-to-all.
+    """Fraction of data-parallel gradient reduce / parameter gather hidden behind backward/forward when the run
+    overlaps them (run.overlap_grad_reduce, e.g. Bridge's pretrain default); nothing is hidden when it does not."""
     flex_comm_efficiency: float = Field(0.9, gt=0, le=1)
-    # Fraction of the expert all-to-all hidden behind another micro-batch's compute with moe_a2a_overlap (Megatron's
-    # combined 1F1B), at most that compute's length. An assumption (not measured by sweeper): the dispatch and combine
-    # of one micro-batch overlap the attention and expert GEMMs of the other, less the synchronisation between them.
+    """Fraction of link bandwidth the flex dispatcher's DeepEP / HybridEP kernels reach: DeepEP's README reports
+    ~153-158 GB/s of H800's ~160 GB/s NVLink intranode and ~43-58 GB/s of a 50 GB/s (400 Gb/s) RDMA NIC for its
+    normal kernels, against comm_efficiency for NCCL's all-to-all."""
     moe_a2a_overlap_efficiency: float = Field(0.8, ge=0, le=1)
-    # Host time to launch one kernel in eager PyTorch with Transformer Engine (Python dispatch + CUDA launch);
-    # what a block whose kernels are short waits for without CUDA graphs (step_time.KERNELS_PER_SCOPE).
+    """Fraction of the expert all-to-all hidden behind another micro-batch's compute with moe_a2a_overlap
+    (Megatron's combined 1F1B), at most that compute's length. An assumption (not measured by sweeper): the
+    dispatch and combine of one micro-batch overlap the attention and expert GEMMs of the other, less the
+    synchronisation between them."""
     kernel_launch_us: float = Field(6.0, ge=0)
+    """Host time to launch one kernel in eager PyTorch with Transformer Engine (Python dispatch + CUDA launch);
+    what a block whose kernels are short waits for without CUDA graphs (step_time.KERNELS_PER_SCOPE)."""
 
     @model_validator(mode="after")
     def _throughput_band(self) -> EstimatorConstants:

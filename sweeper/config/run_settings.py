@@ -54,25 +54,35 @@ MOE_AUX_LOSS_COEFF = 1e-2
 
 
 class RunSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
     framework: Framework = "megatron-lm"
-    grad_reduce_in_fp32: bool | None = None  # null: the framework's default
-    # --use-precision-aware-optimizer (needs the distributed optimizer and TE's FusedAdam): Adam's moments in
-    # exp_avg_dtype / exp_avg_sq_dtype, the grads read in place (``decoupled_grad``) instead of copied to FP32.
+    """What the production run trains with (megatron-lm, megatron-bridge, megatron-core): every setting left out
+    takes its default."""
+    grad_reduce_in_fp32: bool | None = None
+    """FP32 main gradients under BF16/FP8 (Megatron-LM --grad-reduce-in-bf16 is false); null: the framework's
+    default."""
     precision_aware_optimizer: bool = False
+    """--use-precision-aware-optimizer (needs the distributed optimizer and TE's FusedAdam): Adam's moments in
+    exp_avg_dtype / exp_avg_sq_dtype, the grads read in place instead of copied to FP32."""
     exp_avg_dtype: MomentDtype = "fp32"
+    """Adam's first moment's dtype (--exp-avg-dtype), with precision_aware_optimizer."""
     exp_avg_sq_dtype: MomentDtype = "fp32"
-    # --optimizer-cpu-offload: this fraction of each rank's optimizer shard (master weights, moments) lives and
-    # steps on the host (megatron/core/optimizer/cpu_offloading/hybrid_optimizer.py). null: the framework's default.
+    """Adam's second moment's dtype (--exp-avg-sq-dtype), with precision_aware_optimizer."""
     optimizer_cpu_offload: bool = False
+    """--optimizer-cpu-offload: optimizer_offload_fraction of each rank's optimizer shard (master weights, moments)
+    lives and steps on the host."""
     optimizer_offload_fraction: float | None = Field(None, ge=0, le=1)
-    # --fp8-recipe of precision fp8. auto: tensorwise (current scaling) on compute capability >= 10.0, delayed
-    # below (what sweeper's GPU smoke run builds); precision mxfp8 is always MXFP8.
+    """--optimizer-offload-fraction, with optimizer_cpu_offload; null: the framework's default."""
     fp8_recipe: Fp8Recipe = "auto"
-    fp8_param_gather: bool | None = None  # --fp8-param-gather; null: the framework's default
-    overlap_grad_reduce: bool | None = None  # --overlap-grad-reduce; null: the framework's default
-    overlap_param_gather: bool | None = None  # --overlap-param-gather; null: the framework's default
+    """--fp8-recipe of precision fp8 (delayed, tensorwise, blockwise); auto: tensorwise on compute capability >= 10.0,
+    delayed below. Precision mxfp8 is always MXFP8."""
+    fp8_param_gather: bool | None = None
+    """--fp8-param-gather: FP8 weights, gathered in FP8; null: the framework's default."""
+    overlap_grad_reduce: bool | None = None
+    """--overlap-grad-reduce; null: the framework's default."""
+    overlap_param_gather: bool | None = None
+    """--overlap-param-gather; null: the framework's default."""
 
     @model_validator(mode="after")
     def _consistent(self) -> RunSettings:

@@ -44,30 +44,47 @@ PositiveFloat = Annotated[float, Field(gt=0.0)]
 class _Strict(BaseModel):
     # strict: a YAML `true` is not the integer 1, `2.0` is not the integer 2, "8" is not a number;
     # allow_inf_nan: .inf / .nan are not sizes, bandwidths or timeouts.
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+    # use_attribute_docstrings: each field's docstring is its description (docs/search-yaml.md, docs/schemas/).
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False,
+                              use_attribute_docstrings=True)
 
 
 class ClusterConfig(_Strict):
+    """The cluster the sweep runs on (or simulates)."""
+
     nodes: PositiveInt = 1
+    """Nodes of the cluster."""
     gpus_per_node: PositiveInt = 8
+    """GPUs per node."""
     gpu_memory_gib: PositiveFloat = 80.0
+    """Memory of one GPU in GiB, what the stability limit is a share of (search.memory_headroom)."""
     compute_capability: str = "9.0"
-    gpu_kind: str | None = None  # e.g. h100, h200, b200, rtx-pro-6000; None = inferred from compute capability
-    address: str = "auto"  # auto | local | HOST:PORT | ray://HOST:PORT
+    """The GPUs' CUDA compute capability ("9.0" H100/H200, "10.0" B200, "12.0" RTX PRO 6000): which precisions
+    and FP8 recipes the rules allow."""
+    gpu_kind: str | None = None
+    """The GPU model the estimator prices (h100, h200, b200, rtx-pro-6000, ...; docs/search-yaml.md lists them);
+    null: inferred from the compute capability."""
+    address: str = "auto"
+    """The Ray cluster: auto (the one running, found as ray.init(address="auto") finds it, else a simulated or a
+    local one), local (a new local Ray), HOST:PORT or ray://HOST:PORT."""
     simulate: Literal["auto"] | bool = "auto"
-    # How long a Ray address gets to answer (TCP connect, then the GCS's reply) before connecting gives up.
+    """Start a simulated cluster of `nodes` x `gpus_per_node` virtual GPUs on this machine (CPU ranks on gloo):
+    true, false, or auto (when no GPU is visible and no Ray cluster answers)."""
     connect_timeout_s: PositiveFloat = 10.0
-    intra_node_bandwidth_gbs: PositiveFloat = 50.0  # GB/s per GPU inside a node (PCIe 5 x16 ~ 50; NVLink 4 ~ 450)
-    inter_node_bandwidth_gbs: PositiveFloat = 25.0  # GB/s per GPU between nodes (a 200 Gb/s NIC ~ 25)
-    # GB/s per GPU between its memory and the host's, what activation offload copies over (PCIe 5 x16: ~50 raw per
-    # direction, ~25 with the NICs and the other GPUs of a PCIe switch sharing it; GH200's NVLink-C2C ~450)
+    """Seconds a Ray address gets to answer (TCP connect, then the GCS's reply) before the command gives up."""
+    intra_node_bandwidth_gbs: PositiveFloat = 50.0
+    """GB/s per GPU inside a node, for the step-time estimate (PCIe 5 x16 ~50; NVLink 4 ~450)."""
+    inter_node_bandwidth_gbs: PositiveFloat = 25.0
+    """GB/s per GPU between nodes (a 200 Gb/s NIC ~25)."""
     host_link_gbs: PositiveFloat = 25.0
-    # Keep one rank process per GPU for the whole sweep, megatron imported once, each trial's rank a fresh fork
-    # of it (sweeper/trial/pool.py); false: new rank actors in a placement group of each trial's own.
+    """GB/s per GPU between its memory and the host's, what activation offload copies over (PCIe 5 x16: ~50 raw per
+    direction, ~25 with the NICs and other GPUs sharing a PCIe switch; GH200's NVLink-C2C ~450)."""
     warm_ranks: bool = True
-    # Each node's host (CPU) memory, which a checkpoint save is held against (issue 17); None: what the node
-    # reports (a simulated cluster's nodes share this machine, so each gets its share).
+    """Keep one rank process per GPU for the whole sweep (megatron imported once, each trial's rank a fresh fork of
+    it); false: new rank actors in a placement group of each trial's own."""
     host_memory_gib: PositiveFloat | None = None
+    """Each node's host memory in GiB, which a checkpoint save is held against; null: what the node reports (a
+    simulated cluster's nodes share this machine, so each gets its share)."""
 
     @field_validator("compute_capability", mode="before")
     @classmethod
@@ -100,15 +117,26 @@ class ClusterConfig(_Strict):
 
 
 class TrainingConfig(_Strict):
+    """The production run's shape, and the smoke run's length."""
+
     seq_length: PositiveInt = 4096
+    """Tokens per sequence (Megatron's --seq-length)."""
     global_batch_size: PositiveInt = 64
+    """Sequences per step (--global-batch-size); every layout's DP x micro-batch must divide it."""
     steps: PositiveInt = 20
+    """Training steps of an exploration trial (a confirmation runs search.confirm_steps)."""
     checkpoint: bool = True
-    checkpoint_every: PositiveInt | None = None  # None = one save at the last step
+    """Save a torch_dist checkpoint in every trial and read it back (bitwise)."""
+    checkpoint_every: PositiveInt | None = None
+    """Also save every this many steps; null: one save, after the last step."""
     trial_timeout_s: PositiveFloat = 900.0
-    warmup_steps: int = Field(2, ge=0)  # step times of these first steps are excluded from throughput
-    data_paths: list[str] = []  # files every node must see (doctor checks them); trials use synthetic tokens
+    """Seconds one trial may take, start-up included; then every rank's stack is dumped and the trial is a timeout."""
+    warmup_steps: int = Field(2, ge=0)
+    """First steps whose time is left out of the throughput."""
+    data_paths: list[str] = []
+    """Files every node must see (doctor checks them); trials train on synthetic tokens."""
     tokenizer_path: str | None = None
+    """The production run's tokenizer, checked by doctor and written into the launch script."""
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainingConfig:
@@ -178,59 +206,91 @@ else:
 
 
 class SearchConfig(_Strict):
+    """How the sweep searches and what it calls best."""
+
     max_trials: PositiveInt = 40
+    """Exploration trials to launch at most (confirmations come on top)."""
     parallel: Literal["auto"] | PositiveInt = "auto"
+    """Trials running at once at most; auto: as many as the free GPUs hold."""
     objective: Literal["tokens_per_s", "tflops_per_gpu"] = "tokens_per_s"
+    """What the fastest layout maximises."""
     memory_headroom: float = Field(0.10, ge=0.0, lt=1.0)
+    """Share of each GPU's memory a stable layout leaves free (its peak stays under (1 - headroom) x
+    cluster.gpu_memory_gib)."""
     sampler: Literal["auto", "grid", "tpe", "random"] = "auto"
+    """Optuna's sampler; auto: every launchable layout when the budget covers them all, else TPE."""
     seed: int = 0
-    seeds: list[str] = []  # layouts to run first, in --layout syntax (e.g. a Megatron-Bridge recipe's)
-    confirm_top: int = Field(3, ge=0)  # re-run the best candidates; the winner must pass every confirmation
-    confirm_steps: PositiveInt | None = None  # None = 2 x training.steps
-    # A confirmation run whose steps slow down (its last quarter's median step time over its first quarter's, after
-    # warm-up) by more than this factor does not confirm the layout: time that grows with the steps (memory
-    # fragmentation, a leak, throttling) is what a longer run would hit.
+    """The sampler's seed."""
+    seeds: list[str] = []
+    """Layouts to run first, in --layout syntax (e.g. a Megatron-Bridge recipe's)."""
+    confirm_top: int = Field(3, ge=0)
+    """Best candidates re-run to confirm them; the winner must pass every confirmation (0: no confirmation)."""
+    confirm_steps: PositiveInt | None = None
+    """Steps of a confirmation run; null: twice training.steps."""
     confirm_max_step_time_drift: float = Field(1.5, gt=1.0)
-    # Routing stress of MoE finalists (issue 17): a confirmation of a layout with EP > 1 ends with this many steps
-    # with the router forced onto one expert, then this many onto one EP rank's experts; its peak memory under
-    # stress must keep the headroom too. 0: no stress.
+    """A confirmation whose last quarter of steps took more than this many times its first quarter (after warm-up)
+    does not confirm the layout: time that grows with the steps (fragmentation, a leak, throttling) is what a long
+    run would hit."""
     routing_stress_steps: int = Field(2, ge=0)
+    """A confirmation of a MoE layout with EP > 1 ends with this many steps routing every token to one expert, then
+    this many to one EP rank's experts; its peak memory under stress must keep the headroom too (0: none)."""
     wall_time_s: PositiveFloat | None = None
+    """Stop launching after this many seconds of sweep; null: no limit."""
     gpu_hours: PositiveFloat | None = None
-    # Stop exploring after this many ended trials without a better stable layout (None: spend the budget).
+    """Stop launching after the trials held this many GPU-hours; null: no limit."""
     patience: PositiveInt | None = None
-    # A trial whose TP or ETP group ran across nodes (its placement says so) is not "stable" unless this is true.
+    """Stop exploring after this many ended trials without a better stable layout; null: spend the budget."""
     allow_cross_node_tp: bool = False
+    """Let a layout whose TP or ETP group ran across nodes be stable (its placement is always recorded)."""
 
 
 class BudgetConfig(_Strict):
     """What the production run must train, for the decision section of the report (issue 18): its time and cost on
     the winner and the runners-up."""
 
-    tokens: PositiveFloat  # tokens to train, e.g. 1.0e12
-    gpu_hour_usd: PositiveFloat | None = None  # price of one GPU-hour; None: no cost, only time and GPU-hours
-    # GPUs of the production run: copies of the trial's layout side by side (data parallel, assumed to scale
-    # linearly); None: the trial's own GPU count.
+    tokens: PositiveFloat
+    """Tokens to train, e.g. 1e12."""
+    gpu_hour_usd: PositiveFloat | None = None
+    """Price of one GPU-hour in USD; null: time and GPU-hours only."""
     gpus: PositiveInt | None = None
+    """GPUs of the production run: copies of the trial's layout side by side (data parallel, assumed to scale
+    linearly); null: the trial's own GPU count."""
 
 
 class TrackingConfig(_Strict):
+    """Where MLflow records the sweep."""
+
     mlflow_tracking_uri: str | None = None
+    """An MLflow tracking URI (http://HOST:PORT, sqlite:///path.db, a folder); null: MLflow's default
+    (MLFLOW_TRACKING_URI, else mlflow.db in the working directory)."""
     experiment: str | None = None
+    """The MLflow experiment; null: the sweep's name."""
 
 
 class SweepConfig(_Strict):
     name: str
+    """Names the sweep: its folder sweeps/<name>/ and its MLflow experiment."""
     model: ModelSpec
+    """A preset name, {preset: NAME, proxy: true, <field>: <override>}, {hf_config: path/to/config.json} or an
+    inline spec."""
     cluster: ClusterConfig = ClusterConfig()
+    """The cluster."""
     training: TrainingConfig = TrainingConfig()
+    """The run's shape and the smoke run's length."""
     space: SpaceConfig = SpaceConfig()
+    """The values each axis tries."""
     search: SearchConfig = SearchConfig()
+    """The search and its budget."""
     tracking: TrackingConfig = TrackingConfig()
+    """MLflow."""
     estimate: EstimatorConstants = EstimatorConstants()
-    run: RunSettings = RunSettings()  # run settings that move memory (issue 13): estimator, smoke run, exports
-    budget: BudgetConfig | None = None  # the production run's token budget (the report's decision section)
-    source: Path | None = None  # the YAML this came from (set by load_config)
+    """The estimator's constants, each overridable."""
+    run: RunSettings = RunSettings()
+    """Run settings that move memory: read by the estimator, built by the smoke run, written into the exports."""
+    budget: BudgetConfig | None = None
+    """The production run's token budget, for the report's decision (time and cost to train)."""
+    source: Path | None = None
+    """Set by sweeper: the YAML this came from."""
 
     @field_validator("name")
     @classmethod
