@@ -1,5 +1,5 @@
 """Run the fault tests (tests/search/test_faults.py: real sweeps on simulated Ray clusters with injected faults) and
-print the README's reliability table from what each test observed.
+print docs/reliability.md's table from what each test observed.
 
     python scripts/reliability_table.py
 """

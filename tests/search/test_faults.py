@@ -2,7 +2,7 @@
 megatron-core trials, faults injected with --inject (node loss, node join, hang), SIGKILL + --resume, and Ctrl-C.
 
 Each test also writes one row (fault, what happened, what was kept) to $SWEEPER_FAULT_REPORT when it is set;
-scripts/reliability_table.py runs this file and prints those rows as the README's reliability table.
+scripts/reliability_table.py runs this file and prints those rows as docs/reliability.md's table.
 """
 
 from __future__ import annotations
