@@ -23,7 +23,7 @@ from sweeper.models.spec import ModelSpec
 PROXY_SEQ_LENGTH_CAP = 128
 PROXY_GLOBAL_BATCH_CAP = 32
 PROXY_STEPS = 2  # one warm-up step and one timed: a proxy proves mechanics, its speed is the CPU's
-PROXY_MAX_TRIALS = 4
+PROXY_MAX_TRIALS = 3
 # The proxy sweep's confirmation: its best layout once more (PROXY_CONFIRM_TOP), a step longer, and one step per
 # routing-stress mode, so the whole sweep ends in minutes on two cores (benchmarks/proxy_sweep.py).
 PROXY_CONFIRM_TOP = 1
