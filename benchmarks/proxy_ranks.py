@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from proxy_step import _parts  # the same cProfile summing (benchmarks/ is this script's folder on sys.path)
+
 _PARTS = (
     ("experts (forward)", ("moe/experts.py", "cpu_experts.py"), "forward"),
     ("router (forward)", ("moe/router.py",), "forward"),
@@ -41,17 +43,6 @@ _PARTS = (
     ("optimizer step", ("optimizer/optimizer.py", "optimizer/distrib_optimizer.py"), "step"),
     ("steps (whole)", ("steps.py",), "train_step"),
 )
-
-
-def _parts(stats: pstats.Stats) -> dict[str, float]:
-    out = {name: 0.0 for name, _, _ in _PARTS}
-    for (filename, _, func), (_, _, _, cumtime, callers) in stats.stats.items():  # type: ignore[attr-defined]
-        for name, files, funcs in _PARTS:
-            funcs = (funcs,) if isinstance(funcs, str) else funcs
-            if func in funcs and any(f in filename for f in files):
-                if not any(any(f in c[0] for f in files) and c[2] in funcs for c in callers):
-                    out[name] += cumtime
-    return out
 
 
 def _rank(rank: int, world: int, port: int, request: object, folder: str, out: object) -> None:
@@ -93,7 +84,7 @@ def _run(request: object, world: int, folder: str) -> tuple[float, dict[str, flo
             phases[key] = max(phases.get(key, 0.0), value)
     parts = {name: 0.0 for name, _, _ in _PARTS}
     for rank in range(world):
-        for name, value in _parts(pstats.Stats(f"{folder}/rank_{rank}.prof")).items():
+        for name, value in _parts(pstats.Stats(f"{folder}/rank_{rank}.prof"), _PARTS).items():
             parts[name] += value / world
     return wall, phases, parts
 

@@ -42,10 +42,11 @@ _PARTS = (
 )
 
 
-def _parts(stats: pstats.Stats) -> dict[str, float]:
-    out = {name: 0.0 for name, _, _ in _PARTS}
+def _parts(stats: pstats.Stats, parts: tuple = _PARTS) -> dict[str, float]:
+    """Cumulative time of each part of ``parts`` ((name, file parts, function names) rows) in ``stats``."""
+    out = {name: 0.0 for name, _, _ in parts}
     for (filename, _, func), (_, _, _, cumtime, callers) in stats.stats.items():  # type: ignore[attr-defined]
-        for name, files, funcs in _PARTS:
+        for name, files, funcs in parts:
             funcs = (funcs,) if isinstance(funcs, str) else funcs
             if func in funcs and any(f in filename for f in files):
                 # Recursive or nested calls of the same kind (a forward calling its parent's forward) count once.
