@@ -19,7 +19,7 @@ from sweeper.models.catalog import resolve_model
 from sweeper.models.proxy import PROXY_SUFFIX, is_proxy, power_of_two_part, proxy
 from sweeper.models.spec import ModelSpec
 
-# --proxy: the trials of a proxy sweep are CPU-sized too, and there are few of them (docs/getting-started.md, "--proxy").
+# --proxy: the trials of a proxy sweep are CPU-sized too, and few (docs/getting-started.md, "--proxy").
 PROXY_SEQ_LENGTH_CAP = 128
 PROXY_GLOBAL_BATCH_CAP = 32
 PROXY_STEPS = 2  # one warm-up step and one timed: a proxy proves mechanics, its speed is the CPU's

@@ -64,13 +64,14 @@ def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
 
 def _reusable(cfg: SweepConfig, folder: Path) -> bool:
     """An existing reference serves this space when it is of the same model, sequence length and a batch every
-    data-parallel size of the space divides."""
+    data-parallel size of the space divides, and records its batch's prefixes."""
     try:
         ref = json.loads((folder / REFERENCE_FILE).read_text())
     except (OSError, ValueError):
         return False
+    # "prefixes": a reference of the current format (2), which every trial's gate can compare on.
     return (ref.get("model") == cfg.model.model_dump() and ref.get("seq_length") == cfg.training.seq_length
-            and ref.get("sequences", 0) % reference_sequences(cfg) == 0)
+            and ref.get("sequences", 0) % reference_sequences(cfg) == 0 and "prefixes" in ref)
 
 
 def ensure_reference(cfg: SweepConfig, host: Host, folder: Path) -> ReferenceOutcome:

@@ -70,3 +70,19 @@ def test_a_proxy_reference_batch_is_the_replicas_the_proxy_trials_run() -> None:
     assert reference_sequences(small) == 4  # EP 2 over TP 1: two replicas, or four to keep EDP 2
     real = load_config(ROOT / "search_spaces" / "nemotron.yaml")
     assert reference_sequences(real) == 16  # a real model's trials run every replica: the world sizes' lcm
+
+
+def test_a_reference_without_prefixes_is_made_again(tmp_path: Path) -> None:
+    """A reference made before references recorded their batch's prefixes (format 1) cannot serve a trial's prefix
+    gate: a resumed sweep makes it again instead of failing every trial."""
+    import json
+
+    from sweeper.trial.reference import REFERENCE_FILE, _reusable
+
+    cfg = _proxy("deepseek_v2_lite.yaml")
+    ref = {"model": cfg.model.model_dump(), "seq_length": cfg.training.seq_length,
+           "sequences": reference_sequences(cfg)}
+    (tmp_path / REFERENCE_FILE).write_text(json.dumps(ref))
+    assert not _reusable(cfg, tmp_path)
+    (tmp_path / REFERENCE_FILE).write_text(json.dumps({**ref, "prefixes": {"4": [1.0, 2.0]}}))
+    assert _reusable(cfg, tmp_path)
