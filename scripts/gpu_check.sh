@@ -4,6 +4,9 @@
 # GPU's real compute capability and memory, next to `python -m sweeper plan --json --only ...`'s prediction.
 #
 #   scripts/gpu_check.sh            # PYTHON=... to pick the interpreter; SWEEPER_GPU_CHECK_KEEP=1 keeps the trials
+#                                   # GPU_CHECK_ONLY="bf16-dense bf16-moe" runs those cases only;
+#                                   # GPU_CHECK_WARM_RANKS=false starts every rank fresh (cluster.warm_ranks)
+#                                   # GPU_CHECK_TRIAL_TIMEOUT_S=120 bounds each trial (default 600)
 #   scripts/gpu_check.sh --plan-only  # no GPU needed: writes the spaces and runs only `plan` for a pretend device
 #                                     # (GPU_CHECK_DEVICE="CC GIB NGPU TE MAMBA CONV NAME", default an H100-like one)
 #
@@ -80,17 +83,27 @@ HYBRID='{name: gpu-check-hybrid, num_layers: 8, hidden_size: 1024, ffn_hidden_si
   position_embedding_type: none, num_moe_experts: 8, moe_router_topk: 2, moe_ffn_hidden_size: 1024,
   hybrid_layer_pattern: "ME*EM-ME", mamba_num_heads: 32, mamba_head_dim: 64, mamba_num_groups: 8,
   mamba_state_dim: 64}'
+# A 1.3B-parameter dense model at sequence 2048: activations, not overheads, dominate its peak, so its measured vs
+# predicted memory and its tokens/s say something about production sizes (the 4-layer models above do not).
+DENSE_1B='{name: gpu-check-dense-1b, num_layers: 24, hidden_size: 2048, ffn_hidden_size: 5632, num_attention_heads: 16,
+  num_query_groups: 4, vocab_size: 32000, max_position_embeddings: 4096}'
+TRAINING_1B="{seq_length: 2048, global_batch_size: 8, steps: 6, warmup_steps: 2, checkpoint: false,
+  trial_timeout_s: ${GPU_CHECK_TRIAL_TIMEOUT_S:-600}}"
+
+# A trial's wall-time limit (GPU_CHECK_TRIAL_TIMEOUT_S): a hang costs this much, not the whole check.
+DEFAULT_TRAINING="{seq_length: 1024, global_batch_size: 8, steps: 6, warmup_steps: 2, checkpoint: true,
+  trial_timeout_s: ${GPU_CHECK_TRIAL_TIMEOUT_S:-600}}"
 
 # write_space NAME MODEL PRECISION GPUS [RUN] [AXES] -> the YAML's path (RUN: the run section, a YAML flow mapping;
 # AXES: more space axes, ", key: [values]...")
 write_space() {
     local file="$WORK/$1.yaml"
     cat >"$file" <<EOF
-name: gpu-check-$1
+name: gpu-check-${SPACE:-$1}
 model: $2
 cluster: {nodes: 1, gpus_per_node: $4, gpu_memory_gib: $MEM_GIB, compute_capability: "$CC", address: local,
-          simulate: false}
-training: {seq_length: 1024, global_batch_size: 8, steps: 6, warmup_steps: 2, checkpoint: true, trial_timeout_s: 600}
+          simulate: false, warm_ranks: ${GPU_CHECK_WARM_RANKS:-true}}
+training: ${TRAINING:-$DEFAULT_TRAINING}
 run: ${5:-"{}"}
 space: {gpus: [$4], tp: [1, 2], sp: [false, true], ep: [1], precision: [$3]${6:-}}
 search: {max_trials: 1, parallel: 1, confirm_top: 0}
@@ -105,8 +118,12 @@ skip() { printf '%s\tskipped\t-\t-\t-\t-\t-\t%s\n' "$1" "$2" >>"$ROWS"; }
 # run_case NAME MODEL PRECISION LAYOUT [GPUS] [RUN] [AXES]
 run_case() {
     local name=$1 model=$2 precision=$3 layout=$4 gpus=${5:-1} space
+    if [[ -n ${GPU_CHECK_ONLY:-} && " $GPU_CHECK_ONLY " != *" $name "* ]]; then
+        skip "$name" "not in GPU_CHECK_ONLY"
+        return
+    fi
     space=$(write_space "$name" "$model" "$precision" "$gpus" "${6:-}" "${7:-}")
-    echo "== $name: $layout" >&2
+    echo "== $name: $layout ($(date +%T))" >&2
     "$PY" -m sweeper plan "$space" --json --only "$layout" >"$WORK/$name.plan.json" 2>"$WORK/$name.plan.err"
     if [[ -n $PLAN_ONLY ]]; then
         echo '{"status": "planned", "metrics": {}, "notes": []}' >"$WORK/$name.trial.json"
@@ -191,6 +208,11 @@ if [[ $NGPU -ge 2 ]]; then
 else
     skip bf16-dense-tp2-sp "sequence parallel needs TP>1: one GPU visible (the TP1 runs above cover the rest)"
 fi
+# Both 1B cases are one space (SPACE): the second reuses the first's reference.
+for mbs in 1 2; do
+    SPACE=dense-1b TRAINING=$TRAINING_1B run_case "bf16-dense-1b-mbs$mbs" "$DENSE_1B" bf16 \
+        "gpus=1,tp=1,sp=false,mbs=$mbs,precision=bf16" 1 "" ", mbs: [1, 2]"
+done
 if [[ $HAS_MAMBA == yes ]]; then
     run_case bf16-hybrid "$HYBRID" bf16 "gpus=1,tp=1,sp=false,precision=bf16"
 else
@@ -202,7 +224,7 @@ echo
 {
     printf 'case\tstatus\ttokens/s\tpeak GiB (measured)\tpeak GiB (predicted)\toutside torch GiB\tcheckpoint GiB\tnotes\n'
     cat "$ROWS"
-} | column -t -s $'\t'
+} | if command -v column >/dev/null; then column -t -s $'\t'; else cat; fi
 FAILED=$(awk -F'\t' '$2 ~ /^failed/ && $2 != "failed:unsupported"' "$ROWS" | wc -l)
 echo
 echo "$FAILED case(s) ran and failed; logs: rank_*.log under each trial folder (SWEEPER_GPU_CHECK_KEEP=1 keeps them)"
