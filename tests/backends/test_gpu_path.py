@@ -449,6 +449,24 @@ def test_warm_up_refuses_a_cuda_torch_whose_nvml_does_not_answer(monkeypatch):
         megatron.warm_up()
 
 
+def test_a_gpu_rank_without_transformer_engine_gets_megatrons_no_te_fixes(monkeypatch):
+    """Seen on an H200 without TE: megatron-core 0.16.1's router referenced an undefined ``te_general_gemm``
+    (NameError at the first MoE forward) because these fixes were made on CPU ranks only. On a CUDA rank install()
+    makes them (and none of the CPU redirections)."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import torch
+
+    from sweeper.backends.megatron import cpu_compat
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
+    monkeypatch.setattr(cpu_compat, "_without_te_patched", False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current_device = torch.cuda.current_device
+    assert cpu_compat.install() is False  # the CPU redirections stay off on a CUDA rank
+    assert moe_utils.te_general_gemm is None  # the router's torch path
+    assert torch.cuda.current_device is current_device
+
+
 def test_the_gpu_refuses_the_cuda_graphs_it_does_not_capture():
     """Issue 30: full-iteration and Transformer Engine graphs are captured by Megatron-LM's train loop, not by
     megatron-core; the smoke run would measure eager layers while recording them as graphed. Local per-layer

@@ -4,7 +4,7 @@ megatron-core 0.16 assumes a GPU in ~190 places (``torch.cuda.current_device()``
 CUDA RNG states, streams and events, ``param.type() == 'torch.cuda.FloatTensor'``). Rather than patching each
 call site, ``install()`` makes a few generic redirections (see docs/MEGATRON_ON_CPU.md): a
 ``TorchFunctionMode`` that turns every CUDA device argument into the CPU, an RNG tracker that keeps CPU generator
-states, and no-op stand-ins for the stream/event API. It is a no-op when CUDA is available, and idempotent.
+states, and no-op stand-ins for the stream/event API. Idempotent.
 
 How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations on ``torch.cuda.current_device()``
 (GlobalMemoryBuffer, DDP's param/grad buffers, tensor-parallel mappings) get the CPU device from the patched
@@ -14,6 +14,11 @@ How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations o
 ``TELinear`` becomes cpu_linear's ``DuplicatedLinear``); the MoE alltoall
 dispatcher gets host split sizes as numpy arrays and uneven all-gathers (``_patch_alltoall_dispatcher``);
 Megatron-FSDP's constructor gets a device index to format (``_patch_megatron_fsdp``).
+
+Two of these are megatron-core's own bugs without Transformer Engine, whatever the device: ``te_general_gemm``
+undefined in the router (NameError at the first MoE forward: seen on an H200 without TE) and TE's MagicMock classes
+in multi-latent attention and the Megatron-FSDP adapter. ``install()`` mends those on a GPU rank without TE too
+(``_patch_megatron_without_te``); everything else here is the CPU's and stays off where CUDA is available.
 """
 
 from __future__ import annotations
@@ -27,14 +32,20 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 _installed = False
+_without_te_patched = False
 _mode_threads: set[int] = set()
 _lock = threading.Lock()
 _CPU = torch.device("cpu")
 
 
 def install() -> bool:
-    """Install the redirections (once per process, the device mode once per thread); True when active."""
-    global _installed
+    """Install the redirections (once per process, the device mode once per thread); True when the CPU ones are
+    active. On a CUDA device only megatron-core's own fixes for a missing Transformer Engine are made."""
+    global _installed, _without_te_patched
+    with _lock:
+        if not _without_te_patched:
+            _patch_megatron_without_te()
+            _without_te_patched = True
     if torch.cuda.is_available():
         return False
     with _lock:
@@ -141,25 +152,37 @@ def _patch_torch_cuda() -> None:
     torch.cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
 
 
-def _patch_megatron() -> None:
-    import megatron.core.tensor_parallel.random as mrandom
+def _patch_megatron_without_te() -> None:
+    """megatron-core 0.16.1's own bugs when Transformer Engine is not installed, on any device."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
-    # Without Transformer Engine the router references an undefined name (NameError); None selects the torch path.
+    # The router references an undefined name (NameError at the first MoE forward); None selects the torch path.
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
-    # Without Transformer Engine, megatron.core.extensions.transformer_engine still imports and exports MagicMocks
-    # for its classes, so multi_latent_attention sets HAVE_TE and then calls isinstance(x, <MagicMock>) (TypeError).
+    # megatron.core.extensions.transformer_engine still imports and exports MagicMocks for its classes, so
+    # multi_latent_attention sets HAVE_TE and then calls isinstance(x, <MagicMock>) (TypeError).
     import megatron.core.extensions.transformer_engine as te_extensions
     import megatron.core.transformer.multi_latent_attention as mla
 
     if not getattr(te_extensions, "HAVE_TE", True):
         mla.HAVE_TE = False
         # MLASelfAttention gives the duplicated-mode arguments to the class it knows as TELinear (a MagicMock
-        # here): the CPU spec's down projections are that layer's local twin (cpu_linear.py).
+        # here): the local spec's down projections are that layer's local twin (cpu_linear.py).
         from sweeper.backends.megatron.cpu_linear import DuplicatedLinear
 
         mla.TELinear = DuplicatedLinear
+    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
+
+    if not isinstance(adapter.TELinear, type):
+        # Its TELinear is a MagicMock too, and the adapter's isinstance(module, (TELinear,)) raises (TypeError) at
+        # TP > 1. No module of a model built without TE is a TELinear.
+        adapter.TELinear = type("NoTELinear", (), {})
+
+
+def _patch_megatron() -> None:
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
     # "CUDA" RNG state on a CPU build is the CPU generator's state: tracker forks and activation recompute
     # (CheckpointFunction) save/restore it through these two functions.
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # noqa: SLF001
@@ -214,13 +237,8 @@ def _patch_megatron_fsdp() -> None:
     Measured on gloo: Megatron-FSDP's losses equal DDP's with the distributed optimizer, bitwise or within an ulp
     (DP2 and TP2xDP2, all three sharding strategies, FP32 and BF16; docs/MEGATRON_ON_CPU.md). It logs a harmless
     "using device cpu instead of cuda:0" warning."""
-    import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
     from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp
 
-    if not isinstance(adapter.TELinear, type):
-        # Without Transformer Engine its TELinear is a MagicMock, and the adapter's isinstance(module, (TELinear,))
-        # raises (TypeError) at TP > 1. No module of a model built without TE is a TELinear.
-        adapter.TELinear = type("NoTELinear", (), {})
     init = megatron_fsdp.MegatronFSDP.__init__
     if getattr(init, "sweeper_cpu", False):
         return
