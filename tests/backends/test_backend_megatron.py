@@ -508,3 +508,23 @@ def test_padded_vocab() -> None:
     assert padded(256, tp=2) == 256
     assert padded(128256, tp=8) == 129024
     assert padded(100, tp=1) == 128
+
+
+def test_an_nccl_error_names_nccls_last_error_and_an_nvml_refusal_is_the_nodes():
+    """The failure seen on an H200 (forked warm ranks): NCCL's generic first line, its cause after "Last error:".
+    Not a comm_error (no peer was lost, the layout is not at fault): infra, with the cause in the one line."""
+    import torch
+
+    exc = torch.distributed.DistBackendError(
+        "NCCL error in: /pytorch/torch/csrc/distributed/c10d/NCCLUtils.cpp:93, unhandled system error (run with "
+        "NCCL_DEBUG=INFO for details), NCCL version 2.28.9\nncclSystemError: System call (e.g. socket, malloc) or "
+        "external library call failed or device error. \nLast error:\nnvmlInit_v2() failed: GPU access blocked by "
+        "the operating system")
+    kind, error = classify(exc, "build")
+    assert kind == "infra"
+    assert error.endswith("NCCL version 2.28.9; last error: nvmlInit_v2() failed: GPU access blocked by the "
+                          "operating system")
+    lost = torch.distributed.DistBackendError("NCCL error: remote process exited or there was a network error\n"
+                                              "Last error:\nsocket recv: connection reset by peer")
+    assert classify(lost, "steps") == ("comm_error", "NCCL error: remote process exited or there was a network "
+                                       "error; last error: socket recv: connection reset by peer")

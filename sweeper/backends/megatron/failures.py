@@ -64,6 +64,9 @@ _COMM_MARKERS = _PEER_LOST_MARKERS + (
     "gloo", "nccl", "timed out", "timeout", "socket", "rendezvous", "processgroup", "tcpstore",
     "address already in use",
 )
+# The node's GPU management library refusing a process (NCCL calls NVML while it creates a communicator): the node's
+# or the runner's fault, not the layout's and not a lost peer. Seen on an H200 in forked warm ranks (trial/host.py).
+_NODE_MARKERS = ("nvmlinit", "gpu access blocked by the operating system", "failed to initialize nvml")
 _SHAPE_MARKERS = ("shape", "size mismatch", "must be a multiple", "must be divisible", "divisible by")
 
 
@@ -83,6 +86,8 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
         return "internal", f"sweeper bug at {origin}: {type(exc).__name__}: {message}"
     if isinstance(exc, MemoryError) or _is_torch_oom(exc) or any(m in low for m in _OOM_MARKERS):
         return "oom", message
+    if any(m in low for m in _NODE_MARKERS):
+        return "infra", message
     if phase in ("checkpoint_save", "checkpoint_load"):
         what = f"checkpoint {phase.removeprefix('checkpoint_')} failed: {message}"
         # The collective inside the save or load lost its peer (a rank or node died): collateral, the dead peer
@@ -151,6 +156,10 @@ def one_line(exc: BaseException) -> str:
         first = first.split(marker)[0]
     if isinstance(exc, AssertionError) and not lines:
         first = "AssertionError (Megatron gave no message)"
+    # NCCL's first line is generic ("unhandled system error"); the cause is on the line after its "Last error:".
+    last = next((lines[i + 1] for i, line in enumerate(lines[:-1]) if line.rstrip(":") == "Last error"), None)
+    if last:
+        first = f"{first.rstrip('. ')}; last error: {last}"
     return first if len(first) <= 400 else first[:397] + "..."
 
 
