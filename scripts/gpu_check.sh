@@ -5,7 +5,7 @@
 #
 #   scripts/gpu_check.sh            # PYTHON=... to pick the interpreter; SWEEPER_GPU_CHECK_KEEP=1 keeps the trials
 #                                   # GPU_CHECK_ONLY="bf16-dense bf16-moe" runs those cases only;
-#                                   # GPU_CHECK_WARM_RANKS=false starts every rank fresh (cluster.warm_ranks)
+#                                   # GPU_CHECK_WARM_RANKS=true forks ranks from warm ones (cluster.warm_ranks)
 #                                   # GPU_CHECK_TRIAL_TIMEOUT_S=120 bounds each trial (default 600)
 #   scripts/gpu_check.sh --plan-only  # no GPU needed: writes the spaces and runs only `plan` for a pretend device
 #                                     # (GPU_CHECK_DEVICE="CC GIB NGPU TE MAMBA CONV NAME", default an H100-like one)
@@ -102,7 +102,7 @@ write_space() {
 name: gpu-check-${SPACE:-$1}
 model: $2
 cluster: {nodes: 1, gpus_per_node: $4, gpu_memory_gib: $MEM_GIB, compute_capability: "$CC", address: local,
-          simulate: false, warm_ranks: ${GPU_CHECK_WARM_RANKS:-true}}
+          simulate: false, warm_ranks: ${GPU_CHECK_WARM_RANKS:-null}}
 training: ${TRAINING:-$DEFAULT_TRAINING}
 run: ${5:-"{}"}
 space: {gpus: [$4], tp: [1, 2], sp: [false, true], ep: [1], precision: [$3]${6:-}}

@@ -79,9 +79,10 @@ class ClusterConfig(_Strict):
     host_link_gbs: PositiveFloat = 25.0
     """GB/s per GPU between its memory and the host's, what activation offload copies over (PCIe 5 x16: ~50 raw per
     direction, ~25 with the NICs and other GPUs sharing a PCIe switch; GH200's NVLink-C2C ~450)."""
-    warm_ranks: bool = True
+    warm_ranks: bool | None = None
     """Keep one rank process per GPU for the whole sweep (megatron imported once, each trial's rank a fresh fork of
-    it); false: new rank actors in a placement group of each trial's own."""
+    it); false: new rank actors in a placement group of each trial's own; null: true on a simulated cluster, false
+    on GPUs (forked GPU ranks failed NCCL's NVML start on the first GPU run: docs/support-matrix.md)."""
     host_memory_gib: PositiveFloat | None = None
     """Each node's host memory in GiB, which a checkpoint save is held against; null: what the node reports (a
     simulated cluster's nodes share this machine, so each gets its share)."""

@@ -72,7 +72,10 @@ class TrialHost:
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
         self._lock = threading.Lock()
-        self.pool = RankPool(DEFAULT_BACKEND, CPUS_PER_RANK) if cfg.cluster.warm_ranks else None
+        # Warm (forked) ranks by default on a simulated cluster only: on an H200, NCCL in a rank forked from a warm
+        # Ray actor failed to start NVML ("GPU access blocked by the operating system") where fresh ranks passed.
+        warm = cfg.cluster.warm_ranks if cfg.cluster.warm_ranks is not None else self.simulated
+        self.pool = RankPool(DEFAULT_BACKEND, CPUS_PER_RANK) if warm else None
 
     # -- capacity ----------------------------------------------------------------------------------------------
     def _alive(self) -> dict[str, tuple[str, int]]:

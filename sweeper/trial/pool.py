@@ -1,4 +1,4 @@
-"""Warm rank processes that outlive a trial (``cluster.warm_ranks``, on by default).
+"""Warm rank processes that outlive a trial (``cluster.warm_ranks``, on by default on a simulated cluster).
 
 Without the pool every trial starts one Ray actor per rank, and each imports torch and megatron-core (most of a CPU
 trial's overhead). With it, a ``WarmRank`` actor per GPU is kept for the whole sweep: it imports the backend once

@@ -95,6 +95,23 @@ def test_warm_rank_answers_its_ended_childs_checks_not_nothing(tmp_path: Path) -
     assert rank.checks() == TrialChecks(process_group=True, model_built=True, forward_backward=True)
 
 
+# -- which clusters keep warm ranks ------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("warm_ranks", "simulated", "pooled"), [
+    (None, True, True),    # the default on a simulated cluster: CPU ranks forked from warm ones
+    (None, False, False),  # the default on GPUs: fresh ranks (forked ones failed NCCL's NVML start on an H200)
+    (True, False, True), (False, True, False),  # what the YAML says, where it says it
+])
+def test_warm_ranks_default_to_the_simulated_cluster_only(warm_ranks, simulated, pooled):
+    from types import SimpleNamespace
+
+    from sweeper.trial.host import TrialHost
+
+    cfg = _cfg("tiny-gpt", True)
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"warm_ranks": warm_ranks})})
+    host = TrialHost(cfg, SimpleNamespace(is_simulated=simulated))  # a handle of no cluster: nothing starts here
+    assert (host.pool is not None) is pooled
+
+
 # -- e2e: layouts back to back on one pool --------------------------------------------------------------------------
 def _cfg(model: str, warm: bool) -> SweepConfig:
     cluster = ClusterConfig(nodes=2, gpus_per_node=2, gpu_memory_gib=4, simulate=True, warm_ranks=warm)
