@@ -61,9 +61,12 @@ class EstimatorConstants(BaseModel):
     recomputes the convolution and scan internals in backward; its chunk size sets the SSD scan cost."""
 
     # -- settings of the production run that the layout does not carry (Megatron-LM flags) ----------------------
-    attention_backend: Literal["flash", "unfused"] = "flash"
+    attention_backend: Literal["flash", "unfused", "local"] = "flash"
     """--attention-backend of the production run: flash/fused attention (TE's default) keeps no score matrices;
-    unfused keeps every attention layer's softmax output, mbs x heads/TP x seq/CP x seq in BF16, for backward."""
+    unfused keeps every attention layer's softmax output, mbs x heads/TP x seq/CP x seq in BF16 (TE's fused softmax
+    kernel), for backward; local is megatron-core's local spec without Transformer Engine, whose torch softmax runs
+    in FP32 (attention_softmax_in_fp32) and keeps that output and its BF16 copy (6 bytes per score; measured on an
+    H200: docs/support-matrix.md)."""
     hidden_dropout: float = Field(0.0, ge=0, lt=1)
     """--hidden-dropout of the production run. Megatron-LM's default is 0.1; Megatron-Bridge's recipes for current
     models (and sweeper's smoke runs) use 0. Above 0, every block keeps its dropout mask (1 byte per element), and

@@ -200,7 +200,8 @@ def _activation_shape(
     return ActivationShape(
         tokens=layout.mbs * seq_length // layout.cp, mbs=layout.mbs, tp=layout.tp, sp=layout.sp and layout.tp > 1,
         cp=layout.cp, ep=ep, etp=etp, precision=layout.precision, recompute=layout.recompute,
-        seq_length=seq_length, unfused_attention=constants.attention_backend == "unfused",
+        seq_length=seq_length, unfused_attention=constants.attention_backend != "flash",
+        softmax_in_fp32=constants.attention_backend == "local",
         hidden_dropout=constants.hidden_dropout > 0, attention_dropout=constants.attention_dropout > 0,
         hot_rank_factor=max(constants.moe_hot_rank_factor, (calibration and calibration.moe_hot_rank_factor) or 1.0),
         dispatcher=layout.dispatcher, cuda_graph=layout.cuda_graph,

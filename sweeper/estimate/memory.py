@@ -262,6 +262,7 @@ class ActivationShape:
     recompute: str
     seq_length: int  # whole sequence (the keys each query attends to)
     unfused_attention: bool = False
+    softmax_in_fp32: bool = False  # unfused attention's torch softmax (no fused kernel) keeps an FP32 output too
     hidden_dropout: bool = False
     attention_dropout: bool = False
     hot_rank_factor: float = 1.0  # busiest EP rank's routed tokens over the mean (EstimatorConstants, calibration)
@@ -326,8 +327,9 @@ def attention_activation(spec: ModelSpec, s: ActivationShape) -> float:
         out += t * b * (a * d + 2 * kv_heads * d + a * d) / tp
     if "core_attn" not in s.modules:  # the core_attn recompute module re-runs the attention core instead
         if s.unfused_attention:
-            # The softmax output for the score-times-V GEMM; with attention dropout also its mask and output.
-            per_score = b + (1 + b if s.attention_dropout else 0)
+            # The softmax output for the score-times-V GEMM; with attention dropout also its mask and output. The
+            # torch softmax in FP32 keeps its FP32 output for its own backward beside the copy the GEMM keeps.
+            per_score = b + (FP32_BYTES if s.softmax_in_fp32 else 0) + (1 + b if s.attention_dropout else 0)
             out += t * a / tp * s.seq_length * per_score
         else:
             out += t * a * FLASH_LSE_BYTES / tp
