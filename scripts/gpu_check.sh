@@ -19,7 +19,7 @@
 # equivalence gate's), the DP overlaps (Bridge's defaults), a Megatron-Bridge model (model: {hf: DIR}) when Bridge
 # is installed; the table shows measured vs predicted peak memory, the memory outside torch's allocator and the
 # checkpoint phase's own peak. About a minute per case on one H100/H200; under 10 minutes in all.
-# Not run on a GPU yet: record its first output in the README.
+# First run: one H200 without Transformer Engine (docs/support-matrix.md, "The first GPU run").
 set -uo pipefail
 
 cd "$(dirname "$0")/.."
@@ -57,7 +57,13 @@ fi
 read -r CC MEM_GIB NGPU HAS_TE HAS_MAMBA HAS_CONV GPU_NAME <<<"$DEVICE"
 echo "device: $GPU_NAME, compute capability $CC, ${MEM_GIB} GiB, $NGPU visible; transformer_engine=$HAS_TE" \
      "mamba_ssm=$HAS_MAMBA causal_conv1d=$HAS_CONV"
-[[ $HAS_TE == yes ]] || echo "warning: Transformer Engine does not import: trials use the CPU-path layer specs" >&2
+# Without TE the trials build megatron-core's local spec, whose unfused attention keeps its score matrices: the
+# predictions price that (estimate.attention_backend: local), so measured and predicted memory compare like for like.
+ATTENTION=flash
+if [[ $HAS_TE != yes ]]; then
+    echo "warning: Transformer Engine does not import: trials use the CPU-path layer specs" >&2
+    ATTENTION=local
+fi
 has_module() { "$PY" -c "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('$1') else 1)" \
     2>/dev/null && echo yes || echo no; }
 HAS_BRIDGE=no CUDA_OK=yes
@@ -105,6 +111,7 @@ cluster: {nodes: 1, gpus_per_node: $4, gpu_memory_gib: $MEM_GIB, compute_capabil
           simulate: false, warm_ranks: ${GPU_CHECK_WARM_RANKS:-null}}
 training: ${TRAINING:-$DEFAULT_TRAINING}
 run: ${5:-"{}"}
+estimate: {attention_backend: $ATTENTION}
 space: {gpus: [$4], tp: [1, 2], sp: [false, true], ep: [1], precision: [$3]${6:-}}
 search: {max_trials: 1, parallel: 1, confirm_top: 0}
 EOF
@@ -141,10 +148,14 @@ def load(path):
     except (OSError, ValueError):
         return None
 trial, plan = load(trial_path), load(plan_path) or []
-predicted = next((e["predicted"]["memory_gib"] for e in plan if e.get("valid")), None)
+# The prediction split as the trial measures it: torch's reserved peak, and the device memory outside torch.
+entry = next((e["predicted"] for e in plan if e.get("valid")), None)
+outside_pred = entry["memory_breakdown_gib"]["non_torch"] if entry else None
+predicted = entry["memory_gib"] - outside_pred if entry else None
 if trial is None:
     err = (open(err_path).read().strip().splitlines() or ["no output"])[-1]
-    print(f"{name}\tfailed\t-\t-\t{predicted if predicted is not None else '-'}\t-\t-\tno trial JSON: {err[:100]}")
+    shown = f"{predicted:.2f}" if predicted is not None else "-"
+    print(f"{name}\tfailed\t-\t-\t{shown}\t-\t-\tno trial JSON: {err[:100]}")
     sys.exit()
 m = trial.get("metrics") or {}
 status = trial["status"] if trial["status"] != "failed" else f"failed:{trial.get('failure_kind')}"
@@ -153,6 +164,7 @@ peak = f"{m['peak_memory_gib']:.2f}" if m.get("peak_memory_gib") else "-"
 pred = f"{predicted:.2f}" if predicted is not None else "invalid: " + "; ".join(
     (plan[0]["reasons"] if plan else ["no layout matched"]))[:80]
 outside = f"{m['non_torch_memory_gib']:.2f}" if m.get("non_torch_memory_gib") is not None else "-"
+outside += f" / {outside_pred:.2f}" if outside_pred is not None else ""
 ckpt = f"{m['checkpoint_peak_memory_gib']:.2f}" if m.get("checkpoint_peak_memory_gib") else "-"
 notes = "; ".join(trial.get("notes") or [])
 if trial.get("error"):
@@ -222,7 +234,7 @@ fi
 # -- the table ---------------------------------------------------------------------------------------------------------
 echo
 {
-    printf 'case\tstatus\ttokens/s\tpeak GiB (measured)\tpeak GiB (predicted)\toutside torch GiB\tcheckpoint GiB\tnotes\n'
+    printf 'case\tstatus\ttokens/s\treserved peak GiB\tpredicted\toutside torch GiB / predicted\tcheckpoint GiB\tnotes\n'
     cat "$ROWS"
 } | if command -v column >/dev/null; then column -t -s $'\t'; else cat; fi
 FAILED=$(awk -F'\t' '$2 ~ /^failed/ && $2 != "failed:unsupported"' "$ROWS" | wc -l)

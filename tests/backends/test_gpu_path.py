@@ -352,7 +352,7 @@ def test_gpu_check_plan_only_writes_valid_spaces(tmp_path):
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith(("bf16", "fp8", "mxfp8"))}
     assert set(rows) == {"bf16-dense", "fp8-dense", "fp8-blockwise", "mxfp8-dense", "bf16-moe", "bf16-mla",
                          "bf16-dense-tp2-sp", "bf16-hybrid", "bf16-graph-mbs1", "bf16-graph-mbs2", "bf16-overlap-dp2",
-                         "bf16-bridge-llama"}
+                         "bf16-bridge-llama", "bf16-dense-1b-mbs1", "bf16-dense-1b-mbs2"}
     assert "skipped" in rows["fp8-blockwise"]  # Hopper only
     assert "skipped" in rows["bf16-bridge-llama"]  # --plan-only assumes no Megatron-Bridge
     for name in set(rows) - {"fp8-blockwise", "bf16-bridge-llama"}:
