@@ -89,7 +89,7 @@ HYBRID='{name: gpu-check-hybrid, num_layers: 8, hidden_size: 1024, ffn_hidden_si
   position_embedding_type: none, num_moe_experts: 8, moe_router_topk: 2, moe_ffn_hidden_size: 1024,
   hybrid_layer_pattern: "ME*EM-ME", mamba_num_heads: 32, mamba_head_dim: 64, mamba_num_groups: 8,
   mamba_state_dim: 64}'
-# A 1.3B-parameter dense model at sequence 2048: activations, not overheads, dominate its peak, so its measured vs
+# A 1.2B-parameter dense model at sequence 2048: activations, not overheads, dominate its peak, so its measured vs
 # predicted memory and its tokens/s say something about production sizes (the 4-layer models above do not).
 DENSE_1B='{name: gpu-check-dense-1b, num_layers: 24, hidden_size: 2048, ffn_hidden_size: 5632, num_attention_heads: 16,
   num_query_groups: 4, vocab_size: 32000, max_position_embeddings: 4096}'

@@ -225,7 +225,7 @@ def test_unfused_attention_and_dropout_keep_what_megatron_keeps() -> None:
     assert act(attention_backend="unfused", attention_dropout=0.1) - act(attention_backend="unfused") == (
         pytest.approx(layers * scores / 2 * 3 / gib))
     # megatron-core's local spec without TE: the torch softmax's FP32 output beside its BF16 copy (6 bytes a score;
-    # the H200 run of scripts/gpu_check.sh: the 1.3B model's peak rose 14.1 GiB per sequence, flash predicted 3.6).
+    # the H200 run of scripts/gpu_check.sh: the 1.2B model's peak rose 14.1 GiB per sequence, flash predicted 3.6).
     assert act(attention_backend="local") - act(attention_backend="unfused") == pytest.approx(
         layers * scores / 2 * 4 / gib)
     assert act(hidden_dropout=0.1) - act() == pytest.approx(layers * 2 * tokens * h / 2 / gib)
