@@ -36,6 +36,30 @@ def tag(name: str) -> str:
 # The experiment tag MLflow's UI reads to open an experiment on its runs rather than in the GenAI view.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# MLflow's shared runs-table views: an experiment tag with this prefix and a key holds the view's state (JSON); the UI
+# opens it at .../#/experiments/<id>/runs?viewStateShareKey=<key> (its "Share" button writes the same tag).
+SHARED_VIEW_TAG = "mlflow.sharedViewState."
+# The columns a comparison of a sweep's trials needs, beside each axis under its Megatron name.
+VIEW_METRICS = ("tokens_per_s", "peak_memory_gib", "predicted_memory_gib", "step_time_s", "tflops_per_gpu")
+VIEW_TAGS = ("status", "failure_kind", "phase")
+
+
+def comparison_view(parent_run_id: str) -> dict[str, Any]:
+    """The runs-table view of one sweep: its trials (the parent's children) fastest first, with the metrics, the
+    status and failure kind and the layout axes as columns. Keys are MLflow's own view-state fields."""
+    def column(kind: str, name: str) -> str:
+        return f"{kind}.`{name}`"  # MLflow's column key: type, then the name in backquotes
+
+    columns = [column("metrics", m) for m in VIEW_METRICS] + [column("tags", tag(t)) for t in VIEW_TAGS]
+    columns += [column("params", a.megatron) for a in AXES if a.megatron and a.searched]
+    return {"searchFilter": f"tags.mlflow.parentRunId = '{parent_run_id}'",
+            "orderByKey": column("metrics", "tokens_per_s"), "orderByAsc": False, "selectedColumns": columns}
+
+
+def comparison_view_url(ui_uri: str, experiment_id: str, parent_run_id: str) -> str:
+    """Where MLflow's UI at ``ui_uri`` shows ``comparison_view`` (its "Model training" workflow, not GenAI's)."""
+    return (f"{ui_uri.rstrip('/')}/#/experiments/{experiment_id}/runs?viewStateShareKey={parent_run_id}"
+            "&workflowType=machine_learning")
 
 
 class Tracker:
@@ -61,7 +85,19 @@ class Tracker:
             run = self.client.create_run(self.experiment_id, run_name=name, tags=all_tags)
             self.parent_run_id = run.info.run_id
             self.client.log_batch(self.parent_run_id, params=[Param(k, _text(v)) for k, v in params.items()])
+            self.client.set_experiment_tag(self.experiment_id, SHARED_VIEW_TAG + self.parent_run_id,
+                                           json.dumps(comparison_view(self.parent_run_id)))
         return self.parent_run_id
+
+    def view_hint(self) -> str | None:
+        """Where to see this sweep's trials side by side (``comparison_view``): the page on a tracking server, or how
+        to open it on a local store (``mlflow ui`` serves it at MLflow's default address)."""
+        if self.parent_run_id is None:
+            return None
+        if self.tracking_uri.startswith(("http://", "https://")):
+            return comparison_view_url(self.tracking_uri, self.experiment_id, self.parent_run_id)
+        url = comparison_view_url("http://127.0.0.1:5000", self.experiment_id, self.parent_run_id)
+        return f"mlflow ui --backend-store-uri {self.tracking_uri}, then {url}"
 
     def finish_sweep(self, status: str, summary: dict[str, Any], metrics: dict[str, float],
                      table: dict[str, list[Any]], artifacts: list[Path], figures: dict[str, Any]) -> None:

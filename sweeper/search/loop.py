@@ -542,6 +542,8 @@ class Sweep:
             figures=report_figures(self.dir.root),
         )
         console.print(f"report: {report}", important=True)
+        if (view := self.tracker.view_hint()) is not None:
+            console.print(f"trials in MLflow: {view}", important=True)
         if winner is None:
             console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
             return EXIT_FAILED
