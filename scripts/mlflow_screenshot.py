@@ -64,7 +64,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as profile:
             subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                            f"--user-data-dir={profile}", "--window-size=1600,900", "--virtual-time-budget=20000",
+                            f"--user-data-dir={profile}", "--window-size=1900,900", "--virtual-time-budget=20000",
                             f"--screenshot={args.out.resolve()}", url],
                            check=True, timeout=120, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         print(f"{url} -> {args.out}")
