@@ -41,6 +41,13 @@ class ClusterError(SweeperError, RuntimeError):
     exit_code = EXIT_FAILED
 
 
+class TrackingError(SweeperError, RuntimeError):
+    """The MLflow tracking server cannot be reached or refuses the sweep: exit 1, before any trial runs (like an
+    unreachable cluster, it may answer later)."""
+
+    exit_code = EXIT_FAILED
+
+
 class ConfigError(UsageError):
     """Bad user input in the search YAML; the message is one line that names the field (exit 2)."""
 

@@ -266,6 +266,9 @@ class TrackingConfig(_Strict):
     (MLFLOW_TRACKING_URI, else mlflow.db in the working directory)."""
     experiment: str | None = None
     """The MLflow experiment; null: the sweep's name."""
+    connect_timeout_s: PositiveFloat = 10.0
+    """Seconds an http(s) tracking server gets to accept a connection before the command gives up (before any
+    trial). Credentials come from MLflow's own environment variables (MLFLOW_TRACKING_TOKEN, ...), never the YAML."""
 
 
 class SweepConfig(_Strict):

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
+import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
+from sweeper.errors import TrackingError
 from sweeper.record.schema import TrialResult
 from sweeper.space.axes import AXES
 from sweeper.space.layout import Layout
@@ -62,14 +66,46 @@ def comparison_view_url(ui_uri: str, experiment_id: str, parent_run_id: str) -> 
             "&workflowType=machine_learning")
 
 
+def public_uri(uri: str) -> str:
+    """The tracking URI as sweeper records and prints it: without a user name or password written into it."""
+    parts = urlsplit(uri)
+    if not parts.netloc or "@" not in parts.netloc:
+        return uri
+    return urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def check_reachable(uri: str, timeout_s: float) -> None:
+    """An http(s) tracking server must accept a connection within ``timeout_s`` (MLflow's own client retries for
+    minutes, then raises a traceback); other stores are local. Raises TrackingError with one line."""
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((parts.hostname, port), timeout=timeout_s):
+            return
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        if isinstance(exc, TimeoutError):
+            reason = "no answer"
+        raise TrackingError(f"tracking.mlflow_tracking_uri: no MLflow server answers at {public_uri(uri)}: "
+                            f"{reason.lower()} (tracking.connect_timeout_s: {timeout_s:g})") from None
+
+
 class Tracker:
-    def __init__(self, tracking_uri: str | None, experiment: str) -> None:
+    def __init__(self, tracking_uri: str | None, experiment: str, connect_timeout_s: float = 10.0) -> None:
         self.client = MlflowClient(tracking_uri=tracking_uri)
-        self.tracking_uri = self.client.tracking_uri
-        found = self.client.get_experiment_by_name(experiment)
-        self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
-        # MLflow 3 opens an experiment of no kind in its GenAI view (traces); this one holds training runs.
-        self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        check_reachable(self.client.tracking_uri, connect_timeout_s)
+        self.tracking_uri = public_uri(self.client.tracking_uri)  # recorded, printed, exported: no credentials
+        try:
+            found = self.client.get_experiment_by_name(experiment)
+            self.experiment_id = found.experiment_id if found else self.client.create_experiment(experiment)
+            # MLflow 3 opens an experiment of no kind in its GenAI view (traces); this one holds training runs.
+            self.client.set_experiment_tag(self.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+        except MlflowException as exc:  # e.g. the server refuses the credentials, or is not an MLflow server
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+            raise TrackingError(f"tracking.mlflow_tracking_uri: MLflow at {self.tracking_uri} refused the sweep's "
+                                f"experiment: {first}") from None
         self.experiment = experiment
         self.parent_run_id: str | None = None
 

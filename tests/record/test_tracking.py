@@ -47,3 +47,14 @@ def test_each_sweep_shares_a_runs_view_of_its_trials_fastest_first(tmp_path: Pat
     assert tracker.view_hint() == (
         f"mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/#/experiments/{tracker.experiment_id}/runs"
         f"?viewStateShareKey={parent}&workflowType=machine_learning")
+
+
+def test_a_uris_credentials_are_never_recorded() -> None:
+    """What sweeper records and prints of the tracking URI (sweep.json, best_layout.yaml, the report, the console)
+    is Tracker.tracking_uri: a user name and password written into the URI are dropped."""
+    from sweeper.record.tracking import public_uri
+
+    assert public_uri("https://alice:s3cret@mlflow.example/tracking") == "https://mlflow.example/tracking"
+    assert public_uri("http://token@127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert public_uri("http://127.0.0.1:5000") == "http://127.0.0.1:5000"
+    assert public_uri("sqlite:////tmp/mlflow.db") == "sqlite:////tmp/mlflow.db"
