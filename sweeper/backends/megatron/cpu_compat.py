@@ -42,13 +42,13 @@ def install() -> bool:
     """Install the redirections (once per process, the device mode once per thread); True when the CPU ones are
     active. On a CUDA device only megatron-core's own fixes for a missing Transformer Engine are made."""
     global _installed, _without_te_patched
+    cuda = torch.cuda.is_available()
     with _lock:
         if not _without_te_patched:
             _patch_megatron_without_te()
             _without_te_patched = True
-    if torch.cuda.is_available():
-        return False
-    with _lock:
+        if cuda:
+            return False
         if not _installed:
             _patch_torch_cuda()
             _patch_megatron()
