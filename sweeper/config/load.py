@@ -55,7 +55,8 @@ def proxy_config(cfg: SweepConfig) -> SweepConfig:
         routing_stress_steps=min(s.routing_stress_steps, PROXY_ROUTING_STRESS_STEPS),
     ))
     name = cfg.name if cfg.name.endswith(PROXY_SUFFIX) else cfg.name + PROXY_SUFFIX
-    return cfg.model_copy(update=dict(name=name, model=proxy(cfg.model), training=training, search=search))
+    model = proxy(cfg.model, max_ep=max(cfg.space.values("ep"), default=1))
+    return cfg.model_copy(update=dict(name=name, model=model, training=training, search=search))
 
 
 class _Loader(yaml.SafeLoader):
