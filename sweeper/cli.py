@@ -53,8 +53,8 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
 
-PROXY_HELP = ("use the model's CPU-size proxy (same layers and heads; fewer experts, small widths) with CPU-size training: "
-              "proves the layouts' distributed mechanics, not memory or speed")
+PROXY_HELP = ("use the model's CPU-size proxy (same layers and heads; fewer experts, small widths) with CPU-size "
+              "training: proves the layouts' distributed mechanics, not memory or speed")
 SPACE_HELP = ("the search YAML (docs/ARCHITECTURE.md); a bare name that is not a file here (quickstart, "
               "nemotron.yaml) is looked up in search_spaces/")
 ADDRESS_HELP = "the Ray cluster: auto, local, HOST:PORT or ray://HOST:PORT (overrides cluster.address)"
