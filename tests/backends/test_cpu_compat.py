@@ -130,3 +130,14 @@ def test_backward_products_run_in_fp32_and_gradients_keep_their_type() -> None:
     eps = torch.finfo(torch.bfloat16).eps
     assert torch.allclose(grads[0].float(), (grad_out.float() @ w.detach().float()).bfloat16().float(), rtol=eps)
     assert torch.allclose(grads[1].float(), (grad_out.float().t() @ x.detach().float()).bfloat16().float(), rtol=eps)
+
+
+def test_megatrons_compiled_fusions_run_eager_on_a_cpu_rank() -> None:
+    from megatron.core.activations import quick_gelu  # decorated with jit_fuser (torch.compile) at import
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(16)
+    before = dict(counters["frames"])
+    out = _in_mode_thread(lambda: quick_gelu(x))
+    assert dict(counters["frames"]) == before  # Dynamo traced nothing: no compile, no host C++ compiler needed
+    assert torch.allclose(out, x * torch.sigmoid(1.702 * x))
