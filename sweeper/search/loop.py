@@ -202,6 +202,9 @@ class Sweep:
 
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
+        started = self.handle.prestart([e.layout for e in self.launchable])
+        if started:
+            console.print(f"starting {started} warm ranks beside the reference run")
         self._make_reference()
         self._seed_queue()
         while not self.stop.is_set():

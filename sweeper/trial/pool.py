@@ -175,6 +175,27 @@ class RankPool:
             self._busy.extend(leased)
         return Lease(leased, fresh=len(new), wait_s=time.monotonic() - started)
 
+    def prestart(self, node_ids: list[str]) -> int:
+        """Start a warm rank on each of ``node_ids`` (a node named as often as it gets ranks) beside what is idle
+        there already, without waiting for them: their imports run while the sweep makes its reference, and the
+        first trial leases them (a call on a rank still importing waits for it). Returns how many were started."""
+        with self._lock:
+            idle_left = {node: len(ranks) for node, ranks in self._idle.items()}
+        started = 0
+        for node in node_ids:
+            if idle_left.get(node, 0) > 0:
+                idle_left[node] -= 1
+                continue
+            group = self._reserve(node)
+            warm = Warm(self._start(group), group, node)
+            with self._lock:
+                if self._closed:
+                    _retire(warm)
+                    break
+                self._idle.setdefault(node, []).append(warm)
+            started += 1
+        return started
+
     def give_back(self, ranks: list[Warm], retire: list[Warm]) -> None:
         """A trial's warm ranks back to the pool when it ended; those in ``retire`` are killed instead."""
         retired = {id(w) for w in retire}

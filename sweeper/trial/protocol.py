@@ -49,6 +49,10 @@ class Host(Protocol):
 
     def release(self, reservation: Reservation) -> None: ...
 
+    def prestart(self, layouts: list[Layout]) -> int:
+        """Start warm ranks for the largest of ``layouts`` before the first trial (where the host keeps any);
+        how many were started."""
+
     def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
         """Why this backend cannot run the layout, or None."""
 

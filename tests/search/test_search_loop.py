@@ -60,6 +60,10 @@ class StandInHost:
     def capacity_total(self) -> int:
         return sum(self.gpus for _ in self.free)
 
+    def prestart(self, layouts: list[Layout]) -> int:
+        self.prestarted = len(layouts)
+        return 0
+
     def _nodes(self, layout: Layout) -> tuple[list[str], int] | None:
         world = layout.world_size
         need = max(1, world // self.gpus)

@@ -179,3 +179,19 @@ def test_layouts_back_to_back_on_warm_ranks_match_new_processes(tmp_path: Path) 
             assert fresh.status == "passed", fresh.error
             assert fresh.losses == warm[i].losses, sequence[i][1].short()
             assert fresh.checks.equivalence_rel_err == warm[i].checks.equivalence_rel_err
+
+
+@pytest.mark.e2e
+def test_prestarted_warm_ranks_serve_the_reference_and_the_first_trial(tmp_path: Path) -> None:
+    from sweeper.trial.host import open_host
+    from sweeper.trial.reference import ensure_reference
+
+    cfg = _cfg("tiny-gpt", warm=True)
+    layout = _layout(world_size=4, tp=2, pp=2, sp=True)
+    with open_host(cfg) as host:
+        assert host.prestart([_layout(world_size=2, tp=2), layout]) == 4  # the largest layout's ranks, at once
+        assert host.prestart([layout]) == 0  # idle ones count: nothing more
+        ref = ensure_reference(cfg, host, tmp_path / "ref")
+        result = _run(host, cfg, layout, tmp_path / "trial", ref.path)
+    assert ref.path and result.status == "passed", result.error
+    assert any("(4 reused, 0 started)" in n for n in result.notes), result.notes
