@@ -22,14 +22,18 @@ from sweeper.models.spec import ModelSpec
 # --proxy: the trials of a proxy sweep are CPU-sized too, and few (docs/getting-started.md, "--proxy").
 PROXY_SEQ_LENGTH_CAP = 128
 PROXY_GLOBAL_BATCH_CAP = 32
-PROXY_STEPS = 2  # one warm-up step and one timed: a proxy proves mechanics, its speed is the CPU's
+# One training step: after the gate's forward/backward on the reference weights, one optimizer step is what the
+# replica check and the checkpoint's bitwise reload need (the update, the gradient sync, the distributed
+# optimizer's parameter gather). A proxy proves mechanics and its speed is the CPU's, so a warm-up step before a
+# timed one bought nothing but a 16-rank step's 20-40 s per trial (benchmarks/proxy_sweep.py).
+PROXY_STEPS = 1
 PROXY_MAX_TRIALS = 3
-# The proxy sweep's confirmation: its best layout once more (PROXY_CONFIRM_TOP), as many steps as it explored with
-# (a step-time drift needs 8 timed steps, search/selection.py, and the CPU backend does not hold one against a
-# layout: a longer run would measure nothing more), and one step per routing-stress mode, so the whole sweep ends
-# in minutes on two cores (benchmarks/proxy_sweep.py).
+# The proxy sweep's confirmation: its best layout once more (PROXY_CONFIRM_TOP) for two steps, so a second step
+# runs from the weights the first one updated and gathered (a step-time drift needs 8 timed steps,
+# search/selection.py, and the CPU backend holds none against a layout: a longer run would measure nothing more),
+# and one step per routing-stress mode; the whole sweep ends in minutes on two cores (benchmarks/proxy_sweep.py).
 PROXY_CONFIRM_TOP = 1
-PROXY_CONFIRM_STEPS = PROXY_STEPS
+PROXY_CONFIRM_STEPS = 2
 PROXY_ROUTING_STRESS_STEPS = 1
 
 
