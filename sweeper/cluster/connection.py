@@ -150,6 +150,7 @@ def connect(
     ``--address``, ClusterError when the cluster asked for does not answer within ``cluster.connect_timeout_s``.
     """
     mode = choose_mode(cluster_cfg, address_override)
+    _no_auto_init()
     if ray.is_initialized():
         raise ClusterError("this process is already connected to Ray; connect() owns the connection")
     if mode in ("simulated", "auto") and record_dir is not None:
@@ -179,6 +180,16 @@ def connect(
             ray.shutdown()
         if simulated is not None:
             simulated.shutdown()
+
+
+def _no_auto_init() -> None:
+    """Ray starts a new local instance when any of its calls finds no connection (RAY_ENABLE_AUTO_CONNECT, on by
+    default). The driver connects only here: a trial's thread still winding down after the cluster was shut down
+    (a sweep interrupted) would otherwise start a stray Ray instance on this machine, with its agents left behind
+    and a ~/.ray/auth_token written (seen after a SIGINT). Its calls fail instead."""
+    from ray._private import auto_init_hook  # the flag RAY_ENABLE_AUTO_CONNECT=0 sets; read at each call
+
+    auto_init_hook.enable_auto_connect = False
 
 
 def _first_line(exc: BaseException) -> str:

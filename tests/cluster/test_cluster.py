@@ -190,6 +190,19 @@ def test_auto_falls_back_to_simulating_when_nothing_answers(tmp_path: Path, monk
     assert local.why.startswith("a new single-node Ray instance on this machine (no running Ray cluster answered")
 
 
+@pytest.mark.e2e
+def test_no_ray_call_after_the_cluster_closed_starts_another_instance(tmp_path: Path) -> None:
+    import ray
+
+    with connect(ClusterConfig(nodes=1, gpus_per_node=1, gpu_memory_gib=4, simulate=True), record_dir=tmp_path):
+        assert ray.is_initialized()
+    # What a trial's thread still winding down after a SIGINT does: it fails, where Ray used to start a new local
+    # instance (its agents left running, ~/.ray/auth_token written).
+    with pytest.raises(Exception, match="not been started"):
+        ray.put(1)
+    assert not ray.is_initialized()
+
+
 # -- address: auto with a real Ray cluster running (ray start --head on 127.0.0.1) -----------------------------------
 @pytest.mark.e2e
 def test_auto_joins_the_running_cluster(running_ray: tuple[str, Path], monkeypatch: pytest.MonkeyPatch,
