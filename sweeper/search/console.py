@@ -18,7 +18,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import IO, Any, Literal, Protocol
 
 from rich.console import Console
 from rich.text import Text
@@ -38,19 +38,43 @@ class Display(Protocol):
     def stop(self) -> None: ...
 
 
+class _Terminal(Console):
+    """rich's Console, except that a closed pipe raises BrokenPipeError (rich's own answer exits the process:
+    SystemExit(1), from wherever the line was printed)."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError("the terminal's reader has gone")
+
+
 class SweepConsole:
     """sweeper's lines (rich markup) to the terminal at the chosen verbosity, and to the ``sweeper`` logger."""
 
-    def __init__(self) -> None:
-        self.terminal = Console(stderr=True, soft_wrap=True)  # a long line stays one line in a pipe or a log
+    def __init__(self, file: IO[str] | None = None) -> None:
+        # stderr unless given a stream; a long line stays one line in a pipe or a log
+        self.terminal = _Terminal(file=file, stderr=file is None, soft_wrap=True)
         self.verbosity: Verbosity = "normal"
         self.display: Display | None = None
+        self.terminal_gone = False
 
     def print(self, markup: str, *, important: bool = False) -> None:
         """One line. ``important`` lines (warnings, failures, the result) are shown even with ``-q``."""
         _log.info(Text.from_markup(markup).plain)
         if self.verbosity != "quiet" or important:
+            self._to_terminal(markup)
+
+    def _to_terminal(self, markup: str) -> None:
+        """A line on the terminal while there is one. A closed one (the pipe's reader gone, the terminal hung up)
+        stops the terminal output, not the sweep: its lines still reach sweep.log. Raised here, the error would
+        surface wherever the line was printed, a signal handler included, and leave the sweep's records
+        unfinished (seen: sweep.json left ``running`` after a SIGINT whose line met a closed pipe)."""
+        if self.terminal_gone:
+            return
+        try:
             self.terminal.print(markup)
+        except OSError as exc:  # BrokenPipeError, EIO of a hung-up terminal
+            self.terminal_gone = True
+            _log.warning("terminal output stopped (%s); sweep.log has every line", exc)
 
     def progress(self, markup: str, running: list[dict[str, Any]], line: bool = True) -> None:
         """The progress summary: the live view on a terminal; otherwise, with ``line``, a plain line (also the
@@ -61,7 +85,7 @@ class SweepConsole:
             return
         _log.info(Text.from_markup(markup).plain)
         if self.display is None and self.verbosity != "quiet":
-            self.terminal.print(markup)
+            self._to_terminal(markup)
 
 
 console = SweepConsole()

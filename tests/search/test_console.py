@@ -96,3 +96,28 @@ def test_the_live_table_shows_each_running_trial() -> None:
     live.stop()
     text = terminal.export_text()
     assert "running trials (1)" in text and "TP2-PP1-EP2" in text and "n0,n1" in text and "1m15s" in text
+
+
+class _ClosedPipe:
+    """A stream whose reader has gone (stand-in for the pipe of a parent that was killed)."""
+
+    def write(self, text: str) -> int:
+        raise BrokenPipeError(32, "Broken pipe")
+
+    def flush(self) -> None:
+        raise BrokenPipeError(32, "Broken pipe")
+
+
+def test_a_closed_terminal_stops_the_terminal_lines_not_the_sweep(tmp_path: Path) -> None:
+    from sweeper.search.console import SweepConsole
+
+    closed = SweepConsole(file=_ClosedPipe())  # type: ignore[arg-type]
+    with sweep_log(tmp_path, "normal", None):
+        # rich ended the process here before (SystemExit from its broken-pipe handler), in a signal handler too
+        closed.print("[yellow]SIGINT: stopping launches[/]", important=True)
+        closed.progress("[dim]0m05s | running 1[/]", [])
+        closed.print("best stable layout: TP2", important=True)
+    assert closed.terminal_gone
+    log = (tmp_path / LOG_FILE).read_text()
+    assert "SIGINT: stopping launches" in log and "best stable layout: TP2" in log and "0m05s | running 1" in log
+    assert "terminal output stopped" in log
