@@ -141,3 +141,24 @@ def test_megatrons_compiled_fusions_run_eager_on_a_cpu_rank() -> None:
     out = _in_mode_thread(lambda: quick_gelu(x))
     assert dict(counters["frames"]) == before  # Dynamo traced nothing: no compile, no host C++ compiler needed
     assert torch.allclose(out, x * torch.sigmoid(1.702 * x))
+
+
+def test_megatrons_linear_backward_runs_its_products_in_fp32_even_with_the_mode_popped() -> None:
+    """torch.autograd.backward is itself a torch function, so the mode is off while it runs (Megatron's activation
+    recompute calls it): the linear layers' backward keeps its products in FP32 all the same."""
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication as Linear
+
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 2, 16, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(24, 16, generator=gen).bfloat16().requires_grad_()
+
+    def run() -> list[torch.Tensor]:
+        # No gradient-accumulation fusion, no TP all-reduce or sequence parallelism: no process group needed.
+        out = Linear.apply(x, w, None, False, False, False, None, 0, None)
+        torch.autograd.backward(out.float().square().sum())
+        return [x.grad, w.grad]
+
+    counter = _KernelDtypes()
+    grads = _in_mode_thread(run, counter)
+    assert set(counter.seen) == {"torch.float32"}, counter.seen
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in grads)

@@ -57,7 +57,7 @@ class GroupedSequentialMLP(SequentialMLP):
 
         padded = x.new_zeros(experts, most, x.shape[-1])
         padded[expert_of_row, slot_of_row] = x
-        hidden = _GroupedLinear.apply(padded, *[e.linear_fc1.weight for e in self.local_experts])
+        hidden = GroupedLinear.apply(padded, *[e.linear_fc1.weight for e in self.local_experts])
         if self.local_experts[0].linear_fc1.bias is not None:
             hidden = hidden + torch.stack([e.linear_fc1.bias for e in self.local_experts]).unsqueeze(1)
         hidden = self._activation(hidden)
@@ -65,7 +65,7 @@ class GroupedSequentialMLP(SequentialMLP):
         scale[expert_of_row, slot_of_row] = probs
         dtype = hidden.dtype
         hidden = (hidden * scale.unsqueeze(-1)).to(dtype)
-        out = _GroupedLinear.apply(hidden, *[e.linear_fc2.weight for e in self.local_experts])
+        out = GroupedLinear.apply(hidden, *[e.linear_fc2.weight for e in self.local_experts])
         if self.local_experts[0].linear_fc2.bias is not None:
             bias = torch.stack([e.linear_fc2.bias for e in self.local_experts]).unsqueeze(1)
             out = out + bias * scale.unsqueeze(-1)
@@ -83,7 +83,7 @@ class GroupedSequentialMLP(SequentialMLP):
         return c.activation_func(x_glu) * (x_linear + c.glu_linear_offset)
 
 
-class _GroupedLinear(torch.autograd.Function):
+class GroupedLinear(torch.autograd.Function):
     """``x[e] @ W_e^T`` for every expert e in one bmm. The stacked weights are a copy: made again in backward
     rather than saved, so the graph keeps no second set of expert weights per layer and micro-batch in flight
     (autograd's bmm would save the stack: ~370 MB per micro-batch on the Nemotron proxy's 128 experts)."""
