@@ -162,3 +162,13 @@ def test_megatrons_linear_backward_runs_its_products_in_fp32_even_with_the_mode_
     grads = _in_mode_thread(run, counter)
     assert set(counter.seen) == {"torch.float32"}, counter.seen
     assert all(g is not None and g.dtype == torch.bfloat16 for g in grads)
+
+
+def test_mixed_types_keep_torchs_own_verdict() -> None:
+    x, w = torch.randn(4, 8).bfloat16(), torch.randn(8, 3)
+
+    def run() -> None:
+        torch.matmul(x, w)  # BF16 @ FP32: torch refuses it, on a GPU too; upcasting both would hide that
+
+    with pytest.raises(RuntimeError, match="dtype"):
+        _in_mode_thread(run)

@@ -126,10 +126,12 @@ def products_in_fp32_on_backward(function: type[torch.autograd.Function]) -> Non
 
 
 def _in_fp32(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any] | None) -> Any:
-    """``func`` on FP32 copies of its low-precision tensor arguments, its output rounded back; as is otherwise."""
+    """``func`` on FP32 copies of its tensor arguments when all are of one low precision, its output rounded back;
+    as is otherwise (mixed types keep torch's own verdict, an error included, as on a GPU)."""
     flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else (x,))]
-    low = next((a.dtype for a in flat if isinstance(a, torch.Tensor) and a.dtype in _LOW_PRECISION), None)
-    if low is None or (kwargs and "out" in kwargs):
+    dtypes = {a.dtype for a in flat if isinstance(a, torch.Tensor)}
+    low = next(iter(dtypes)) if len(dtypes) == 1 else None
+    if low not in _LOW_PRECISION or (kwargs and "out" in kwargs):
         return func(*args, **(kwargs or {}))
 
     def up(x: Any) -> Any:
