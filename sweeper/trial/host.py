@@ -34,7 +34,7 @@ from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 from sweeper.space.pipeline import with_pipeline_split
-from sweeper.trial.pool import RankPool
+from sweeper.trial.pool import RankPool, rank_nodes
 from sweeper.trial.protocol import Reservation
 from sweeper.trial.proxy_run import proxy_run_layout, proxy_run_note
 from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, run_trial
@@ -144,7 +144,7 @@ class TrialHost:
             slot = self._choose(largest)
         if slot is None:
             return 0
-        nodes = [nid for nid in slot.node_ids for _ in range(slot.gpus_per_bundle)][: largest.world_size]
+        nodes = rank_nodes(slot.node_ids, slot.gpus_per_bundle, largest.world_size)
         room = int(psutil.virtual_memory().available / GIB / PRESTART_GIB_PER_RANK)
         return self.pool.prestart(nodes[:room])
 

@@ -142,7 +142,7 @@ class RankPool:
         """Warm ranks for a trial whose bundle i of ``per_bundle`` GPUs is on ``node_ids[i]`` (idle ones first, new
         ones for the rest). Raises PlacementTimeout when a new one's GPU is not reserved within ``timeout_s``."""
         started = time.monotonic()
-        wanted = [node_ids[rank // per_bundle] for rank in range(world_size)]
+        wanted = rank_nodes(node_ids, per_bundle, world_size)
         ranks: list[Warm | None] = [None] * world_size
         with self._lock:
             if self._closed:
@@ -236,6 +236,11 @@ class RankPool:
                                                                  placement_group_bundle_index=0),
             name=f"sweeper-warm-{group.id.hex()[:12]}",
         ).remote(self.backend, [os.getcwd()] + [p for p in sys.path if p])
+
+
+def rank_nodes(node_ids: list[str], per_bundle: int, world_size: int) -> list[str]:
+    """The node of each rank: rank r on that of bundle ``r // per_bundle``, as a per-trial placement group puts it."""
+    return [node_ids[rank // per_bundle] for rank in range(world_size)]
 
 
 def _retire(warm: Warm) -> None:
