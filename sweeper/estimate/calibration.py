@@ -25,9 +25,10 @@ from __future__ import annotations
 import json
 import statistics
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from sweeper.estimate.step_time import PP_BUBBLE
 from sweeper.record.files import write_atomic
 
 # A fitted activation factor outside this range means the samples disagree with the model's structure (wrong
@@ -63,8 +64,15 @@ class Calibration:
     # The largest MoE hot-rank factor trials measured (the smoke run's router statistics, any backend); the
     # estimator routes max(this, EstimatorConstants.moe_hot_rank_factor) tokens to the busiest EP rank.
     moe_hot_rank_factor: float | None = None
-    step_time_factor: float = 1.0  # scales the predicted step time
+    step_time_factor: float = 1.0  # scales the predicted step time (each term whose own factor was not fitted)
     samples: int = 0
+    # Step-time terms fitted on their own (step_time term name -> efficiency factor, estimate.step_fit)
+    step_term_factors: dict[str, float] = field(default_factory=dict)
+
+    def step_factor(self, term: str) -> float:
+        """The calibrated factor of one step-time term: its own where fitted, else the common level (the bubble's
+        1.0: it is the slowest stage's time, calibrated already)."""
+        return self.step_term_factors.get(term, 1.0 if term == PP_BUBBLE else self.step_time_factor)
 
 
 @dataclass(frozen=True)
@@ -201,5 +209,6 @@ def load(path: Path, key: str) -> Calibration | None:
     entry = json.loads(path.read_text()).get(key)
     if entry is None:
         return None
-    names = ("activation_factor", "overhead_gib", "step_time_factor", "state_factor", "moe_hot_rank_factor", "samples")
+    names = ("activation_factor", "overhead_gib", "step_time_factor", "state_factor", "moe_hot_rank_factor", "samples",
+             "step_term_factors")
     return Calibration(**{k: entry[k] for k in names if k in entry})

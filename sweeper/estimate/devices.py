@@ -16,20 +16,21 @@ class Device:
     bf16_tflops: float
     fp8_tflops: float | None  # None: no FP8 tensor cores (FP8 runs would fall back to BF16 GEMMs)
     fp4_tflops: float | None = None  # dense NVFP4; None: no FP4 tensor cores
+    memory_tbs: float = 3.35  # HBM / GDDR bandwidth, TB/s (what the memory-bound optimizer step runs at)
 
 
 DEVICES: dict[str, Device] = {
     d.kind: d
     for d in (
-        Device("a100", 312.0, None),  # A100 SXM 80GB
-        Device("l40s", 362.0, 733.0),
-        Device("h100", 989.0, 1979.0),  # H100 SXM
-        Device("h200", 989.0, 1979.0),  # same compute as H100 SXM, more/faster HBM
-        Device("b200", 2250.0, 4500.0, 9000.0),
-        Device("gb200", 2500.0, 5000.0, 10000.0),  # per GPU of a GB200 superchip
+        Device("a100", 312.0, None, memory_tbs=2.04),  # A100 SXM 80GB
+        Device("l40s", 362.0, 733.0, memory_tbs=0.864),
+        Device("h100", 989.0, 1979.0, memory_tbs=3.35),  # H100 SXM
+        Device("h200", 989.0, 1979.0, memory_tbs=4.8),  # same compute as H100 SXM, more/faster HBM
+        Device("b200", 2250.0, 4500.0, 9000.0, memory_tbs=8.0),
+        Device("gb200", 2500.0, 5000.0, 10000.0, memory_tbs=8.0),  # per GPU of a GB200 superchip
         # RTX PRO 6000 Blackwell (workstation/server edition, cc 12.0): ~4 PFLOPS FP4 with sparsity on the
         # datasheet -> ~1 PFLOPS dense FP8 and half that for BF16 with FP32 accumulation.
-        Device("rtx-pro-6000", 500.0, 1000.0, 2000.0),
+        Device("rtx-pro-6000", 500.0, 1000.0, 2000.0, memory_tbs=1.79),
     )
 }
 

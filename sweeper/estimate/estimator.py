@@ -49,6 +49,7 @@ from sweeper.estimate.memory import (
 )
 from sweeper.estimate.step_time import (
     Links,
+    StepTerms,
     TimeInputs,
     block_seconds,
     group_bandwidth,
@@ -69,6 +70,15 @@ class Estimate:
     # Where the measured peak may lie given the estimator's measured error (EstimatorConstants.memory_*_prediction)
     memory_band_gib: tuple[float, float] = (0.0, 0.0)
     may_fit: bool = True  # the band's lower end + non-torch overhead fits: never pruned as out of memory
+    # The step time's terms before calibration (seconds = step_terms.seconds(step_factor)) and each term's calibrated
+    # efficiency factor (1.0 uncalibrated)
+    step_terms: StepTerms | None = None
+    step_factor: Callable[[str], float] = field(default=lambda _: 1.0, repr=False, compare=False)
+
+    @property
+    def step_time_terms_s(self) -> dict[str, float]:
+        """Seconds per step of each term of the (calibrated) step time: they sum to ``step_time_s``."""
+        return self.step_terms.per_step(self.step_factor) if self.step_terms else {}
 
     @property
     def uncertain(self) -> bool:
@@ -88,6 +98,7 @@ class Estimate:
             "memory_breakdown_gib": parts,
             "fits": self.fits,
             "step_time_s": None if self.step_time_s is None else round(self.step_time_s, 4),
+            "step_time_terms_s": {k: round(v, 6) for k, v in self.step_time_terms_s.items()},
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
             "memory_band_gib": [round(x, 3) for x in self.memory_band_gib],
             "may_fit": self.may_fit,
@@ -319,22 +330,29 @@ class Estimator:
         headroom: float = 0.10,
         calibration: Calibration | None = None,
         run: RunSettings = RunSettings(),
+        host_cores: int | None = None,
     ) -> None:
+        """``host_cores``: the layouts run as CPU processes on one host of that many cores (the CPU backend on a
+        simulated cluster), whose ranks share them: every step-time term of a layout with more ranks than cores is
+        that many times longer."""
+        self.host_cores = host_cores
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
         self.constants, self.calibration, self.run = constants, calibration, run
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
         self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
         self._links: dict[tuple, Links] = {}  # by the sizes that set each group's span
-        self._blocks: dict[tuple, dict[Block, tuple[float, float]]] = {}  # block_seconds, by the fields it reads
-        self._slowest: dict[tuple, float] = {}  # slowest_stage, by the fields it reads
+        self._blocks: dict[tuple, dict[Block, dict[str, float]]] = {}  # block_seconds, by the fields it reads
+        self._slowest: dict[tuple, dict[str, float]] = {}  # slowest_stage, by the fields it reads
+        self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
 
     @classmethod
-    def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None) -> Estimator:
+    def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None,
+                   host_cores: int | None = None) -> Estimator:
         """The estimator of a sweep's model, cluster and settings (the YAML's ``estimate:``, ``run:`` and memory
         headroom)."""
         return cls(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
-                   headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run)
+                   headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run, host_cores=host_cores)
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, model, cluster, constants, calibration = layout, self.model, self.cluster, self.constants, self.calibration
@@ -388,10 +406,11 @@ class Estimator:
                 per_block = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants)
             slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants,
                                                                per_block)
-        seconds = step_time(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
-                            tuple(st.params.expert for st in stages), constants, slowest)
-        if calibration:
-            seconds *= calibration.step_time_factor
+        terms = step_time(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
+                          tuple(st.params.expert for st in stages), constants, slowest)
+        if self.host_cores and lo.world_size > self.host_cores:
+            terms = terms.scaled(lo.world_size / self.host_cores)
+        seconds = terms.seconds(self._factor)
         tokens = lo.gbs * seq_length
         band = memory_band(worst_reserved, constants)
         return Estimate(
@@ -402,6 +421,8 @@ class Estimator:
             breakdown=worst,
             memory_band_gib=band,
             may_fit=band[0] + non_torch <= self._limit,
+            step_terms=terms,
+            step_factor=self._factor,
         )
 
 

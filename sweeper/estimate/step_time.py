@@ -9,6 +9,7 @@ inside one node in Megatron's rank order (tp -> cp -> ep/dp -> pp; expert side e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -163,11 +164,77 @@ def _rates(precision: str, device: Device, constants: EstimatorConstants) -> tup
     return bf16_rate, gemm_rate
 
 
+# The step-time terms (``StepTerms``), each a named part of a layout's predicted step time that the calibration fits
+# with its own efficiency factor (``estimate.step_fit``). Compute is one term per block kind and precision
+# ("compute.attention.bf16", "compute.logits.fp8"); the others are one term each.
+RECOMPUTE = "recompute"  # forward work repeated by activation recomputation
+TP, CP, EP = "tp", "cp", "ep"  # tensor-parallel collectives, ring-attention KV passes, the MoE token exchange (EP+ETP)
+LAUNCH = "launch"  # kernel launches the GPU waits for (per-op host overhead)
+OFFLOAD = "offload"  # activation offload copies not hidden behind compute
+PP_BUBBLE = "pp_bubble"  # the pipeline's fill and drain: (PP-1)/VPP slots of the slowest stage
+PP_P2P = "pp_p2p"  # pipeline send/receive of activations and their gradients
+DP, EDP = "dp", "edp"  # the data-parallel (dense) and expert-data-parallel gradient reduce and parameter gather
+OPTIMIZER = "optimizer"  # the optimizer step (Adam over this rank's parameter shard, memory-bound)
+STAGE_TERMS = (RECOMPUTE, TP, CP, EP, LAUNCH, OFFLOAD)  # besides compute: per micro-batch of the slowest stage
+STEP_TERMS = (PP_BUBBLE, PP_P2P, DP, EDP, OPTIMIZER)  # once per step
+# The terms of the cluster rather than the model (the links and the host's launch overhead): a calibration learnt on
+# one model carries these over to another model on the same cluster.
+CLUSTER_TERMS = (TP, CP, EP, LAUNCH, OFFLOAD, PP_P2P, DP, EDP)
+# Bytes the optimizer step reads and writes per parameter of its shard: Adam reads the FP32 weight, its gradient and
+# both moments and writes back the weight and the moments (7 x 4 bytes), then Megatron copies the weight into the
+# model's 16-bit parameter (4 read + 2 written).
+OPTIMIZER_BYTES_PER_PARAM = 34
+
+
+def compute_term(block: str, precision: str) -> str:
+    return f"compute.{block}.{precision}"
+
+
+@dataclass(frozen=True)
+class StepTerms:
+    """A layout's predicted step time as named terms, in seconds. ``stage``: per micro-batch of the slowest pipeline
+    stage (its compute, recompute, exposed TP/CP/EP traffic, launches, offload copies), run ``microbatches`` times
+    plus ``bubble_slots`` = (PP-1)/VPP times for the pipeline's fill and drain; ``step``: once per step (pipeline
+    point-to-point, DP and EDP traffic, the optimizer step).
+
+    With efficiency factors ``f`` (term -> factor, 1.0 where absent) the step takes
+    ``sum(f[t] * stage[t]) * (microbatches + f[pp_bubble] * bubble_slots) + sum(f[u] * step[u])``: the bubble is
+    the slowest stage's calibrated time, with a factor of its own for how the schedule really fills and drains."""
+
+    stage: dict[str, float]
+    microbatches: int
+    bubble_slots: float
+    step: dict[str, float]
+
+    def seconds(self, factors: Callable[[str], float] = lambda _: 1.0) -> float:
+        per_microbatch = sum(factors(t) * s for t, s in self.stage.items())
+        slots = self.microbatches + factors(PP_BUBBLE) * self.bubble_slots
+        return per_microbatch * slots + sum(factors(t) * s for t, s in self.step.items())
+
+    def per_step(self, factors: Callable[[str], float] = lambda _: 1.0) -> dict[str, float]:
+        """Seconds per step of each term (the bubble as its own term; zero terms left out): they sum to
+        ``seconds(factors)``."""
+        out = {t: factors(t) * s * self.microbatches for t, s in self.stage.items()}
+        out[PP_BUBBLE] = factors(PP_BUBBLE) * self.bubble_slots * sum(factors(t) * s for t, s in self.stage.items())
+        out.update({t: factors(t) * s for t, s in self.step.items()})
+        return {t: s for t, s in out.items() if s > 0}
+
+    def scaled(self, k: float) -> StepTerms:
+        """Every term ``k`` times longer (the CPU backend's ranks sharing the host's cores)."""
+        return StepTerms({t: k * s for t, s in self.stage.items()}, self.microbatches, self.bubble_slots,
+                         {t: k * s for t, s in self.step.items()})
+
+    def names(self) -> list[str]:
+        """The terms this layout has (non-zero), the bubble included."""
+        return list(self.per_step())
+
+
 def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
-                  ) -> dict[Block, tuple[float, float]]:
-    """Per block kind: compute seconds (before the TP split) and exposed communication seconds per micro-batch. Of
-    ``x`` it reads the sizes within a stage (MBS, TP, SP, CP, EP, ETP), the precision, recompute, dispatcher,
-    all-to-all overlap and CUDA graphs; of ``links`` TP, CP, EP and ETP."""
+                  ) -> dict[Block, dict[str, float]]:
+    """Per block kind, seconds per micro-batch by term: its compute (``compute_term``) and recomputed forward work
+    before the TP split, its exposed TP, CP and EP traffic and kernel launches after it. Of ``x`` it reads the sizes
+    within a stage (MBS, TP, SP, CP, EP, ETP), the precision, recompute, dispatcher, all-to-all overlap and CUDA
+    graphs; of ``links`` TP, CP, EP and ETP."""
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     bf16_rate, gemm_rate = _rates(x.precision, device, constants)
     act_bytes = 4 if x.precision == "fp32" else 2
@@ -179,22 +246,23 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     # Elementwise modules (moe_act, layernorm) and MLA's small up-projections cost next to nothing.
     modules = recompute_modules(x.recompute)
     full = x.recompute == "full"
-    core_passes = FWD_BWD_FACTOR + (1 if full or "core_attn" in modules else 0)
+    core_recomputed = full or "core_attn" in modules
 
-    per_block: dict[Block, tuple[float, float]] = {}
+    per_block: dict[Block, dict[str, float]] = {}
     for b in spec.block_counts:
         f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
         # The mlp and moe modules recompute exactly the block of that name.
         recomputed = full or (b in ("mlp", "moe") and b in modules)
-        gemm = f.gemm * (FWD_BWD_FACTOR + (1 if recomputed else 0))
+        extra_gemm = f.gemm if recomputed else 0.0
         if b == "moe" and "shared_experts" in modules and not recomputed:
             shared = spec.moe_shared_expert_intermediate_size or 0
-            gemm += 2 * spec.hidden_size * shared * (3 if spec.gated_linear_unit else 2)
+            extra_gemm += 2 * spec.hidden_size * shared * (3 if spec.gated_linear_unit else 2)
         # A CP rank attends its tokens to the whole sequence: the core scales with its tokens only.
-        compute = tokens * (gemm / gemm_rate + f.other * core_passes / bf16_rate)
-        comm = 0.0
+        compute = tokens * FWD_BWD_FACTOR * (f.gemm / gemm_rate + f.other / bf16_rate)
+        recompute = tokens * (extra_gemm / gemm_rate + (f.other / bf16_rate if core_recomputed else 0.0))
+        parts = {compute_term(b, x.precision): compute, RECOMPUTE: recompute, TP: 0.0, CP: 0.0, EP: 0.0}
         if b != "moe" or spec.moe_shared_expert_intermediate_size:
-            comm += TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp)
+            parts[TP] = TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp)
         if b == "attention" and x.cp > 1:
             if spec.multi_latent_attention:
                 width = spec.num_attention_heads * (spec.qk_head_dim + spec.qk_pos_emb_head_dim + spec.v_head_dim)
@@ -202,35 +270,50 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
                 width = 2 * spec.query_groups * spec.head_dim
             kv = tokens * width * act_bytes / x.tp
             # Ring attention passes every KV block around the CP group; backward also returns dKV.
-            comm += 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
+            parts[CP] = 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
+        work = (compute + recompute) / x.tp
         if b == "moe":
             exchange = _token_exchange(x, links, routed, tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1),
                                        recomputed, constants)
             if x.a2a_overlap:  # the exchange runs behind another micro-batch's compute, as far as that lasts
-                exchange -= min(exchange, compute / x.tp) * constants.moe_a2a_overlap_efficiency
-            comm += exchange
-        comm += _exposed_launches(b, compute / x.tp + comm, x.cuda_graph, constants)
-        per_block[b] = (compute, comm)
+                exchange -= min(exchange, work) * constants.moe_a2a_overlap_efficiency
+            parts[EP] = exchange
+        # Recomputing a block launches its forward kernels again (about a third of its forward + backward ones).
+        relaunch = 1 + (1 / FWD_BWD_FACTOR if recomputed else 0.0)
+        parts[LAUNCH] = _exposed_launches(b, work + parts[TP] + parts[CP] + parts[EP], x.cuda_graph, constants,
+                                          relaunch)
+        per_block[b] = parts
     return per_block
 
 
 def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
-                  per_block: dict[Block, tuple[float, float]] | None = None) -> float:
-    """Seconds of the slowest pipeline stage per micro-batch: its compute and its exposed tensor/context/expert-
-    parallel communication. Reads what ``block_seconds`` reads (``per_block``: its result, when the caller keeps
-    it), PP, VPP and the split: not the data-parallel side, the micro-batch count or offload."""
+                  per_block: dict[Block, dict[str, float]] | None = None) -> dict[str, float]:
+    """Seconds per micro-batch of the slowest pipeline stage, by term (compute and recompute after the TP split):
+    its compute and its exposed tensor/context/expert-parallel communication. Reads what ``block_seconds`` reads
+    (``per_block``: its result, when the caller keeps it), PP, VPP and the split: not the data-parallel side, the
+    micro-batch count or offload."""
     if per_block is None:
         per_block = block_seconds(spec, x, device, links, constants)
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     gemm_rate = _rates(x.precision, device, constants)[1]
-    slowest = 0.0
+    slowest: dict[str, float] = {}
+    slowest_s = -1.0
     for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
-        compute = sum(n * per_block[b][0] for kind, n in kinds for b in kind)
-        comm = sum(n * per_block[b][1] for kind, n in kinds for b in kind)
+        stage: dict[str, float] = {}
+        for kind, n in kinds:
+            for b in kind:
+                for term, s in per_block[b].items():
+                    stage[term] = stage.get(term, 0.0) + n * s
         if rank == x.pp - 1:
             logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp)
-            compute += tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
-        slowest = max(slowest, compute / x.tp + comm)
+            term = compute_term("logits", x.precision)
+            stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
+        for term in stage:
+            if term.startswith("compute.") or term == RECOMPUTE:
+                stage[term] /= x.tp
+        seconds = sum(stage.values())
+        if seconds > slowest_s:
+            slowest, slowest_s = stage, seconds
     return slowest
 
 
@@ -242,46 +325,54 @@ def step_time(
     stage_dense_params: tuple[int, ...],
     stage_expert_params: tuple[int, ...],
     constants: EstimatorConstants,
-    slowest: float | None = None,
-) -> float:
-    """Seconds per optimizer step (all micro-batches of the global batch). ``slowest``: what ``slowest_stage`` gives
-    for the same arguments, when the caller keeps it (the Estimator does, per value of the fields it reads)."""
-    if slowest is None:
-        slowest = slowest_stage(spec, x, device, links, constants)
+    slowest: dict[str, float] | None = None,
+) -> StepTerms:
+    """The terms of one optimizer step (all micro-batches of the global batch); ``.seconds()`` is the step time.
+    ``slowest``: what ``slowest_stage`` gives for the same arguments, when the caller keeps it (the Estimator does,
+    per value of the fields it reads)."""
+    stage = dict(slowest if slowest is not None else slowest_stage(spec, x, device, links, constants))
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     act_bytes = 4 if x.precision == "fp32" else 2
 
     if x.offload_layers:  # each offloaded layer's activations go out in forward and come back in backward
         layers = max(1, sum(n for _, n in stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)[0]))
         copy = x.offload_bytes_per_layer / links.host
-        slowest += 2 * x.offload_layers * max(0.0, copy - slowest / layers)  # behind the next layer's compute
-    pipeline_slots = x.num_microbatches + (x.pp - 1) / x.vpp
-    total = slowest * pipeline_slots
+        busy = sum(stage.values())
+        stage[OFFLOAD] = 2 * x.offload_layers * max(0.0, copy - busy / layers)  # behind the next layer's compute
+    step: dict[str, float] = {}
     if x.pp > 1:
         p2p = tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1)
-        total += 2 * x.num_microbatches * x.vpp * p2p / links.pp  # forward activations + backward gradients
+        step[PP_P2P] = 2 * x.num_microbatches * x.vpp * p2p / links.pp  # forward activations + backward gradients
 
     grad_bytes = 2 if x.precision == "fp16" else 4
     param_bytes = 4 if x.precision == "fp32" else 2
     dense = max(stage_dense_params)
     expert = max(stage_expert_params)
-    dense_group, dense_link = x.dp * x.cp, links.dp
+    dense_group = x.dp * x.cp
 
-    def sharded(nbytes: int) -> float:  # one reduce-scatter or all-gather of every parameter over its DP group
-        return ring(dense * nbytes, dense_group, dense_link) + ring(expert * nbytes, x.edp, links.edp)
+    def sharded(nbytes: int) -> tuple[float, float]:  # one reduce-scatter or all-gather of every parameter, DP / EDP
+        return ring(dense * nbytes, dense_group, links.dp), ring(expert * nbytes, x.edp, links.edp)
 
     if x.fsdp in ("optim_grads", "optim_grads_params"):
         # Megatron-FSDP reduce-scatters the gradients after every micro-batch's backward (grad_reduce_every_bprop);
         # optim_grads_params also all-gathers each layer's weights before its forward and again before its backward,
         # optim_grads once after the optimizer step.
         gathers = 2 * x.num_microbatches if x.fsdp == "optim_grads_params" else 1
-        dp_time = x.num_microbatches * sharded(grad_bytes) + gathers * sharded(param_bytes)
+        passes = [(x.num_microbatches, grad_bytes), (gathers, param_bytes)]
     elif x.distributed_optimizer:  # reduce-scatter grads + all-gather updated params (Megatron-FSDP's optim too)
-        dp_time = sharded(grad_bytes) + sharded(param_bytes)
+        passes = [(1, grad_bytes), (1, param_bytes)]
     else:  # all-reduce = reduce-scatter + all-gather of the grads
-        dp_time = 2 * sharded(grad_bytes)
-    total += dp_time * (1 - (constants.dp_comm_overlap if x.overlap_grad_reduce else 0.0))
-    return total
+        passes = [(2, grad_bytes)]
+    exposed = 1 - (constants.dp_comm_overlap if x.overlap_grad_reduce else 0.0)
+    for count, nbytes in passes:
+        dense_s, expert_s = sharded(nbytes)
+        step[DP] = step.get(DP, 0.0) + count * dense_s * exposed
+        step[EDP] = step.get(EDP, 0.0) + count * expert_s * exposed
+    sharded_params: float = dense + expert
+    if x.distributed_optimizer or x.fsdp:
+        sharded_params = dense / max(1, dense_group) + expert / max(1, x.edp)
+    step[OPTIMIZER] = sharded_params * OPTIMIZER_BYTES_PER_PARAM / (device.memory_tbs * 1e12)
+    return StepTerms(stage, x.num_microbatches, (x.pp - 1) / x.vpp, step)
 
 
 def _token_exchange(x: TimeInputs, links: Links, routed: float, local: float, recomputed: bool,
@@ -302,11 +393,12 @@ def _token_exchange(x: TimeInputs, links: Links, routed: float, local: float, re
     return exchange
 
 
-def _exposed_launches(block: str, gpu_s: float, cuda_graph: str, constants: EstimatorConstants) -> float:
+def _exposed_launches(block: str, gpu_s: float, cuda_graph: str, constants: EstimatorConstants,
+                      relaunch: float = 1.0) -> float:
     """Seconds per micro-batch the GPU waits for the host to launch one block's kernels: the launch time beyond the
     block's own GPU time. CUDA graphs launch their scopes' kernels as one: local and full-iteration graphs every
     block's, TE graphs the scopes they name."""
-    return max(0.0, _launched_kernels(block, cuda_graph) * constants.kernel_launch_us * 1e-6 - gpu_s)
+    return max(0.0, relaunch * _launched_kernels(block, cuda_graph) * constants.kernel_launch_us * 1e-6 - gpu_s)
 
 
 @lru_cache(maxsize=256)

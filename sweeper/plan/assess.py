@@ -19,7 +19,7 @@ from sweeper.plan.space import enumerate_layouts, matches
 from sweeper.space.layout import Layout
 
 _NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None,
-                  "memory_band_gib": None, "may_fit": None}
+                  "memory_band_gib": None, "may_fit": None, "step_time_terms_s": None}
 
 
 @dataclass(frozen=True)

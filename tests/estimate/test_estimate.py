@@ -490,7 +490,7 @@ def test_fits_uses_headroom_and_non_torch_memory() -> None:
 def test_to_json_has_the_contract_keys() -> None:
     out = _est().to_json()
     assert set(out) == {"memory_gib", "allocated_gib", "memory_breakdown_gib", "fits", "step_time_s", "tokens_per_s",
-                        "memory_band_gib", "may_fit"}
+                        "memory_band_gib", "may_fit", "step_time_terms_s"}
     # The components a user compares with torch.cuda: allocated parts + fragmentation = reserved (memory_gib).
     parts = out["memory_breakdown_gib"]
     assert {"weights", "grads", "optimizer", "activations", "fragmentation", "non_torch"} <= set(parts)
