@@ -46,11 +46,14 @@ sys.path.insert(0, str(ROOT))
 
 from sweeper.config.load import load_config  # noqa: E402
 from sweeper.config.schema import SweepConfig  # noqa: E402
+from sweeper.estimate import Estimator  # noqa: E402
+from sweeper.estimate.step_fit import StepModel  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
 from sweeper.search.dominance import Dominance  # noqa: E402
 from sweeper.search.loop import prior_proposals  # noqa: E402
+from sweeper.search.refit import turn  # noqa: E402
 from sweeper.search.selection import is_stable  # noqa: E402
 from sweeper.search.study import LayoutStudy  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
@@ -90,7 +93,8 @@ def measured_landscape(table: dict) -> Landscape:
         passed = [t["tokens_per_s"] for t in entry["trials"] if t["status"] == "passed" and t["tokens_per_s"]]
         samples[layout] = passed if len(passed) == len(entry["trials"]) else []
         trials[layout] = [TrialResult(status=t["status"], failure_kind=t["failure_kind"], metrics=TrialMetrics(
-            tokens_per_s=t["tokens_per_s"], peak_memory_gib=t["peak_memory_gib"])) for t in entry["trials"]]
+            tokens_per_s=t["tokens_per_s"], peak_memory_gib=t["peak_memory_gib"], step_time_s=t["step_time_s"]))
+            for t in entry["trials"]]
     machine = table["machine"]
     spreads = [statistics.pstdev(v) / statistics.mean(v) for v in samples.values() if len(v) > 1]
     repeats = max(len(e["trials"]) for e in table["layouts"].values())
@@ -116,9 +120,15 @@ class Outcome:
     order: list[tuple[Layout, bool]] = field(default_factory=list)  # each launched layout and whether it ran stable
 
 
-def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode: str) -> Outcome:
-    """sweeper's LayoutStudy proposing among the launchable layouts (in enumeration order), as a sweep does."""
+def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode: str,
+              host_cores: int | None = None) -> Outcome:
+    """sweeper's LayoutStudy proposing among the launchable layouts (in enumeration order), as a sweep does.
+    ``tpe+refit``: TPE with the sweep's refit step-time model (``search.refit``) choosing its turns."""
     rng = random.Random(seed)
+    refit = None
+    if mode == "tpe+refit":
+        refit = StepModel(Estimator.for_config(cfg, host_cores=host_cores))
+        mode = "tpe"
     with tempfile.TemporaryDirectory() as tmp:
         study = LayoutStudy(cfg, Path(tmp) / "journal.log", mode, seed, list(land.samples))  # type: ignore[arg-type]
         if mode == "tpe":
@@ -144,6 +154,12 @@ def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode:
                 passed, value = True, land.samples[layout][0]
             study.tell(proposal.trial, value if passed else 0.0, infeasible=not passed)
             order.append((layout, passed))
+            if refit is not None:
+                if land.trials and passed and result.metrics.step_time_s:
+                    refit.add(layout, result.metrics.step_time_s)
+                choice = turn(refit, cfg.search.objective, [lo for lo in land.samples if not taken(lo)])
+                if choice is not None:
+                    study.enqueue(choice)
             if land.value(layout) >= target:
                 break
         counts = study.counts
@@ -179,22 +195,27 @@ def main() -> None:
           f"{100 * land.noise:.1f}%)) ({time.perf_counter() - t0:.1f} s to build)")
 
     grid = run_study(cfg, land, target, 0, "ordered")
-    randoms, tpes = [], []
+    cores = table["machine"]["cores"] if args.landscape else None
+    randoms, tpes, refits = [], [], []
     for seed in range(args.seeds):
         randoms.append(run_study(cfg, land, target, seed, "random"))
         tpes.append(run_study(cfg, land, target, seed, "tpe"))
+        refits.append(run_study(cfg, land, target, seed, "tpe+refit", cores))
     tpe, rnd = statistics.median(o.launched for o in tpes), statistics.median(o.launched for o in randoms)
-    rows = [("tpe", tpe), ("random", rnd), ("grid", grid.launched)]
+    ref = statistics.median(o.launched for o in refits)
+    rows = [("tpe+refit", ref), ("tpe", tpe), ("random", rnd), ("grid", grid.launched)]
     for name, count in rows:
         print(f"{name:7s} median trials to the target: {count:6.1f}  ({100 * count / n:5.1f}% of launchable)")
-    print(f"ratio tpe/random: {tpe / rnd:.2f} (goal <= 0.5); tpe per seed: {[o.launched for o in tpes]}; "
-          f"random per seed: {[o.launched for o in randoms]}")
+    print(f"ratio tpe+refit/random: {ref / rnd:.2f} (goal <= 0.4); tpe/random: {tpe / rnd:.2f}; tpe+refit per seed: "
+          f"{[o.launched for o in refits]}; tpe per seed: {[o.launched for o in tpes]}; random per seed: "
+          f"{[o.launched for o in randoms]}")
     print(f"tpe Optuna asks per seed: {[o.asks for o in tpes]} (declined draws: {[o.declined for o in tpes]}); "
           "every launch a distinct launchable layout")
     goal = 0.15 * n
-    print(f"goal <= 15% of launchable ({goal:.1f} trials): {'met' if tpe <= goal else 'NOT met'}; seeds that reach "
-          f"the target within it: tpe {sum(o.launched <= goal for o in tpes)}/{len(tpes)}, random "
-          f"{sum(o.launched <= goal for o in randoms)}/{len(randoms)}")
+    print(f"goal <= 15% of launchable ({goal:.1f} trials): tpe+refit {'met' if ref <= goal else 'NOT met'}, tpe "
+          f"{'met' if tpe <= goal else 'NOT met'}; seeds that reach the target within it: tpe+refit "
+          f"{sum(o.launched <= goal for o in refits)}/{len(refits)}, tpe {sum(o.launched <= goal for o in tpes)}/"
+          f"{len(tpes)}, random {sum(o.launched <= goal for o in randoms)}/{len(randoms)}")
 
 
 if __name__ == "__main__":

@@ -194,11 +194,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise UsageError(f"--limit: must be 0 (all) or a positive integer, got {args.limit}")
     cfg = _load(args)
     only = only_filter(args.only)
+    from sweeper.estimate.calibrator import stored
     from sweeper.plan.assess import build_plan
 
-    entries = build_plan(cfg, only)
+    calibration, calibrated = stored(cfg)  # what earlier sweeps on this cluster measured
+    entries = build_plan(cfg, only, calibration)
     if only and not entries:
         raise UsageError(_nothing_matched(cfg, only))
+    if calibrated:  # on stderr: --json keeps stdout one JSON array
+        print(calibrated, file=sys.stderr)
     if args.json:
         # One line; json.dumps (unlike json.dump to a stream) takes the C encoder: 11k layouts in 0.1 s. The
         # entries are fresh trees, so the encoder's check for circular references is only cost.

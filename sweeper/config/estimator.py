@@ -120,6 +120,10 @@ class EstimatorConstants(BaseModel):
     kernel_launch_us: float = Field(6.0, ge=0)
     """Host time to launch one kernel in eager PyTorch with Transformer Engine (Python dispatch + CUDA launch);
     what a block whose kernels are short waits for without CUDA graphs (step_time.KERNELS_PER_SCOPE)."""
+    link_latency_us: float = Field(5.0, ge=0)
+    """Latency of one hop of a ring collective or a point-to-point send (NCCL's per-step latency, a few
+    microseconds over NVLink and InfiniBand): a collective over G ranks pays G - 1 of them besides its bytes, which
+    is what small messages (a tiny model, a short micro-batch, gloo on the CPU backend) are made of."""
 
     @model_validator(mode="after")
     def _throughput_band(self) -> EstimatorConstants:

@@ -1,20 +1,34 @@
-"""Feeding measured trials back into the estimator while a sweep runs (estimator issue, item 6).
+"""Feeding measured trials back into the estimator while a sweep runs (estimator issue, item 6; issue 33).
 
-Only device measurements calibrate: on the CPU backend the measured peak is host RSS of a gloo process, which
-says nothing about GPU memory, so a simulated sweep keeps the uncalibrated estimator and says so. Fitted factors
-are stored per cluster+model in the user's cache (``$SWEEPER_CACHE`` or ``~/.cache/sweeper/calibration.json``)
-and copied into the sweep folder, so the next sweep on the same cluster starts calibrated.
+Memory: only device measurements calibrate: on the CPU backend the measured peak is host RSS of a gloo process,
+which says nothing about GPU memory, so a simulated sweep keeps the uncalibrated memory model and says so.
+
+Step time: every passed trial's measured step time refits one efficiency factor per step-time term
+(``estimate.step_fit``) on the backend it ran on, so a simulated sweep learns its CPU ranks (whose terms are priced
+with the host's cores shared among them) and a GPU sweep its GPUs. A GPU sweep's factors become the cluster's
+calibrated step time (``Calibration.step_term_factors``); a simulated sweep's rank its own layouts only, never
+stand in for GPU predictions.
+
+Fitted factors are stored in the user's cache (``$SWEEPER_CACHE`` or ``~/.cache/sweeper/calibration.json``) under
+``"<cluster>/<model>"`` (a simulated sweep's cluster key names the host's CPU instead), and copied into the sweep
+folder, so the next sweep on the same cluster starts calibrated. The cluster's part of the step-time factors (its
+links and kernel-launch overhead, ``step_time.CLUSTER_TERMS``) is also stored under ``"<cluster>/*"``: a sweep or
+``plan`` of another model on the same cluster starts with those (``stored``).
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimator
 from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
+from sweeper.estimate.step_fit import StepFit, StepModel
+from sweeper.estimate.step_time import CLUSTER_TERMS
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 
@@ -24,48 +38,133 @@ def cache_path() -> Path:
     return Path(root) / "calibration.json"
 
 
-def key(cfg: SweepConfig) -> str:
+def cluster_key(cfg: SweepConfig, host_cores: int | None = None) -> str:
+    """The cluster part of a calibration key: its size and GPU kind, or the host's CPU for a simulated one."""
     c = cfg.cluster
-    return calibration_key(f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}", cfg.model.name)
+    if host_cores:
+        return f"cpu-{host_cores}cores-{c.nodes}x{c.gpus_per_node}"
+    return f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}"
+
+
+def key(cfg: SweepConfig, host_cores: int | None = None) -> str:
+    return calibration_key(cluster_key(cfg, host_cores), cfg.model.name)
+
+
+def stored(cfg: SweepConfig, host_cores: int | None = None) -> tuple[Calibration | None, str | None]:
+    """The stored calibration a sweep or ``plan`` of ``cfg`` starts from, and one line saying where it came from:
+    this cluster and model's own, else the cluster's links and launch overhead learnt on another model."""
+    path = cache_path()
+    own = load(path, key(cfg, host_cores))
+    if own is not None:
+        return own, f"calibrated from {own.samples} measured trial(s) of {cfg.model.name} on this cluster ({path})"
+    shared = load(path, calibration_key(cluster_key(cfg, host_cores), "*"))
+    if shared is not None and shared.step_term_factors:
+        terms = ", ".join(f"{t} x{f:.3g}" for t, f in sorted(shared.step_term_factors.items()))
+        return shared, (f"step time partly calibrated: this cluster's link and launch factors learnt on another "
+                        f"model ({terms}; {path})")
+    return None, None
 
 
 @dataclass(frozen=True)
 class CalibrationUpdate:
-    """What one trial changed: the refit memory/step factors (None: not a device measurement), and whether the
-    estimator's predictions moved at all (a refit, or a measured routing imbalance raising the hot-rank factor)."""
+    """What one trial changed: the refit memory/step factors (None: not a device measurement), the refit step-time
+    terms (None: no step time measured), and whether the estimator's predictions moved at all (a refit, or a
+    measured routing imbalance raising the hot-rank factor)."""
 
     fit: FitReport | None = None
+    step: StepFit | None = None
     changed: bool = False
 
 
 class Calibrator:
-    def __init__(self, cfg: SweepConfig, sweep_dir: Path) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: SweepConfig, sweep_dir: Path, host_cores: int | None = None) -> None:
+        """``host_cores``: the trials run on a simulated cluster's CPU ranks sharing this many cores (None: GPUs)."""
+        self.cfg, self.host_cores = cfg, host_cores
         self.sweep_file = sweep_dir / "calibration.json"
         self.samples: list[Sample] = []
-        self.current: Calibration | None = load(cache_path(), key(cfg))
+        # A simulated sweep's stored factors are its CPU's: they rank its layouts, never price the GPU cluster's.
+        self.current: Calibration | None = None if host_cores else stored(cfg)[0]
+        start = stored(cfg, host_cores)[0] if host_cores else self.current
         self.report: FitReport | None = None
         self._raw = Estimator.for_config(cfg)  # the uncalibrated predictions the samples are fitted against
+        self.step = StepModel(Estimator.for_config(cfg, host_cores=host_cores), _step_fit(start))
+        self.step_trials: list[tuple[int, str]] = []  # (trial number, layout) of each step-time sample
 
-    def add(self, layout: Layout, result: TrialResult) -> CalibrationUpdate:
-        """Refit with one more measured trial (only a passed trial's device memory calibrates memory). A MoE
-        trial's measured routing imbalance raises the hot-rank factor on any backend (the router is the same
-        megatron-core code on CPU and GPU)."""
+    def add(self, layout: Layout, result: TrialResult, number: int = 0) -> CalibrationUpdate:
+        """Refit with one more measured trial (only a passed trial's device memory calibrates memory; any passed
+        trial's step time the step-time terms). A MoE trial's measured routing imbalance raises the hot-rank factor
+        on any backend (the router is the same megatron-core code on CPU and GPU)."""
         factor = result.metrics.moe_hot_rank_factor
         raised = factor is not None and factor > ((self.current and self.current.moe_hot_rank_factor) or 1.0)
         if raised:
             self.current = replace(self.current or Calibration(), moe_hot_rank_factor=factor)
-        if not result.passed or result.memory_kind != "device" or result.metrics.peak_memory_gib is None:
-            return CalibrationUpdate(changed=raised)
-        raw = self._raw(layout)
-        self.samples.append(Sample(
-            breakdown=raw.breakdown, fragmentation=self.cfg.estimate.allocator_fragmentation,
-            predicted_step_s=raw.step_time_s, measured_peak_gib=result.metrics.peak_memory_gib,
-            measured_step_s=result.metrics.step_time_s,
-        ))
-        self.report = fit(self.samples)
-        hot = self.current.moe_hot_rank_factor if self.current else None
-        self.current = replace(self.report.calibration, moe_hot_rank_factor=hot)
-        save(cache_path(), key(self.cfg), self.current)
-        save(self.sweep_file, key(self.cfg), self.current)
-        return CalibrationUpdate(fit=self.report, changed=True)
+        step = None
+        if result.passed and result.metrics.step_time_s:
+            step = self.step.add(layout, result.metrics.step_time_s)
+            self.step_trials.append((number, layout.short()))
+            if self.host_cores:  # the CPU's factors: kept apart from the GPU cluster's calibration
+                self._save(Calibration(step_time_factor=self.step.level, step_term_factors=self.step.factors(),
+                                       samples=step.samples))
+        device_memory = (result.passed and result.memory_kind == "device"
+                         and result.metrics.peak_memory_gib is not None)
+        if device_memory:
+            raw = self._raw(layout)
+            self.samples.append(Sample(
+                breakdown=raw.breakdown, fragmentation=self.cfg.estimate.allocator_fragmentation,
+                predicted_step_s=raw.step_time_s, measured_peak_gib=result.metrics.peak_memory_gib,
+                measured_step_s=result.metrics.step_time_s,
+            ))
+            self.report = fit(self.samples)
+            hot = self.current.moe_hot_rank_factor if self.current else None
+            self.current = replace(self.report.calibration, moe_hot_rank_factor=hot)
+        if not self.host_cores and (device_memory or step is not None):
+            if self.step.samples:  # the step-time terms' fit replaces the memory fit's single median ratio
+                self.current = replace(self.current or Calibration(), step_time_factor=self.step.level,
+                                       step_term_factors=self.step.factors(),
+                                       samples=max(len(self.step.samples), len(self.samples)))
+            assert self.current is not None
+            self._save(self.current)
+            return CalibrationUpdate(fit=self.report if device_memory else None, step=step, changed=True)
+        return CalibrationUpdate(step=step, changed=raised)
+
+    def step_time_fit(self) -> dict[str, Any] | None:
+        """sweep.json's ``step_time_fit``: what the measured step times taught the step-time model (None before the
+        first)."""
+        model = self.step
+        if not model.samples:
+            return None
+        rows: list[dict[str, Any]] = []
+        for name, sample in zip(self.step_trials, model.samples, strict=True):
+            rows.append({"trial": name[0], "layout": name[1], "measured_s": sample.measured_s,
+                         "uncalibrated_s": model.raw_seconds(sample), "calibrated_s": model.calibrated_seconds(sample)})
+
+        def error(key: str) -> float:
+            return statistics.median(abs(r[key] / r["measured_s"] - 1) for r in rows)
+
+        one = statistics.median(r["measured_s"] / r["uncalibrated_s"] for r in rows)
+        return {
+            "backend": f"CPU ranks sharing {self.host_cores} cores" if self.host_cores else "GPUs",
+            "level": model.level, "factors": model.factors(), "samples": len(rows),
+            "error_uncalibrated": error("uncalibrated_s"),
+            "error_one_factor": statistics.median(abs(one * r["uncalibrated_s"] / r["measured_s"] - 1) for r in rows),
+            "error_calibrated": error("calibrated_s"), "trials": rows,
+        }
+
+    def _save(self, calibration: Calibration) -> None:
+        """Store the factors for this cluster and model, and the cluster's own step-time part for any model."""
+        for path in (cache_path(), self.sweep_file):
+            save(path, key(self.cfg, self.host_cores), calibration)
+            # Relative to this model's level (its compute's efficiency): another model's level is its own.
+            level = calibration.step_time_factor
+            shared = {t: f / level for t, f in calibration.step_term_factors.items() if t in CLUSTER_TERMS}
+            if shared:
+                save(path, calibration_key(cluster_key(self.cfg, self.host_cores), "*"),
+                     Calibration(step_term_factors=shared, samples=calibration.samples))
+
+
+def _step_fit(calibration: Calibration | None) -> StepFit | None:
+    """The step-time fit a stored calibration holds (its level and its terms' own factors)."""
+    if calibration is None:
+        return None
+    return StepFit(level=calibration.step_time_factor, factors=dict(calibration.step_term_factors),
+                   samples=calibration.samples)

@@ -126,7 +126,7 @@ def non_torch_gib(layout: Layout, constants: EstimatorConstants) -> float:
     return constants.cuda_context_gib + constants.nccl_buffer_gib_per_group * _nccl_groups(layout)
 
 
-def _links(layout: Layout, cluster: ClusterConfig, efficiency: float) -> Links:
+def _links(layout: Layout, cluster: ClusterConfig, efficiency: float, latency_us: float = 0.0) -> Links:
     intra = cluster.intra_node_bandwidth_gbs * 1e9 * efficiency
     inter = cluster.inter_node_bandwidth_gbs * 1e9 * efficiency
 
@@ -143,6 +143,7 @@ def _links(layout: Layout, cluster: ClusterConfig, efficiency: float) -> Links:
         ep=bw(layout.etp * layout.ep),
         edp=bw(layout.etp * layout.ep * layout.edp),
         host=cluster.host_link_gbs * 1e9,
+        latency=latency_us * 1e-6,
     )
 
 
@@ -383,7 +384,7 @@ class Estimator:
         sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
         links = self._links.get(sizes)
         if links is None:
-            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency)
+            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency, constants.link_latency_us)
         dispatcher = lo.dispatcher if model.is_moe else "alltoall"
         a2a_overlap = lo.moe_a2a_overlap and model.is_moe
         inputs = TimeInputs(

@@ -110,6 +110,7 @@ class Links:
     etp: float
     edp: float
     host: float  # device <-> host copies (activation offload; cluster.host_link_gbs)
+    latency: float = 0.0  # seconds per hop of a ring collective or a point-to-point send (link_latency_us)
 
 
 def group_bandwidth(span: int, gpus_per_node: int, intra: float, inter: float) -> float:
@@ -117,11 +118,13 @@ def group_bandwidth(span: int, gpus_per_node: int, intra: float, inter: float) -
     return intra if span <= gpus_per_node else inter
 
 
-def ring(size_bytes: float, group: int, bandwidth: float) -> float:
-    """Seconds of one ring reduce-scatter or all-gather (or all-to-all) of ``size_bytes`` over ``group``."""
-    if group <= 1:
+def ring(size_bytes: float, group: int, bandwidth: float, latency: float = 0.0) -> float:
+    """Seconds of one ring reduce-scatter or all-gather (or all-to-all) of ``size_bytes`` over ``group``: its bytes
+    over the link and ``latency`` per hop (G - 1 of them). Nothing to send (a dense model's expert gradients) is
+    no collective."""
+    if group <= 1 or size_bytes <= 0:
         return 0.0
-    return (group - 1) / group * size_bytes / bandwidth
+    return (group - 1) / group * size_bytes / bandwidth + (group - 1) * latency
 
 
 # Not frozen: the Estimator builds one per layout of a space, and a frozen dataclass sets each of these fields through
@@ -221,8 +224,13 @@ class StepTerms:
 
     def scaled(self, k: float) -> StepTerms:
         """Every term ``k`` times longer (the CPU backend's ranks sharing the host's cores)."""
-        return StepTerms({t: k * s for t, s in self.stage.items()}, self.microbatches, self.bubble_slots,
-                         {t: k * s for t, s in self.step.items()})
+        return self.weighted(lambda t: 1.0 if t == PP_BUBBLE else k)
+
+    def weighted(self, factors: Callable[[str], float]) -> StepTerms:
+        """Each term times its factor (the bubble's scales the bubble slots): ``seconds`` of the result with factors
+        g equals ``seconds`` of this one with factors f x g."""
+        return StepTerms({t: factors(t) * s for t, s in self.stage.items()}, self.microbatches,
+                         factors(PP_BUBBLE) * self.bubble_slots, {t: factors(t) * s for t, s in self.step.items()})
 
     def names(self) -> list[str]:
         """The terms this layout has (non-zero), the bubble included."""
@@ -262,7 +270,7 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
         recompute = tokens * (extra_gemm / gemm_rate + (f.other / bf16_rate if core_recomputed else 0.0))
         parts = {compute_term(b, x.precision): compute, RECOMPUTE: recompute, TP: 0.0, CP: 0.0, EP: 0.0}
         if b != "moe" or spec.moe_shared_expert_intermediate_size:
-            parts[TP] = TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp)
+            parts[TP] = TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp, links.latency)
         if b == "attention" and x.cp > 1:
             if spec.multi_latent_attention:
                 width = spec.num_attention_heads * (spec.qk_head_dim + spec.qk_pos_emb_head_dim + spec.v_head_dim)
@@ -270,7 +278,7 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
                 width = 2 * spec.query_groups * spec.head_dim
             kv = tokens * width * act_bytes / x.tp
             # Ring attention passes every KV block around the CP group; backward also returns dKV.
-            parts[CP] = 3 * (x.cp - 1) * kv / links.cp * (1 - constants.cp_comm_overlap)
+            parts[CP] = 3 * (x.cp - 1) * (kv / links.cp + links.latency) * (1 - constants.cp_comm_overlap)
         work = (compute + recompute) / x.tp
         if b == "moe":
             exchange = _token_exchange(x, links, routed, tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1),
@@ -342,7 +350,8 @@ def step_time(
     step: dict[str, float] = {}
     if x.pp > 1:
         p2p = tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1)
-        step[PP_P2P] = 2 * x.num_microbatches * x.vpp * p2p / links.pp  # forward activations + backward gradients
+        # forward activations + backward gradients, one send per micro-batch and model chunk each way
+        step[PP_P2P] = 2 * x.num_microbatches * x.vpp * (p2p / links.pp + links.latency)
 
     grad_bytes = 2 if x.precision == "fp16" else 4
     param_bytes = 4 if x.precision == "fp32" else 2
@@ -351,7 +360,8 @@ def step_time(
     dense_group = x.dp * x.cp
 
     def sharded(nbytes: int) -> tuple[float, float]:  # one reduce-scatter or all-gather of every parameter, DP / EDP
-        return ring(dense * nbytes, dense_group, links.dp), ring(expert * nbytes, x.edp, links.edp)
+        return (ring(dense * nbytes, dense_group, links.dp, links.latency),
+                ring(expert * nbytes, x.edp, links.edp, links.latency))
 
     if x.fsdp in ("optim_grads", "optim_grads_params"):
         # Megatron-FSDP reduce-scatters the gradients after every micro-batch's backward (grad_reduce_every_bprop);
@@ -385,9 +395,9 @@ def _token_exchange(x: TimeInputs, links: Links, routed: float, local: float, re
     passes = EP_ALL_TO_ALLS_PER_BLOCK + (2 if recomputed else 0)
     if x.dispatcher == "allgather":
         group = x.ep * x.etp
-        return passes * ring(local * group, group, links.ep)
-    exchange = passes * ring(routed, x.ep, links.ep) + TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp,
-                                                                                         links.etp)
+        return passes * ring(local * group, group, links.ep, links.latency)
+    exchange = (passes * ring(routed, x.ep, links.ep, links.latency)
+                + TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp, links.latency))
     if x.dispatcher == "flex":
         exchange *= constants.comm_efficiency / constants.flex_comm_efficiency
     return exchange

@@ -61,10 +61,12 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
     return PlanEntry(layout, reasons, predicted)
 
 
-def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[PlanEntry]:
+def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None,
+               calibration: Calibration | None = None) -> list[PlanEntry]:
     """Valid layouts first: those predicted to fit by predicted throughput, then those inside the estimator's error
     band (lowest predicted memory first), then those over the band; then the invalid ones."""
-    return sorted(assess_all(cfg, [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]), key=_order)
+    layouts = [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
+    return sorted(assess_all(cfg, layouts, calibration), key=_order)
 
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:

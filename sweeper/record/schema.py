@@ -202,6 +202,9 @@ class SweepMeta(BaseModel):
     stopped_early: str | None = None  # why exploring stopped before the budget (search.patience)
     scheduling_efficiency: float | None = None  # GPU-seconds busy over GPU-seconds held
     calibration: list[str] | None = None  # the estimator's fit, one line per factor
+    # The step-time terms' fit (issue 33): backend, level, each freed term's factor, the median errors before and
+    # after, and per measured trial its step time next to the uncalibrated and the calibrated prediction
+    step_time_fit: dict[str, Any] | None = None
     # The winner and runners-up: throughput basis and band, the budget's projected time and cost, and why
     # (sweeper/search/decision.py; issue 18)
     decision: dict[str, Any] | None = None

@@ -194,6 +194,29 @@ def decision_section(info: SweepMeta) -> str:
             + "".join(f'<p class="caveat">{esc(n)}</p>' for n in notes) + whys)
 
 
+def step_time_section(info: SweepMeta) -> str:
+    """The step-time terms' fit (sweep.json ``step_time_fit``): its factors, and each measured trial's step time
+    next to the uncalibrated and the calibrated prediction."""
+    fit = info.step_time_fit or {}
+    trials = fit.get("trials") or []
+    if not trials:
+        return '<p class="note">No passed trial measured a step time.</p>'
+    factors = ", ".join(f"{esc(t)} x{f:.3g}" for t, f in sorted((fit.get("factors") or {}).items()))
+
+    def pct(key: str) -> str:
+        value = fit.get(key)
+        return f"{100 * value:.1f}%" if isinstance(value, (int, float)) else "n/a"
+
+    intro = (f"<p>Measured on {esc(fit.get('backend'))}: every term x{fit.get('level', 1.0):.3g} (the level)"
+             + (f"; fitted on their own: {factors}" if factors else "; no term fitted on its own yet")
+             + f". Median error over these trials: {pct('error_uncalibrated')} uncalibrated, "
+             f"{pct('error_one_factor')} with one factor, {pct('error_calibrated')} term by term. The study's "
+             "proposals after the second measured trial are the refit model's best untried layouts.</p>")
+    rows = [[esc(r.get("trial")), esc(r.get("layout")), num(r.get("measured_s"), "{:.4g}"),
+             num(r.get("uncalibrated_s"), "{:.4g}"), num(r.get("calibrated_s"), "{:.4g}")] for r in trials]
+    return intro + figures.html_table(["trial", "layout", "measured s", "uncalibrated s", "calibrated s"], rows)
+
+
 def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int, memory_kind: str | None,
             sweep_dir: Path) -> str:
     model = info.model or {}
@@ -304,6 +327,7 @@ def build_html(sweep_dir: Path) -> str:
         fig_html.div(drawn["throughput_vs_memory"], "No launched attempt recorded a peak memory."),
         "<h2 id='pareto'>Pareto front (max throughput, min memory, stable only)</h2>", pareto_html,
         "<h2 id='memory-accuracy'>Predicted vs measured peak memory</h2>", accuracy,
+        "<h2 id='step-time'>Predicted vs measured step time</h2>", step_time_section(info),
         "<h2 id='failures'>Failures and pruned layouts</h2>",
         fig_html.div(drawn["failures"], "No attempt failed and no layout was pruned."),
         figures.pruned_reasons_table(rows),

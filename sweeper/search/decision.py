@@ -137,8 +137,14 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicte
     own = (cand.explore.predicted or {}).get("tokens_per_s") or predicted.tokens_per_s or 0.0
     traded = _traded(cfg, cand, records, float(own))
     sentences.append(traded)
+    terms = predicted.step_time_terms_s
+    if terms and predicted.step_time_s:
+        top = sorted(terms.items(), key=lambda kv: -kv[1])[:4]
+        shares = ", ".join(f"{name} {seconds / predicted.step_time_s:.0%}" for name, seconds in top)
+        sentences.append(f"Its predicted step of {predicted.step_time_s:.3g} s is mostly {shares} (plan --json "
+                         "step_time_terms_s lists every term).")
     return {"memory_gib": parts, "peak_share_of_limit": round(share, 3), "binding": binding,
-            "why": " ".join(sentences)}
+            "step_time_terms_s": {k: round(v, 6) for k, v in terms.items()}, "why": " ".join(sentences)}
 
 
 def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float) -> str:

@@ -12,8 +12,10 @@ attempt of the same trial.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,6 +37,7 @@ from sweeper.search.dominance import Dominance
 from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
+from sweeper.search.refit import turn as refit_turn
 from sweeper.search.scheduler import HOLD, Running, Scheduler
 from sweeper.search.selection import (
     NOT_THE_LAYOUTS,
@@ -109,7 +112,8 @@ class Sweep:
         search = cfg.search
         confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
         self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs)
-        self.calibrator = Calibrator(cfg, options.out)
+        # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.refit).
+        self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None)
         self.evidence = MemoryEvidence(cfg.memory_limit_gib)
         self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
@@ -290,8 +294,9 @@ class Sweep:
             # (return), or refuses a layout not refused before (a queued seed, or one calibration no longer fits),
             # recorded once; the study spends at most two asks per proposal. A backfill draws only layouts that
             # fit on the free GPUs now.
-            proposal = self.study.propose(
-                (lambda lo: self._taken(lo) or not self.handle.fits(lo)) if backfill else self._taken)
+            refused = (lambda lo: self._taken(lo) or not self.handle.fits(lo)) if backfill else self._taken
+            self._refit_turn(refused)
+            proposal = self.study.propose(refused)
             if proposal is None:
                 return  # every launchable layout has been proposed (or, backfilling, none fits now)
             layout = proposal.layout
@@ -315,6 +320,16 @@ class Sweep:
                 console.print(f"[blue]backfill[/] #{number} {layout.short()} runs on free GPUs while #{head.number} "
                               f"waits for {head.layout.world_size}")
             self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
+
+    def _refit_turn(self, refused: Callable[[Layout], bool]) -> None:
+        """TPE mode: queue the refit step-time model's best untried launchable layout (``search.refit``), once it
+        has the samples for a turn and nothing else is queued (seeds, the estimator's favourites, the probe)."""
+        if self.study.mode != "tpe" or self.study.has_queued():
+            return
+        untried = [e.layout for e in self.launchable if not refused(e.layout)]
+        choice = refit_turn(self.calibrator.step, self.cfg.search.objective, untried)
+        if choice is not None:
+            self.study.enqueue(choice)
 
     def _may_backfill(self) -> bool:
         """A smaller proposal may start while the head of the queue waits for GPUs (``Scheduler.may_backfill``),
@@ -410,7 +425,7 @@ class Sweep:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
                              " (not stable: search.allow_cross_node_tp is false)"), important=True)
-        update = self.calibrator.add(run.layout, result)
+        update = self.calibrator.add(run.layout, result, run.number)
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")
         evidence = self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
@@ -534,6 +549,7 @@ class Sweep:
         meta.decision = decision(self.cfg, cands, winner, self.records, self.calibrator.current)
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
+        meta.step_time_fit = self.calibrator.step_time_fit()
         self.dir.write_meta(meta)
         report = render_report(self.dir.root)
         self.tracker.finish_sweep(

@@ -436,3 +436,75 @@ def test_free_gpus_take_a_smaller_trial_while_a_large_one_waits_and_the_large_on
     # Not starved: it started as soon as the long trial's GPUs were free again (MLflow writes in between).
     assert span[a][1] <= span[b][0] < span[a][1] + 3.0
     assert len([r for r in _explore_records(sweep) if r.result.status != "pruned"]) == 6
+
+
+class TimedStandIn(StandInHost):
+    """The stand-in with a step time per layout (still no Ray, no Megatron): ``step_s(layout)`` seconds."""
+
+    simulated = False  # GPUs: the estimator's two favourites open the study
+
+    def __init__(self, step_s: Callable[[Layout], float]) -> None:
+        super().__init__(delay=0.05)
+        self.step_s = step_s
+
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
+        result = super().run_trial(cfg, layout, trial_dir, **kw)
+        if result.passed:
+            seconds = self.step_s(layout)
+            result.metrics.step_time_s = seconds
+            result.metrics.tokens_per_s = layout.gbs * cfg.training.seq_length / seconds
+        return result
+
+
+def test_a_trial_that_contradicts_the_estimators_ranking_changes_what_the_sweep_proposes_next(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 33: once enough trials are measured, the refit step-time model proposes. Three seeds open the sweep
+    (the estimator's best PP2 layout and its two best PP1 ones); measured as the estimator predicts, the model then
+    proposes the estimator's next favourite (a PP2 layout); measured with PP2 20x slower than predicted, the best
+    untried layout without pipeline parallelism instead."""
+    import shutil
+
+    from sweeper.estimate import Estimator
+    from sweeper.plan.assess import assess_all
+    from sweeper.plan.space import enumerate_layouts
+
+    monkeypatch.setattr("os.cpu_count", lambda: 64)  # a simulated cluster whose ranks each have a core of their own
+
+    def space(seeds: list[str]) -> SweepConfig:
+        doc = {**SPACE, "space": {**SPACE["space"], "mbs": [1, 2, 4]},
+               "search": {"max_trials": 4, "confirm_top": 0, "seeds": seeds}}
+        path = tmp_path / "refit.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        return load_config(path)
+
+    cfg = space([])
+    raw = Estimator.for_config(cfg)
+    launchable = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.launchable]
+    favourites = sorted(launchable, key=lambda lo: -(raw(lo).tokens_per_s or 0.0))
+    pp1 = [lo for lo in favourites if lo.pp == 1]
+    opening = [next(lo for lo in favourites if lo.pp == 2), *pp1[:2]]
+    untried = [lo for lo in favourites if lo not in opening]
+    assert untried[0].pp == 2  # what the estimator alone would propose next
+    cfg = space([f"gpus={lo.world_size},pp={lo.pp},ep={lo.ep},mbs={lo.mbs}" for lo in opening])
+
+    fits: list[dict[str, Any]] = []
+    reports: list[str] = []
+
+    def fourth(step_s: Callable[[Layout], float]) -> Layout:
+        host = TimedStandIn(step_s)
+        host.simulated = True  # no estimator favourites: the seeds alone open the study
+        make_sweep(cfg, host, parallel=1).run()
+        fits.append(json.loads((tmp_path / "sweep" / "sweep.json").read_text())["step_time_fit"])
+        reports.append((tmp_path / "sweep" / "report.html").read_text())
+        shutil.rmtree(tmp_path / "sweep")
+        assert [lo for lo, _ in host.calls[:3]] == opening and len(host.calls) == 4
+        return host.calls[3][0]
+
+    agrees = fourth(lambda lo: 1000 * (raw(lo).step_time_s or 0.0))
+    assert fits and fits[0]["samples"] == 4 and [t["layout"] for t in fits[0]["trials"][:3]] == [
+        lo.short() for lo in opening]
+    assert fits[0]["error_calibrated"] < 1e-3  # measured as predicted (times a level): the fit is exact
+    assert "Predicted vs measured step time" in reports[0] and "the level" in reports[0]
+    contradicts = fourth(lambda lo: 1000 * (raw(lo).step_time_s or 0.0) * (20 if lo.pp == 2 else 1))
+    assert agrees == untried[0]
+    assert contradicts == pp1[2]

@@ -1,0 +1,292 @@
+"""Step time calibrated term by term: one efficiency factor per step-time term, fitted to measured trials.
+
+A layout's predicted step time is a sum of named terms (``step_time.StepTerms``: compute per block kind and
+precision, recompute, TP / CP / EP traffic, kernel launches, the pipeline bubble and point-to-point, DP / EDP
+traffic, the optimizer step). Measured trials say how far each term is off on the backend they ran on: a GPU
+cluster's links reach another fraction of their bandwidth than assumed, the CPU backend's gloo collectives cost
+milliseconds where NCCL's cost microseconds, BF16 GEMMs run slower than FP32 on a CPU without BF16 units. One factor
+for the whole prediction moves its level, never its ranking; a factor per term moves both.
+
+The model, in log space (step times spread over decades, and a 10 % miss matters the same on any of them):
+
+    factor(t) = exp(level + theta_t)           theta_t = 0 for a term not freed
+    predicted = StepTerms.seconds(factor)      (the bubble's factor is exp(theta_bubble): it scales the slowest
+                                                stage's already calibrated time)
+    minimise  sum_j (log predicted_j - log measured_j)^2 / NOISE^2  +  sum_t theta_t^2 / PRIOR^2
+
+``level`` is free (no prior): it is what the single step-time factor used to be. Each freed ``theta_t`` is pulled
+towards 0, i.e. the term keeps the estimator's relative weight until the trials say otherwise. How many terms are
+freed follows what the trials support: none for one or two trials (the level alone), then forward selection, one
+term at a time, the term whose freeing lowers the fit's Bayesian information criterion most, with two trials per
+freed term (``MAX_FREE``): a fit that passes exactly through its samples extrapolates wildly to the layouts it has
+not seen. Gauss-Newton with a Levenberg damping solves each fit (a few dozen parameters at most), each newly freed
+term started from the best of a coarse grid of offsets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from sweeper.estimate.estimator import Estimator
+from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
+from sweeper.space.layout import Layout
+
+# The spread of one smoke run's measured step time around its layout's true one, in log units: the CPU backend's
+# repeats spread by 7-15 % (tests/data/landscape_*.json, noise_cv_median), a GPU's by a few percent. The larger one
+# keeps a term from being freed to explain noise.
+NOISE = 0.10
+# How far a term's efficiency may plausibly lie from the common level, in log units (a factor of three either way at
+# one sigma): the estimator's structure is trusted, its constants less so. Trials that say otherwise move a term as
+# far as they need (the CPU backend's gloo collectives end up thousands of times NCCL's cost); a wider prior let
+# three trials pull one term far enough to mispredict the layouts they did not measure (benchmarks/
+# step_time_calibration.py: the held-out median error on the quickstart landscape 24 % with a factor of ten, 22 %
+# with three).
+PRIOR = math.log(3.0)
+# Terms freed at most, for n measured trials: two trials per freed term besides the level's one, so that no fit
+# passes exactly through its samples.
+def MAX_FREE(n: int) -> int:  # noqa: N802
+    return (n - 1) // 2
+
+
+# A freed term's factor stays within six decades of the level, however the trials pull.
+MAX_LOG_OFFSET = math.log(1e6)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One measured trial: its layout's uncalibrated step-time terms and its measured seconds per step."""
+
+    terms: StepTerms
+    measured_s: float
+
+
+@dataclass(frozen=True)
+class StepFit:
+    """The fitted factors: ``level`` for every term, ``factors`` for the terms fitted on their own."""
+
+    level: float = 1.0
+    factors: dict[str, float] | None = None
+    samples: int = 0
+    error_before: float | None = None  # median |predicted - measured| / measured, uncalibrated
+    error_level: float | None = None  # the same with the level only (what one factor would give)
+    error_after: float | None = None  # with the fitted terms
+
+    def factor(self, term: str) -> float:
+        own = (self.factors or {}).get(term)
+        if own is not None:
+            return own
+        return 1.0 if term == PP_BUBBLE else self.level
+
+
+class _Problem:
+    """The samples as arrays: stage terms per micro-batch, step terms, micro-batches and bubble slots."""
+
+    def __init__(self, samples: Sequence[StepSample], names: list[str]) -> None:
+        self.names = names
+        index = {t: i for i, t in enumerate(names)}
+        self.stage = np.zeros((len(samples), len(names)))
+        self.step = np.zeros((len(samples), len(names)))
+        for j, s in enumerate(samples):
+            for t, v in s.terms.stage.items():
+                if t in index:
+                    self.stage[j, index[t]] = v
+            for t, v in s.terms.step.items():
+                if t in index:
+                    self.step[j, index[t]] = v
+        self.micro = np.array([s.terms.microbatches for s in samples], dtype=float)
+        self.bubble = np.array([s.terms.bubble_slots for s in samples], dtype=float)
+        self.log_measured = np.log([s.measured_s for s in samples])
+        self.bubble_index = index.get(PP_BUBBLE)
+
+    def predict(self, level: float, theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """log predicted step time per sample, and its Jacobian over (level, theta)."""
+        f = np.exp(level + theta)
+        fb = 1.0
+        if self.bubble_index is not None:
+            f[self.bubble_index] = 0.0  # the bubble is no stage or step term; its factor is fb
+            fb = math.exp(theta[self.bubble_index])
+        per_micro = self.stage @ f
+        slots = self.micro + fb * self.bubble
+        once = self.step @ f
+        pred = per_micro * slots + once
+        grad = self.stage * f * slots[:, None] + self.step * f
+        if self.bubble_index is not None:
+            grad[:, self.bubble_index] = fb * self.bubble * per_micro
+        # The level scales every factor but the bubble's: d pred / d level = pred.
+        jac = np.column_stack([pred, grad]) / pred[:, None]
+        return np.log(pred), jac
+
+
+# Where a newly freed term's search starts: the best of these log offsets from the level. A term that is a
+# thousandth of the step (gloo's TP collectives priced at NCCL's speed) needs a factor of thousands to show, which a
+# damped Gauss-Newton step from 0 would crawl towards.
+START_OFFSETS = np.linspace(-MAX_LOG_OFFSET, MAX_LOG_OFFSET, 29)
+
+
+def _solve(problem: _Problem, free: list[int], level0: float, theta0: np.ndarray | None = None,
+           ) -> tuple[float, np.ndarray, float]:
+    """Levenberg-damped Gauss-Newton over the level and the freed thetas from (level0, theta0); (level, theta,
+    objective)."""
+    n_terms = len(problem.names)
+    level = level0
+    theta = np.zeros(n_terms) if theta0 is None else theta0.copy()
+    cols = [0] + [1 + i for i in free]
+    weight = (NOISE / PRIOR) ** 2  # the prior's weight against one sample's squared log residual
+
+    def objective(lv: float, th: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
+        logp, jac = problem.predict(lv, th)
+        r = logp - problem.log_measured
+        return float(r @ r + weight * th @ th), r, jac
+
+    if free and theta0 is not None:  # the newest freed term: start from the best of a coarse grid
+        newest = free[-1]
+
+        def at(offset: float) -> float:
+            th = theta.copy()
+            th[newest] = offset
+            logp = problem.predict(level, th)[0]
+            shift = float(np.mean(problem.log_measured - logp))  # the level's best answer to that offset
+            r = logp + shift - problem.log_measured
+            return float(r @ r + weight * th @ th)
+
+        theta[newest] = min(START_OFFSETS, key=at)
+        logp = problem.predict(level, theta)[0]
+        level += float(np.mean(problem.log_measured - logp))
+    value, r, jac = objective(level, theta)
+    damping = 1e-3
+    for _ in range(60):
+        j = jac[:, cols]
+        params = np.concatenate([[level], theta[free]])
+        prior_grad = np.concatenate([[0.0], weight * params[1:]])
+        hess = j.T @ j + np.diag(np.concatenate([[0.0], np.full(len(free), weight)]))
+        g = j.T @ r + prior_grad
+        step = np.linalg.solve(hess + damping * np.diag(np.diag(hess) + 1e-12), -g)
+        lv = level + step[0]
+        th = theta.copy()
+        th[free] = np.clip(theta[free] + step[1:], -MAX_LOG_OFFSET, MAX_LOG_OFFSET)
+        new_value, new_r, new_jac = objective(lv, th)
+        if new_value < value:
+            converged = value - new_value < 1e-10 * max(1.0, value)
+            level, theta, value, r, jac = lv, th, new_value, new_r, new_jac
+            damping = max(damping / 3, 1e-9)
+            if converged:
+                break
+        else:
+            damping *= 10
+            if damping > 1e8:
+                break
+    return level, theta, value
+
+
+def _median_error(log_pred: np.ndarray, log_measured: np.ndarray) -> float:
+    return float(np.median(np.abs(np.exp(log_pred - log_measured) - 1.0)))
+
+
+def fit_step(samples: Sequence[StepSample]) -> StepFit:
+    """The level and the freed terms' factors that best explain ``samples`` (see the module's docstring)."""
+    samples = [s for s in samples if s.measured_s > 0 and s.terms.seconds() > 0]
+    if not samples:
+        return StepFit()
+    names = sorted({t for s in samples for t in s.terms.names()})
+    problem = _Problem(samples, names)
+    n = len(samples)
+    zero = np.zeros(len(names))
+    raw_log = problem.predict(0.0, zero)[0]
+    level0 = float(np.median(problem.log_measured - raw_log))
+    level, theta, value = _solve(problem, [], level0)
+
+    def bic(objective: float, free: int) -> float:
+        return objective / NOISE ** 2 + (1 + free) * math.log(n)
+
+    free: list[int] = []
+    best_score = bic(value, 0)
+    best = (level, theta)
+    # Only terms whose share of the step differs between the samples can be told apart from the level.
+    shares = np.array([[s.terms.per_step().get(t, 0.0) / s.terms.seconds() for t in names] for s in samples])
+    candidates = [i for i in range(len(names)) if np.ptp(shares[:, i]) > 1e-3]
+    while len(free) < MAX_FREE(n) and candidates:
+        scored = []
+        for i in candidates:
+            lv, th, val = _solve(problem, [*free, i], best[0], best[1])
+            scored.append((bic(val, len(free) + 1), i, lv, th))
+        score, i, lv, th = min(scored, key=lambda x: x[0])
+        if score >= best_score:
+            break
+        best_score, best = score, (lv, th)
+        free.append(i)
+        candidates.remove(i)
+    level, theta = best
+    factors = {}
+    for i in free:
+        name = names[i]
+        factors[name] = math.exp(theta[i]) if name == PP_BUBBLE else math.exp(level + theta[i])
+    return StepFit(
+        level=math.exp(level), factors=factors, samples=n,
+        error_before=_median_error(raw_log, problem.log_measured),
+        error_level=_median_error(raw_log + level0, problem.log_measured),
+        error_after=_median_error(problem.predict(level, theta)[0], problem.log_measured),
+    )
+
+
+class StepModel:
+    """One sweep's step-time samples against an estimator's terms, and the fit they give (refit per sample).
+
+    ``start``: the factors stored by earlier sweeps on the same cluster. Until a trial is measured they are the
+    prediction; after, the shape they learnt (each term's factor relative to their level) stays as the estimator's
+    weights the new fit is pulled towards, and the new trials fit the level and whatever still differs."""
+
+    def __init__(self, estimator: Estimator, start: StepFit | None = None) -> None:
+        self.estimator = estimator
+        self.samples: list[StepSample] = []
+        self.start = start or StepFit()
+        self.base = {t: f if t == PP_BUBBLE else f / self.start.level for t, f in (self.start.factors or {}).items()}
+        self.fit = self.start
+        self._terms: dict[Layout, StepTerms] = {}
+
+    def terms(self, layout: Layout) -> StepTerms:
+        """The layout's uncalibrated step-time terms (kept: a sweep asks for the same layouts again)."""
+        terms = self._terms.get(layout)
+        if terms is None:
+            terms = self.estimator(layout).step_terms
+            assert terms is not None, "the estimator prices every valid layout's step"
+            self._terms[layout] = terms
+        return terms
+
+    def add(self, layout: Layout, measured_step_s: float) -> StepFit:
+        """One more measured trial: refit and return the new fit (relative to the stored shape)."""
+        self.samples.append(StepSample(self.terms(layout).weighted(self._base), measured_step_s))
+        self.fit = fit_step(self.samples)
+        return self.fit
+
+    def factor(self, term: str) -> float:
+        """A term's calibrated factor: the stored one until a trial is measured, then the stored shape times the
+        refit."""
+        if not self.samples:
+            return self.start.factor(term)
+        return self._base(term) * self.fit.factor(term)
+
+    def factors(self) -> dict[str, float]:
+        """The factors of the terms that differ from the level (the stored shape's and the refit's own)."""
+        return {t: self.factor(t) for t in {*self.base, *(self.fit.factors or {})}}
+
+    @property
+    def level(self) -> float:
+        return self.fit.level
+
+    def step_time_s(self, layout: Layout) -> float:
+        """The layout's step time as the current calibration predicts it."""
+        return self.terms(layout).seconds(self.factor)
+
+    def raw_seconds(self, sample: StepSample) -> float:
+        """A sample's uncalibrated step time (the stored shape taken out again)."""
+        return sample.terms.weighted(lambda t: 1.0 / self._base(t)).seconds()
+
+    def calibrated_seconds(self, sample: StepSample) -> float:
+        return sample.terms.seconds(self.fit.factor)
+
+    def _base(self, term: str) -> float:
+        return self.base.get(term, 1.0)

@@ -1,0 +1,33 @@
+"""The refit step-time model's turns in choosing layouts.
+
+Each passed trial's measured step time refits one efficiency factor per step-time term (``estimate.step_fit``, kept
+by the sweep's ``Calibrator``), on the backend the trials ran on: a simulated cluster's CPU ranks or the GPUs. Once
+``FIRST_TURN`` trials are measured, every proposal is the refit model's best untried launchable layout, queued in
+the study ahead of TPE's next draw; the trials before it are TPE's opening (on GPUs, the estimator's favourites).
+Each layout the model got wrong is measured and corrects it, so the walk down its ranking re-ranks as it goes.
+``benchmarks/search_efficiency.py`` measures this (``tpe+refit``) against TPE alone and random on the recorded
+landscapes; giving TPE every third or fourth proposal instead, or the model's first turn after three trials, took
+more trials on all three.
+"""
+
+from __future__ import annotations
+
+from sweeper.estimate.step_fit import StepModel
+from sweeper.space.layout import Layout
+
+# Measured trials before the model proposes: one fixes its level only, two let it free a term.
+FIRST_TURN = 2
+
+
+def predicted_objective(model: StepModel, layout: Layout, objective: str) -> float:
+    """The sweep's objective as the refit model predicts it: tokens/s, or for TFLOP/s per GPU a quantity in
+    proportion to it (the model FLOPs per token are the same for every layout of a space)."""
+    rate = layout.gbs / model.step_time_s(layout)
+    return rate / layout.world_size if objective == "tflops_per_gpu" else rate
+
+
+def turn(model: StepModel, objective: str, untried: list[Layout]) -> Layout | None:
+    """The refit model's proposal among ``untried`` launchable layouts, or None while it has too few samples."""
+    if len(model.samples) < FIRST_TURN or not untried:
+        return None
+    return max(untried, key=lambda lo: predicted_objective(model, lo, objective))
