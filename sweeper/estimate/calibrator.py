@@ -56,13 +56,20 @@ def stored(cfg: SweepConfig, host_cores: int | None = None) -> tuple[Calibration
     path = cache_path()
     own = load(path, key(cfg, host_cores))
     if own is not None:
-        return own, f"calibrated from {own.samples} measured trial(s) of {cfg.model.name} on this cluster ({path})"
+        return own, (f"calibrated from {own.samples} measured trial(s) of {cfg.model.name} on this cluster: step "
+                     f"time x{own.step_time_factor:.3g}{_terms(own)}, activations x{own.activation_factor:.3g}, "
+                     f"model state x{own.state_factor:.3g} ({path})")
     shared = load(path, calibration_key(cluster_key(cfg, host_cores), "*"))
     if shared is not None and shared.step_term_factors:
-        terms = ", ".join(f"{t} x{f:.3g}" for t, f in sorted(shared.step_term_factors.items()))
         return shared, (f"step time partly calibrated: this cluster's link and launch factors learnt on another "
-                        f"model ({terms}; {path})")
+                        f"model, relative to its compute{_terms(shared)} ({path})")
     return None, None
+
+
+def _terms(calibration: Calibration) -> str:
+    """The step-time terms fitted on their own, for a one-line summary."""
+    factors = calibration.step_term_factors
+    return f" ({', '.join(f'{t} x{f:.3g}' for t, f in sorted(factors.items()))})" if factors else ""
 
 
 @dataclass(frozen=True)
