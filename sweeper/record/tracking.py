@@ -4,15 +4,25 @@ The only module that imports mlflow, and the driver is the only writer (ranks ne
 crashed rank cannot leave half-written runs. It uses ``MlflowClient`` with explicit run ids rather than
 mlflow's global "active run", because several trials are in flight at once. With no tracking URI configured
 MLflow's own default store in the working directory is used (``mlflow ui`` there shows it).
+
+A tracking server that stops answering mid-sweep never stops the sweep (issue 34): the first failed call says so
+once (``say``), the tracker falls behind and makes no further calls, and ``trials.jsonl`` stays the record. Each
+time a trial ends the sweep asks ``catch_up`` with its records: once the server answers again, every record without
+a finished child run (matched by its trial number, attempt and phase tags) gets one, exactly once, and the tracker
+is up to date again; ``--resume`` does the same. MLflow's client would retry a dead server for minutes per call
+(7 retries with exponential backoff, a 120 s timeout); the tracker lowers that, unless the environment sets it.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import json
+import os
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -22,11 +32,20 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 from sweeper.errors import TrackingError
-from sweeper.record.schema import TrialResult
+from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.space.axes import AXES
 from sweeper.space.layout import Layout
 
 LOG_TAIL_BYTES = 20_000
+# MLflow's HTTP retry settings while a sweep logs: a dead server fails a call within about a minute (2 retries, 1 s
+# backoff, 20 s timeout) instead of MLflow's four, and the sweep goes on without it. The environment's own win.
+QUICK_FAILURE = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                 "MLFLOW_HTTP_REQUEST_TIMEOUT": "20"}
+# How long a probe of a server that fell behind waits for it to accept a connection.
+PROBE_TIMEOUT_S = 2.0
+# What a call to a tracking server that went away raises: MLflow wraps requests' errors in MlflowException, and
+# requests' own are OSErrors.
+UNANSWERED = (MlflowException, OSError)
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 
 
@@ -93,7 +112,12 @@ def check_reachable(uri: str, timeout_s: float) -> None:
 
 
 class Tracker:
-    def __init__(self, tracking_uri: str | None, experiment: str, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, tracking_uri: str | None, experiment: str, connect_timeout_s: float = 10.0,
+                 say: Callable[[str], None] = print) -> None:
+        for name, value in QUICK_FAILURE.items():
+            os.environ.setdefault(name, value)
+        self.say = say  # one line for the user (the sweep's console)
+        self.behind: str | None = None  # why the server is not being written to, while it is not
         self.client = MlflowClient(tracking_uri=tracking_uri)
         check_reachable(self.client.tracking_uri, connect_timeout_s)
         self.tracking_uri = public_uri(self.client.tracking_uri)  # recorded, printed, exported: no credentials
@@ -108,6 +132,74 @@ class Tracker:
                                 f"experiment: {first}") from None
         self.experiment = experiment
         self.parent_run_id: str | None = None
+
+    # -- a server that goes away ----------------------------------------------------------------------------------
+    @contextmanager
+    def _unless_behind(self) -> Iterator[bool]:
+        """Runs the block's calls unless the tracker is behind (yields False then: skip them); a call the server
+        does not answer puts it behind, said once, and the block's remaining calls are skipped."""
+        if self.behind is not None:
+            yield False
+            return
+        try:
+            yield True
+        except UNANSWERED as exc:
+            self._fall_behind(exc)
+
+    def _fall_behind(self, exc: BaseException) -> None:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        self.behind = first
+        self.say(f"[yellow]tracking[/] MLflow at {self.tracking_uri} stopped answering ({first}): the sweep goes on, "
+                 "every trial is kept in trials.jsonl, and MLflow is brought up to date when the server answers "
+                 "again or on --resume")
+
+    def catch_up(self, records: Sequence[TrialRecord]) -> int | None:
+        """Bring a tracker that fell behind up to date from the sweep's records once the server answers again: a
+        finished child run for every launched attempt that has none (exactly once: matched by the trial number,
+        attempt and phase tags; one left RUNNING is finished). Returns how many it logged, None while the server
+        still does not answer (or nothing was behind)."""
+        if self.behind is None or self.parent_run_id is None:
+            return None
+        try:
+            check_reachable(self.client.tracking_uri, PROBE_TIMEOUT_S)
+        except TrackingError:
+            return None
+        try:
+            logged = self._log_missing(records)
+        except UNANSWERED as exc:  # it went away again: stay behind, quietly
+            self.behind = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+            return None
+        self.behind = None
+        self.say(f"[blue]tracking[/] MLflow at {self.tracking_uri} answers again: {logged} trial attempt(s) brought "
+                 "up to date")
+        return logged
+
+    def log_missing(self, records: Sequence[TrialRecord]) -> int:
+        """``--resume``: log the records a driver that died while behind could not (0 when none, or when the server
+        does not answer; then the tracker is behind and ``catch_up`` tries again)."""
+        with self._unless_behind() as up:
+            if up:
+                return self._log_missing(records)
+        return 0
+
+    def _log_missing(self, records: Sequence[TrialRecord]) -> int:
+        assert self.parent_run_id is not None
+        runs = self.client.search_runs([self.experiment_id], f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
+                                       max_results=50_000)
+        by_key = {tuple(r.data.tags.get(tag(k)) for k in ("trial_number", "attempt", "phase")): r for r in runs}
+        logged = 0
+        for rec in records:
+            if rec.attempt < 1:  # a layout refused before launching has no run
+                continue
+            run = by_key.get((str(rec.number), str(rec.attempt), rec.phase))
+            if run is not None and run.info.status != "RUNNING":
+                continue
+            layout = Layout.from_dict(rec.layout)
+            run_id = run.info.run_id if run is not None else self._start_trial_run(
+                rec.number, rec.attempt, layout, rec.phase, rec.predicted)
+            self._finish_trial_run(run_id, rec.result)
+            logged += 1
+        return logged
 
     # -- the sweep ------------------------------------------------------------------------------------------------
     def start_sweep(self, name: str, params: dict[str, Any], tags: dict[str, str], resume_run_id: str | None) -> str:
@@ -142,32 +234,50 @@ class Tracker:
         ``artifacts``: files of the sweep folder; ``figures``: plotly figures by artifact name (the report's)."""
         assert self.parent_run_id is not None
         run = self.parent_run_id
-        now = _now_ms()
-        self.client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
-                              tags=[RunTag(tag(k), _text(v)) for k, v in summary.items()])
-        if any(table.values()):  # at least one row
-            self.client.log_table(run, table, "trials_table.json")
-        for path in artifacts:
-            if path.is_file():
-                self.client.log_artifact(run, str(path))
-        for name, figure in figures.items():
-            self.client.log_figure(run, figure, f"figures/{name}.html")  # plotly: an interactive HTML page
-        self.client.set_terminated(run, status=status)
+        with self._unless_behind() as up:
+            if not up:
+                self.say(f"[yellow]tracking[/] MLflow at {self.tracking_uri} is behind: the sweep's results are in "
+                         "its folder; `sweeper search --resume` brings MLflow up to date once the server answers")
+                return
+            now = _now_ms()
+            self.client.log_batch(run, metrics=[Metric(k, float(v), now, 0) for k, v in metrics.items()],
+                                  tags=[RunTag(tag(k), _text(v)) for k, v in summary.items()])
+            if any(table.values()):  # at least one row
+                self.client.log_table(run, table, "trials_table.json")
+            for path in artifacts:
+                if path.is_file():
+                    self.client.log_artifact(run, str(path))
+            for name, figure in figures.items():
+                self.client.log_figure(run, figure, f"figures/{name}.html")  # plotly: an interactive HTML page
+            self.client.set_terminated(run, status=status)
 
     def close_orphans(self) -> list[str]:
         """Child runs still RUNNING, from a driver that died (on ``--resume``) or one stopping without waiting for its
         trials (``kill_sweep``): mark them KILLED (their trials are re-run on a resume)."""
         assert self.parent_run_id is not None
-        runs = self.client.search_runs(
-            [self.experiment_id],
-            filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'",
-        )
-        for run in runs:
-            self.client.set_terminated(run.info.run_id, status="KILLED")
-        return [run.info.run_id for run in runs]
+        closed: list[str] = []
+        with self._unless_behind() as up:
+            if up:
+                runs = self.client.search_runs(
+                    [self.experiment_id],
+                    filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}' and attributes.status = 'RUNNING'",
+                )
+                for run in runs:
+                    self.client.set_terminated(run.info.run_id, status="KILLED")
+                    closed.append(run.info.run_id)
+        return closed
 
     # -- trials ---------------------------------------------------------------------------------------------------
     def start_trial(
+        self, number: int, attempt: int, layout: Layout, phase: str, predicted: dict[str, Any] | None
+    ) -> str | None:
+        """The trial attempt's child run (None while the tracker is behind: ``catch_up`` makes it later)."""
+        with self._unless_behind() as up:
+            if up:
+                return self._start_trial_run(number, attempt, layout, phase, predicted)
+        return None
+
+    def _start_trial_run(
         self, number: int, attempt: int, layout: Layout, phase: str, predicted: dict[str, Any] | None
     ) -> str:
         assert self.parent_run_id is not None
@@ -192,7 +302,15 @@ class Tracker:
         self.client.log_batch(run.info.run_id, params=params, metrics=metrics)
         return run.info.run_id
 
-    def finish_trial(self, run_id: str, result: TrialResult, killed: bool = False) -> None:
+    def finish_trial(self, run_id: str | None, result: TrialResult, killed: bool = False) -> None:
+        """Log the attempt's outcome on its child run (none: started while behind, ``catch_up`` logs it)."""
+        if run_id is None:
+            return
+        with self._unless_behind() as up:
+            if up:
+                self._finish_trial_run(run_id, result, killed)
+
+    def _finish_trial_run(self, run_id: str, result: TrialResult, killed: bool = False) -> None:
         now = _now_ms()
         metrics = [
             Metric(name, float(value), now, 0)
@@ -237,14 +355,20 @@ class Tracker:
         status = "KILLED" if killed else ("FINISHED" if result.status == "passed" else "FAILED")
         self.client.set_terminated(run_id, status=status)
 
-    def kill_trial(self, run_id: str) -> None:
-        self.client.set_terminated(run_id, status="KILLED")
+    def kill_trial(self, run_id: str | None) -> None:
+        if run_id is None:
+            return
+        with self._unless_behind() as up:
+            if up:
+                self.client.set_terminated(run_id, status="KILLED")
 
     def kill_sweep(self) -> None:
         """The sweep stops without finishing (a second Ctrl-C): its trial runs still RUNNING and the parent KILLED."""
         assert self.parent_run_id is not None
         self.close_orphans()
-        self.client.set_terminated(self.parent_run_id, status="KILLED")
+        with self._unless_behind() as up:
+            if up:
+                self.client.set_terminated(self.parent_run_id, status="KILLED")
 
 
 def _source_tags() -> dict[str, str]:

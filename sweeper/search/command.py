@@ -39,7 +39,7 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
 
     quiet_libraries()  # MLflow's store migration lines are not sweeper's to show
     tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name,  # creates the store first
-                      cfg.tracking.connect_timeout_s)
+                      cfg.tracking.connect_timeout_s, say=lambda line: console.print(line, important=True))
     sweep_dir.create()
     if options.space is not None and not options.resume:
         header = "".join(f"# applied over this file: --set {item}\n" for item in options.overrides)

@@ -236,6 +236,9 @@ class Sweep:
         if self.options.resume:
             for run_id in self.tracker.close_orphans():
                 console.print(f"resume: MLflow run {run_id} of a trial running at the crash marked KILLED")
+            missing = self.tracker.log_missing(self.records)  # trials that ended while MLflow was behind
+            if missing:
+                console.print(f"resume: {missing} trial attempt(s) recorded while MLflow was behind logged to it now")
             for layout, attrs in self.study.take_over_running():
                 if "sweeper_number" in attrs:
                     self.resumed[_key(layout.to_dict())] = (attrs["sweeper_number"], attrs.get("attempt", 1))
@@ -283,7 +286,7 @@ class Sweep:
             if isinstance(waiting, tuple):
                 run, reserved = waiting
                 # A proposal that waited for GPUs: what finished meanwhile may rule it out.
-                if run.run_id is None and self._admitted(run.layout, run.proposal, run.number) is None:
+                if not run.started_at and self._admitted(run.layout, run.proposal, run.number) is None:
                     self.handle.release(reserved)
                     continue
                 self._launch(run.layout, run.number, run.attempt + 1, "explore", run.proposal, run.predicted, reserved)
@@ -401,8 +404,7 @@ class Sweep:
     # -- recording -----------------------------------------------------------------------------------------------
     def _record(self, run: Running, result: TrialResult) -> None:
         killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
-        assert run.run_id is not None, "only launched trials end"
-        self.tracker.finish_trial(run.run_id, result, killed=killed)
+        self.tracker.finish_trial(run.run_id, result, killed=killed)  # no run id: started while MLflow was behind
         record = TrialRecord(
             number=run.number, layout=run.layout.to_dict(), result=result, predicted=run.predicted,
             started_at=run.started_at, ended_at=now(), attempt=run.attempt, mlflow_run_id=run.run_id,
@@ -410,6 +412,8 @@ class Sweep:
         )
         self.dir.append_trial(record)
         self.records.append(record)
+        if self.tracker.behind:  # the tracking server went away: logged from the records once it answers
+            self.tracker.catch_up(self.records)
         colour = "green" if result.passed else "red"
         m = result.metrics
         outcome = (f"{result.failure_kind}: {result.error}" if result.failure_kind else
@@ -552,6 +556,8 @@ class Sweep:
         meta.step_time_fit = self.calibrator.step_time_fit()
         self.dir.write_meta(meta)
         report = render_report(self.dir.root)
+        if self.tracker.behind:
+            self.tracker.catch_up(self.records)
         self.tracker.finish_sweep(
             "KILLED" if status == "interrupted" else "FINISHED",
             {"status": status, "best": winner.layout.short() if winner else "none"},

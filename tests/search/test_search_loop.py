@@ -508,3 +508,58 @@ def test_a_trial_that_contradicts_the_estimators_ranking_changes_what_the_sweep_
     contradicts = fourth(lambda lo: 1000 * (raw(lo).step_time_s or 0.0) * (20 if lo.pp == 2 else 1))
     assert agrees == untried[0]
     assert contradicts == pp1[2]
+
+
+class ServerGoesAway(StandInHost):
+    """The stand-in host (no Ray, no Megatron) that stops the real MLflow server as its 3rd trial starts and starts
+    it again as its 5th does: trial 2 was logged, 3 started while the server answered and ends while it does not,
+    4 starts and ends without it, 5 starts without it and ends with it back."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(delay=0.1)
+        self.server = server
+
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
+        calls = len(self.calls) + (0 if kw.get("make_reference") else 1)
+        if calls == 3 and self.server.proc is not None:
+            self.server.stop()
+        if calls == 5 and self.server.proc is None:
+            self.server.start()
+        return super().run_trial(cfg, layout, trial_dir, **kw)
+
+
+@pytest.mark.e2e
+def test_a_tracking_server_that_goes_away_mid_sweep_loses_and_duplicates_no_trial(
+        cfg: SweepConfig, tmp_path: Path, mlflow_server_process: Any) -> None:
+    """Issue 34: the sweep runs on through the outage, says so once, keeps every trial in trials.jsonl, and logs the
+    ones MLflow missed when the server answers again: every launched attempt exactly one finished child run."""
+    from mlflow.tracking import MlflowClient
+
+    said: list[str] = []
+    cfg = cfg.model_copy(update={"search": cfg.search.model_copy(update={"max_trials": 7, "confirm_top": 1})})
+    out = tmp_path / "sweep"
+    SweepDir(out).create()
+    tracker = Tracker(mlflow_server_process.url, "goes-away", say=said.append)
+    parent = tracker.start_sweep(cfg.name, {}, {}, resume_run_id=None)
+    SweepDir(out).write_meta(SweepMeta(mlflow={"parent_run_id": parent}))
+    host = ServerGoesAway(mlflow_server_process)
+    assert Sweep(cfg, SearchOptions(out=out, parallel=1), host, tracker).run() == 0
+
+    assert sum("stopped answering" in line for line in said) == 1, said
+    assert any("answers again" in line for line in said) and tracker.behind is None
+    records = SweepDir(out).read_trials()
+    launched = [r for r in records if r.attempt >= 1]
+    assert len(launched) >= 6 and mlflow_server_process.proc is not None
+    client = MlflowClient(tracking_uri=mlflow_server_process.url)
+    runs = client.search_runs([tracker.experiment_id], f"tags.mlflow.parentRunId = '{parent}'")
+    keys = sorted((r.data.tags["sweeper.trial_number"], r.data.tags["sweeper.attempt"], r.data.tags["sweeper.phase"])
+                  for r in runs)
+    assert keys == sorted((str(r.number), str(r.attempt), r.phase) for r in launched)  # each exactly once
+    assert all(r.info.status in ("FINISHED", "FAILED") for r in runs)
+    for run in runs:
+        record = next(r for r in launched if str(r.number) == run.data.tags["sweeper.trial_number"]
+                      and r.phase == run.data.tags["sweeper.phase"])
+        assert run.data.tags["sweeper.status"] == record.result.status
+        if record.result.passed:
+            assert run.data.metrics["tokens_per_s"] == pytest.approx(record.result.metrics.tokens_per_s or 0.0)
+    assert client.get_run(parent).info.status == "FINISHED"
