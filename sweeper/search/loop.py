@@ -245,6 +245,8 @@ class Sweep:
                     self.study.enqueue(layout, again=True)
                     console.print(f"resume: trial #{attrs['sweeper_number']} {layout.short()} was running at the "
                                   "crash; it runs again as a new attempt")
+            # Their numbers are taken: a trial that had no record yet may hold a number above every recorded one.
+            self.next_number = max([self.next_number, *(1 + n for n, _ in self.resumed.values())])
         for text in self.cfg.search.seeds:
             self.study.enqueue(layout_from_string(self.cfg, text))
         if self.study.mode == "tpe":  # the estimator's two favourites open the study (a prior), then TPE takes over

@@ -248,6 +248,34 @@ def test_resume_does_not_rerun_finished_trials(cfg: SweepConfig, tmp_path: Path,
     assert len(rerun) <= 1
 
 
+def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_running_at_the_crash(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """A driver killed while trial #5 ran (#3 and #4 not yet recorded): on --resume #5 runs again under its number,
+    and the new trials are numbered past it (scripts/kill_resume.py found two layouts sharing #4 and #5)."""
+    from sweeper.search.study import LayoutStudy
+
+    first = make_sweep(cfg, StandInHost(delay=0.05), max_trials=2, parallel=1)
+    first.run()
+    out = tmp_path / "sweep"
+    done = {Layout.from_dict(r.layout) for r in SweepDir(out).read_trials()}
+    study = LayoutStudy(cfg, SweepDir(out).journal, "tpe", cfg.search.seed, [])
+    running = next(e.layout for e in first.launchable if e.layout not in done)
+    study.enqueue(running)
+    proposal = study.propose(lambda lo: False)
+    assert proposal is not None and proposal.layout == running
+    proposal.trial.set_user_attr("sweeper_number", 5)  # as Sweep._launch sets it; the crash leaves it RUNNING
+    proposal.trial.set_user_attr("attempt", 1)
+
+    second = make_sweep(cfg, StandInHost(delay=0.05), resume=True, max_trials=6, parallel=1)
+    second.run()
+    explore = [r for r in SweepDir(out).read_trials() if r.phase == "explore" and r.attempt >= 1]
+    layouts_by_number: dict[int, set[str]] = {}
+    for r in explore:
+        layouts_by_number.setdefault(r.number, set()).add(Layout.from_dict(r.layout).short())
+    assert all(len(v) == 1 for v in layouts_by_number.values()), layouts_by_number
+    assert layouts_by_number[5] == {running.short()}
+
+
 # -- what the study proposes (issue 11, item 6) ---------------------------------------------------------------------
 # 2,304 combinations of which 148 are valid for tiny-moe (4 experts, 2 query groups, 4 layers): most are invalid.
 MANY_INVALID = {
