@@ -239,7 +239,7 @@ class Sweep:
             missing = self.tracker.log_missing(self.records)  # trials that ended while MLflow was behind
             if missing:
                 console.print(f"resume: {missing} trial attempt(s) recorded while MLflow was behind logged to it now")
-            for layout, attrs in self.study.take_over_running():
+            for layout, attrs in self.study.take_over_running(self._recorded_outcome):
                 if "sweeper_number" in attrs:
                     self.resumed[_key(layout.to_dict())] = (attrs["sweeper_number"], attrs.get("attempt", 1))
                     self.study.enqueue(layout, again=True)
@@ -458,10 +458,25 @@ class Sweep:
         if self.stop.is_set() and killed:
             return  # the layout said nothing: left open, re-run on --resume
         self.decided.add(_key(run.layout.to_dict()))
+        self.study.tell(run.proposal, *self._outcome(result))
+
+    def _outcome(self, result: TrialResult) -> tuple[float | None, bool]:
+        """What Optuna is told of an ended attempt: its objective (0 when not stable; None when the attempt said
+        nothing about the layout) and whether its region is infeasible."""
         value = objective_value(result, self.cfg) if is_stable(result, self.cfg) else 0.0
         infeasible = result.failure_kind in ("oom", "checkpoint_host_oom", "invalid_layout", "unsupported") or (
             result.passed and not is_stable(result, self.cfg))
-        self.study.tell(run.proposal, None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible)
+        return None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible
+
+    def _recorded_outcome(self, attrs: dict[str, Any]) -> tuple[float | None, bool] | None:
+        """A trial Optuna still holds as running whose attempt trials.jsonl already has (the driver died between
+        recording it and telling Optuna): that outcome, or None when the attempt must run (again)."""
+        number, attempt = attrs.get("sweeper_number"), attrs.get("attempt", 1)
+        record = next((r for r in self.records if r.phase == "explore" and r.number == number
+                       and r.attempt == attempt), None)
+        if record is None or record.result.failure_kind in NOT_THE_LAYOUTS:
+            return None
+        return self._outcome(record.result)
 
     def _print_progress(self, line: bool = True) -> None:
         """The progress summary and the running trials: the live table on a terminal; ``line``: also as a plain

@@ -147,14 +147,23 @@ class LayoutStudy:
         """Whether enqueued layouts are still waiting to be proposed."""
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
-    def take_over_running(self) -> list[tuple[Layout, dict[str, Any]]]:
-        """Trials a dead driver left RUNNING: FAIL them in Optuna and return (layout, user attrs) of each, so the
-        sweep re-runs them as new attempts of the same sweeper trial."""
+    def take_over_running(self, recorded: Callable[[dict[str, Any]], tuple[float | None, bool] | None],
+                          ) -> list[tuple[Layout, dict[str, Any]]]:
+        """Trials a dead driver left RUNNING. One whose outcome was recorded before the driver died (``recorded``
+        of its user attrs: (value, infeasible) as ``tell`` takes them) is told it; the others are FAILed and
+        returned as (layout, user attrs), so the sweep re-runs them as new attempts of the same sweeper trial."""
         out = []
         for trial in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-            if set(trial.params) == PARAMS:
-                out.append((self.layout_of(trial.params), dict(trial.user_attrs)))
             self.study.tell(trial.number, state=TrialState.FAIL)
+            outcome = recorded(dict(trial.user_attrs))
+            if outcome is not None:  # told as it would have been, in a trial of its own (the running one is FAIL)
+                value, infeasible = outcome
+                if value is not None:
+                    self.study.add_trial(optuna.trial.create_trial(
+                        value=value, params=trial.params, distributions=trial.distributions,
+                        user_attrs=trial.user_attrs, constraints={CONSTRAINT: 1.0 if infeasible else 0.0}))
+            elif set(trial.params) == PARAMS:
+                out.append((self.layout_of(trial.params), dict(trial.user_attrs)))
         return out
 
     # -- internals -------------------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ import yaml
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
-from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialResult
+from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
 from sweeper.search.loop import SearchOptions, Sweep
@@ -274,6 +274,37 @@ def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_runn
         layouts_by_number.setdefault(r.number, set()).add(Layout.from_dict(r.layout).short())
     assert all(len(v) == 1 for v in layouts_by_number.values()), layouts_by_number
     assert layouts_by_number[5] == {running.short()}
+
+
+def test_a_trial_recorded_just_before_the_crash_is_told_to_optuna_on_resume_not_rerun(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """The driver died after writing trial #3's line to trials.jsonl and before telling Optuna (scripts/
+    kill_resume.py hit that moment): on --resume Optuna is told #3's recorded outcome and #3 does not run again."""
+    import optuna
+
+    from sweeper.search.study import LayoutStudy
+
+    first = make_sweep(cfg, StandInHost(delay=0.05), max_trials=2, parallel=1)
+    first.run()
+    out = tmp_path / "sweep"
+    sweep_dir = SweepDir(out)
+    done = {Layout.from_dict(r.layout) for r in sweep_dir.read_trials()}
+    layout = next(e.layout for e in first.launchable if e.layout not in done)
+    study = LayoutStudy(cfg, sweep_dir.journal, "tpe", cfg.search.seed, [])
+    study.enqueue(layout)
+    proposal = study.propose(lambda lo: False)
+    assert proposal is not None
+    proposal.trial.set_user_attr("sweeper_number", 3)
+    proposal.trial.set_user_attr("attempt", 1)
+    result = StandInHost(delay=0).run_trial(cfg, layout, tmp_path)
+    sweep_dir.append_trial(TrialRecord(number=3, layout=layout.to_dict(), result=result, attempt=1))
+
+    host = StandInHost(delay=0.05)
+    make_sweep(cfg, host, resume=True, max_trials=4, parallel=1).run()
+    assert layout not in [lo for lo, _ in host.calls]
+    told = [t for t in optuna.load_study(study_name=study.study.study_name, storage=study.study._storage).get_trials()
+            if t.user_attrs.get("sweeper_number") == 3 and t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(told) == 1 and told[0].value == pytest.approx(result.metrics.tokens_per_s)
 
 
 # -- what the study proposes (issue 11, item 6) ---------------------------------------------------------------------
