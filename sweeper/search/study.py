@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import optuna
 from optuna.storages import JournalStorage
-from optuna.storages.journal import JournalFileBackend
+from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from optuna.trial import TrialState
 
 from sweeper.config.schema import SweepConfig
@@ -63,7 +63,7 @@ class LayoutStudy:
     def __init__(self, cfg: SweepConfig, journal: Path, mode: Mode, seed: int, candidates: Sequence[Layout]) -> None:
         self.cfg = cfg
         self.mode = mode
-        storage = JournalStorage(JournalFileBackend(str(journal)))
+        storage = JournalStorage(_journal_backend(journal))
         if mode == "tpe":
             sampler: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(
                 seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=5
@@ -218,6 +218,20 @@ class LayoutStudy:
         scored = [(distance(lo), lo) for lo in left]
         best = min(d for d, _ in scored)
         return self.rng.choice([lo for d, lo in scored if d == best])
+
+
+# Seconds a journal lock may stand unchanged before it is taken as a dead driver's: a live one holds it for the
+# milliseconds of one append.
+JOURNAL_LOCK_GRACE_S = 5
+
+
+def _journal_backend(journal: Path) -> JournalFileBackend:
+    """The journal file and its lock, by absolute path. A driver killed while appending leaves its lock file behind;
+    Optuna takes it as stale after ``JOURNAL_LOCK_GRACE_S``. The lock is an O_EXCL file, not Optuna's default
+    symlink: that symlink points at the journal by the path it was given, so a relative one dangles, and a dangling
+    lock is never found stale (a resumed driver spun on it for good; scripts/kill_resume.py caught it)."""
+    path = str(Path(journal).resolve())
+    return JournalFileBackend(path, lock_obj=JournalFileOpenLock(path, grace_period=JOURNAL_LOCK_GRACE_S))
 
 
 def _choices(cfg: SweepConfig) -> dict[str, list[Any]]:

@@ -173,3 +173,22 @@ def test_a_resumed_study_remembers_what_it_told_infeasible(cfg: SweepConfig, lau
     drive(first, 15)
     again = LayoutStudy(cfg, journal, "tpe", 1, launchable)
     assert first.told_infeasible and again.told_infeasible == first.told_infeasible
+
+
+def test_a_journal_lock_a_killed_driver_left_behind_is_taken_over(cfg: SweepConfig, launchable: list[Layout],
+                                                                   tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                   ) -> None:
+    """SIGKILL during a journal append leaves the lock file; the resumed driver (here opened by a relative path, as
+    `search --out sweep` gives it) takes the lock over after JOURNAL_LOCK_GRACE_S instead of spinning on it."""
+    import time
+
+    from sweeper.search.study import JOURNAL_LOCK_GRACE_S
+
+    monkeypatch.chdir(tmp_path)
+    LayoutStudy(cfg, Path("journal.log"), "tpe", 0, launchable)
+    (tmp_path / "journal.log.lock").write_text("")  # what the dead driver left
+    started = time.monotonic()
+    study = LayoutStudy(cfg, Path("journal.log"), "tpe", 0, launchable)
+    assert study.propose(lambda lo: False) is not None
+    assert time.monotonic() - started < JOURNAL_LOCK_GRACE_S + 10
+    assert not (tmp_path / "journal.log.lock").exists()
