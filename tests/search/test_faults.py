@@ -252,3 +252,28 @@ def test_a_second_ctrl_c_stops_at_once_and_still_records_the_sweep_as_interrupte
             "the sweeper stops without waiting for the trials to wind down; the running trials' MLflow runs and the "
             "parent marked KILLED, sweep.json status interrupted, exit 130",
             "trials.jsonl for what finished")
+
+
+def _kill_resume(tmp: Path, kills: int) -> str:
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "kill_resume.py"), "--kills", str(kills), "--keep",
+                          str(tmp / "run")], capture_output=True, text=True, timeout=3000, env=_env())
+    assert out.returncode == 0, out.stdout[-5000:] + out.stderr[-3000:]
+    assert "exactly once" in out.stdout
+    return out.stdout
+
+
+def test_the_driver_killed_three_times_and_resumed_loses_duplicates_and_reruns_nothing(tmp_path: Path) -> None:
+    """Issue 34, at CI's scale: SIGKILL during the reference, the confirmation and the report, --resume each time
+    (scripts/kill_resume.py; its checks: trials.jsonl, Optuna and MLflow agree exactly once, no leak, the winner)."""
+    out = _kill_resume(tmp_path, 3)
+    assert "3 kills" in out, out
+    _report("the driver SIGKILLed 3 times (reference, confirmation, report), --resume after each",
+            out.strip().splitlines()[-2], "every finished trial exactly once in trials.jsonl, Optuna and MLflow")
+
+
+@pytest.mark.slow
+def test_the_driver_killed_ten_times_at_random_and_resumed_keeps_every_trial_exactly_once(tmp_path: Path) -> None:
+    out = _kill_resume(tmp_path, 10)
+    assert "10 kills" in out, out
+    _report("the driver SIGKILLed 10 times at random moments of every phase, --resume after each",
+            out.strip().splitlines()[-2], "every finished trial exactly once in trials.jsonl, Optuna and MLflow")
