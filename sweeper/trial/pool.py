@@ -33,7 +33,7 @@ from sweeper.record.schema import TrialChecks
 from sweeper.trial.actor import RankSlot, call_backend, describe_slot, extend_sys_path
 from sweeper.trial.forked import ForkedRank, RankDied
 
-CHECKS_ANSWER_S = 1.5  # how long a running child gets to say what it has proven
+CHECKS_ANSWER_S = 4.0  # how long a running child gets to say what it has proven (1.5 s was too short on 2 loaded cores)
 STOP_CONFIRM_S = 10.0  # how long a warm rank gets to confirm its child is gone before the actor is retired
 
 

@@ -64,7 +64,7 @@ COLLATERAL_GRACE_S = 5.0  # after a comm error or a dead rank, how long to wait 
 # trial is infra, and its result carries this note: on a simulated cluster the same layout would hit the same wall.
 HOST_OUT_OF_MEMORY = "host out of memory"
 CPUS_PER_RANK = 1.0
-CHECKS_PROBE_S = 2.0  # how long unreported ranks get to say what they had proven before they are stopped
+CHECKS_PROBE_S = 5.0  # how long unreported ranks get to say what they had proven before they are stopped
 
 
 @dataclass(frozen=True)
