@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from sweeper.estimate.step_time import PP_BUBBLE
+from sweeper.estimate.step_time import term_factor
 from sweeper.record.files import write_atomic
 
 # A fitted activation factor outside this range means the samples disagree with the model's structure (wrong
@@ -70,9 +70,8 @@ class Calibration:
     step_term_factors: dict[str, float] = field(default_factory=dict)
 
     def step_factor(self, term: str) -> float:
-        """The calibrated factor of one step-time term: its own where fitted, else the common level (the bubble's
-        1.0: it is the slowest stage's time, calibrated already)."""
-        return self.step_term_factors.get(term, 1.0 if term == PP_BUBBLE else self.step_time_factor)
+        """The calibrated factor of one step-time term (``step_time.term_factor``)."""
+        return term_factor(term, self.step_term_factors, self.step_time_factor)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sweeper.estimate.estimator import Estimator
-from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
+from sweeper.estimate.step_time import PP_BUBBLE, StepTerms, term_factor
 from sweeper.space.layout import Layout
 
 # The spread of one smoke run's measured step time around its layout's true one, in log units: the CPU backend's
@@ -76,10 +76,7 @@ class StepFit:
     error_after: float | None = None  # with the fitted terms
 
     def factor(self, term: str) -> float:
-        own = (self.factors or {}).get(term)
-        if own is not None:
-            return own
-        return 1.0 if term == PP_BUBBLE else self.level
+        return term_factor(term, self.factors, self.level)
 
 
 class _Problem:

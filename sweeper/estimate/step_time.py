@@ -189,6 +189,14 @@ CLUSTER_TERMS = (TP, CP, EP, LAUNCH, OFFLOAD, PP_P2P, DP, EDP)
 OPTIMIZER_BYTES_PER_PARAM = 34
 
 
+def term_factor(term: str, own: dict[str, float] | None, level: float) -> float:
+    """A calibrated term's factor: its own where fitted, else the common level; the bubble's 1.0, since it is the
+    slowest stage's time, calibrated already."""
+    if own and term in own:
+        return own[term]
+    return 1.0 if term == PP_BUBBLE else level
+
+
 def compute_term(block: str, precision: str) -> str:
     return f"compute.{block}.{precision}"
 
