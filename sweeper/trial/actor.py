@@ -41,6 +41,12 @@ class RankSlot:
     port: int | None  # a free TCP port on this node, asked of rank 0 only
 
 
+# A simulated cluster's ranks run on the CPU whatever torch build is installed: Ray's virtual GPU ids are not
+# devices, and a CUDA build of torch on a machine without a driver must never be asked for one. With no visible
+# device torch's NVML-based check answers "no GPU" without loading NVML or initialising CUDA.
+CPU_RANK_ENV = {"CUDA_VISIBLE_DEVICES": "", "PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+
+
 # Two threads: ``run`` holds one for the whole smoke run; ``checks`` answers on the other while it runs.
 @ray.remote(max_restarts=0, max_task_retries=0, max_concurrency=2)  # type: ignore[call-overload]  # Ray's stubs lack max_concurrency
 class RankActor:

@@ -80,7 +80,7 @@ class TrialHost:
         # Warm (forked) ranks by default on a simulated cluster only: on an H200, NCCL in a rank forked from a warm
         # Ray actor failed to start NVML ("GPU access blocked by the operating system") where fresh ranks passed.
         warm = cfg.cluster.warm_ranks if cfg.cluster.warm_ranks is not None else self.simulated
-        self.pool = RankPool(DEFAULT_BACKEND, CPUS_PER_RANK) if warm else None
+        self.pool = RankPool(DEFAULT_BACKEND, CPUS_PER_RANK, gpu=self.cuda) if warm else None
 
     # -- capacity ----------------------------------------------------------------------------------------------
     def _alive(self) -> dict[str, tuple[str, int]]:

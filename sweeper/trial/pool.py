@@ -30,7 +30,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sweeper.backends.base import RankReport, SmokeRequest, shared_checks
 from sweeper.cluster.placement import PlacementTimeout
 from sweeper.record.schema import TrialChecks
-from sweeper.trial.actor import RankSlot, call_backend, describe_slot, extend_sys_path
+from sweeper.trial.actor import CPU_RANK_ENV, RankSlot, call_backend, describe_slot, extend_sys_path
 from sweeper.trial.forked import ForkedRank, RankDied
 
 CHECKS_ANSWER_S = 4.0  # how long a running child gets to say what it has proven (1.5 s was too short on 2 loaded cores)
@@ -42,7 +42,11 @@ class WarmRank:
     """One GPU's rank process for the sweep: warm imports, a forked child per trial (``run``), ``checks`` and
     ``stop`` answered on the second thread while a child runs."""
 
-    def __init__(self, backend: str, driver_sys_path: list[str]) -> None:
+    def __init__(self, backend: str, driver_sys_path: list[str], gpu: bool) -> None:
+        """``gpu``: False on a simulated cluster, whose ranks are CPU ranks (``CPU_RANK_ENV``), set before the
+        backend imports torch, and inherited by every forked child."""
+        if not gpu:
+            os.environ.update(CPU_RANK_ENV)
         extend_sys_path(driver_sys_path)
         self._child: ForkedRank | None = None
         self._reported = TrialChecks()  # the last ended child's checks (nothing proven before its first trial)
@@ -50,7 +54,7 @@ class WarmRank:
         module = importlib.import_module(backend.partition(":")[0])
         warm_up = getattr(module, "warm_up", None)
         if callable(warm_up):
-            warm_up()
+            warm_up(gpu=gpu)
 
     def describe(self, want_port: bool) -> RankSlot:
         return describe_slot(-1, want_port)
@@ -130,9 +134,11 @@ class Lease:
 class RankPool:
     """The sweep's warm ranks per node. The driver's threads call in here (one lock)."""
 
-    def __init__(self, backend: str, cpus_per_rank: float) -> None:
+    def __init__(self, backend: str, cpus_per_rank: float, gpu: bool) -> None:
+        """``gpu``: the warm ranks use the GPUs Ray gives them; False on a simulated cluster (CPU ranks)."""
         self.backend = backend
         self.cpus_per_rank = cpus_per_rank
+        self.gpu = gpu
         self._idle: dict[str, list[Warm]] = {}
         self._busy: list[Warm] = []
         self._lock = threading.Lock()
@@ -235,7 +241,7 @@ class RankPool:
             scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=group,
                                                                  placement_group_bundle_index=0),
             name=f"sweeper-warm-{group.id.hex()[:12]}",
-        ).remote(self.backend, [os.getcwd()] + [p for p in sys.path if p])
+        ).remote(self.backend, [os.getcwd()] + [p for p in sys.path if p], self.gpu)
 
 
 def rank_nodes(node_ids: list[str], per_bundle: int, world_size: int) -> list[str]:

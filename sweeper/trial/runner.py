@@ -44,6 +44,7 @@ from sweeper.cluster import (
     plan_placement,
     trial_placement,
 )
+from sweeper.cluster.ray_errors import cause_line
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
 from sweeper.record.files import write_atomic
@@ -51,7 +52,7 @@ from sweeper.record.schema import TrialResult
 from sweeper.space.environment import EnvVar, megatron_environment
 from sweeper.space.layout import Layout
 from sweeper.trial import stacks
-from sweeper.trial.actor import RankActor, RankSlot
+from sweeper.trial.actor import CPU_RANK_ENV, RankActor, RankSlot
 from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
 from sweeper.trial.forked import RankDied
 from sweeper.trial.pool import STOP_CONFIRM_S, RankPool, Warm
@@ -63,6 +64,11 @@ COLLATERAL_GRACE_S = 5.0  # after a comm error or a dead rank, how long to wait 
 # A rank killed by Ray's memory monitor: its node's host memory ran out (the ranks' sum, not one GPU's share). The
 # trial is infra, and its result carries this note: on a simulated cluster the same layout would hit the same wall.
 HOST_OUT_OF_MEMORY = "host out of memory"
+# Notes of an infra result whose cause passes: the cluster had no room in time, the driver stopped the trial, or a
+# node the trial ran on was lost (the layout runs again, elsewhere or later).
+PLACEMENT_TIMEOUT = "placement_timeout"
+CANCELLED = "cancelled"
+NODE_LOST = "node_lost"
 CPUS_PER_RANK = 1.0
 CHECKS_PROBE_S = 5.0  # how long unreported ranks get to say what they had proven before they are stopped
 
@@ -143,7 +149,7 @@ def run_trial(
                 result = _run_fresh(request, placement, handle, trial_id, backend, deadline, limit,
                                     node_loss_rank, on_running, cancel)
     except PlacementTimeout as exc:
-        result = TrialResult(status="failed", failure_kind="infra", error=str(exc), notes=["placement_timeout"])
+        result = TrialResult(status="failed", failure_kind="infra", error=str(exc), notes=[PLACEMENT_TIMEOUT])
     except PlacementError as exc:
         result = TrialResult(status="failed", failure_kind="invalid_layout", error=f"placement: {exc}")
     result.trial_dir = str(trial_dir)
@@ -295,7 +301,8 @@ def _run_ranks(
             for slot, outcome in zip(slots, outcomes):
                 outcome.node = labels[slot.node_id]
             envs = _rank_envs(slots, labels, trial_id,
-                              megatron_environment(request.layout, request.compute_capability))
+                              megatron_environment(request.layout, request.compute_capability),
+                              gpu=not handle.is_simulated)
             sys_path = [os.getcwd()] + [p for p in sys.path if p]
             pending = {actors[r].run.remote(backend, request, envs[r], sys_path): r for r in range(world_size)}
             running = RunningTrial(trial_id, [o.node for o in outcomes], [s.node_id for s in slots])
@@ -305,7 +312,8 @@ def _run_ranks(
                 handle.simulated.remove_node(slots[node_loss_rank].node_id)
                 notes.append(f"injected: node-loss of {outcomes[node_loss_rank].node} (rank {node_loss_rank})")
             stop = _gather(pending, outcomes, deadline, cancel)
-            _name_lost_nodes(outcomes, slots, handle)
+            if _name_lost_nodes(outcomes, slots, handle):
+                notes.append(NODE_LOST)
             if stop == "timeout":
                 still = sorted(r for r in range(world_size) if outcomes[r].report is None and outcomes[r].died is None)
                 timeout_error = (f"timeout: trial still running after {limit:.0f}s (training.trial_timeout_s); "
@@ -315,7 +323,7 @@ def _run_ranks(
                     timeout_error += f"; {forensics}"
             elif stop == "cancelled":
                 abort_error = ("infra", "cancelled: the trial was stopped before it finished")
-                notes.append("cancelled")
+                notes.append(CANCELLED)
     finally:
         _ask_unreported_checks(actors, outcomes)
     if any(o.died and o.died.startswith(HOST_OUT_OF_MEMORY) for o in outcomes):
@@ -354,7 +362,7 @@ def _describe(actors: list, deadline: float) -> list[RankSlot] | str:
     except GetTimeoutError:
         return "timeout: rank actors did not start before the trial's wall-time limit"
     except RayError as exc:  # an actor that died starting (e.g. sweeper not importable on that node)
-        return f"rank actor failed to start: {_one_line(exc)}"
+        return f"rank actor failed to start: {cause_line(exc)}"
 
 
 @functools.cache
@@ -365,9 +373,10 @@ def loopback_interface() -> str:
 
 
 def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str,
-               gpu_env: Sequence[EnvVar] = ()) -> list[dict[str, str]]:
+               gpu_env: Sequence[EnvVar] = (), *, gpu: bool) -> list[dict[str, str]]:
     """torch.distributed rendezvous variables per rank, plus a node-wide CUDA_VISIBLE_DEVICES and, on GPU ranks,
-    ``gpu_env`` (the layout's Megatron environment, exactly what launch_megatron_lm.sh exports).
+    ``gpu_env`` (the layout's Megatron environment, exactly what launch_megatron_lm.sh exports). ``gpu`` False (a
+    simulated cluster): CPU ranks, every GPU hidden (``CPU_RANK_ENV``), whatever ids Ray gave them.
 
     Ray gives each actor only its own GPU; like torchrun, every rank of a node sees all the trial's GPUs on that
     node (NCCL's intra-node peer-to-peer needs it) and LOCAL_RANK indexes its own one among them.
@@ -394,7 +403,9 @@ def _rank_envs(slots: list[RankSlot], labels: dict[str, str], trial_id: str,
             "SWEEPER_NODE_ID": labels[slot.node_id],
             "SWEEPER_TRIAL_ID": trial_id,
         }
-        if gpus:
+        if not gpu:
+            env.update(CPU_RANK_ENV)
+        elif gpus:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
             env.update({v.name: v.value for v in gpu_env})
         if ipaddress.ip_address(master.ip).is_loopback:
@@ -433,13 +444,13 @@ def _gather(
             try:
                 value = ray.get(ref)
             except RayActorError as exc:
-                outcome.died, outcome.actor_lost = f"rank process died: {_one_line(exc)}", True
+                outcome.died, outcome.actor_lost = f"rank process died: {cause_line(exc)}", True
             except RayTaskError as exc:  # the actor method itself raised (not the backend): a runner bug
-                outcome.died, outcome.actor_lost = f"rank actor raised: {_one_line(exc)}", True
+                outcome.died, outcome.actor_lost = f"rank actor raised: {cause_line(exc)}", True
             except OutOfMemoryError as exc:  # Ray's memory monitor killed it: the node's host memory ran out
-                outcome.died, outcome.actor_lost = f"{HOST_OUT_OF_MEMORY}: {_one_line(exc)}", True
+                outcome.died, outcome.actor_lost = f"{HOST_OUT_OF_MEMORY}: {cause_line(exc)}", True
             except RayError as exc:
-                outcome.died, outcome.actor_lost = f"rank lost: {_one_line(exc)}", True
+                outcome.died, outcome.actor_lost = f"rank lost: {cause_line(exc)}", True
             else:
                 if isinstance(value, RankDied):  # a warm rank's child ended without a report
                     outcome.died = f"rank process died: {value.reason}"
@@ -450,18 +461,15 @@ def _gather(
     return "failed" if first_failure is not None else "done"
 
 
-def _name_lost_nodes(outcomes: list[RankOutcome], slots: list[RankSlot], handle: ClusterHandle) -> None:
-    """A rank that died with its node is a node loss; say so (Ray reports both as an unreachable actor)."""
+def _name_lost_nodes(outcomes: list[RankOutcome], slots: list[RankSlot], handle: ClusterHandle) -> bool:
+    """A rank that died with its node is a node loss; say so (Ray reports both as an unreachable actor). True when
+    a node was lost."""
     dead = {slot.node_id for slot, o in zip(slots, outcomes)
             if o.died is not None and not handle.node_alive(slot.node_id)}
     for slot, outcome in zip(slots, outcomes):
         if outcome.died is not None and slot.node_id in dead:
             outcome.died = f"node {outcome.node} lost while the rank ran ({outcome.died})"
-
-
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300] + ("..." if len(text) > 300 else "")
+    return bool(dead)
 
 
 def _write_json(path: Path, data: dict) -> None:

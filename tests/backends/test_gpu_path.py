@@ -446,7 +446,20 @@ def test_warm_up_refuses_a_cuda_torch_whose_nvml_does_not_answer(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
     monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
     with pytest.raises(RuntimeError, match="NVML does not answer on this node.*cluster.warm_ranks: false"):
-        megatron.warm_up()
+        megatron.warm_up(gpu=True)
+
+
+def test_a_cpu_warm_rank_with_a_cuda_torch_and_no_nvml_warms_up(monkeypatch):
+    """A simulated cluster's warm ranks on a machine without GPUs and a CUDA build of torch (what `pip install
+    torch` gives): the NVML guard matters only for GPU ranks; it failed every trial of the quickstart."""
+    import torch
+
+    from sweeper.backends import megatron
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_device_count_nvml", lambda: -1)
+    megatron.warm_up(gpu=False)
+    assert not torch.cuda.is_initialized()
 
 
 def test_a_gpu_rank_without_transformer_engine_gets_megatrons_no_te_fixes(monkeypatch):

@@ -249,14 +249,16 @@ def test_a_gpu_trials_ranks_get_the_exported_environment(space: str, text: str, 
     exported = dict(line.split("  #")[0][len("export "):].split("=", 1)
                     for line in script.splitlines() if line.startswith("export "))
     slots = [RankSlot(r, "n0", "10.0.0.1", (str(r),), 100 + r, 29500 if r == 0 else None) for r in range(2)]
-    env = _rank_envs(slots, {"n0": "node-0"}, "t1", megatron_environment(layout, cfg.cluster.compute_capability))
+    env = _rank_envs(slots, {"n0": "node-0"}, "t1", megatron_environment(layout, cfg.cluster.compute_capability),
+                     gpu=True)
     rendezvous = {"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                   "SWEEPER_NODE_ID", "SWEEPER_TRIAL_ID", "CUDA_VISIBLE_DEVICES"}
     for rank_env in env:
         assert {k: v for k, v in rank_env.items() if k not in rendezvous} == exported
-    cpu_slots = [dataclasses.replace(s, gpu_ids=()) for s in slots]  # a CPU trial's ranks: no CUDA variables
-    assert all(set(e) <= rendezvous | {"GLOO_SOCKET_IFNAME"} for e in _rank_envs(
-        cpu_slots, {"n0": "node-0"}, "t1", megatron_environment(layout, "9.0")))
+    # A simulated cluster's ranks (Ray's virtual GPU ids): none of the layout's CUDA variables, every GPU hidden.
+    cpu = _rank_envs(slots, {"n0": "node-0"}, "t1", megatron_environment(layout, "9.0"), gpu=False)
+    assert all(set(e) <= rendezvous | {"GLOO_SOCKET_IFNAME", "PYTORCH_NVML_BASED_CUDA_CHECK"} for e in cpu)
+    assert {e["CUDA_VISIBLE_DEVICES"] for e in cpu} == {""}
 
 
 def test_te_graphs_ask_for_nccl_graph_register_off_and_blackwell_for_no_connection_limit() -> None:

@@ -86,7 +86,7 @@ def test_warm_rank_answers_its_ended_childs_checks_not_nothing(tmp_path: Path) -
     already sent its report must not answer "nothing" (every check of a gate failure then read false)."""
     from sweeper.trial.pool import WarmRank
 
-    rank = WarmRank.__ray_actor_class__("tests.trial.test_pool", [])  # the class behind the Ray actor
+    rank = WarmRank.__ray_actor_class__("tests.trial.test_pool", [], True)  # the class behind the Ray actor
     assert rank.checks() == TrialChecks()  # before any trial: nothing proven
     request = SmokeRequest(model=preset("tiny-gpt"), layout=Layout(world_size=1), seq_length=32, steps=1,
                            warmup_steps=0, checkpoint=False, checkpoint_every=None, trial_dir=str(tmp_path))

@@ -202,13 +202,40 @@ def test_passing_trial_places_tp_pairs_per_node_and_writes_result(sim, tmp_path:
     assert result.metrics.tokens_per_s and result.metrics.peak_memory_gib == 4.0
     assert result.metrics.loss_first == 5.0 and result.metrics.loss_last == 3.0
     assert result.checkpoint and result.checks.checkpoint_saved and result.checks.checkpoint_reloaded is None
-    # Each node's ranks see both of that node's GPUs and index their own one, as under torchrun.
+    # A simulated cluster's ranks are CPU ranks: every GPU hidden (Ray's ids are virtual, and a CUDA build of torch
+    # must not look for them); each node's ranks still index themselves as under torchrun.
     envs = [n for n in result.notes if n.startswith("CUDA_VISIBLE_DEVICES")]
-    assert sorted(envs) == ["CUDA_VISIBLE_DEVICES=0,1 LOCAL_RANK=0", "CUDA_VISIBLE_DEVICES=0,1 LOCAL_RANK=1"]
+    assert sorted(envs) == ["CUDA_VISIBLE_DEVICES= LOCAL_RANK=0", "CUDA_VISIBLE_DEVICES= LOCAL_RANK=1"]
     written = json.loads((tmp_path / "trial" / "result.json").read_text())
     assert written["status"] == "passed" and written["rank_nodes"] == result.rank_nodes
     assert set(written) >= {"status", "failure_kind", "error", "metrics", "checks", "checkpoint", "rank_nodes",
                             "backend"}
+    assert_nothing_left()
+
+
+def warm_up(gpu: bool) -> None:
+    """A backend whose warm ranks cannot start (test_a_warm_rank_that_cannot_start_says_why_in_one_line)."""
+    raise RuntimeError(f"this install cannot start a rank (gpu={gpu})")
+
+
+@pytest.mark.e2e
+def test_a_warm_rank_that_cannot_start_says_why_in_one_line(sim, tmp_path: Path) -> None:
+    """Ray's text for an actor whose creation raised holds the remote traceback, colour codes, pid, ip, actor id
+    and carets; the trial's line keeps the cause and nothing of that (measured: the cause was cut away)."""
+    from sweeper.trial.pool import RankPool
+
+    pool = RankPool(f"{__name__}:standin_backend", 0.5, gpu=False)
+    try:
+        layout = Layout(world_size=2, gbs=4)
+        nodes = [n.node_id for n in sim.nodes()][:1]
+        result, _ = _run(sim, tmp_path, _cfg(), layout, backend=f"{__name__}:standin_backend", pool=pool,
+                         nodes=nodes)
+    finally:
+        pool.close()
+    assert (result.status, result.failure_kind) == ("failed", "infra")
+    assert result.error.endswith("rank actor failed to start: RuntimeError: this install cannot start a rank "
+                                 "(gpu=False)"), result.error
+    assert "\x1b" not in result.error and "^" not in result.error and "pid=" not in result.error
     assert_nothing_left()
 
 
@@ -455,9 +482,9 @@ def test_ranks_of_a_loopback_master_keep_gloo_on_loopback() -> None:
                 for rank in range(4)]
 
     labels = {"n0": "sim-0", "n1": "sim-1"}
-    local = _rank_envs(slots("127.0.0.1"), labels, "t1")
+    local = _rank_envs(slots("127.0.0.1"), labels, "t1", gpu=False)
     assert loopback_interface() in ("lo", "lo0")
     assert {env["GLOO_SOCKET_IFNAME"] for env in local} == {loopback_interface()}
     assert {env["MASTER_ADDR"] for env in local} == {"127.0.0.1"}
-    remote = _rank_envs(slots("10.1.2.3"), labels, "t1")
+    remote = _rank_envs(slots("10.1.2.3"), labels, "t1", gpu=True)
     assert all("GLOO_SOCKET_IFNAME" not in env for env in remote)

@@ -24,17 +24,19 @@ _WARM_MODULES = (
 )
 
 
-def warm_up() -> None:
+def warm_up(gpu: bool) -> None:
     """Import megatron-core and the model builders now, for a warm rank process (sweeper/trial/pool.py) whose
     forked children then start at once. CUDA must stay uninitialised here (a forked child cannot use a CUDA
     context its parent created). torch's CUDA check goes through NVML; where NVML does not answer torch falls
-    back to cudaGetDeviceCount, which initialises CUDA without ``torch.cuda.is_initialized()`` saying so, so a
-    CUDA build of torch without NVML refuses to warm up. Megatron's layer specs import Transformer Engine here
-    too; the check after the imports catches any import that initialised CUDA."""
+    back to cudaGetDeviceCount, which initialises CUDA without ``torch.cuda.is_initialized()`` saying so, so on a
+    GPU rank (``gpu``) a CUDA build of torch without NVML refuses to warm up. A CPU rank (a simulated cluster,
+    every GPU hidden from it) never asks CUDA anything, so any torch build warms up. Megatron's layer specs
+    import Transformer Engine here too; the check after the imports catches any import that initialised CUDA."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
-    if torch.backends.cuda.is_built() and torch.cuda._device_count_nvml() < 0:  # noqa: SLF001 - torch's own probe
+    nvml_silent = torch.backends.cuda.is_built() and torch.cuda._device_count_nvml() < 0  # noqa: SLF001 - torch's probe
+    if gpu and nvml_silent:
         raise RuntimeError("NVML does not answer on this node, so torch's CUDA check would initialise CUDA in the "
                            "warm rank process and its forked ranks could not use the GPU; set cluster.warm_ranks: "
                            "false")
