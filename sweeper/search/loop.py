@@ -38,6 +38,7 @@ from sweeper.search.faults import Injection, injection_for
 from sweeper.search.memory_evidence import MemoryEvidence
 from sweeper.search.progress import Progress
 from sweeper.search.refit import turn as refit_turn
+from sweeper.search.repeated import RepeatedFailure
 from sweeper.search.scheduler import HOLD, Running, Scheduler
 from sweeper.search.selection import (
     NOT_THE_LAYOUTS,
@@ -123,6 +124,8 @@ class Sweep:
             if r.attempt >= 1:
                 self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
         self.stopped_early: str | None = None
+        self.repeated = RepeatedFailure()
+        self.halted: str | None = None  # why the sweep stopped itself (a cause that is not transient)
         self.launchable = self._launchable()
         skipped = self.dir.read_meta().unsupported or []
         if skipped:
@@ -221,7 +224,7 @@ class Sweep:
             self._confirm()
         if self.stop.is_set():  # while exploring or confirming: running trials are cancelled, not left to the end
             self._cancel_all()
-            return self._finish("interrupted")
+            return self._finish("failed" if self.halted else "interrupted")
         return self._finish("finished")
 
     def _make_reference(self) -> None:
@@ -444,6 +447,12 @@ class Sweep:
             if result.passed:
                 self._enqueue_probe()
         self._print_progress()
+        halt = None if self.stop.is_set() else self.repeated.add(_key(run.layout.to_dict()), run.attempt, result)
+        if halt is not None:
+            self.halted = halt
+            console.print(f"[red]{halt}[/]", important=True)
+            self.stop.set()  # running trials are cancelled and left open for --resume
+            return  # this layout too: its cause was not its own
         if run.phase == "confirm":
             return
         if result.failure_kind in NOT_THE_LAYOUTS and not self.stop.is_set():
@@ -566,7 +575,7 @@ class Sweep:
             "number": winner.number, "layout": winner.layout.short(),
             self.cfg.search.objective: winner.median(self.cfg.search.objective)}
         meta.scheduling_efficiency = self.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
-        meta.stopped_early = self.stopped_early
+        meta.stopped_early = self.halted or self.stopped_early
         meta.decision = decision(self.cfg, cands, winner, self.records, self.calibrator.current)
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
@@ -576,7 +585,7 @@ class Sweep:
         if self.tracker.behind:
             self.tracker.catch_up(self.records)
         self.tracker.finish_sweep(
-            "KILLED" if status == "interrupted" else "FINISHED",
+            {"interrupted": "KILLED", "failed": "FAILED"}.get(status, "FINISHED"),
             {"status": status, "best": winner.layout.short() if winner else "none"},
             metrics=sweep_metrics(self.records, winner, self.cfg, meta.scheduling_efficiency),
             table=trials_table(self.records),
@@ -586,6 +595,9 @@ class Sweep:
         console.print(f"report: {report}", important=True)
         if (view := self.tracker.view_hint()) is not None:
             console.print(f"trials in MLflow: {view}", important=True)
+        if self.halted is not None:
+            console.print(f"[red]{self.halted}[/]", important=True)
+            return EXIT_FAILED
         if winner is None:
             console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
             return EXIT_FAILED

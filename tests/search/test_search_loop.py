@@ -109,7 +109,11 @@ class StandInHost:
         started = time.monotonic()
         try:
             time.sleep(self.delays.get(layout.short(), self.delay))  # default 0.8 s: the scheduler starts the next
-            kind = self.fail.get(layout.short())
+            kind = self.fail.get(layout.short(), self.fail.get("*"))
+            if kind == "broken-install":  # every rank fails to start on this install (stand-in of the runner's line)
+                return TrialResult(status="failed", failure_kind="infra", error=(
+                    f"rank 0 (n{len(self.calls) % 2}): rank actor failed to start: RuntimeError: torch was built "
+                    f"without the library this node lacks (pid={4000 + len(self.calls)})"))
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
             if kind == "host-oom":  # Ray's memory monitor killed ranks (stand-in of the runner's verdict)
@@ -224,6 +228,25 @@ def test_a_sweeper_bug_is_rerun_once_and_never_told_to_optuna_as_the_layouts(
     told = [t for t in sweep.study.study.get_trials(deepcopy=False)
             if set(t.params) == PARAMS and sweep.study.layout_of(t.params).short() == target]
     assert told and all(t.state.name == "FAIL" for t in told)
+
+
+def test_a_cause_that_fails_every_attempt_of_several_layouts_stops_the_sweep_with_it(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Measured with a CUDA torch and no GPU: 24 attempts of the quickstart failed as infra, one cause, and the sweep
+    spent its budget on them. The same cause on three layouts, one of them retried, is not transient: the sweep
+    stops, exit 1, with the cause in its last line, and the layouts stay open for --resume."""
+    sweep = make_sweep(cfg, StandInHost(fail={"*": "broken-install"}, delay=0.2))
+    assert sweep.run() == 1
+    attempts = [r for r in sweep.records if r.result.status != "pruned"]
+    # Three layouts, retried first (a 4-GPU trial fills the cluster, so the first two spent their 3 attempts), of
+    # a budget of 20 layouts x 3 attempts.
+    assert len({r.number for r in attempts}) == 3 and len(attempts) <= 7
+    assert {r.result.failure_kind for r in attempts} == {"infra"}  # no verdict on a layout: --resume runs them again
+    meta = SweepDir(tmp_path / "sweep").read_meta()
+    assert meta.status == "failed"
+    assert meta.stopped_early is not None and meta.stopped_early.startswith("stopped: every attempt of 3 layouts")
+    assert "torch was built without the library this node lacks" in meta.stopped_early
+    assert not (tmp_path / "sweep" / "best_layout.yaml").exists()
 
 
 def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
