@@ -3,8 +3,9 @@
 
 The driver thread owns every decision and every write (trials.jsonl, Optuna, MLflow); trials run in worker
 threads that only block on Ray. One loop: fill free capacity with proposals (the study proposes only layouts
-the rules accept, the estimator predicts fit and the backend can run; a queued seed that is not launchable is
-refused and recorded once, without launching), wait for a trial to end, record it, repeat until the budget or
+the frontier, ``search.frontier``, holds launchable: the rules accept them, memory does not rule them out, no
+measured trial dominates them and the backend can run them; a queued seed that is not launchable is refused and
+recorded once, without launching), wait for a trial to end, record it, repeat until the budget or
 the launchable layouts are spent; then confirm the top candidates and export the winner. Infrastructure
 failures (a node lost, an actor killed) are not the layout's fault: the same layout is re-queued as a new
 attempt of the same trial.
@@ -23,19 +24,16 @@ from typing import TYPE_CHECKING, Any
 
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, EXIT_OK
-from sweeper.estimate import Estimate
 from sweeper.estimate.calibrator import Calibrator
 from sweeper.export import EXECUTABLE, export_files
-from sweeper.plan.assess import PlanEntry, assess, assess_all
-from sweeper.plan.space import enumerate_layouts
+from sweeper.plan.assess import PlanEntry, assess
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report, report_figures
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decision import decision, summary_line
-from sweeper.search.dominance import Dominance
 from sweeper.search.faults import Injection, injection_for
-from sweeper.search.memory_evidence import MemoryEvidence
+from sweeper.search.frontier import Frontier, layout_key
 from sweeper.search.progress import Progress
 from sweeper.search.refit import turn as refit_turn
 from sweeper.search.repeated import RepeatedFailure
@@ -106,8 +104,6 @@ class Sweep:
         self.scheduler = Scheduler(handle, self._parallel_cap())
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
-        # A resumed sweep (perhaps with sweeper fixed) runs again what failed for reasons not the layout's.
-        self.decided = {_key(r.layout) for r in self.records if r.result.failure_kind not in NOT_THE_LAYOUTS}
         self.next_number = 1 + max((r.number for r in self.records), default=0)
         self.t0 = time.monotonic()
         search = cfg.search
@@ -115,101 +111,36 @@ class Sweep:
         self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs)
         # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.refit).
         self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None)
-        self.evidence = MemoryEvidence(cfg.memory_limit_gib)
-        self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
         self.backfilled: list[int] = []  # trials started on free GPUs while a larger one waited for its own
-        self.dominance = Dominance()
-        for r in self.records:  # a resumed sweep knows again what its measured trials decided
-            if r.attempt >= 1:
-                self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
         self.stopped_early: str | None = None
         self.repeated = RepeatedFailure()
         self.halted: str | None = None  # why the sweep stopped itself (a cause that is not transient)
-        self.launchable = self._launchable()
+        self.frontier = Frontier(cfg, handle, self.calibrator, self.dir, self.records, self.scheduler.is_running)
         skipped = self.dir.read_meta().unsupported or []
         if skipped:
             console.print(f"[yellow]backend[/] {len(skipped)} valid layouts cannot run here and are not proposed "
                           f"(sweep.json unsupported), e.g. {skipped[0]['layout']}: {skipped[0]['reason']}")
-        self.exhaustive = len(self.launchable) <= self.max_trials or cfg.search.sampler == "grid"
+        self.exhaustive = len(self.frontier.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
-        self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self._candidates())
+        self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self.frontier.order())
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run())
-
-    def _launchable(self) -> list[PlanEntry]:
-        """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
-        band and the measured trials, ``sweeper.search.memory_evidence``), no measured trial dominates them
-        (``sweeper.search.dominance``), and this backend can run them; fastest predicted first. Everything else is
-        never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
-        ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
-        plan = assess_all(self.cfg, enumerate_layouts(self.cfg), self.calibrator.current)
-        entries, pruned, dominated, unsupported = [], [], [], []
-        for e in plan:
-            if not e.valid or e.predicted is None:
-                continue
-            why = self._memory_verdict(e)
-            if why is not None:
-                pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
-                continue
-            backend_says = self.handle.unsupported(self.cfg.model, e.layout)
-            if backend_says:
-                unsupported.append({"layout": e.layout.short(), "reason": backend_says})
-                continue
-            inferred = self.dominance.verdict(e.layout)
-            if inferred is not None and not self._taken(e.layout):
-                dominated.append({"layout": e.layout.short(), "reason": inferred})
-            elif inferred is None:
-                entries.append(e)
-        meta = self.dir.read_meta()
-        meta.memory_pruned = sorted(pruned, key=lambda p: p["memory_gib"])
-        meta.dominated = dominated
-        meta.unsupported = unsupported
-        self.dir.write_meta(meta)
-        return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
-
-    def _raw(self, layout: Layout) -> Estimate:
-        if layout not in self.raw:
-            predicted = assess(self.cfg, layout).predicted
-            assert predicted is not None, "only valid layouts are compared"
-            self.raw[layout] = predicted
-        return self.raw[layout]
-
-    def _memory_verdict(self, entry: PlanEntry) -> str | None:
-        """None when memory does not rule the layout out, else the one-line reason it is pruned."""
-        assert entry.predicted is not None
-        if entry.predicted.fits:
-            return None
-        return self.evidence.verdict(entry.predicted, self._raw(entry.layout))
 
     def _enqueue_probe(self) -> None:
         """TPE mode: queue the launchable layout inside the error band with the lowest predicted memory, one at a
         time, so that what the estimator cannot decide is measured (and calibrates it) early."""
         if self.study.mode != "tpe" or self.probe is not None:
             return
-        band = [e for e in self.launchable if e.uncertain and not self._taken(e.layout)]
+        band = [e for e in self.frontier.launchable if e.uncertain and not self.frontier.taken(e.layout)]
         if band:
             self.probe = min(band, key=lambda e: e.predicted.memory_gib if e.predicted else 0.0).layout
             self.study.enqueue(self.probe)
             console.print(f"[blue]estimator[/] probe: {self.probe.short()} is inside the memory error band; "
                           "it runs to measure, not to be pruned")
 
-    def _candidates(self) -> list[Layout]:
-        """The launchable layouts in the order an ordered study visits them. ``sampler: grid``: the space's grid
-        order (the axes' product as the YAML lists them). A budget that covers every layout: grouped by size,
-        largest first (equal-size trials pack the cluster side by side instead of a large one waiting behind
-        small ones), fastest predicted first within a size."""
-        if self.cfg.search.sampler == "grid":
-            grid = {lo: i for i, lo in enumerate(enumerate_layouts(self.cfg))}
-            return sorted((e.layout for e in self.launchable), key=grid.__getitem__)
-        return [e.layout for e in sorted(self.launchable, key=lambda e: -e.layout.world_size)]
-
-    def _taken(self, layout: Layout) -> bool:
-        """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
-        return _key(layout.to_dict()) in self.decided or self.scheduler.is_running(layout)
-
     # -- the loop ------------------------------------------------------------------------------------------------
     def run(self) -> int:
-        started = self.handle.prestart([e.layout for e in self.launchable])
+        started = self.handle.prestart([e.layout for e in self.frontier.launchable])
         if started:
             console.print(f"starting {started} warm ranks beside the reference run")
         self._make_reference()
@@ -244,7 +175,7 @@ class Sweep:
                 console.print(f"resume: {missing} trial attempt(s) recorded while MLflow was behind logged to it now")
             for layout, attrs in self.study.take_over_running(self._recorded_outcome):
                 if "sweeper_number" in attrs:
-                    self.resumed[_key(layout.to_dict())] = (attrs["sweeper_number"], attrs.get("attempt", 1))
+                    self.resumed[layout_key(layout.to_dict())] = (attrs["sweeper_number"], attrs.get("attempt", 1))
                     self.study.enqueue(layout, again=True)
                     console.print(f"resume: trial #{attrs['sweeper_number']} {layout.short()} was running at the "
                                   "crash; it runs again as a new attempt")
@@ -253,8 +184,8 @@ class Sweep:
         for text in self.cfg.search.seeds:
             self.study.enqueue(layout_from_string(self.cfg, text))
         if self.study.mode == "tpe":  # the estimator's two favourites open the study (a prior), then TPE takes over
-            for entry in self.launchable[:prior_proposals(self.handle.simulated)]:
-                if not self._taken(entry.layout):
+            for entry in self.frontier.launchable[:prior_proposals(self.handle.simulated)]:
+                if not self.frontier.taken(entry.layout):
                     self.study.enqueue(entry.layout)
             self._enqueue_probe()
 
@@ -302,7 +233,8 @@ class Sweep:
             # (return), or refuses a layout not refused before (a queued seed, or one calibration no longer fits),
             # recorded once; the study spends at most two asks per proposal. A backfill draws only layouts that
             # fit on the free GPUs now.
-            refused = (lambda lo: self._taken(lo) or not self.handle.fits(lo)) if backfill else self._taken
+            taken = self.frontier.taken
+            refused = (lambda lo: taken(lo) or not self.handle.fits(lo)) if backfill else taken
             self._refit_turn(refused)
             proposal = self.study.propose(refused)
             if proposal is None:
@@ -334,7 +266,7 @@ class Sweep:
         has the samples for a turn and nothing else is queued (seeds, the estimator's favourites, the probe)."""
         if self.study.mode != "tpe" or self.study.has_queued():
             return
-        untried = [e.layout for e in self.launchable if not refused(e.layout)]
+        untried = [e.layout for e in self.frontier.launchable if not refused(e.layout)]
         choice = refit_turn(self.calibrator.step, self.cfg.search.objective, untried)
         if choice is not None:
             self.study.enqueue(choice)
@@ -346,7 +278,7 @@ class Sweep:
 
     def _number_for(self, layout: Layout) -> tuple[int, int]:
         """(sweeper trial number, attempts so far): a trial that was running when a driver died keeps its number."""
-        resumed = self.resumed.pop(_key(layout.to_dict()), None)
+        resumed = self.resumed.pop(layout_key(layout.to_dict()), None)
         if resumed is not None:
             return resumed
         self.next_number += 1
@@ -355,22 +287,10 @@ class Sweep:
     def _admitted(self, layout: Layout, trial: Any, number: int | None = None) -> PlanEntry | None:
         """The layout's plan entry as it stands now, or None after recording it as pruned (the rules, memory or the
         backend refuse it; ``number``: the trial number it already holds)."""
-        entry = assess(self.cfg, layout, self.calibrator.current)
-        reason = self._refusal(entry)
+        entry, reason = self.frontier.assess(layout)
         if reason is None:
             return entry
         self._record_pruned(entry, reason, trial, number=number)
-        return None
-
-    def _refusal(self, entry: PlanEntry) -> tuple[str, str] | None:
-        if entry.reasons:
-            return "; ".join(entry.reasons), "invalid_layout"
-        why = self._memory_verdict(entry) if entry.predicted is not None else None
-        if why is not None:
-            return why, "oom"
-        unsupported = self.handle.unsupported(self.cfg.model, entry.layout)
-        if unsupported:
-            return unsupported, "unsupported"
         return None
 
     def _parallel_cap(self) -> int:
@@ -437,17 +357,14 @@ class Sweep:
         update = self.calibrator.add(run.layout, result, run.number)
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")
-        evidence = self.evidence.add(run.number, run.layout.short(), self._raw(run.layout), result)
-        dominates = self.dominance.add(run.number, run.layout, result, is_stable(result, self.cfg))
-        if update.changed or evidence or dominates:
-            self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
-            self.study.set_candidates(self._candidates())
+        if self.frontier.learn(run.number, run.layout, result, update.changed):
+            self.study.set_candidates(self.frontier.order())
         if run.layout == self.probe:
             self.probe = None
             if result.passed:
                 self._enqueue_probe()
         self._print_progress()
-        halt = None if self.stop.is_set() else self.repeated.add(_key(run.layout.to_dict()), run.attempt, result)
+        halt = None if self.stop.is_set() else self.repeated.add(layout_key(run.layout.to_dict()), run.attempt, result)
         if halt is not None:
             self.halted = halt
             console.print(f"[red]{halt}[/]", important=True)
@@ -466,7 +383,7 @@ class Sweep:
                 return
         if self.stop.is_set() and killed:
             return  # the layout said nothing: left open, re-run on --resume
-        self.decided.add(_key(run.layout.to_dict()))
+        self.frontier.decide(run.layout)
         self.study.tell(run.proposal, *self._outcome(result))
 
     def _outcome(self, result: TrialResult) -> tuple[float | None, bool]:
@@ -510,7 +427,7 @@ class Sweep:
             self.next_number += 1
         self.dir.append_trial(record)
         self.records.append(record)
-        self.decided.add(_key(entry.layout.to_dict()))
+        self.frontier.decide(entry.layout)
         # An infra refusal (capacity lost) says nothing about the layout: FAIL for Optuna, not a zero.
         self.study.tell(trial, None if kind == "infra" else 0.0, infeasible=kind != "infra")
 
@@ -605,10 +522,6 @@ class Sweep:
         if (projected := summary_line(meta.decision)) is not None:
             console.print(projected, important=True)
         return EXIT_FAILED if status == "interrupted" else EXIT_OK
-
-
-def _key(layout: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple(sorted((k, v) for k, v in layout.items() if k not in ("dp", "edp")))
 
 
 def _predicted(entry: PlanEntry) -> dict[str, Any] | None:

@@ -282,7 +282,7 @@ def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_runn
     out = tmp_path / "sweep"
     done = {Layout.from_dict(r.layout) for r in SweepDir(out).read_trials()}
     study = LayoutStudy(cfg, SweepDir(out).journal, "tpe", cfg.search.seed, [])
-    running = next(e.layout for e in first.launchable if e.layout not in done)
+    running = next(e.layout for e in first.frontier.launchable if e.layout not in done)
     study.enqueue(running)
     proposal = study.propose(lambda lo: False)
     assert proposal is not None and proposal.layout == running
@@ -312,7 +312,7 @@ def test_a_trial_recorded_just_before_the_crash_is_told_to_optuna_on_resume_not_
     out = tmp_path / "sweep"
     sweep_dir = SweepDir(out)
     done = {Layout.from_dict(r.layout) for r in sweep_dir.read_trials()}
-    layout = next(e.layout for e in first.launchable if e.layout not in done)
+    layout = next(e.layout for e in first.frontier.launchable if e.layout not in done)
     study = LayoutStudy(cfg, sweep_dir.journal, "tpe", cfg.search.seed, [])
     study.enqueue(layout)
     proposal = study.propose(lambda lo: False)
@@ -362,7 +362,7 @@ def test_space_of_mostly_invalid_layouts_launches_only_valid_ones_and_records_ea
     cfg = _load(tmp_path, MANY_INVALID)
     host = StandInHost(nodes=2, gpus=4, delay=0.05)
     sweep = make_sweep(cfg, host)
-    assert sweep.study.mode == "tpe" and len(sweep.launchable) == 148
+    assert sweep.study.mode == "tpe" and len(sweep.frontier.launchable) == 148
     sweep.run()
     records = _explore_records(sweep)
     launched = [r for r in records if r.result.status != "pruned"]
@@ -394,7 +394,7 @@ def test_a_space_the_backend_cannot_run_at_all_ends_without_asking(
     started = time.monotonic()
     assert sweep.run() == 1
     assert time.monotonic() - started < 30
-    assert sweep.launchable == [] and sweep.study.counts.asks == 0
+    assert sweep.frontier.launchable == [] and sweep.study.counts.asks == 0
     assert host.calls == [] and _explore_records(sweep) == []
     # Not silent: every valid layout is listed with the backend's reason, and the report shows them.
     meta = sweep.dir.read_meta()
@@ -437,7 +437,7 @@ def test_an_oom_prunes_band_layouts_predicted_to_need_more_and_the_report_says_w
     mbs2, mbs4 = (Layout(world_size=2, ep=2, mbs=m, gbs=8).short() for m in (2, 4))
     host = StandInHost(nodes=1, fail={mbs2: "oom"}, delay=0.1)
     sweep = make_sweep(cfg, host)
-    assert any(e.layout.short() == mbs4 and e.uncertain for e in sweep.launchable)  # a candidate at first
+    assert any(e.layout.short() == mbs4 and e.uncertain for e in sweep.frontier.launchable)  # a candidate at first
     assert sweep.run() == 0
     launched = [lo.short() for lo, _ in host.calls]
     assert launched[0] == mbs2 and mbs4 not in launched
@@ -452,7 +452,7 @@ def test_a_measured_oom_keeps_larger_micro_batches_of_that_layout_from_running(
     seeded = cfg.model_copy(update={"search": cfg.search.model_copy(update={"seeds": ["gpus=4,pp=2,ep=2,mbs=1"]})})
     host = StandInHost(fail={small: "oom"})
     sweep = make_sweep(seeded, host, parallel=1)
-    assert any(e.layout.short() == large for e in sweep.launchable)  # predicted to fit: a candidate at first
+    assert any(e.layout.short() == large for e in sweep.frontier.launchable)  # predicted to fit: a candidate at first
     sweep.run()
     launched = [lo.short() for lo, _ in host.calls]
     assert launched[0] == small and large not in launched

@@ -1,0 +1,142 @@
+"""The sweep's frontier: the candidate set and every verdict on a layout, in one object the loop asks.
+
+A layout may be proposed when the rules accept it, memory does not rule it out (the estimator's band and the
+measured trials, ``search.memory_evidence``), no measured trial dominates it (``search.dominance``), the cluster's
+backend can run it, and it is neither decided (recorded, not as a failure that is not the layout's) nor running.
+``Frontier`` holds all of that; the loop (``search.loop.Sweep``) only moves layouts: next from the frontier,
+reserve, launch, record, tell the frontier what the trial measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from sweeper.config.schema import SweepConfig
+from sweeper.estimate import Estimate
+from sweeper.estimate.calibrator import Calibrator
+from sweeper.plan.assess import PlanEntry, assess, assess_all
+from sweeper.plan.space import enumerate_layouts
+from sweeper.record.schema import TrialRecord, TrialResult
+from sweeper.record.sweepdir import SweepDir
+from sweeper.search.dominance import Dominance
+from sweeper.search.memory_evidence import MemoryEvidence
+from sweeper.search.selection import NOT_THE_LAYOUTS, is_stable
+from sweeper.space.layout import Layout
+from sweeper.trial.protocol import Host
+
+Refusal = tuple[str, str]  # (one-line reason, failure kind)
+
+
+def layout_key(layout: dict[str, Any]) -> tuple[Any, ...]:
+    """A layout as the frontier knows it: its axes without the derived DP and EDP."""
+    return tuple(sorted((k, v) for k, v in layout.items() if k not in ("dp", "edp")))
+
+
+class Frontier:
+    """The layouts a proposal may name (``launchable``, fastest predicted first) and why every other one may not."""
+
+    def __init__(self, cfg: SweepConfig, handle: Host, calibrator: Calibrator, sweep_dir: SweepDir,
+                 records: list[TrialRecord], running: Callable[[Layout], bool]) -> None:
+        self.cfg, self.handle, self.calibrator, self.dir = cfg, handle, calibrator, sweep_dir
+        self._running = running
+        # A resumed sweep (perhaps with sweeper fixed) runs again what failed for reasons not the layout's.
+        self.decided = {layout_key(r.layout) for r in records if r.result.failure_kind not in NOT_THE_LAYOUTS}
+        self.evidence = MemoryEvidence(cfg.memory_limit_gib)
+        self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
+        self.dominance = Dominance()
+        for r in records:  # a resumed sweep knows again what its measured trials decided
+            if r.attempt >= 1:
+                self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
+        self.launchable = self._launchable()
+
+    def _launchable(self) -> list[PlanEntry]:
+        """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
+        band and the measured trials, ``sweeper.search.memory_evidence``), no measured trial dominates them
+        (``sweeper.search.dominance``), and this backend can run them; fastest predicted first. Everything else is
+        never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
+        ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
+        plan = assess_all(self.cfg, enumerate_layouts(self.cfg), self.calibrator.current)
+        entries, pruned, dominated, unsupported = [], [], [], []
+        for e in plan:
+            if not e.valid or e.predicted is None:
+                continue
+            why = self.memory_verdict(e)
+            if why is not None:
+                pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
+                continue
+            backend_says = self.handle.unsupported(self.cfg.model, e.layout)
+            if backend_says:
+                unsupported.append({"layout": e.layout.short(), "reason": backend_says})
+                continue
+            inferred = self.dominance.verdict(e.layout)
+            if inferred is not None and not self.taken(e.layout):
+                dominated.append({"layout": e.layout.short(), "reason": inferred})
+            elif inferred is None:
+                entries.append(e)
+        meta = self.dir.read_meta()
+        meta.memory_pruned = sorted(pruned, key=lambda p: p["memory_gib"])
+        meta.dominated = dominated
+        meta.unsupported = unsupported
+        self.dir.write_meta(meta)
+        return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
+
+    def raw_estimate(self, layout: Layout) -> Estimate:
+        if layout not in self.raw:
+            predicted = assess(self.cfg, layout).predicted
+            assert predicted is not None, "only valid layouts are compared"
+            self.raw[layout] = predicted
+        return self.raw[layout]
+
+    def memory_verdict(self, entry: PlanEntry) -> str | None:
+        """None when memory does not rule the layout out, else the one-line reason it is pruned."""
+        assert entry.predicted is not None
+        if entry.predicted.fits:
+            return None
+        return self.evidence.verdict(entry.predicted, self.raw_estimate(entry.layout))
+
+    def order(self) -> list[Layout]:
+        """The launchable layouts in the order an ordered study visits them. ``sampler: grid``: the space's grid
+        order (the axes' product as the YAML lists them). A budget that covers every layout: grouped by size,
+        largest first (equal-size trials pack the cluster side by side instead of a large one waiting behind
+        small ones), fastest predicted first within a size."""
+        if self.cfg.search.sampler == "grid":
+            grid = {lo: i for i, lo in enumerate(enumerate_layouts(self.cfg))}
+            return sorted((e.layout for e in self.launchable), key=grid.__getitem__)
+        return [e.layout for e in sorted(self.launchable, key=lambda e: -e.layout.world_size)]
+
+    def taken(self, layout: Layout) -> bool:
+        """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
+        return layout_key(layout.to_dict()) in self.decided or self._running(layout)
+
+    def decide(self, layout: Layout) -> None:
+        """The layout has its verdict: never proposed again in this sweep."""
+        self.decided.add(layout_key(layout.to_dict()))
+
+    def assess(self, layout: Layout) -> tuple[PlanEntry, Refusal | None]:
+        """The layout's plan entry as it stands now, and why it may not run (None: it may)."""
+        entry = assess(self.cfg, layout, self.calibrator.current)
+        return entry, self._refusal(entry)
+
+    def _refusal(self, entry: PlanEntry) -> Refusal | None:
+        if entry.reasons:
+            return "; ".join(entry.reasons), "invalid_layout"
+        why = self.memory_verdict(entry) if entry.predicted is not None else None
+        if why is not None:
+            return why, "oom"
+        unsupported = self.handle.unsupported(self.cfg.model, entry.layout)
+        if unsupported:
+            return unsupported, "unsupported"
+        return None
+
+    def learn(self, number: int, layout: Layout, result: TrialResult, calibration_changed: bool) -> bool:
+        """What an ended attempt proves about other layouts (memory evidence, dominance) and a changed calibration
+        re-assess the space; True when the launchable set was recomputed."""
+        evidence = self.evidence.add(number, layout.short(), self.raw_estimate(layout), result)
+        dominates = self.dominance.add(number, layout, result, is_stable(result, self.cfg))
+        if calibration_changed or evidence or dominates:
+            self.launchable = self._launchable()  # what may fit follows the calibration and the measured trials
+            return True
+        return False
+
+
+__all__ = ["Frontier", "Refusal", "layout_key"]
