@@ -157,7 +157,7 @@ def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode:
             if refit is not None:
                 if land.trials and passed and result.metrics.step_time_s:
                     refit.add(layout, result.metrics.step_time_s)
-                choice = turn(refit, cfg.search.objective, [lo for lo in land.samples if not taken(lo)])
+                choice = turn(refit, cfg, [lo for lo in land.samples if not taken(lo)])
                 if choice is not None:
                     study.enqueue(choice)
             if land.value(layout) >= target:

@@ -254,8 +254,8 @@ class BudgetConfig(_Strict):
     gpu_hour_usd: PositiveFloat | None = None
     """Price of one GPU-hour in USD; null: time and GPU-hours only."""
     gpus: PositiveInt | None = None
-    """GPUs of the production run: copies of the trial's layout side by side (data parallel, assumed to scale
-    linearly); null: the trial's own GPU count."""
+    """GPUs of the production run: copies of the trial's layout side by side (data parallel); every layout is
+    compared as this run (the objective, issue 43); null: the cluster's GPUs (nodes x gpus_per_node)."""
 
 
 class TrackingConfig(_Strict):

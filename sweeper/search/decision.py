@@ -25,6 +25,7 @@ from sweeper.config.units import readable
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialRecord
+from sweeper.search.objective import copies, production_gpus, production_rate
 from sweeper.search.selection import Candidate, is_stable
 from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
@@ -50,9 +51,8 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     their median objective; None when nothing was stable."""
     if winner is None and not cands:
         return None
-    objective = cfg.search.objective
     ranked = sorted((c for c in cands if winner is None or c.number != winner.number),
-                    key=lambda c: -c.median(objective))
+                    key=lambda c: -c.median(cfg))
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
     estimator = Estimator.for_config(cfg, calibration)
     predicted = [estimator(cand.layout) for cand in chosen]
@@ -65,8 +65,10 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
             "role": "winner" if winner is not None and rank == 0 else "runner-up", "tokens_per_s": rate,
             "relative_to_first": rate["median"] / lead if lead else None,
         }
+        entry["production"] = {"gpus": production_gpus(cfg), "copies": copies(cfg, cand.layout),
+                               "tokens_per_s": production_rate(cfg, cand.layout, rate["median"], rate["step_time_s"])}
         if cfg.budget is not None:
-            entry["projection"] = projection(cfg, cand.layout.world_size, rate)
+            entry["projection"] = projection(cfg, cand.layout, rate)
         entry.update(_why(cfg, cand, records, estimated))
         layouts.append(entry)
     return {"budget": None if cfg.budget is None else cfg.budget.model_dump(), "layouts": layouts}
@@ -79,30 +81,33 @@ def _measured_on_gpus(cand: Candidate) -> bool:
 def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate,
                 calibration: Calibration | None) -> dict[str, Any]:
     if _measured_on_gpus(cand):
-        values = [v for v in cand.values("tokens_per_s") if v > 0]
+        values = [v for v in cand.measured("tokens_per_s") if v > 0]
+        steps = [v for v in cand.measured("step_time_s") if v > 0]
         return {"basis": "measured", "median": statistics.median(values), "low": min(values), "high": max(values),
-                "runs": len(values)}
+                "runs": len(values), "step_time_s": statistics.median(steps) if steps else None}
     predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
     return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
-            "high": predicted * cfg.estimate.throughput_high, "runs": 0}
+            "high": predicted * cfg.estimate.throughput_high, "runs": 0, "step_time_s": estimated.step_time_s}
 
 
-def projection(cfg: SweepConfig, layout_gpus: int, rate: dict[str, Any]) -> dict[str, Any]:
-    """Days, GPU-hours and cost of ``budget.tokens`` at the rate's median, with its band (slow end, fast end)."""
+def projection(cfg: SweepConfig, layout: Layout, rate: dict[str, Any]) -> dict[str, Any]:
+    """Days, GPU-hours and cost of ``budget.tokens`` on the production run (``search.objective``'s projection: the
+    layout's copies on N GPUs, slowed by the larger data parallelism) at the rate's median, with its band (slow end,
+    fast end)."""
     budget = cfg.budget
     assert budget is not None
-    gpus = budget.gpus or layout_gpus
-    copies = gpus // layout_gpus
-    out: dict[str, Any] = {"gpus": gpus, "copies": copies}
-    if copies == 0:
-        out["note"] = f"budget.gpus ({gpus}) is fewer than the layout's {layout_gpus} GPUs"
+    gpus, layout_gpus, k = production_gpus(cfg), layout.world_size, copies(cfg, layout)
+    out: dict[str, Any] = {"gpus": gpus, "copies": k}
+    if k == 0:
+        out["note"] = f"the production run's {gpus} GPUs are fewer than the layout's {layout_gpus} GPUs"
         return out
     if gpus % layout_gpus:
-        out["note"] = (f"{gpus} GPUs hold {copies} copies of the {layout_gpus}-GPU layout; "
-                       f"{gpus - copies * layout_gpus} stay idle (counted in the cost)")
+        out["note"] = (f"{gpus} GPUs hold {k} copies of the {layout_gpus}-GPU layout; "
+                       f"{gpus - k * layout_gpus} stay idle (counted in the cost)")
+    per_run = cfg.search.objective == "tflops_per_gpu"  # production_rate multiplies tokens/s objectives only
     for name, key in (("", "median"), ("_slow", "low"), ("_fast", "high")):
-        tokens_per_s = rate[key] * copies
+        tokens_per_s = production_rate(cfg, layout, rate[key], rate.get("step_time_s")) * (k if per_run else 1)
         seconds = budget.tokens / tokens_per_s if tokens_per_s > 0 else float("inf")
         out["days" + name] = seconds / SECONDS_PER_DAY
         out["gpu_hours" + name] = gpus * seconds / 3600.0
@@ -178,7 +183,7 @@ def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: 
                "a TP group across nodes)" if peak is not None else "it passed but was not stable")
     else:
         measured = result.metrics.tokens_per_s or 0.0
-        mine = cand.median(cfg.search.objective) if cfg.search.objective == "tokens_per_s" else None
+        mine = statistics.median(cand.measured("tokens_per_s"))
         if mine is not None and measured > mine:
             why = (f"it measured faster in exploration ({measured:,.0f} tokens/s) but was not confirmed (a "
                    "confirmation failed, drifted or was not run)")

@@ -34,6 +34,7 @@ from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decision import decision, summary_line
 from sweeper.search.faults import Injection, injection_for
 from sweeper.search.frontier import Frontier, layout_key
+from sweeper.search.objective import objective_value
 from sweeper.search.progress import Progress
 from sweeper.search.refit import turn as refit_turn
 from sweeper.search.repeated import RepeatedFailure
@@ -43,8 +44,8 @@ from sweeper.search.selection import (
     best_layout_document,
     candidates,
     choose,
+    confirm_attempts,
     is_stable,
-    objective_value,
     steady,
     step_time_drift,
     trials_without_improvement,
@@ -267,7 +268,7 @@ class Sweep:
         if self.study.mode != "tpe" or self.study.has_queued():
             return
         untried = [e.layout for e in self.frontier.launchable if not refused(e.layout)]
-        choice = refit_turn(self.calibrator.step, self.cfg.search.objective, untried)
+        choice = refit_turn(self.calibrator.step, self.cfg, untried)
         if choice is not None:
             self.study.enqueue(choice)
 
@@ -384,12 +385,12 @@ class Sweep:
         if self.stop.is_set() and killed:
             return  # the layout said nothing: left open, re-run on --resume
         self.frontier.decide(run.layout)
-        self.study.tell(run.proposal, *self._outcome(result))
+        self.study.tell(run.proposal, *self._outcome(result, run.layout))
 
-    def _outcome(self, result: TrialResult) -> tuple[float | None, bool]:
+    def _outcome(self, result: TrialResult, layout: Layout) -> tuple[float | None, bool]:
         """What Optuna is told of an ended attempt: its objective (0 when not stable; None when the attempt said
         nothing about the layout) and whether its region is infeasible."""
-        value = objective_value(result, self.cfg) if is_stable(result, self.cfg) else 0.0
+        value = objective_value(result, self.cfg, layout) if is_stable(result, self.cfg) else 0.0
         infeasible = result.failure_kind in ("oom", "checkpoint_host_oom", "invalid_layout", "unsupported") or (
             result.passed and not is_stable(result, self.cfg))
         return None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible
@@ -402,13 +403,13 @@ class Sweep:
                        and r.attempt == attempt), None)
         if record is None or record.result.failure_kind in NOT_THE_LAYOUTS:
             return None
-        return self._outcome(record.result)
+        return self._outcome(record.result, Layout.from_dict(record.layout))
 
     def _print_progress(self, line: bool = True) -> None:
         """The progress summary and the running trials: the live table on a terminal; ``line``: also as a plain
         line otherwise (and in sweep.log)."""
         best = candidates(self.records, self.cfg)
-        top = (best[0].layout.short(), objective_value(best[0].explore.result, self.cfg)) if best else None
+        top = (best[0].layout.short(), best[0].values(self.cfg)[0]) if best else None
         summary = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)
         running = [{"trial": f"{r.number}.{r.attempt}", "phase": r.phase, "layout": r.layout.short(),
                     "gpus": r.layout.world_size, "nodes": ",".join(r.slot.labels) if r.slot else "",
@@ -449,13 +450,19 @@ class Sweep:
             cands = candidates(self.records, self.cfg)
             good = [c for c in cands if c.confirmations and c.confirmed(self.cfg)]
             pending = {r.number for r in self.scheduler.in_flight if r.phase == "confirm"}
-            todo = [c for c in cands if not c.confirmations and c.number not in pending]
+            # A confirmation lost to a fault that is not the layout's (a node, a placement timeout) is made again,
+            # up to the attempts an exploration gets; it spends none of the budget of candidates tried.
+            todo = [c for c in cands if not c.confirmations and c.number not in pending
+                    and confirm_attempts(self.records, c.number)[1] < MAX_ATTEMPTS["infra"]]
             slot = None
-            if len(good) + len(pending) < wanted and budget > 0 and todo:
+            retry = bool(todo) and confirm_attempts(self.records, todo[0].number)[1] > 0
+            if len(good) + len(pending) < wanted and (budget > 0 or retry) and todo:
                 slot = self.handle.reserve(todo[0].layout)
             if slot is not None:
-                budget -= 1
-                self._launch(todo[0].layout, todo[0].number, 1, "confirm", None, todo[0].explore.predicted, slot)
+                budget -= 0 if retry else 1
+                attempt = confirm_attempts(self.records, todo[0].number)[0] + 1
+                self._launch(todo[0].layout, todo[0].number, attempt, "confirm", None, todo[0].explore.predicted,
+                             slot)
             elif self.scheduler.in_flight:
                 self._wait_one()
             else:
@@ -490,7 +497,7 @@ class Sweep:
         meta.status, meta.ended_at = status, now()
         meta.best = None if winner is None else {
             "number": winner.number, "layout": winner.layout.short(),
-            self.cfg.search.objective: winner.median(self.cfg.search.objective)}
+            self.cfg.search.objective: winner.median(self.cfg)}
         meta.scheduling_efficiency = self.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
         meta.stopped_early = self.halted or self.stopped_early
         meta.decision = decision(self.cfg, cands, winner, self.records, self.calibrator.current)
@@ -514,6 +521,10 @@ class Sweep:
             console.print(f"trials in MLflow: {view}", important=True)
         if self.halted is not None:
             console.print(f"[red]{self.halted}[/]", important=True)
+            return EXIT_FAILED
+        if winner is None and status == "interrupted" and any(not c.confirmations for c in cands):
+            console.print(f"[yellow]not confirmed yet[/]: {len(cands)} stable layout(s) await their confirmation; "
+                          "`sweeper search --resume` confirms them", important=True)
             return EXIT_FAILED
         if winner is None:
             console.print("[red]no stable layout passed[/] (see the report for why)", important=True)

@@ -12,22 +12,28 @@ more trials on all three.
 
 from __future__ import annotations
 
+from sweeper.config.schema import SweepConfig
 from sweeper.estimate.step_fit import StepModel
+from sweeper.search.objective import production_layout
 from sweeper.space.layout import Layout
 
 # Measured trials before the model proposes: one fixes its level only, two let it free a term.
 FIRST_TURN = 2
 
 
-def predicted_objective(model: StepModel, layout: Layout, objective: str) -> float:
-    """The sweep's objective as the refit model predicts it: tokens/s, or for TFLOP/s per GPU a quantity in
-    proportion to it (the model FLOPs per token are the same for every layout of a space)."""
-    rate = layout.gbs / model.step_time_s(layout)
-    return rate / layout.world_size if objective == "tflops_per_gpu" else rate
+def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> float:
+    """The sweep's objective as the refit model predicts it, on the production run (``search.objective``): the
+    production layout's tokens/s, or for TFLOP/s per GPU a quantity in proportion to it (the model FLOPs per token
+    are the same for every layout of a space)."""
+    production = production_layout(cfg, layout)
+    if production is None:
+        return 0.0
+    rate = production.gbs / model.step_time_s(production)
+    return rate / production.world_size if cfg.search.objective == "tflops_per_gpu" else rate
 
 
-def turn(model: StepModel, objective: str, untried: list[Layout]) -> Layout | None:
+def turn(model: StepModel, cfg: SweepConfig, untried: list[Layout]) -> Layout | None:
     """The refit model's proposal among ``untried`` launchable layouts, or None while it has too few samples."""
     if len(model.samples) < FIRST_TURN or not untried:
         return None
-    return max(untried, key=lambda lo: predicted_objective(model, lo, objective))
+    return max(untried, key=lambda lo: predicted_objective(model, lo, cfg))

@@ -16,6 +16,7 @@ from sweeper.export.bridge import dotted_overrides
 from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.schema import TrialRecord, TrialResult
+from sweeper.search.objective import copies, objective_name, objective_value, production_gpus
 from sweeper.space.layout import Layout
 
 
@@ -26,12 +27,27 @@ class Candidate:
     explore: TrialRecord  # the exploration record
     confirmations: list[TrialRecord] = field(default_factory=list)
 
-    def values(self, objective: str) -> list[float]:
-        records = [self.explore, *self.confirmations]
-        return [float(getattr(r.result.metrics, objective) or 0.0) for r in records]
+    @property
+    def runs(self) -> list[TrialRecord]:
+        """The runs that measured it: the exploration, then its confirmations."""
+        return [self.explore, *self.confirmations]
 
-    def median(self, objective: str) -> float:
-        return statistics.median(self.values(objective))
+    def measured(self, metric: str) -> list[float]:
+        """A metric as each run measured it (the trial's own size, not projected)."""
+        return [float(getattr(r.result.metrics, metric) or 0.0) for r in self.runs]
+
+    def values(self, cfg: SweepConfig) -> list[float]:
+        """The objective of each run: projected to the production run (``search.objective``)."""
+        return [objective_value(r.result, cfg, self.layout) for r in self.runs]
+
+    def median(self, cfg: SweepConfig) -> float:
+        """The median objective over its runs: what the choice compares."""
+        return statistics.median(self.values(cfg))
+
+    def median_run(self, cfg: SweepConfig) -> TrialRecord:
+        """The run whose objective is the median's (the lower middle one of an even count)."""
+        ranked = sorted(zip(self.values(cfg), range(len(self.runs))))
+        return self.runs[ranked[(len(ranked) - 1) // 2][1]]
 
     def confirmed(self, cfg: SweepConfig) -> bool:
         """Every confirmation run passed and its step time stayed steady (``search.confirm_max_step_time_drift``)."""
@@ -82,10 +98,6 @@ def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
     return peak is not None and peak + outside <= cfg.memory_limit_gib
 
 
-def objective_value(result: TrialResult, cfg: SweepConfig) -> float:
-    return float(getattr(result.metrics, cfg.search.objective) or 0.0)
-
-
 def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> int:
     """Explored trials that ended (the layout's own outcome, not an infrastructure failure) since the best stable
     objective last improved; 0 until a trial is stable."""
@@ -94,7 +106,7 @@ def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> 
     for rec in records:
         if rec.phase != "explore" or rec.attempt < 1 or rec.result.failure_kind in NOT_THE_LAYOUTS:
             continue
-        value = objective_value(rec.result, cfg) if is_stable(rec.result, cfg) else None
+        value = objective_value(rec.result, cfg, Layout.from_dict(rec.layout)) if is_stable(rec.result, cfg) else None
         if value is not None and (best is None or value > best):
             best, since = value, 0
         elif best is not None:
@@ -108,13 +120,20 @@ def candidates(records: list[TrialRecord], cfg: SweepConfig) -> list[Candidate]:
     confirms: dict[int, list[TrialRecord]] = {}
     for rec in records:
         if rec.phase == "confirm":
-            confirms.setdefault(rec.number, []).append(rec)
+            if rec.result.failure_kind not in NOT_THE_LAYOUTS:  # a lost node says nothing: the run is made again
+                confirms.setdefault(rec.number, []).append(rec)
         elif is_stable(rec.result, cfg):
             explore[rec.number] = Candidate(rec.number, Layout.from_dict(rec.layout), rec)
     for number, recs in confirms.items():
         if number in explore:
             explore[number].confirmations = recs
-    return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg))
+    return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg, c.layout))
+
+
+def confirm_attempts(records: list[TrialRecord], number: int) -> tuple[int, int]:
+    """(confirmation runs of trial ``number`` so far, how many of them failed for reasons not the layout's)."""
+    runs = [r for r in records if r.phase == "confirm" and r.number == number]
+    return len(runs), sum(1 for r in runs if r.result.failure_kind in NOT_THE_LAYOUTS)
 
 
 def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True) -> Candidate | None:
@@ -125,7 +144,7 @@ def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True
         if (c.confirmations or not confirmed_only) and c.confirmed(cfg)
         and all(is_stable(r.result, cfg) for r in c.confirmations)
     ]
-    return max(ok, key=lambda c: c.median(cfg.search.objective), default=None)
+    return max(ok, key=lambda c: c.median(cfg), default=None)
 
 
 def checkpoint_moves(cands: list[Candidate]) -> dict[str, Any]:
@@ -146,7 +165,8 @@ def checkpoint_moves(cands: list[Candidate]) -> dict[str, Any]:
 
 def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | None,
                          cands: list[Candidate] | None = None) -> dict[str, Any]:
-    result = winner.explore.result
+    chosen_by = winner.median_run(cfg)  # the run whose objective is the median that chose the winner
+    result = chosen_by.result
     layout = winner.layout
     return {
         "name": cfg.name,
@@ -159,9 +179,19 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "megatron_bridge_overrides": dotted_overrides(cfg, layout),
         "run": {"framework": cfg.run.framework, **cfg.run.model_dump(exclude_defaults=True)},
         "measured": dict(vars(result.metrics)),
+        "measured_run": {"phase": chosen_by.phase, "attempt": chosen_by.attempt},
         "measured_median_over_runs": {
-            cfg.search.objective: winner.median(cfg.search.objective),
-            "runs": 1 + len(winner.confirmations),
+            cfg.search.objective: statistics.median(winner.measured(cfg.search.objective)),
+            "runs": len(winner.runs),
+        },
+        "objective": {
+            "name": objective_name(cfg),
+            "production_gpus": production_gpus(cfg),
+            "copies": copies(cfg, layout),
+            "median": winner.median(cfg),
+            "runs": [{"phase": r.phase, "attempt": r.attempt, "projected": v,
+                      "measured": getattr(r.result.metrics, cfg.search.objective)}
+                     for r, v in zip(winner.runs, winner.values(cfg), strict=True)],
         },
         "confirmation": {
             "runs": len(winner.confirmations),

@@ -3,6 +3,7 @@ a table of every trial attempt, and the files of the sweep folder a user compare
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +42,10 @@ def sweep_metrics(records: list[TrialRecord], winner: Candidate | None, cfg: Swe
     if scheduling_efficiency is not None:
         out["scheduling_efficiency"] = scheduling_efficiency
     if winner is not None:
-        out.update({k: float(v) for k, v in vars(winner.explore.result.metrics).items() if v is not None})
-        out[f"{cfg.search.objective}_median"] = winner.median(cfg.search.objective)
+        # The run whose objective is the median that chose the winner, not the exploration alone.
+        out.update({k: float(v) for k, v in vars(winner.median_run(cfg).result.metrics).items() if v is not None})
+        out[f"{cfg.search.objective}_median"] = statistics.median(winner.measured(cfg.search.objective))
+        out[f"production_{cfg.search.objective}_median"] = winner.median(cfg)
         out["best_trial"] = float(winner.number)
     return out
 

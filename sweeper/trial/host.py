@@ -161,8 +161,10 @@ class TrialHost:
                   inject: str | None = None, cancel: threading.Event | None = None,
                   steps: int | None = None, reference: str | None = None,
                   make_reference: bool = False, routing_stress: bool = False) -> TrialResult:
-        if steps is not None:
-            cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
+        if steps is not None:  # a confirmation's longer run gets its time limit scaled alike
+            t = cfg.training
+            limit = t.trial_timeout_s * max(1.0, steps / t.steps)
+            cfg = cfg.model_copy(update={"training": t.model_copy(update={"steps": steps, "trial_timeout_s": limit})})
         run, nodes, note = layout, reservation.node_ids, None
         if is_proxy(cfg.model) and not make_reference:  # the reference's batch is the gate's: never shrunk
             run, nodes, note = self._proxy_run(layout, reservation)

@@ -44,12 +44,15 @@ class StandInHost:
     backend_name = "stand-in"
 
     def __init__(self, nodes: int = 2, gpus: int = 2, fail: dict[str, str] | None = None, delay: float = 0.8,
-                 unsupported: str | None = None, delays: dict[str, float] | None = None) -> None:
+                 unsupported: str | None = None, delays: dict[str, float] | None = None,
+                 speeds: dict[str, float] | None = None) -> None:
         self.free = {f"n{i}": gpus for i in range(nodes)}
         self.gpus = gpus
         self.fail = fail or {}
         self.delay = delay
         self.delays = delays or {}  # per layout (short form): a trial that takes longer
+        self.confirms_failed = 0
+        self.speeds = speeds or {}  # per layout (short form): its tokens/s instead of the rule below
         self.spans: list[tuple[Layout, float, float]] = []  # (layout, start, end) of every run_trial
         self.unsupported_reason = unsupported  # every layout unsupported on this stand-in backend when set
         self.calls: list[tuple[Layout, str | None]] = []
@@ -114,6 +117,10 @@ class StandInHost:
                 return TrialResult(status="failed", failure_kind="infra", error=(
                     f"rank 0 (n{len(self.calls) % 2}): rank actor failed to start: RuntimeError: torch was built "
                     f"without the library this node lacks (pid={4000 + len(self.calls)})"))
+            if kind == "infra-confirm-once" and kw.get("steps") is not None and self.confirms_failed == 0:
+                self.confirms_failed += 1  # its node lost during the first confirmation (stand-in)
+                return TrialResult(status="failed", failure_kind="infra", notes=["node_lost"],
+                                   error="rank 0 (n0): node n0 lost while the rank ran (stand-in)")
             if kind == "infra-once" and sum(1 for lo, _ in self.calls if lo == layout) == 1:
                 return TrialResult(status="failed", failure_kind="infra", error="node lost (stand-in)")
             if kind == "host-oom":  # Ray's memory monitor killed ranks (stand-in of the runner's verdict)
@@ -124,7 +131,7 @@ class StandInHost:
                                    error="sweeper bug at sweeper/backends/megatron/build.py:1: TypeError (stand-in)")
             if kind in ("oom", "nan"):
                 return TrialResult(status="failed", failure_kind=kind, error=f"{kind} (stand-in)")
-            speed = 100.0 * layout.pp * layout.ep * layout.mbs * layout.world_size
+            speed = self.speeds.get(layout.short(), 100.0 * layout.pp * layout.ep * layout.mbs * layout.world_size)
             return TrialResult(
                 status="passed", metrics=TrialMetrics(tokens_per_s=speed, step_time_s=1.0, peak_memory_gib=1.0,
                                                       loss_first=5.0, loss_last=4.0),
@@ -247,6 +254,48 @@ def test_a_cause_that_fails_every_attempt_of_several_layouts_stops_the_sweep_wit
     assert meta.stopped_early is not None and meta.stopped_early.startswith("stopped: every attempt of 3 layouts")
     assert "torch was built without the library this node lacks" in meta.stopped_early
     assert not (tmp_path / "sweep" / "best_layout.yaml").exists()
+
+
+def test_layouts_of_different_sizes_are_compared_as_the_production_run_not_by_total_throughput(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """The production run has the cluster's 4 GPUs. A 4-GPU layout at 1.8x the tokens/s of a 2-GPU one loses to it:
+    two copies of the 2-GPU layout train ~11% faster. Raw tokens/s chose the 4-GPU layout."""
+    small = Layout(world_size=2, pp=2, mbs=2, gbs=8).short()
+    large = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    speeds = {small: 1000.0, large: 1800.0}  # every other layout: 10 tokens/s
+    sweep = make_sweep(cfg, _FixedSpeeds(speeds))
+    assert sweep.run() == 0
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    assert Layout.from_dict(best["layout"]).short() == small
+    assert best["objective"]["production_gpus"] == 4 and best["objective"]["copies"] == 2
+    assert 1800.0 < best["objective"]["median"] <= 2000.0  # two copies, less the larger DP's predicted reduce
+    decision = SweepDir(tmp_path / "sweep").read_meta().decision
+    assert decision is not None
+    production = [entry["production"]["tokens_per_s"] for entry in decision["layouts"]]
+    assert production[0] == max(production)  # no runner-up projects faster than the winner
+
+
+class _FixedSpeeds(StandInHost):
+    """The stand-in host with a given tokens/s for some layouts and 10 tokens/s for every other (stand-in)."""
+
+    def __init__(self, speeds: dict[str, float]) -> None:
+        super().__init__(delay=0.1, speeds=speeds)
+
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
+        self.speeds.setdefault(layout.short(), 10.0)
+        return super().run_trial(cfg, layout, trial_dir, **kw)
+
+
+def test_a_confirmation_lost_to_a_node_is_made_again_and_the_candidate_kept(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Before: the lost node's confirmation record counted as a failed confirmation and the runner-up won."""
+    fastest = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    sweep = make_sweep(cfg, StandInHost(fail={fastest: "infra-confirm-once"}, delay=0.1))
+    assert sweep.run() == 0
+    confirms = [(r.attempt, r.result.status) for r in sweep.records if r.phase == "confirm"]
+    assert confirms == [(1, "failed"), (2, "passed")]
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    assert Layout.from_dict(best["layout"]).short() == fastest and best["confirmation"]["runs"] == 1
 
 
 def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
@@ -549,6 +598,7 @@ def test_a_trial_that_contradicts_the_estimators_ranking_changes_what_the_sweep_
     from sweeper.estimate import Estimator
     from sweeper.plan.assess import assess_all
     from sweeper.plan.space import enumerate_layouts
+    from sweeper.search.objective import production_layout
 
     monkeypatch.setattr("os.cpu_count", lambda: 64)  # a simulated cluster whose ranks each have a core of their own
 
@@ -562,7 +612,8 @@ def test_a_trial_that_contradicts_the_estimators_ranking_changes_what_the_sweep_
     cfg = space([])
     raw = Estimator.for_config(cfg)
     launchable = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.launchable]
-    favourites = sorted(launchable, key=lambda lo: -(raw(lo).tokens_per_s or 0.0))
+    # Ranked as the sweep ranks them: as the production run (the cluster's 4 GPUs) would run each (issue 43).
+    favourites = sorted(launchable, key=lambda lo: -(raw(production_layout(cfg, lo)).tokens_per_s or 0.0))
     pp1 = [lo for lo in favourites if lo.pp == 1]
     opening = [next(lo for lo in favourites if lo.pp == 2), *pp1[:2]]
     untried = [lo for lo in favourites if lo not in opening]

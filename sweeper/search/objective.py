@@ -1,0 +1,92 @@
+"""The sweep's one objective: the production run's throughput (issue 43).
+
+A sweep compares layouts of different sizes (``space.gpus: [8, 16]``), but the user runs one of them on the
+production run's N GPUs (``budget.gpus``, else the cluster's): a layout measured on W GPUs stands for the production
+layout with ``N // W`` copies of it side by side, its data parallelism scaled by that many. Its projected production
+throughput is the measured rate times the copies, less what the larger data parallelism costs: the estimator's step
+time of the production layout over the trial layout's, added to the measured step (the DP/EDP gradient reduce over
+more ranks, the distributed optimizer's smaller shard). Comparing raw tokens/s instead lets a 16-GPU layout at 1.8x
+an 8-GPU one's tokens/s win, where the 8-GPU layout doubled would train faster.
+
+The search (what Optuna is told, the refit model's proposals), the choice, the report's decision and
+``best_layout.yaml`` all rank by ``objective_value``; ``search.objective: tflops_per_gpu`` is per GPU already, so
+only the larger data parallelism's cost applies to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from sweeper.config.schema import SweepConfig
+from sweeper.errors import LayoutError
+from sweeper.estimate import Estimator
+from sweeper.record.schema import TrialResult
+from sweeper.space.layout import Layout
+
+# Predicted step-time differences per (estimator inputs, layout, N): candidates() re-ranks every stable record on each
+# event, and the estimator is the same for the whole sweep.
+_EXTRA_S: dict[tuple[str, Layout, int], float] = {}
+
+
+def production_gpus(cfg: SweepConfig) -> int:
+    """N: the production run's GPUs (``budget.gpus``, else the cluster's)."""
+    if cfg.budget is not None and cfg.budget.gpus is not None:
+        return cfg.budget.gpus
+    return cfg.cluster.nodes * cfg.cluster.gpus_per_node
+
+
+def copies(cfg: SweepConfig, layout: Layout) -> int:
+    """How many copies of the layout the production run holds side by side (0: it needs more GPUs than N)."""
+    return production_gpus(cfg) // layout.world_size
+
+
+def production_layout(cfg: SweepConfig, layout: Layout) -> Layout | None:
+    """The layout as the production run runs it: ``copies`` times the data parallelism, each data-parallel rank
+    with the trial's micro-batches (the global batch scaled alike); None when N holds no copy."""
+    k = copies(cfg, layout)
+    return replace(layout, world_size=layout.world_size * k, gbs=layout.gbs * k) if k else None
+
+
+def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:
+    """What the production layout's step costs over the trial layout's, as the estimator prices both (seconds)."""
+    production = production_layout(cfg, layout)
+    if production is None or production == layout:
+        return 0.0
+    key = (cfg.model_dump_json(include={"model", "cluster", "training", "estimate", "run"}), layout,
+           production.world_size)
+    if key not in _EXTRA_S:
+        estimator = Estimator.for_config(cfg)
+        try:
+            trial_s, production_s = estimator(layout).step_time_s, estimator(production).step_time_s
+        except (LayoutError, ValueError):  # a layout the estimator cannot price: projected without the difference
+            trial_s = production_s = None
+        _EXTRA_S[key] = max(0.0, production_s - trial_s) if trial_s and production_s else 0.0
+    return _EXTRA_S[key]
+
+
+def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: float | None) -> float:
+    """A trial's rate of the objective (tokens/s of the layout, or TFLOP/s per GPU) projected to the production
+    run: times the copies for tokens/s, slowed by the larger data parallelism's extra step time."""
+    k = copies(cfg, layout)
+    if k == 0 or rate <= 0:
+        return 0.0
+    slowdown = 1.0
+    if step_time_s:
+        slowdown = step_time_s / (step_time_s + extra_step_s(cfg, layout))
+    per_gpu = cfg.search.objective == "tflops_per_gpu"
+    return rate * (1 if per_gpu else k) * slowdown
+
+
+def objective_value(result: TrialResult, cfg: SweepConfig, layout: Layout) -> float:
+    """The objective of a trial of ``layout``: its measured ``search.objective`` projected to the production run."""
+    measured = float(getattr(result.metrics, cfg.search.objective) or 0.0)
+    return production_rate(cfg, layout, measured, result.metrics.step_time_s)
+
+
+def objective_name(cfg: SweepConfig) -> str:
+    """How the outputs name the objective, e.g. ``tokens_per_s on the production run's 16 GPUs``."""
+    return f"{cfg.search.objective} on the production run's {production_gpus(cfg)} GPUs"
+
+
+__all__ = ["copies", "extra_step_s", "objective_name", "objective_value", "production_gpus", "production_layout",
+           "production_rate"]

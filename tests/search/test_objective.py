@@ -1,0 +1,65 @@
+"""The production run's throughput as the sweep's one objective (sweeper/search/objective.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from sweeper.config.load import load_config
+from sweeper.record.schema import TrialMetrics, TrialResult
+from sweeper.search.objective import (
+    copies,
+    extra_step_s,
+    objective_value,
+    production_gpus,
+    production_layout,
+)
+from sweeper.space.layout import Layout
+
+SPACE = {
+    "name": "objective", "model": "tiny-moe",
+    "cluster": {"nodes": 2, "gpus_per_node": 8, "gpu_memory_gib": 80, "compute_capability": "9.0"},
+    "training": {"seq_length": 64, "global_batch_size": 16, "steps": 4},
+    "space": {"gpus": [8, 16], "tp": [1, 2], "pp": [1, 2], "ep": [1, 2]},
+}
+
+
+def _cfg(tmp_path: Path, **budget):
+    data = dict(SPACE)
+    if budget:
+        data["budget"] = {"tokens": 1e9, **budget}
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def _passed(tokens_per_s: float, step_time_s: float) -> TrialResult:
+    return TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=tokens_per_s, step_time_s=step_time_s))
+
+
+def test_the_production_run_has_the_clusters_gpus_unless_the_budget_names_them(tmp_path: Path):
+    assert production_gpus(_cfg(tmp_path)) == 16
+    assert production_gpus(_cfg(tmp_path, gpus=64)) == 64
+
+
+def test_a_layout_stands_for_its_copies_on_the_production_run(tmp_path: Path):
+    cfg = _cfg(tmp_path)
+    layout = Layout(world_size=8, tp=2, pp=2, gbs=16, mbs=1)
+    production = production_layout(cfg, layout)
+    assert copies(cfg, layout) == 2 and production is not None
+    assert (production.world_size, production.dp, production.gbs) == (16, 4, 32)
+    assert production.num_microbatches == layout.num_microbatches  # each data-parallel rank's micro-batches kept
+    assert production_layout(cfg, Layout(world_size=16, gbs=16)) == Layout(world_size=16, gbs=16)
+
+
+def test_the_objective_is_the_copies_rate_less_the_larger_data_parallelisms_extra_step(tmp_path: Path):
+    cfg = _cfg(tmp_path)
+    small, large = Layout(world_size=8, tp=2, gbs=16), Layout(world_size=16, tp=2, gbs=16)
+    extra = extra_step_s(cfg, small)
+    assert extra > 0  # the gradient reduce over 8 DP ranks costs more than over 4
+    value = objective_value(_passed(1000.0, 0.5), cfg, small)
+    assert value == 2 * 1000.0 * 0.5 / (0.5 + extra) < 2000.0
+    # Raw tokens/s would rank the 16-GPU layout at 1.8x first; as the production run it is second.
+    assert objective_value(_passed(1800.0, 0.5), cfg, large) == 1800.0 < value
+    assert objective_value(_passed(0.0, 0.5), cfg, small) == 0.0
