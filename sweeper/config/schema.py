@@ -243,6 +243,9 @@ class SearchConfig(_Strict):
     """Stop exploring after this many ended trials without a better stable layout; null: spend the budget."""
     allow_cross_node_tp: bool = False
     """Let a layout whose TP or ETP group ran across nodes be stable (its placement is always recorded)."""
+    require_equivalence: bool = True
+    """A trial is stable only if it ran against the equivalence reference (the gate); false: when the reference
+    could not be made, trials run without the gate may still be stable (the console and report say so)."""
 
 
 class BudgetConfig(_Strict):

@@ -251,6 +251,10 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
         notes.append("Memory is host RSS: these trials ran on the CPU backend, where there is no device memory, so "
                      "every 'peak memory' below is the ranks' peak resident host memory, not GPU memory. The "
                      "headroom line compares it with the configured GPU memory only as a rough guide.")
+    reference = info.reference or {}
+    if info.reference is not None and not reference.get("path"):
+        notes.append(f"No equivalence gate: {reference.get('note') or 'the reference could not be made'}. No trial "
+                     "proved it computes the model, so none is stable unless search.require_equivalence is false.")
     if skipped:
         notes.append(f"{skipped} line(s) of {TRIALS_FILE} could not be read and were skipped (a torn last line is "
                      "what a sweep that crashed mid-write leaves).")

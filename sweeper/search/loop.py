@@ -40,6 +40,7 @@ from sweeper.search.refit import turn as refit_turn
 from sweeper.search.repeated import RepeatedFailure
 from sweeper.search.scheduler import HOLD, Running, Scheduler
 from sweeper.search.selection import (
+    GATE_OFF,
     NOT_THE_LAYOUTS,
     best_layout_document,
     candidates,
@@ -163,6 +164,12 @@ class Sweep:
         outcome = ensure_reference(self.cfg, self.handle, self.dir.root / "reference")
         self.reference = outcome.path
         console.print(f"[blue]equivalence[/] {outcome.note}")
+        if outcome.path is None:
+            console.print("[yellow]equivalence[/] without the reference no trial proves it computes the model: "
+                          + ("none can be stable (search.require_equivalence: false accepts them)"
+                             if self.cfg.search.require_equivalence else
+                             "search.require_equivalence is false, so passed trials may still be stable"),
+                          important=True)
         meta = self.dir.read_meta()
         meta.reference = outcome.to_json()
         self.dir.write_meta(meta)
@@ -329,6 +336,8 @@ class Sweep:
 
     # -- recording -----------------------------------------------------------------------------------------------
     def _record(self, run: Running, result: TrialResult) -> None:
+        if self.reference is None and result.passed and GATE_OFF not in result.notes:
+            result.notes.append(GATE_OFF)  # nothing proved it computes the model: stable only if the YAML says so
         killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
         self.tracker.finish_trial(run.run_id, result, killed=killed)  # no run id: started while MLflow was behind
         record = TrialRecord(

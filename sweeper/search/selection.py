@@ -82,10 +82,17 @@ def steady(result: TrialResult, cfg: SweepConfig) -> bool:
 NOT_THE_LAYOUTS = ("infra", "internal")
 
 
+# The note a sweep adds to a trial it ran without its equivalence reference (the reference could not be made).
+GATE_OFF = "equivalence gate off: the sweep has no reference"
+
+
 def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
-    """Passed, within the memory headroom (under routing stress too, when the trial ran it), and (unless
-    ``search.allow_cross_node_tp``) no TP or ETP group ran across nodes."""
+    """Passed, ran against the equivalence reference (unless ``search.require_equivalence`` is false), within the
+    memory headroom (under routing stress too, when the trial ran it), and (unless ``search.allow_cross_node_tp``)
+    no TP or ETP group ran across nodes."""
     if not result.passed:
+        return False
+    if GATE_OFF in result.notes and cfg.search.require_equivalence:
         return False
     if result.placement_warnings and not cfg.search.allow_cross_node_tp:
         return False

@@ -25,6 +25,7 @@ from sweeper.search.loop import SearchOptions, Sweep
 from sweeper.search.study import PARAMS
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
+from sweeper.trial.reference import REFERENCE_FILE
 from sweeper.trial.runner import HOST_OUT_OF_MEMORY
 
 SPACE = {
@@ -52,6 +53,7 @@ class StandInHost:
         self.delay = delay
         self.delays = delays or {}  # per layout (short form): a trial that takes longer
         self.confirms_failed = 0
+        self.reference_ok = True  # False: the reference run fails and the sweep has no equivalence gate
         self.speeds = speeds or {}  # per layout (short form): its tokens/s instead of the rule below
         self.spans: list[tuple[Layout, float, float]] = []  # (layout, start, end) of every run_trial
         self.unsupported_reason = unsupported  # every layout unsupported on this stand-in backend when set
@@ -103,8 +105,12 @@ class StandInHost:
         return self.unsupported_reason
 
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
-        if kw.get("make_reference"):  # no equivalence reference from a stand-in: the sweep runs with the gate off
-            return TrialResult(status="failed", failure_kind="unsupported", error="stand-in host")
+        if kw.get("make_reference"):  # the stand-in's reference: the file the gate would load, no weights behind it
+            if not self.reference_ok:
+                return TrialResult(status="failed", failure_kind="unsupported", error="stand-in host")
+            Path(kw["reference"]).mkdir(parents=True, exist_ok=True)
+            (Path(kw["reference"]) / REFERENCE_FILE).write_text("{}")
+            return TrialResult(status="passed", backend="stand-in", memory_kind="host")
         with self.lock:
             self.calls.append((layout, kw.get("inject")))
             self.concurrent += 1
@@ -296,6 +302,21 @@ def test_a_confirmation_lost_to_a_node_is_made_again_and_the_candidate_kept(
     assert confirms == [(1, "failed"), (2, "passed")]
     best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
     assert Layout.from_dict(best["layout"]).short() == fastest and best["confirmation"]["runs"] == 1
+
+
+@pytest.mark.parametrize("required", [True, False])
+def test_a_sweep_without_its_reference_has_no_stable_layout_unless_told_otherwise(
+        required: bool, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Before: trials run without the gate could still be "stable", though the README says every trial passes it."""
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 3, "confirm_top": 0, "require_equivalence": required}})
+    host = StandInHost(delay=0.1)
+    host.reference_ok = False
+    assert make_sweep(cfg, host).run() == (1 if required else 0)
+    passed = [r for r in SweepDir(tmp_path / "sweep").read_trials() if r.result.passed]
+    assert passed and all("equivalence gate off: the sweep has no reference" in r.result.notes for r in passed)
+    assert (tmp_path / "sweep" / "best_layout.yaml").exists() is not required
+    report = (tmp_path / "sweep" / "report.html").read_text()
+    assert "No equivalence gate" in report
 
 
 def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
