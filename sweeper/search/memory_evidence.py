@@ -5,8 +5,12 @@ A sweep must never throw away a layout that would have run. So a layout is prune
 - even the lower end of the estimator's error band (``Estimate.memory_band_gib``, from the errors measured on
   published runs) exceeds the limit, and no measured neighbour proves it fits: a trial of the same sweep that
   passed with its device peak under the limit although its layout was predicted to need at least as much; or
-- it is inside the band (predicted over the limit, but possibly fitting) and a trial of the same sweep whose
-  layout was predicted to need no more ran out of memory: an inferred decision, recorded with that trial's number.
+- it is inside the band (predicted over the limit, but possibly fitting) and a trial of the same sweep ran out of
+  memory whose layout was predicted to need no more in every part of the estimator's breakdown (weights, gradients,
+  optimizer state, activations, ...), not only in total: an inferred decision, recorded with that trial's number.
+  A total alone orders structurally different layouts only as well as the estimator's per-layout error (about 19%)
+  allows; a layout that needs at least as much of every part needs at least as much whatever the error of each
+  (issue 43).
 
 Comparisons use the uncalibrated prediction of both layouts, so a calibration refit never reorders the evidence.
 Every pruned layout is listed with its prediction, its band and the reason (``sweep.json`` ``memory_pruned``, the
@@ -21,12 +25,18 @@ from typing import Any
 from sweeper.estimate import Estimate
 
 
+def gib_parts(estimate: Estimate) -> dict[str, float]:
+    """The estimate's memory breakdown in GiB (its bookkeeping entries, a pipeline rank and a count, left out)."""
+    return {k: v for k, v in estimate.breakdown.items() if k not in ("pipeline_rank", "in_flight_microbatches")}
+
+
 @dataclass(frozen=True)
 class Measured:
     number: int
     layout: str  # Layout.short()
     predicted_gib: float  # uncalibrated prediction of its layout
     peak_gib: float | None
+    parts_gib: dict[str, float] = field(default_factory=dict)  # that prediction's breakdown (GiB per part)
 
 
 @dataclass
@@ -39,7 +49,7 @@ class MemoryEvidence:
         """Remember a finished trial (a TrialResult) as evidence about layouts predicted near it; True when it is
         evidence (a device peak under the limit, or an OOM), so the space needs re-assessing."""
         peak = result.metrics.peak_memory_gib
-        seen = Measured(number, layout, raw.memory_gib, peak)
+        seen = Measured(number, layout, raw.memory_gib, peak, gib_parts(raw))
         if result.passed and result.memory_kind == "device" and peak is not None and peak <= self.limit_gib:
             self.fitted.append(seen)
         elif result.failure_kind == "oom":
@@ -53,8 +63,11 @@ class MemoryEvidence:
         return next((m for m in self.fitted if m.predicted_gib >= raw.memory_gib), None)
 
     def proof_of_oom(self, raw: Estimate) -> Measured | None:
-        """A trial that ran out of memory although predicted to need no more than ``raw``."""
-        return next((m for m in self.ran_out if m.predicted_gib <= raw.memory_gib), None)
+        """A trial that ran out of memory although predicted to need no more than ``raw``, in total and in every part
+        of the breakdown."""
+        parts = gib_parts(raw)
+        return next((m for m in self.ran_out if m.predicted_gib <= raw.memory_gib
+                     and all(parts.get(k, 0.0) >= v for k, v in m.parts_gib.items())), None)
 
     def verdict(self, predicted: Estimate, raw: Estimate) -> str | None:
         """None when the layout may be launched on memory grounds, else why it is pruned (one line).
@@ -68,7 +81,7 @@ class MemoryEvidence:
             if oom is None:
                 return None
             return (f"{band} is at least what trial #{oom.number} ({oom.layout}) was predicted to need "
-                    f"({oom.predicted_gib:.1f} GiB), and that trial ran out of memory (inferred)")
+                    f"({oom.predicted_gib:.1f} GiB), in every part, and that trial ran out of memory (inferred)")
         if self.proof_of_fit(raw) is not None:
             return None
         return f"{band} exceeds {self.limit_gib:.1f} GiB even at the band's lower end"

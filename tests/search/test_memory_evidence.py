@@ -12,10 +12,11 @@ from sweeper.search.memory_evidence import MemoryEvidence
 LIMIT = 86.4  # 90% of 96 GiB
 
 
-def _estimate(gib: float, limit: float = LIMIT, over: float = 0.2, under: float = 0.2) -> Estimate:
+def _estimate(gib: float, limit: float = LIMIT, over: float = 0.2, under: float = 0.2,
+              parts: dict[str, float] | None = None) -> Estimate:
     band = (gib / (1 + over), gib / (1 - under))
     return Estimate(memory_gib=gib, fits=gib <= limit, step_time_s=1.0, tokens_per_s=1.0,
-                    memory_band_gib=band, may_fit=band[0] <= limit)
+                    memory_band_gib=band, may_fit=band[0] <= limit, breakdown=parts or {})
 
 
 def _passed(peak: float, kind: str = "device") -> TrialResult:
@@ -61,3 +62,15 @@ def test_comparisons_use_the_uncalibrated_prediction() -> None:
     evidence.add(2, "x", _estimate(115.0), _passed(80.0))
     calibrated, raw = _estimate(112.0), _estimate(118.0)
     assert evidence.verdict(calibrated, raw) is not None  # raw 118 > 115: #2 proves nothing about it
+
+
+def test_an_oom_prunes_only_layouts_that_need_as_much_in_every_part() -> None:
+    """Issue 43: a total orders structurally different layouts only within the estimator's per-layout error. A
+    layout with more in total but fewer activations than the one that ran out may still fit: it stays a probe."""
+    evidence = MemoryEvidence(LIMIT)
+    evidence.add(7, "TP1-PP1-EP8-MBS4", _estimate(95.0, parts={"weights": 30.0, "activations": 65.0}), _oom())
+    more_weights = _estimate(98.0, parts={"weights": 60.0, "activations": 38.0, "pipeline_rank": 0.0})
+    assert evidence.verdict(more_weights, more_weights) is None
+    more_of_each = _estimate(99.0, parts={"weights": 31.0, "activations": 68.0, "pipeline_rank": 3.0})
+    why = evidence.verdict(more_of_each, more_of_each)
+    assert why is not None and "#7" in why and "every part" in why
