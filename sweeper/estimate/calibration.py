@@ -22,6 +22,7 @@ multiplicative factor (the median ratio, robust to one slow outlier). Factors ar
 
 from __future__ import annotations
 
+import fcntl
 import json
 import statistics
 from collections.abc import Sequence
@@ -193,11 +194,16 @@ def calibration_key(cluster_name: str, model_name: str) -> str:
 
 
 def save(path: Path, key: str, calibration: Calibration) -> None:
-    """Store (or replace) one cluster+model's factors in the JSON file at ``path``."""
+    """Store (or replace) one cluster+model's factors in the JSON file at ``path``. The read-modify-write holds an
+    exclusive lock on ``<path>.lock``: two sweeps finishing at once (the cache is per user, shared by every sweep)
+    would otherwise each write the file it read, and the first one's factors would be lost."""
     path = Path(path)
-    data = json.loads(path.read_text()) if path.is_file() else {}
-    data[key] = asdict(calibration)
-    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        data[key] = asdict(calibration)
+        write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def load(path: Path, key: str) -> Calibration | None:

@@ -18,6 +18,9 @@ links and kernel-launch overhead, ``step_time.CLUSTER_TERMS``) is also stored un
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import importlib.util
 import os
 import statistics
 from dataclasses import dataclass, replace
@@ -46,8 +49,22 @@ def cluster_key(cfg: SweepConfig, host_cores: int | None = None) -> str:
     return f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}"
 
 
+def model_key(cfg: SweepConfig) -> str:
+    """The model part of a calibration key: the model and everything else that moves what a trial measures on the
+    same cluster (issue 43): the sequence length, the attention backend and whether Transformer Engine is installed,
+    the megatron-core release, and the run settings (a digest: grad dtype, optimizer, FP8 recipe, overlaps)."""
+    try:
+        mcore = importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:
+        mcore = "none"
+    te = "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
+    run = hashlib.sha256(cfg.run.model_dump_json().encode()).hexdigest()[:8]
+    return (f"{cfg.model.name}@seq{cfg.training.seq_length}-{cfg.estimate.attention_backend}-{te}-mcore{mcore}"
+            f"-run{run}")
+
+
 def key(cfg: SweepConfig, host_cores: int | None = None) -> str:
-    return calibration_key(cluster_key(cfg, host_cores), cfg.model.name)
+    return calibration_key(cluster_key(cfg, host_cores), model_key(cfg))
 
 
 def stored(cfg: SweepConfig, host_cores: int | None = None) -> tuple[Calibration | None, str | None]:

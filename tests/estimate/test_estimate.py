@@ -848,3 +848,35 @@ def test_estimator_memos_are_keyed_by_every_field_they_read() -> None:
             except ValueError:  # sizes that do not divide
                 continue
             assert estimator(lo) == expected, lo.short()
+
+
+def test_a_stored_calibration_is_keyed_by_what_moves_the_measurements(tmp_path):
+    """Issue 43: a calibration learnt at another sequence length, with other run settings, attention backend or
+    Megatron release does not price this sweep's layouts."""
+    from sweeper.config.load import load_config
+    from sweeper.estimate.calibrator import key
+
+    base = (Path(__file__).resolve().parents[2] / "search_spaces" / "quickstart.yaml").read_text()
+    keys = []
+    for text in (base, base.replace("seq_length: 64", "seq_length: 128"), base + "run: {overlap_grad_reduce: true}\n",
+                 base + "estimate: {attention_backend: local}\n"):
+        path = tmp_path / f"s{len(keys)}.yaml"
+        path.write_text(text)
+        keys.append(key(load_config(path)))
+    assert len(set(keys)) == 4, keys
+    assert all("mcore" in k and "@seq" in k for k in keys)
+
+
+def test_concurrent_saves_of_the_calibration_cache_lose_no_key(tmp_path):
+    import threading
+
+    from sweeper.estimate.calibration import Calibration, load, save
+
+    path = tmp_path / "calibration.json"
+    threads = [threading.Thread(target=save, args=(path, f"cluster/model-{i}", Calibration(samples=i)))
+               for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(load(path, f"cluster/model-{i}") is not None for i in range(16))
