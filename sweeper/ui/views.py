@@ -10,6 +10,7 @@ from rich.table import Table
 from sweeper.config.schema import SweepConfig
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
+from sweeper.search.objective import production_gpus, production_rate
 from sweeper.space.layout import Layout
 
 console = Console()
@@ -17,6 +18,11 @@ console = Console()
 
 def _num(value: float | None, fmt: str = "{:.1f}") -> str:
     return "-" if value is None else fmt.format(value)
+
+
+def _table_width(table: Table, names: list[str]) -> int:
+    """Enough columns for the layout names and the numbers beside them unfolded."""
+    return max((len(name) for name in names), default=6) + 14 * (len(table.columns) - 1) + 3 * len(table.columns)
 
 
 def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> None:
@@ -32,22 +38,40 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
         f"band (a sweep launches them)[/], {len(valid) - len(fits) - len(maybe)} over {over} even at the band's "
         f"lower end, [red]{len(entries) - len(valid)} invalid[/]"
     )
-    table = Table(title="valid layouts (fastest predicted first)", show_lines=False)
-    table.add_column("layout", overflow="fold")
-    for col in ("GPUs", "DP", "EDP", "mem GiB", "band GiB", "fits", "step s", "tokens/s"):
-        table.add_column(col, justify="right")
+    def production(e: PlanEntry) -> float | None:
+        """The predicted objective as the sweep ranks layouts: on the production run's GPUs (search.objective)."""
+        p = e.predicted
+        if p is None or p.tokens_per_s is None:
+            return None
+        rate = p.tokens_per_s if cfg.search.objective == "tokens_per_s" else p.tokens_per_s / e.layout.world_size
+        return production_rate(cfg, e.layout, rate, p.step_time_s)
+
+    valid = sorted(valid, key=lambda e: (not e.launchable, -(production(e) or 0.0)))  # launchable first
+    n = production_gpus(cfg)
+    unit = "tokens/s" if cfg.search.objective == "tokens_per_s" else "rel. per GPU"
+    table = Table(title=f"valid layouts, launchable first, best first as a {n}-GPU production run would run each "
+                        f"(the sweep's objective, {cfg.search.objective})", show_lines=False)
     shown = valid if limit <= 0 else valid[:limit]
-    for e in shown:
+    names = [e.layout.short() for e in shown]
+    table.add_column("layout", no_wrap=True, min_width=max((len(name) for name in names), default=6))
+    for col in ("GPUs", "DP", "EDP", "mem GiB", "band GiB", "fits", "step s", "tokens/s", f"{n}-GPU {unit}"):
+        table.add_column(col, justify="right", no_wrap=True)
+    for name, e in zip(names, shown, strict=True):
         p = e.predicted
         table.add_row(
-            e.layout.short(), str(e.layout.world_size), str(e.layout.dp), str(e.layout.edp),
+            name, str(e.layout.world_size), str(e.layout.dp), str(e.layout.edp),
             _num(p.memory_gib if p else None, "{:.2f}"),
             "-" if p is None else f"{p.memory_band_gib[0]:.1f}-{p.memory_band_gib[1]:.1f}",
             "[green]yes[/]" if p and p.fits else "[yellow]maybe[/]" if e.uncertain else "[red]no[/]",
             _num(p.step_time_s if p else None, "{:.3f}"), _num(p.tokens_per_s if p else None, "{:,.0f}"),
+            _num(production(e), "{:,.0f}" if unit == "tokens/s" else "{:,.3g}"),
         )
     if valid:
-        console.print(table)
+        # Piped (or on a narrow terminal) rich would fold every layout name over several lines: the table keeps
+        # its own width and the terminal cuts or wraps whole lines instead.
+        wide = Console(width=max(console.width, _table_width(table, names)), force_terminal=console.is_terminal,
+                       no_color=console.no_color)
+        wide.print(table)
     if len(shown) < len(valid):
         console.print(f"... {len(valid) - len(shown)} more valid layouts (--limit 0 shows all, --json lists them)")
     reasons = invalid_reasons(entries)
