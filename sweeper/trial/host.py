@@ -39,6 +39,7 @@ from sweeper.trial.protocol import Reservation
 from sweeper.trial.proxy_run import proxy_run_layout, proxy_run_note
 from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, run_trial
 
+CAPACITY_SNAPSHOT_S = 1.0  # how long one read of Ray's node table answers the sweep's capacity questions
 PRESTART_GIB_PER_RANK = 1.0  # an idle warm rank holds ~0.45 GiB (torch and megatron-core imported), a proxy rank ~0.9
 
 
@@ -76,6 +77,7 @@ class TrialHost:
         self.te = self.cuda and importlib.util.find_spec("transformer_engine") is not None
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
+        self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
         self._lock = threading.Lock()
         # Warm (forked) ranks by default on a simulated cluster only: on an H200, NCCL in a rank forked from a warm
         # Ray actor failed to start NVML ("GPU access blocked by the operating system") where fresh ranks passed.
@@ -84,10 +86,15 @@ class TrialHost:
 
     # -- capacity ----------------------------------------------------------------------------------------------
     def _alive(self) -> dict[str, tuple[str, int]]:
+        """The alive nodes, read from Ray at most once per ``CAPACITY_SNAPSHOT_S``: a sweep's fill asks whether
+        each candidate fits, twice per proposal, and every ask read the whole cluster's node table (issue 43)."""
+        now = time.monotonic()
+        if self._snapshot is None or now - self._snapshot[0] >= CAPACITY_SNAPSHOT_S:
+            self._snapshot = (now, {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()})
         sim = self.handle.simulated
-        # Ray marks a killed node dead only after its health checks time out; a simulated cluster knows at once.
-        return {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()
-                if sim is None or sim.node_for(n.node_id) is not None}
+        # Ray marks a killed node dead only after its health checks time out; a simulated cluster knows at once
+        # (asked on every call: it is the driver's own table, and a lost node must not be reserved again).
+        return {node: info for node, info in self._snapshot[1].items() if sim is None or sim.node_for(node) is not None}
 
     def capacity_total(self) -> int:
         return sum(gpus for _, gpus in self._alive().values())
@@ -193,6 +200,7 @@ class TrialHost:
         installs signal handlers)."""
         if self.handle.simulated is None:
             raise RuntimeError("node-join injection needs a simulated cluster")
+        self._snapshot = None  # the next ask sees the new node
         return self.handle.simulated.add_node().label
 
     def doctor(self, cfg: SweepConfig, trial_root: Path | None = None) -> DoctorReport:
