@@ -261,6 +261,17 @@ def test_a_gpu_trials_ranks_get_the_exported_environment(space: str, text: str, 
     assert {e["CUDA_VISIBLE_DEVICES"] for e in cpu} == {""}
 
 
+def test_local_graphs_below_blackwell_ask_for_nccl_graph_register_off() -> None:
+    """megatron-core's CudaGraphManager asserts NCCL_GRAPH_REGISTER=0 beside expandable segments below compute
+    capability 10 (transformer/cuda_graphs.py); the trial set it for TE graphs only, so every local-graph layout on
+    an H100/H200 was filed invalid_layout (issue 44, item 2)."""
+    _, layout = _case("quickstart.yaml", "gpus=2,ep=2,cuda_graph=local", {})
+    hopper = {v.name: v.value for v in megatron_environment(layout, "9.0")}
+    blackwell = {v.name: v.value for v in megatron_environment(layout, "10.0")}
+    assert hopper["NCCL_GRAPH_REGISTER"] == "0" and hopper["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "NCCL_GRAPH_REGISTER" not in blackwell
+
+
 def test_te_graphs_ask_for_nccl_graph_register_off_and_blackwell_for_no_connection_limit() -> None:
     cfg, layout = _case("quickstart.yaml", "gpus=4,tp=2,ep=2,cuda_graph=te:attn", {})
     names = {v.name: v.value for v in megatron_environment(layout, "9.0")}
