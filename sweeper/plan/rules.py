@@ -554,6 +554,9 @@ def a2a_overlap(c: RuleContext) -> str | None:
         return None
     if not c.model.is_moe or lo.ep == 1:
         return "overlap_moe_expert_parallel_comm is only supported with expert model parallelism"
+    if c.model.is_hybrid:  # megatron-core 0.16.1 pipeline_parallel/combined_1f1b.py asserts it
+        return ("The final unwrapped model must be a GPTModel instance since only GPTModel is supported for EP A2A "
+                "overlapping")
     if lo.dispatcher not in ("alltoall", "flex"):
         return "overlap_moe_expert_parallel_comm is supported with alltoall/flex token dispatcher"
     if lo.pp > 1 and lo.vpp == 1:

@@ -562,3 +562,31 @@ def test_blockwise_fp8_needs_cuda_12_9_and_is_unsupported_not_the_layouts_fault(
     plan = gpu.gpu_plan(spec, layout, HOPPER, fp8_recipe="blockwise", cuda=(12, 9))
     assert plan.config_kwargs["fp8_recipe"] == "blockwise" and plan.config_kwargs["fp8"] == "e4m3"
     assert gpu.gpu_plan(spec, layout, HOPPER, cuda=(12, 4)).fp8_recipe == "delayed"  # only blockwise needs 12.9
+
+
+def test_the_forward_step_gives_megatrons_combined_1f1b_schedule_its_schedule_plan(monkeypatch):
+    """Issue 44, item 1: megatron-core's combined 1F1B schedule (moe_a2a_overlap) calls the forward step with
+    return_schedule_plan=True on the unwrapped GPTModel and asserts a schedule plan back; sweeper's step had no such
+    keyword (TypeError, filed infra, re-run, never measured). The model here is a STAND-IN recording the call (the
+    schedule needs CUDA streams; the CPU backend refuses moe_a2a_overlap)."""
+    import inspect
+
+    import torch
+    from megatron.core.pipeline_parallel import combined_1f1b
+
+    from sweeper.backends.megatron import steps
+
+    assert "return_schedule_plan=True" in inspect.getsource(combined_1f1b)  # the call this step must accept
+
+    class PlanningModel:
+        def build_schedule_plan(self, tokens, position_ids, attention_mask, labels=None):
+            self.call = (tokens, position_ids, attention_mask, labels)
+            return "schedule plan"
+
+    monkeypatch.setattr(steps, "_on_this_cp_rank", lambda batch: batch)  # one CP rank: the whole sequence
+    batch = steps.Batch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
+                        torch.arange(4).unsqueeze(0))
+    model = PlanningModel()
+    plan, loss = steps._forward_step(False, iter([batch]), model, return_schedule_plan=True)
+    assert plan == "schedule plan" and loss is steps._loss_func
+    assert model.call[2] is None and model.call[3] is batch.labels

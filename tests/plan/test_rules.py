@@ -312,6 +312,8 @@ CASES: dict[str, list[Case]] = {
          "virtual_pipeline_model_parallel_size must be specified when pipeline_model_parallel_size > 1"),
         (MOE, L(16, ep=8, moe_a2a_overlap=True, recompute="full"), H100x2, SEQ, "disable full recomputation"),
         (MOE, L(16, ep=8, moe_a2a_overlap=True, precision="fp32"), H100x2, SEQ, "only supported with bf16 or fp16"),
+        (preset("nemotron-3-nano-30b-a3b"), L(16, ep=8, moe_a2a_overlap=True), H100x2, SEQ,
+         "only GPTModel is supported for EP A2A overlapping"),  # issue 44: combined_1f1b.py's assert
     ],
     "cuda_graphs": [
         (MOE, L(16, ep=8, cuda_graph="te:attn+moe_router+moe_preprocess"), H100x2, SEQ, None),

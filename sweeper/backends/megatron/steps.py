@@ -71,8 +71,16 @@ def _on_this_cp_rank(batch: Batch) -> Batch:
     return Batch(parts["tokens"], parts["labels"], parts["position_ids"])
 
 
-def _forward_step(poison: bool, data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[Any, Any]:
+def _forward_step(poison: bool, data_iterator: Iterator[Batch], model: torch.nn.Module,
+                  return_schedule_plan: bool = False) -> tuple[Any, Any]:
     batch = _on_this_cp_rank(next(data_iterator))
+    if return_schedule_plan:
+        # megatron-core's combined 1F1B schedule (overlap_moe_expert_parallel_comm, pipeline_parallel/
+        # combined_1f1b.py, 0.16.1) asks the forward step for the unwrapped GPTModel's schedule plan instead of its
+        # output, as Megatron-LM's pretrain_gpt forward step gives it; a step without the keyword raised TypeError
+        # there (issue 44, item 1). The plan runs the same forward; fault injection poisons the plain output only.
+        plan = model.build_schedule_plan(batch.tokens, batch.position_ids, None, labels=batch.labels)  # type: ignore[operator]
+        return plan, _loss_func
     # attention_mask None: the local and TE attention apply the causal mask themselves.
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
     if poison:
