@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from sweeper.record.files import write_atomic
+from sweeper.record.lock import LOCK_FILE
 from sweeper.record.schema import SweepMeta, TrialRecord
 
 
@@ -27,6 +28,7 @@ class SweepDir:
         self.journal = root / "optuna_journal.log"
         self.space = root / "space.yaml"  # the search YAML the sweep was started with, as given
         self.trial_dirs = root / "trials"
+        self.lock = root / LOCK_FILE  # held by the one driver writing this folder (issue 43)
 
     def exists(self) -> bool:
         return self.trials.exists() or self.meta.exists()

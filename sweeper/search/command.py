@@ -1,6 +1,7 @@
-"""`sweeper search`: the command around the sweep loop. It refuses bad input before anything is written, opens
-the cluster and the MLflow parent run, records what the sweep runs on in sweep.json, and lets SIGINT / SIGTERM
-stop launches (a second one stops waiting) while the loop (``search.loop.Sweep``) winds down and exports."""
+"""`sweeper search`: the command around the sweep loop. It refuses bad input before anything is written, holds the
+sweep folder's driver lock for the whole sweep (issue 43), opens the cluster and the MLflow parent run, records what
+the sweep runs on in sweep.json, and lets SIGINT / SIGTERM stop launches (a second one stops waiting) while the loop
+(``search.loop.Sweep``) winds down and exports."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ import signal
 import threading
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
+
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
 from sweeper.models.proxy import is_proxy
 from sweeper.record.files import write_atomic
+from sweeper.record.lock import DriverLock
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import console, quiet_libraries, sweep_log
 from sweeper.search.loop import SearchOptions, Sweep, now
@@ -34,18 +38,20 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             layout_from_string(cfg, text)
         except LayoutError as exc:
             raise UsageError(f"search.seeds[{i}]: {exc}".replace("--layout: ", "")) from None
-    # Deferred: MLflow and Ray load only once the input is known good (bad input exits in a fraction of a second).
-    from sweeper.record.tracking import Tracker
+    # One driver per folder (issue 43), taken before anything is written to it; a second driver is refused here.
+    with DriverLock(sweep_dir.lock, say=lambda line: console.print(f"[yellow]{escape(line)}[/]", important=True)):
+        # Deferred: MLflow and Ray load only once the input is known good (bad input exits in a fraction of a second).
+        from sweeper.record.tracking import Tracker
 
-    quiet_libraries()  # MLflow's store migration lines are not sweeper's to show
-    tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name,  # creates the store first
-                      cfg.tracking.connect_timeout_s, say=lambda line: console.print(line, important=True))
-    sweep_dir.create()
-    if options.space is not None and not options.resume:
-        header = "".join(f"# applied over this file: --set {item}\n" for item in options.overrides)
-        write_atomic(sweep_dir.space, header + options.space.read_text())
-    with sweep_log(sweep_dir.root, options.verbosity, options.display):
-        return _run(cfg, options, sweep_dir, tracker)
+        quiet_libraries()  # MLflow's store migration lines are not sweeper's to show
+        tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name,  # creates the store first
+                          cfg.tracking.connect_timeout_s, say=lambda line: console.print(line, important=True))
+        sweep_dir.create()
+        if options.space is not None and not options.resume:
+            header = "".join(f"# applied over this file: --set {item}\n" for item in options.overrides)
+            write_atomic(sweep_dir.space, header + options.space.read_text())
+        with sweep_log(sweep_dir.root, options.verbosity, options.display):
+            return _run(cfg, options, sweep_dir, tracker)
 
 
 def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker: Tracker) -> int:
