@@ -51,6 +51,10 @@ class SmokeRequest:
     # Routing stress (MoE with EP > 1, confirmations): after the checkpoint, this many steps per stress mode with
     # the router forced onto hot experts (backends/megatron/routing.py); 0: none.
     routing_stress_steps: int = 0
+    # False: after the last save's bitwise reload (a barrier: every rank has read it back) rank 0 deletes the
+    # trial's checkpoint folder (training.keep_checkpoints none, issue 43). True keeps it (keep_checkpoints winner
+    # or all, `migrate`'s runs); the default, so a caller that does not decide keeps it.
+    keep_checkpoint: bool = True
     inject: Inject | None = None  # fault injection for tests (simulated clusters only)
     inject_rank: int = 0
 
@@ -77,6 +81,10 @@ class RankReport:
     checkpoint_peak_memory_bytes: int | None = None  # the saves and reloads, measured as peak_memory_bytes is
     moe_hot_rank_factor: float | None = None  # busiest EP rank's routed tokens over the mean (routing.py)
     checkpoint_dir: str | None = None
+    # Rank 0 (issue 43): the bytes the trial's checkpoint folder held after the last reload (every save of the
+    # trial), and whether it deleted the folder then (keep_checkpoint False); None / False on other ranks.
+    checkpoint_bytes: int | None = None
+    checkpoint_deleted: bool = False
     # The last save and reload of the trial's checkpoint: seconds each, and this rank's peak resident host memory
     # while saving (a node's ranks save at once, so the node holds their sum); and the node's host memory.
     checkpoint_save_s: float | None = None

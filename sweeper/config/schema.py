@@ -117,6 +117,10 @@ class ClusterConfig(_Strict):
         return int(major), int(minor)
 
 
+# Which trials' checkpoints stay on disk (training.keep_checkpoints, issue 43).
+KeepCheckpoints = Literal["none", "winner", "all"]
+
+
 class TrainingConfig(_Strict):
     """The production run's shape, and the smoke run's length."""
 
@@ -130,6 +134,10 @@ class TrainingConfig(_Strict):
     """Save a torch_dist checkpoint in every trial and read it back (bitwise)."""
     checkpoint_every: PositiveInt | None = None
     """Also save every this many steps; null: one save, after the last step."""
+    keep_checkpoints: KeepCheckpoints = "none"
+    """Which trials' checkpoints stay on disk (issue 43): none: each trial deletes its own after the bitwise reload;
+    winner: trials keep theirs and the sweep deletes all but the winner's at its end; all: every trial's. The
+    sweep's equivalence reference (reference/) is never deleted."""
     trial_timeout_s: PositiveFloat = 900.0
     """Seconds one trial may take, start-up included; then every rank's stack is dumped and the trial is a timeout."""
     warmup_steps: int = Field(2, ge=0)

@@ -106,6 +106,11 @@ class TrialResult:
     # "hot_rank_factor": the busiest EP rank's tokens over the mean under that forcing, "finite": bool}; None when
     # the trial ran no stress (explorations, dense models, EP 1).
     routing_stress: dict[str, dict[str, Any]] | None = None
+    # The trial's checkpoint on disk (issue 43): the bytes its folder held after the last reload (every save of the
+    # trial; None: none was saved and reloaded), and whether the trial deleted it then (training.keep_checkpoints
+    # none; ``checkpoint`` still names where it was). A sweep's end may delete it later (sweep.json checkpoints).
+    checkpoint_bytes: int | None = None
+    checkpoint_deleted: bool = False
 
     @property
     def passed(self) -> bool:
@@ -208,6 +213,10 @@ class SweepMeta(BaseModel):
     # The winner and runners-up: throughput basis and band, the budget's projected time and cost, and why
     # (sweeper/search/decision.py; issue 18)
     decision: dict[str, Any] | None = None
+    # The trials' checkpoints at the sweep's end (issue 43, training.keep_checkpoints): {"keep", "kept": the
+    # folders left, "deleted": the folders deleted then, "freed_bytes", "failed": one line per folder that stayed}
+    # (sweeper/search/checkpoints.py)
+    checkpoints: dict[str, Any] | None = None
 
     @property
     def memory_limit_gib(self) -> float | None:

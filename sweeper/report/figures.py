@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from sweeper.config.units import GIB
 from sweeper.report.rows import TrialRow
 from sweeper.space.axes import AXIS, PRECISIONS, SEARCHED
 from sweeper.space.layout import RECOMPUTES
@@ -370,14 +371,23 @@ def attempts_table(rows: Sequence[TrialRow], mlflow: dict[str, Any] | None = Non
             f'<span class="err" title="{esc(error)}">{esc(short)}</span>',
             num(r.tokens_per_s, "{:,.0f}"), num(m.tflops_per_gpu),
             num(r.peak_memory_gib, "{:.2f}"), num(r.predicted_memory_gib, "{:.2f}"),
-            *(num(value, "{:.2f}") for value in (m.checkpoint_save_s, m.checkpoint_load_s, m.checkpoint_save_host_gib,
-                                                 m.stress_peak_memory_gib)),
+            *(num(value, "{:.2f}") for value in (m.checkpoint_save_s, m.checkpoint_load_s, m.checkpoint_save_host_gib)),
+            _checkpoint_disk_cell(r), num(m.stress_peak_memory_gib, "{:.2f}"),
             num(r.duration_s, "{:.0f}"), _run_cell(mlflow or {}, r.mlflow_run_id),
         ])
     headers = ["#", "attempt", "phase", "layout", "status", "failure", "error", "tokens/s", "TFLOP/s/GPU",
                "peak mem (GiB)", "predicted (GiB)", "ckpt save (s)", "ckpt load (s)", "ckpt save host (GiB)",
-               "stress peak (GiB)", "time (s)", "MLflow run"]
+               "ckpt on disk (GiB)", "stress peak (GiB)", "time (s)", "MLflow run"]
     return html_table(headers, body, cls="attempts")
+
+
+def _checkpoint_disk_cell(row: TrialRow) -> str:
+    """The trial's checkpoint folder in GiB (issue 43), and whether the trial deleted it after its reload."""
+    size = row.result.checkpoint_bytes
+    if size is None:
+        return "–"
+    deleted = ' <span class="dim">deleted</span>' if row.result.checkpoint_deleted else ""
+    return f"{size / GIB:.2f}{deleted}"
 
 
 CSS = """

@@ -30,6 +30,7 @@ from sweeper.plan.assess import PlanEntry, assess
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report, report_figures
+from sweeper.search.checkpoints import prune_checkpoints
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decision import decision, summary_line
 from sweeper.search.faults import Injection, injection_for
@@ -513,6 +514,12 @@ class Sweep:
         meta.calibration = self.calibrator.report.lines() if self.calibrator.report else [
             "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
         meta.step_time_fit = self.calibrator.step_time_fit()
+        if status == "finished":  # an interrupted sweep may resume and choose another winner (issue 43)
+            pruned = prune_checkpoints(self.records, self.cfg.training.keep_checkpoints,
+                                       winner.number if winner is not None else None)
+            meta.checkpoints = pruned.to_json()
+            if (line := pruned.line()) is not None:
+                console.print(line)
         self.dir.write_meta(meta)
         report = render_report(self.dir.root)
         if self.tracker.behind:

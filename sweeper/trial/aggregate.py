@@ -141,6 +141,9 @@ def aggregate(
         placement_warnings=_spanning(placement),
         reference_load=_reference_load(reports),
         routing_stress=stress,
+        # Rank 0 measures (and deletes) the trial's one checkpoint folder (backends/megatron/smoke.py).
+        checkpoint_bytes=next((r.checkpoint_bytes for r in reports if r.checkpoint_bytes is not None), None),
+        checkpoint_deleted=any(r.checkpoint_deleted for r in reports),
     )
 
 

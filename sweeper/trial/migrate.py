@@ -128,6 +128,10 @@ def migrate(cfg: SweepConfig, source: Layout, target: Layout, out: Path, *, chec
     failed = _refusal(cfg, source, target, ref)
     if failed is not None:
         return failed
+    # Its runs keep their checkpoints whatever training.keep_checkpoints says (issue 43): the --to run's holds the
+    # moved weights in the new layout (after its steps). The one moved is the reference the --from run writes
+    # (from/), which no run deletes.
+    cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"keep_checkpoints": "all"})})
     with open_host(cfg, address) as host:
         for option, layout in (("--from", source), ("--to", target)):
             reason = host.unsupported(cfg.model, layout)

@@ -20,11 +20,11 @@ from sweeper.config.schema import SweepConfig
 from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import assess_each
 from sweeper.plan.space import enumerate_layouts
+from sweeper.record.checkpoints import REFERENCE_FILE  # written last: its presence means the reference is complete
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, reserved
 from sweeper.trial.proxy_run import proxy_run_layout
 
-REFERENCE_FILE = "reference.json"  # written last by the backend: its presence means the reference is complete
 PLACE_TIMEOUT_S = 120.0
 
 

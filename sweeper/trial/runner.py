@@ -175,6 +175,7 @@ def _request(
         warmup_steps=t.warmup_steps,
         checkpoint=t.checkpoint,
         checkpoint_every=t.checkpoint_every,
+        keep_checkpoint=t.keep_checkpoints != "none",  # deleted after its bitwise reload otherwise (issue 43)
         trial_dir=str(trial_dir),
         # The runner's wall-time limit is what stops a hung trial, so the process-group timeout never fires first
         # and turns a hang into a misleading comm error.

@@ -240,6 +240,32 @@ def test_checkpoint_saved_every_n_and_reloaded_bitwise(tmp_path: Path) -> None:
 
 
 @pytest.mark.e2e
+@pytest.mark.parametrize("keep", [False, True], ids=["deleted", "kept"])
+def test_checkpoint_is_deleted_after_its_bitwise_reload_unless_kept(tmp_path: Path, keep: bool) -> None:
+    # Issue 43: two saves (steps 1 and 2), each reloaded bitwise; then rank 0 measures the folder and, unless the
+    # request keeps it, deletes it once both ranks have read it back. The trial passes either way.
+    request = _request(tmp_path, Layout(world_size=2, tp=2, gbs=2), steps=2, checkpoint=True, checkpoint_every=1,
+                       keep_checkpoint=keep)
+    reports = _run(request, 2)
+    _assert_passed(reports, steps=2)
+    folder = tmp_path / "trial" / "checkpoint"
+    assert all(r.checks.checkpoint_saved and r.checks.checkpoint_reloaded for r in reports)
+    assert all(r.checkpoint_dir == str(folder / "iter_0000002") for r in reports)
+    rank0, rank1 = reports
+    assert rank0.checkpoint_bytes is not None and rank0.checkpoint_bytes > 0 and rank1.checkpoint_bytes is None
+    assert (rank0.checkpoint_deleted, rank1.checkpoint_deleted) == (not keep, False)
+    assert not [n for n in rank0.notes if n.startswith("checkpoint kept")]
+    assert (tmp_path / "trial" / "rank_1.log").is_file()  # only the checkpoint goes
+    if keep:
+        from sweeper.record.checkpoints import folder_bytes
+
+        assert all((folder / f"iter_{step:07d}" / "metadata.json").is_file() for step in (1, 2))
+        assert folder_bytes(folder) == rank0.checkpoint_bytes
+    else:
+        assert not folder.exists()
+
+
+@pytest.mark.e2e
 def test_selective_recompute_modules_train_the_same_model(tmp_path: Path) -> None:
     """Megatron's moe recompute module (the whole MoE layer re-run in backward) changes memory, not the maths:
     the same losses as without recompute. Output-discarding modules need TE and are reported unsupported."""

@@ -40,6 +40,47 @@ def test_a_checkpoint_sweeper_did_not_write_is_bad_input(capsys, tmp_path: Path)
     assert code == 2 and out is None and "no reference.json in it" in err
 
 
+def test_the_migrations_runs_keep_their_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 43: whatever training.keep_checkpoints says, neither run deletes a checkpoint. The host is a STAND-IN
+    # (no Ray, no Megatron) that records what each run is asked; the real move is the e2e test below.
+    import contextlib
+
+    from sweeper.config.load import load_config
+    from sweeper.record.schema import TrialResult
+    from sweeper.trial import migrate as migration
+    from sweeper.trial.protocol import Reservation
+
+    asked: list[str] = []
+
+    class StandInHost:
+        simulated, backend_name = True, "stand-in"
+
+        def unsupported(self, model: object, layout: object) -> None:
+            return None
+
+        def reserve_within(self, layout: object, timeout_s: float) -> Reservation:
+            return Reservation(["n0"], ["n0"], 2)
+
+        def release(self, reservation: Reservation) -> None:
+            pass
+
+        def run_trial(self, cfg, layout, trial_dir, *, reservation, reference=None, make_reference=False,
+                      **kw) -> TrialResult:
+            asked.append(cfg.training.keep_checkpoints)
+            if make_reference:  # the --from run writes the reference the --to run loads
+                Path(reference).mkdir(parents=True)
+                (Path(reference) / "reference.json").write_text("{}")
+            return TrialResult(status="passed")
+
+    monkeypatch.setattr(migration, "open_host", lambda cfg, address: contextlib.nullcontext(StandInHost()))
+    cfg = load_config(QUICKSTART)
+    assert cfg.training.keep_checkpoints == "none"
+    source, target = migration.parse_layouts(cfg, "gpus=2,ep=2", "gpus=2,pp=2")
+    migration.migrate(cfg, source, target, tmp_path / "m")
+    assert asked == ["all", "all"]  # the --from run, then the --to run
+    assert (tmp_path / "m" / "from" / "reference.json").is_file()
+
+
 @pytest.mark.e2e
 def test_migrate_moves_a_checkpoint_between_two_cpu_layouts_and_refuses_an_incompatible_pair(
         capsys, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -21,7 +21,7 @@ import pytest
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.config.schema import ClusterConfig, SweepConfig, TrainingConfig
 from sweeper.models.catalog import preset
-from sweeper.record.schema import TrialChecks
+from sweeper.record.schema import TrialChecks, TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.aggregate import RankOutcome, aggregate, root_cause
 
@@ -105,6 +105,16 @@ def test_metrics_are_median_of_slowest_rank_per_step_after_warmup() -> None:
     assert result.checks.checkpoint_saved and result.checks.checkpoint_reloaded is None
     assert result.rank_nodes == ["sim-0", "sim-1"] and result.checkpoint == "/c"
     assert result.memory_kind == "host"
+    assert result.checkpoint_bytes is None and result.checkpoint_deleted is False  # no rank measured it
+
+
+def test_the_checkpoints_size_and_deletion_are_rank_0s() -> None:
+    # Issue 43: rank 0 measures the trial's one checkpoint folder and deletes it; the path stays in the result.
+    outcomes = [RankOutcome(0, "sim-0", _ok(0, [1.0], checkpoint_bytes=3 * 2**20, checkpoint_deleted=True)),
+                RankOutcome(1, "sim-1", _ok(1, [1.0]))]
+    result = aggregate(outcomes, world_size=2, warmup_steps=0, trial_dir="/t")
+    assert (result.checkpoint_bytes, result.checkpoint_deleted, result.checkpoint) == (3 * 2**20, True, "/c")
+    assert TrialResult.from_json(json.loads(json.dumps(result.to_json()))) == result
 
 
 def test_root_cause_prefers_a_real_failure_over_earlier_collateral() -> None:

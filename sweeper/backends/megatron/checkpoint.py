@@ -27,10 +27,11 @@ from megatron.core import dist_checkpointing
 
 from sweeper.backends.megatron.build import Built
 from sweeper.backends.megatron.failures import CheckpointError
+from sweeper.record.checkpoints import checkpoint_folder
 
 
 def checkpoint_path(trial_dir: str, step: int) -> Path:
-    return Path(trial_dir) / "checkpoint" / f"iter_{step:07d}"
+    return checkpoint_folder(trial_dir) / f"iter_{step:07d}"
 
 
 def _sharded_state_dict(chunks: list[Any]) -> dict:  # MegatronModule chunks

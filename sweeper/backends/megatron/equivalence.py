@@ -51,13 +51,13 @@ import torch
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import Phase, SmokeFailure
 from sweeper.models.spec import ModelSpec
+from sweeper.record.checkpoints import REFERENCE_FILE  # written last: its presence means the reference is complete
 from sweeper.record.files import write_atomic
 from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
     from sweeper.backends.megatron.build import Built
 
-REFERENCE_FILE = "reference.json"
 FORMAT = 2  # 2: the loss and gradient norm of each prefix of the batch (``prefixes``)
 REFERENCE_VOCAB_MULTIPLE = 128 * 8
 # The reference's weights: Megatron's seeded initialisation at unit gain, then FIT_STEPS Adam steps on the fixed

@@ -1,5 +1,5 @@
-"""The smoke run of one rank: init → build → equivalence gate → N steps → replica check → save → reload → routing
-stress (MoE confirmations) → report.
+"""The smoke run of one rank: init → build → equivalence gate → N steps → replica check → save → reload → delete
+the checkpoint unless kept → routing stress (MoE confirmations) → report.
 
 ``run_rank`` is called in a rank's process after the runner has set MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
 and LOCAL_RANK. It never raises: every failure becomes a RankReport with ok=False, a failure kind and a
@@ -49,6 +49,7 @@ from sweeper.config.units import GIB
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.models.spec import ModelSpec
+from sweeper.record.checkpoints import checkpoint_folder, delete_checkpoint, folder_bytes
 from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
@@ -268,9 +269,10 @@ def _smoke(
         raise
     report.checks.replicas_consistent = True if compared else None
 
-    # -- checkpoint: save, reload into the same model, compare bitwise -------------------------------------------
+    # -- checkpoint: save, reload into the same model, compare bitwise; then its size, and unless kept, delete it -
     if request.checkpoint:
         _save_and_reload(request, built, report, request.steps, enter, safe_point, cuda)
+        _settle_checkpoint(request, report)  # its last use: the routing stress below does not read it
 
     # -- routing stress (MoE finalists): last, so the trial's own figures are the normal run's -------------------
     if request.routing_stress_steps and spec.is_moe and layout.ep > 1:
@@ -352,6 +354,30 @@ def _save_and_compare(
                                         lambda: ckpt.reload_and_compare(built, directory, saved))
     if final:
         report.checks.checkpoint_reloaded = True
+
+
+def _settle_checkpoint(request: SmokeRequest, report: RankReport) -> None:
+    """The trial's checkpoint folder after its last reload (issue 43): rank 0 records its bytes and, unless the
+    request keeps it, deletes it once every rank has read it back (the barrier).
+
+    One rank deletes for the whole trial: every rank wrote its shards into this one folder, and on several nodes
+    it is on a filesystem they share (the reload already depends on that: every rank reads the metadata rank 0
+    wrote), so a deleter per node would race on the same tree. A deletion that fails is a note, never the trial's
+    failure; the folder then stays (a sweep's end prunes it, search/checkpoints.py)."""
+    if not request.keep_checkpoint:
+        torch.distributed.barrier()
+    if report.rank != 0:
+        return
+    folder = checkpoint_folder(request.trial_dir)
+    report.checkpoint_bytes = folder_bytes(folder)
+    if request.keep_checkpoint:
+        return
+    problem = delete_checkpoint(folder)
+    if problem is None:
+        report.checkpoint_deleted = True
+        _log.info("checkpoint deleted after its reload: %s (%d bytes)", folder, report.checkpoint_bytes)
+    else:
+        report.notes.append(f"checkpoint kept: {problem}")
 
 
 def _inject(request: SmokeRequest, report: RankReport) -> None:
