@@ -501,9 +501,11 @@ def test_known_cases(case: Case, valid: bool) -> None:
 
 # -- issue 18's knobs: each knob rule against TransformerConfig.__post_init__ ----------------------------------
 # The rule cases of test_rules.py for the four knob rules, less the verdicts TransformerConfig cannot give: a
-# dispatcher named on a dense model (sweeper's own: Megatron ignores it) and flex with ETP x EP = 1 (asserted when
-# the flex dispatcher is built, token_dispatcher.py).
-NOT_IN_CONFIG = ("only applies to MoE models", "Flex token dispatcher requires TPxEP > 1")
+# dispatcher named on a dense model (sweeper's own: Megatron ignores it), flex with ETP x EP = 1 (asserted when
+# the flex dispatcher is built, token_dispatcher.py) and the A2A overlap on a hybrid model (asserted by the combined
+# 1F1B schedule, pipeline_parallel/combined_1f1b.py).
+NOT_IN_CONFIG = ("only applies to MoE models", "Flex token dispatcher requires TPxEP > 1",
+                 "only GPTModel is supported for EP A2A overlapping")
 
 
 def _knob_cases() -> list:  # of pytest.param
