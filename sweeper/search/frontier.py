@@ -20,6 +20,7 @@ from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.dominance import Dominance
 from sweeper.search.memory_evidence import MemoryEvidence
+from sweeper.search.objective import predicted_objective
 from sweeper.search.selection import NOT_THE_LAYOUTS, is_stable
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host
@@ -52,8 +53,8 @@ class Frontier:
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
         band and the measured trials, ``sweeper.search.memory_evidence``), no measured trial dominates them
-        (``sweeper.search.dominance``), and this backend can run them; fastest predicted first. Everything else is
-        never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
+        (``sweeper.search.dominance``), and this backend can run them; best predicted objective first. Everything else
+        is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
         ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
         plan = assess_all(self.cfg, enumerate_layouts(self.cfg), self.calibrator.current)
         entries, pruned, dominated, unsupported = [], [], [], []
@@ -78,7 +79,7 @@ class Frontier:
         meta.dominated = dominated
         meta.unsupported = unsupported
         self.dir.write_meta(meta)
-        return sorted(entries, key=lambda e: -(e.predicted.tokens_per_s or 0.0) if e.predicted else 0.0)
+        return sorted(entries, key=lambda e: -(predicted_objective(self.cfg, e.layout, e.predicted) or 0.0))
 
     def raw_estimate(self, layout: Layout) -> Estimate:
         if layout not in self.raw:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import LayoutError
-from sweeper.estimate import Estimator
+from sweeper.estimate import Estimate, Estimator
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 
@@ -77,6 +77,16 @@ def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: 
     return rate * (1 if per_gpu else k) * slowdown
 
 
+def predicted_objective(cfg: SweepConfig, layout: Layout, predicted: Estimate | None) -> float | None:
+    """The estimator's objective for ``layout`` on the production run (None without a prediction): what ``plan``
+    shows and the frontier orders its launchable layouts by."""
+    if predicted is None or not predicted.tokens_per_s:
+        return None
+    per_gpu = cfg.search.objective == "tflops_per_gpu"  # in proportion: a space's FLOPs per token are one number
+    rate = predicted.tokens_per_s / layout.world_size if per_gpu else predicted.tokens_per_s
+    return production_rate(cfg, layout, rate, predicted.step_time_s)
+
+
 def objective_value(result: TrialResult, cfg: SweepConfig, layout: Layout) -> float:
     """The objective of a trial of ``layout``: its measured ``search.objective`` projected to the production run."""
     measured = float(getattr(result.metrics, cfg.search.objective) or 0.0)
@@ -88,5 +98,5 @@ def objective_name(cfg: SweepConfig) -> str:
     return f"{cfg.search.objective} on the production run's {production_gpus(cfg)} GPUs"
 
 
-__all__ = ["copies", "extra_step_s", "objective_name", "objective_value", "production_gpus", "production_layout",
-           "production_rate"]
+__all__ = ["copies", "extra_step_s", "objective_name", "objective_value", "predicted_objective", "production_gpus",
+           "production_layout", "production_rate"]

@@ -10,7 +10,7 @@ from rich.table import Table
 from sweeper.config.schema import SweepConfig
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
-from sweeper.search.objective import production_gpus, production_rate
+from sweeper.search.objective import predicted_objective, production_gpus
 from sweeper.space.layout import Layout
 
 console = Console()
@@ -38,15 +38,10 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
         f"band (a sweep launches them)[/], {len(valid) - len(fits) - len(maybe)} over {over} even at the band's "
         f"lower end, [red]{len(entries) - len(valid)} invalid[/]"
     )
-    def production(e: PlanEntry) -> float | None:
-        """The predicted objective as the sweep ranks layouts: on the production run's GPUs (search.objective)."""
-        p = e.predicted
-        if p is None or p.tokens_per_s is None:
-            return None
-        rate = p.tokens_per_s if cfg.search.objective == "tokens_per_s" else p.tokens_per_s / e.layout.world_size
-        return production_rate(cfg, e.layout, rate, p.step_time_s)
+    def best(e: PlanEntry) -> float:
+        return predicted_objective(cfg, e.layout, e.predicted) or 0.0
 
-    valid = sorted(valid, key=lambda e: (not e.launchable, -(production(e) or 0.0)))  # launchable first
+    valid = sorted(valid, key=lambda e: (not e.launchable, -best(e)))  # launchable first
     n = production_gpus(cfg)
     unit = "tokens/s" if cfg.search.objective == "tokens_per_s" else "rel. per GPU"
     table = Table(title=f"valid layouts, launchable first, best first as a {n}-GPU production run would run each "
@@ -64,7 +59,7 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
             "-" if p is None else f"{p.memory_band_gib[0]:.1f}-{p.memory_band_gib[1]:.1f}",
             "[green]yes[/]" if p and p.fits else "[yellow]maybe[/]" if e.uncertain else "[red]no[/]",
             _num(p.step_time_s if p else None, "{:.3f}"), _num(p.tokens_per_s if p else None, "{:,.0f}"),
-            _num(production(e), "{:,.0f}" if unit == "tokens/s" else "{:,.3g}"),
+            _num(predicted_objective(cfg, e.layout, e.predicted), "{:,.0f}" if unit == "tokens/s" else "{:,.3g}"),
         )
     if valid:
         # Piped (or on a narrow terminal) rich would fold every layout name over several lines: the table keeps
