@@ -105,9 +105,8 @@ def projection(cfg: SweepConfig, layout: Layout, rate: dict[str, Any]) -> dict[s
     if gpus % layout_gpus:
         out["note"] = (f"{gpus} GPUs hold {k} copies of the {layout_gpus}-GPU layout; "
                        f"{gpus - k * layout_gpus} stay idle (counted in the cost)")
-    per_run = cfg.search.objective == "tflops_per_gpu"  # production_rate multiplies tokens/s objectives only
     for name, key in (("", "median"), ("_slow", "low"), ("_fast", "high")):
-        tokens_per_s = production_rate(cfg, layout, rate[key], rate.get("step_time_s")) * (k if per_run else 1)
+        tokens_per_s = production_rate(cfg, layout, rate[key], rate.get("step_time_s"))
         seconds = budget.tokens / tokens_per_s if tokens_per_s > 0 else float("inf")
         out["days" + name] = seconds / SECONDS_PER_DAY
         out["gpu_hours" + name] = gpus * seconds / 3600.0

@@ -64,16 +64,16 @@ def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:
     return _EXTRA_S[key]
 
 
-def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: float | None) -> float:
-    """A trial's rate of the objective (tokens/s of the layout, or TFLOP/s per GPU) projected to the production
-    run: times the copies for tokens/s, slowed by the larger data parallelism's extra step time."""
+def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: float | None,
+                    per_gpu: bool = False) -> float:
+    """A trial's rate projected to the production run: times the copies for a whole-layout rate (tokens/s), as it is
+    for a per-GPU one (``per_gpu``: TFLOP/s per GPU), slowed by the larger data parallelism's extra step time."""
     k = copies(cfg, layout)
     if k == 0 or rate <= 0:
         return 0.0
     slowdown = 1.0
     if step_time_s:
         slowdown = step_time_s / (step_time_s + extra_step_s(cfg, layout))
-    per_gpu = cfg.search.objective == "tflops_per_gpu"
     return rate * (1 if per_gpu else k) * slowdown
 
 
@@ -84,13 +84,14 @@ def predicted_objective(cfg: SweepConfig, layout: Layout, predicted: Estimate | 
         return None
     per_gpu = cfg.search.objective == "tflops_per_gpu"  # in proportion: a space's FLOPs per token are one number
     rate = predicted.tokens_per_s / layout.world_size if per_gpu else predicted.tokens_per_s
-    return production_rate(cfg, layout, rate, predicted.step_time_s)
+    return production_rate(cfg, layout, rate, predicted.step_time_s, per_gpu=per_gpu)
 
 
 def objective_value(result: TrialResult, cfg: SweepConfig, layout: Layout) -> float:
     """The objective of a trial of ``layout``: its measured ``search.objective`` projected to the production run."""
     measured = float(getattr(result.metrics, cfg.search.objective) or 0.0)
-    return production_rate(cfg, layout, measured, result.metrics.step_time_s)
+    return production_rate(cfg, layout, measured, result.metrics.step_time_s,
+                           per_gpu=cfg.search.objective == "tflops_per_gpu")
 
 
 def objective_name(cfg: SweepConfig) -> str:
