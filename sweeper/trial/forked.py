@@ -10,8 +10,10 @@ never returns into the parent's code (it always ends with ``os._exit``), and fre
 the garbage collector never finalises the parent's Ray objects in it. It dies with its parent: it is sent SIGKILL
 when the forking thread's process exits (``PR_SET_PDEATHSIG``), and exits when its request pipe closes.
 
-Messages, child to parent: ``("checks", TrialChecks)`` answering a request, ``("report", value)`` once. Parent to
-child: ``"checks"`` (what has the rank proven so far?).
+Messages, child to parent: ``("checks", TrialChecks)`` answering a request, and unasked whenever the rank has
+proven more (checked every ``PUSH_EVERY_S``), ``("report", value)`` once. Parent to child: ``"checks"`` (what has
+the rank proven so far?). A child too busy to answer in time (two loaded cores, a rank spinning in a collective)
+has still told its parent what it had proven.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 from sweeper.record.schema import TrialChecks
 
 _PR_SET_PDEATHSIG = 1
+PUSH_EVERY_S = 0.25  # how often the child looks whether its rank has proven more since it last said
 
 
 @dataclass(frozen=True)
@@ -81,15 +84,22 @@ class ForkedRank:
             else:
                 self._report = value
 
-    def checks(self, timeout_s: float) -> TrialChecks | None:
-        """What the running child has proven (None: it did not answer in time)."""
+    @property
+    def said(self) -> TrialChecks:
+        """What the child last said it had proven, asked or not."""
+        return self._checks
+
+    def checks(self, timeout_s: float) -> TrialChecks:
+        """What the running child has proven: its answer, or, when it did not answer in time, what it last said
+        unasked (nothing proven: it has said nothing yet)."""
         self._checks_ready.clear()
         try:
             with self._send_lock:
                 self._requests.send("checks")
         except (OSError, ValueError):
-            return None
-        return self._checks if self._checks_ready.wait(timeout_s) else None
+            return self._checks
+        self._checks_ready.wait(timeout_s)
+        return self._checks
 
     def kill(self) -> None:
         """SIGKILL the child (``wait`` then returns RankDied). Safe to call from another thread, and twice."""
@@ -151,13 +161,17 @@ def _child(
 
 def _answer_requests(requests: Connection, reports: Connection, checks: Callable[[], TrialChecks],
                      lock: threading.Lock) -> None:
+    said = TrialChecks()
     while True:
         try:
-            requests.recv()
+            asked = requests.poll(PUSH_EVERY_S) and requests.recv() is not None
         except (EOFError, OSError):  # the parent is gone: so is this rank
             os._exit(71)
-        with lock:
-            reports.send(("checks", checks()))
+        now = checks()
+        if asked or now != said:
+            with lock:
+                reports.send(("checks", now))
+            said = now
 
 
 def _die_with_parent(parent: int) -> None:

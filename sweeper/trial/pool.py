@@ -33,7 +33,7 @@ from sweeper.record.schema import TrialChecks
 from sweeper.trial.actor import CPU_RANK_ENV, RankSlot, call_backend, describe_slot, extend_sys_path
 from sweeper.trial.forked import ForkedRank, RankDied
 
-CHECKS_ANSWER_S = 4.0  # how long a running child gets to say what it has proven (1.5 s was too short on 2 loaded cores)
+CHECKS_ANSWER_S = 2.0  # how long a running child gets to answer; then what it last said unasked is its answer
 STOP_CONFIRM_S = 10.0  # how long a warm rank gets to confirm its child is gone before the actor is retired
 
 
@@ -77,9 +77,9 @@ class WarmRank:
             return report
         finally:
             with self._lock:
+                said = self._child.said
                 self._child = None
-                if isinstance(report, RankReport):
-                    self._reported = report.checks
+                self._reported = report.checks if isinstance(report, RankReport) else said
 
     def checks(self) -> TrialChecks:
         """What this trial's rank has proven: asked of the running child, or, once it has ended, its report's
@@ -89,10 +89,8 @@ class WarmRank:
         if child is None:
             return reported
         proven = child.checks(CHECKS_ANSWER_S)
-        if proven is not None:
-            return proven
-        with self._lock:  # the child ended while asked
-            return self._reported if self._child is None else TrialChecks()
+        with self._lock:  # the child may have ended while asked: then its report's are the whole story
+            return self._reported if self._child is None else proven
 
     def stop(self) -> bool:
         """Kill the running child, if any (its ``run`` then returns RankDied); True once none runs."""

@@ -53,6 +53,27 @@ def test_killed_child_is_a_dead_rank_and_checks_are_answered_while_it_runs() -> 
     child.kill()  # twice is harmless
 
 
+def test_child_says_what_it_proved_unasked_and_a_busy_child_still_counts() -> None:
+    """The rank says what it proved as soon as it proves it: when the runner asks a rank too busy to answer in
+    time (2 loaded cores; CI once read a NaN trial's every check as false), the answer is what it last said."""
+    calls = []
+
+    def proves_then_hangs() -> TrialChecks:
+        calls.append(1)
+        if len(calls) > 1:
+            time.sleep(60)  # the rank can no longer answer
+        return TrialChecks(process_group=True, model_built=True)
+
+    child = ForkedRank(lambda: time.sleep(60), proves_then_hangs, {})
+    deadline = time.monotonic() + 10
+    while child.said == TrialChecks() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert child.said == TrialChecks(process_group=True, model_built=True)  # never asked
+    assert child.checks(timeout_s=0.5) == TrialChecks(process_group=True, model_built=True)  # asked, no answer
+    child.kill()
+    assert isinstance(child.wait(), RankDied)
+
+
 def test_child_that_raises_reports_a_dead_rank() -> None:
     def broken() -> None:
         raise ValueError("boom")
