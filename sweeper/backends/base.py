@@ -74,6 +74,9 @@ class RankReport:
     tokens_per_step: int = 0
     flops_per_step: float = 0.0  # Megatron's formula, whole model, one global batch
     peak_memory_bytes: int = 0  # through the steps (the checkpoint phase's is checkpoint_peak_memory_bytes)
+    # The peak before the steps (build, reference load, equivalence gate), measured as peak_memory_bytes is; the
+    # steps' figure starts from a reset, so this one is apart. None: the rank failed before the steps.
+    pre_steps_peak_memory_bytes: int | None = None
     memory_kind: Literal["device", "host"] = "host"
     # GPU only: device memory outside torch's allocator (CUDA context, NCCL buffers, cuBLAS workspaces), measured
     # after the steps as the device's used memory less what torch has reserved.

@@ -44,6 +44,9 @@ class TrialMetrics:
     non_torch_memory_gib: float | None = None
     # The checkpoint phase's peak (saves and reloads), measured as peak_memory_gib is; kept apart from it.
     checkpoint_peak_memory_gib: float | None = None
+    # The peak before the training steps (build, reference load, equivalence gate), max over ranks, measured as
+    # peak_memory_gib is; the steps' peak starts from a reset when the steps start (issue 44).
+    pre_steps_peak_memory_gib: float | None = None
     loss_first: float | None = None
     loss_last: float | None = None
     # MoE with EP > 1: the busiest EP rank's routed tokens over the mean, worst over layers and forwards (issue 13)

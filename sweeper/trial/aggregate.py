@@ -250,7 +250,7 @@ def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int,
     peaks = [r.peak_memory_bytes for r in reports if r.peak_memory_bytes]
     if peaks:
         metrics.peak_memory_gib = max(peaks) / GIB
-    for name in ("non_torch_memory", "checkpoint_peak_memory"):
+    for name in ("non_torch_memory", "checkpoint_peak_memory", "pre_steps_peak_memory"):
         values = [getattr(r, f"{name}_bytes") for r in reports if getattr(r, f"{name}_bytes") is not None]
         if values:
             setattr(metrics, f"{name}_gib", max(values) / GIB)

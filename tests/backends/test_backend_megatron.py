@@ -358,6 +358,30 @@ def test_memory_limit_stops_the_rank_as_oom(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# unit: the steps' peak memory
+
+
+def test_the_steps_peak_on_the_cpu_leaves_out_what_came_before_the_steps() -> None:
+    """Issue 44: the CPU backend's peak is the process's resident set; a peak before the steps (build, the
+    reference load, the gate: here 256 MiB held and freed) is the peak before the steps, not the steps' peak."""
+    import torch
+
+    from sweeper.backends.megatron.memory import StepsPeak, reset_resident_high_water, resident_high_water_bytes
+
+    if not reset_resident_high_water():
+        pytest.skip("this kernel does not let a process reset its peak resident set (/proc/self/clear_refs)")
+    big = torch.ones(256 * 2**20 // 4)
+    held = resident_high_water_bytes()
+    del big
+    steps = StepsPeak(cuda=False)
+    step = torch.ones(8 * 2**20 // 4)  # what a step holds
+    assert steps.peak_bytes() < held - 128 * 2**20, (steps.peak_bytes(), held)
+    # The kernel's resident-set counters are approximate to a few pages per CPU.
+    assert steps.before_bytes > held - 8 * 2**20 and steps.resettable
+    del step
+
+
+# --------------------------------------------------------------------------------------------------------------
 # unit: failure classification
 
 

@@ -513,6 +513,31 @@ def test_the_steps_peak_leaves_a_mid_run_checkpoint_out(monkeypatch):
     assert steps.peak_bytes() == 12 and save.peak_bytes == 25
 
 
+def test_the_steps_peak_starts_when_the_steps_start_on_a_gpu(monkeypatch):
+    """Issue 44: build, the reference load and the gate (with FP8 parameters the load dequantizes every weight at
+    once) must not be the steps' peak; they are reported apart as the peak before the steps. A stand-in: the CUDA
+    allocator's high-water mark is faked (monotone, reset to what is held), no GPU here; the CPU's own figure is
+    tested for real in tests/backends/test_backend_megatron.py."""
+    import torch
+
+    from sweeper.backends.megatron.memory import StepsPeak
+
+    allocator = {"held": 0, "peak": 0}
+
+    def hold(nbytes: int) -> None:
+        allocator["held"] = nbytes
+        allocator["peak"] = max(allocator["peak"], nbytes)
+
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: allocator["peak"])
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda: allocator.update(peak=allocator["held"]))
+    hold(40)  # the reference load dequantizes every weight at once
+    hold(8)  # the model the steps start from
+    steps = StepsPeak(cuda=True)
+    hold(20)  # a step
+    hold(8)
+    assert steps.peak_bytes() == 20 and steps.before_bytes == 40
+
+
 @pytest.mark.parametrize("layout", [
     lo(world_size=2, ep=2, precision="nvfp4"),
     lo(world_size=4, tp=2, sp=True, ep=2, moe_token_dispatcher="allgather", cuda_graph="local"),

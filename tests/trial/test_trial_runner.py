@@ -93,14 +93,15 @@ def _ok(rank: int, times: list[float], **kw) -> RankReport:
 def test_metrics_are_median_of_slowest_rank_per_step_after_warmup() -> None:
     outcomes = [
         RankOutcome(0, "sim-0", _ok(0, [9.0, 1.0, 2.0, 1.0])),
-        RankOutcome(1, "sim-1", _ok(1, [9.0, 3.0, 1.0, 1.0], losses=[4.0, 3.5], peak_memory_bytes=3 * 2**30)),
+        RankOutcome(1, "sim-1", _ok(1, [9.0, 3.0, 1.0, 1.0], losses=[4.0, 3.5], peak_memory_bytes=3 * 2**30,
+                                    pre_steps_peak_memory_bytes=5 * 2**30)),
     ]
     result = aggregate(outcomes, world_size=2, warmup_steps=1, trial_dir="/t")
     assert result.status == "passed" and result.failure_kind is None
     assert result.metrics.step_time_s == 2.0  # per-step max: [3, 2, 1] -> median 2
     assert result.metrics.tokens_per_s == 2048
     assert result.metrics.tflops_per_gpu == pytest.approx(8e12 / 2.0 / 1e12 / 2)
-    assert result.metrics.peak_memory_gib == 3.0
+    assert result.metrics.peak_memory_gib == 3.0 and result.metrics.pre_steps_peak_memory_gib == 5.0
     assert (result.metrics.loss_first, result.metrics.loss_last) == (4.0, 3.5)
     assert result.checks.checkpoint_saved and result.checks.checkpoint_reloaded is None
     assert result.rank_nodes == ["sim-0", "sim-1"] and result.checkpoint == "/c"

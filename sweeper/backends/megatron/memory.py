@@ -13,8 +13,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import resource
 import threading
+from pathlib import Path
 
 import psutil
 import torch
@@ -101,25 +103,64 @@ def non_torch_device_bytes() -> int:
 
 
 class StepsPeak:
-    """The training steps' peak memory, with the checkpoint phases inside them kept out: on a GPU the allocator's
-    peak is read before each mid-run save and its statistics reset after it; on the CPU the process's peak resident
-    set (ru_maxrss cannot be reset; the save's snapshot is host memory there anyway)."""
+    """The training steps' peak memory, and apart from it the rank's peak before the steps (build, reference load,
+    equivalence gate), created when the steps start.
+
+    Creating it reads the peak so far (``before_bytes``) and resets the peak statistics, so build and the gate
+    (with FP8 parameters the reference load dequantizes every weight at once) stay out of the steps' figure. The
+    checkpoint phases inside the steps are kept out the same way: the peak is read before each mid-run save and
+    reset after it. On a GPU the figures are the allocator's peak reserved memory; on the CPU the process's peak
+    resident set, the kernel's high-water mark (``VmHWM``), reset through ``/proc/self/clear_refs``. Where the kernel
+    refuses the reset, the CPU figure stays the process's peak since it started and ``resettable`` is False."""
 
     def __init__(self, cuda: bool) -> None:
         self.cuda = cuda
+        self.before_bytes = self._read()
         self._before = 0
+        self.resettable = self._reset()
 
-    def pause(self) -> None:
-        if self.cuda:
-            self._before = max(self._before, int(torch.cuda.max_memory_reserved()))
+    def _read(self) -> int:
+        return int(torch.cuda.max_memory_reserved()) if self.cuda else resident_high_water_bytes()
 
-    def resume(self) -> None:
+    def _reset(self) -> bool:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+            return True
+        return reset_resident_high_water()
+
+    def pause(self) -> None:
+        self._before = max(self._before, self._read())
+
+    def resume(self) -> None:
+        self._reset()
 
     def peak_bytes(self) -> int:
         self.pause()
-        return self._before if self.cuda else peak_memory_bytes(False)
+        return self._before
+
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def resident_high_water_bytes() -> int:
+    """This process's peak resident set: the kernel's ``VmHWM`` (which ``/proc/self/clear_refs`` resets; getrusage's
+    ru_maxrss also keeps the figure of every thread that exited, so it cannot be reset), else ru_maxrss."""
+    try:
+        match = re.search(r"^VmHWM:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        match = None
+    return int(match.group(1)) * 1024 if match else peak_memory_bytes(False)
+
+
+def reset_resident_high_water() -> bool:
+    """Reset this process's peak resident set to its current resident set (Linux >= 4.0: writing 5 to
+    ``/proc/self/clear_refs``); False where the kernel does not allow it."""
+    try:
+        _CLEAR_REFS.write_text("5")
+    except OSError:
+        return False
+    return True
 
 
 class PeakResident:

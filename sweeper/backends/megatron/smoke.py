@@ -206,10 +206,15 @@ def _smoke(
 
     # -- steps ---------------------------------------------------------------------------------------------------------
     enter("steps")
+    # The steps' peak starts here: build, the reference load and the gate are the peak before the steps.
+    steps_peak = StepsPeak(cuda)
+    report.pre_steps_peak_memory_bytes = steps_peak.before_bytes
+    if not steps_peak.resettable:
+        report.notes.append("peak memory includes build and the equivalence gate (the kernel refused to reset the "
+                            "peak resident set)")
     probe = RoutingProbe(built.model) if spec.is_moe and layout.ep > 1 else None
     is_injected = request.inject is not None and report.rank == request.inject_rank
     steps_start = time.perf_counter()
-    steps_peak = StepsPeak(cuda)
     for step in range(1, request.steps + 1):
         if is_injected and step == INJECT_STEP:
             _inject(request, report)
