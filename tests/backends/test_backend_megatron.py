@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -386,8 +387,68 @@ def test_the_steps_peak_on_the_cpu_leaves_out_what_came_before_the_steps() -> No
 
 
 def test_classification_of_megatron_layout_assertions() -> None:
-    exc = AssertionError("num_attention_heads (6) must be a multiple of tensor_model_parallel_size (4).")
-    assert classify(exc, "build") == ("invalid_layout", str(exc))
+    """Megatron's own validation while building is the layout's: an assert in TransformerConfig.__post_init__, and
+    parallel_state's RuntimeError on parallel sizes that do not divide the world."""
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+
+    with pytest.raises(AssertionError) as asserted:
+        TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, moe_ffn_hidden_size=32)
+    assert classify(asserted.value, "build") == ("invalid_layout", str(asserted.value))
+    created = not torch.distributed.is_initialized()
+    if created:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0, world_size=1)
+    try:
+        world = torch.distributed.get_world_size()
+        with pytest.raises(RuntimeError) as sizes:
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=world + 1)
+    finally:
+        if created:
+            torch.distributed.destroy_process_group()
+    assert classify(sizes.value, "build") == ("invalid_layout", f"world_size ({world}) is not divisible by {world + 1}")
+
+
+def test_a_cuda_te_or_nccl_error_while_building_is_not_the_layouts() -> None:
+    """Issue 44: any RuntimeError while building was invalid_layout, so a Transformer Engine, CUDA or NCCL failure
+    marked a region of the space infeasible. Now only Megatron's validation is; the rest is infra with its line."""
+    import torch
+    from megatron.core.transformer.utils import get_default_causal_mask
+
+    # torch failing inside a call megatron-core made (no GPU here: its CUDA mask cannot be made; with the CPU
+    # backend's device mode installed, the negative size is refused instead): not a raise of Megatron's.
+    with pytest.raises((AssertionError, RuntimeError)) as inside:
+        get_default_causal_mask(-1)
+    kind, error = classify(inside.value, "build")
+    assert kind == "infra" and error.startswith(type(inside.value).__name__), error
+    assert "(raised in " in error and "\n" not in error
+
+    def te_module_init() -> None:  # a stand-in for Transformer Engine's C++ check failing in a module's __init__
+        raise RuntimeError("/TransformerEngine/transformer_engine/common/gemm/cublaslt_gemm.cu:412 in function "
+                           "cublas_gemm: cuBLAS Error: the requested functionality is not supported")
+
+    with pytest.raises(RuntimeError) as te:
+        te_module_init()
+    kind, error = classify(te.value, "build")
+    assert kind == "infra" and "cuBLAS Error: the requested functionality is not supported" in error
+    assert "test_backend_megatron.py:" in error  # where it was raised
+    cuda = RuntimeError("CUDA error: no kernel image is available for execution on the device")
+    assert classify(cuda, "build") == ("infra", "RuntimeError: CUDA error: no kernel image is available for execution "
+                                                "on the device")
+    nccl = torch.distributed.DistBackendError("NCCL error in: ProcessGroupNCCL.cpp:1935, invalid usage")
+    assert classify(nccl, "build")[0] == "comm_error"
+    # Not Megatron's assert either: an AssertionError or ValueError without a raise in megatron-core.
+    assert classify(ValueError("bad value"), "build")[0] == "infra"
+
+
+def test_a_combination_megatron_core_does_not_implement_is_unsupported() -> None:
+    from megatron.core.transformer import MLATransformerConfig
+
+    with pytest.raises(NotImplementedError) as info:
+        MLATransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, attention_output_gate=True)
+    kind, error = classify(info.value, "build")
+    assert kind == "unsupported" and error.startswith("not implemented in megatron-core: Output gate is not supported")
+    assert "megatron/core/transformer/transformer_config.py:" in error
 
 
 def test_classification_of_rules_megatron_checks_at_first_forward() -> None:

@@ -4,13 +4,17 @@ The kinds are sweeper.record.schema.FAILURE_KINDS. The smoke run raises the type
 detects itself; everything else (Megatron assertions, torch and gloo/NCCL errors) is classified by type, by
 message and by the phase of the run it happened in (an assertion while building the model means Megatron
 rejected the layout; the same in a collective means communication broke) and by its origin: an exception raised
-by sweeper's own code is ``internal`` (a sweeper bug, with its file:line), never a verdict on the layout.
+by sweeper's own code is ``internal`` (a sweeper bug, with its file:line), never a verdict on the layout. While
+building, only megatron-core's own validation (an ``assert`` or a ``raise`` in its code) is the layout's; a
+Transformer Engine, CUDA or NCCL error there is ``infra`` with the place it was raised.
 """
 
 from __future__ import annotations
 
+import dis
 import os
 import re
+import sys
 import traceback
 from pathlib import Path
 from typing import Literal
@@ -99,13 +103,64 @@ def classify(exc: BaseException, phase: Phase) -> tuple[str, str]:
         return "comm_error", message
     if phase == "init":
         return "comm_error", message
-    if phase == "build" and isinstance(exc, (AssertionError, ValueError, RuntimeError, TypeError, IndexError)):
-        # Megatron validates layouts with asserts and ValueErrors while building config and model.
-        return "invalid_layout", message
+    if phase == "build":
+        return _build_failure(exc, message)
     if phase == "steps" and (isinstance(exc, (AssertionError, ValueError)) or any(m in low for m in _SHAPE_MARKERS)):
         # Some layout rules are only checked at the first forward (e.g. MoE with TP>1 needs sequence parallel).
         return "invalid_layout", message
     return "infra", f"{type(exc).__name__}: {message}" if not message.startswith(type(exc).__name__) else message
+
+
+def _build_failure(exc: BaseException, message: str) -> tuple[str, str]:
+    """Only Megatron's own validation is the layout's: an ``assert`` or a ``raise`` of AssertionError or ValueError
+    in megatron-core (TransformerConfig's and ModelParallelConfig's ``__post_init__``, the MoE and pipeline checks
+    while building), or a RuntimeError raised by parallel_state's checks of the parallel sizes ("world_size (6) is
+    not divisible by 4"). A NotImplementedError raised by megatron-core is a combination it does not implement
+    (``unsupported``). Anything else while building (a Transformer Engine, CUDA or NCCL error; torch raising inside
+    a call Megatron made) says nothing about the layout: ``infra``, with the error's own line and where it was
+    raised."""
+    where = raised_at(exc)
+    if where is not None and where[2] and where[0].startswith("megatron" + os.sep):
+        if isinstance(exc, NotImplementedError):
+            return "unsupported", f"not implemented in megatron-core: {message} ({where[0]}:{where[1]})"
+        if isinstance(exc, (AssertionError, ValueError)):
+            return "invalid_layout", message
+        if type(exc) is RuntimeError and where[0] == _PARALLEL_STATE:
+            return "invalid_layout", message
+    text = message if message.startswith(type(exc).__name__) else f"{type(exc).__name__}: {message}"
+    return "infra", f"{text} (raised in {where[0]}:{where[1]})" if where is not None else text
+
+
+_PARALLEL_STATE = os.path.join("megatron", "core", "parallel_state.py")
+
+
+def raised_at(exc: BaseException) -> tuple[str, int, bool] | None:
+    """(file, line, whether a ``raise`` or ``assert`` statement there raised it) for the innermost Python frame of
+    ``exc``'s traceback; the file is relative to the package root it belongs to (``megatron/core/...``,
+    ``transformer_engine/...``) where it is an installed package's. A torch function implemented in C raises
+    without a frame of its own: the innermost frame is then its caller's, at a call, not a raise statement."""
+    innermost = None
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if (str(Path(code.co_filename).resolve()), code.co_name) not in _PASS_THROUGH:
+            innermost = tb
+        tb = tb.tb_next
+    if innermost is None:
+        return None
+    code = innermost.tb_frame.f_code
+    statement = any(ins.offset == innermost.tb_lasti and ins.opname == "RAISE_VARARGS"
+                    for ins in dis.get_instructions(code))
+    return _package_relative(code.co_filename), innermost.tb_lineno, statement
+
+
+def _package_relative(filename: str) -> str:
+    path = Path(filename).resolve()
+    roots = {_SWEEPER_ROOT.parent, *(Path(p).resolve() for p in sys.path if p)}
+    for root in sorted(roots, key=lambda p: len(p.parts), reverse=True):
+        if path.is_relative_to(root):
+            return str(path.relative_to(root))
+    return str(path)
 
 
 _SWEEPER_ROOT = Path(__file__).resolve().parents[2]  # the sweeper package
