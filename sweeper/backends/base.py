@@ -107,6 +107,9 @@ class RankReport:
     # megatron-core built it; and the GPU it ran on, as its node numbers it.
     groups: dict[str, list[int]] = field(default_factory=dict)
     gpu: str | None = None
+    # GPU only: this rank's device's compute capability ("9.0"); a rank whose device differs from the declared
+    # cluster.compute_capability fails the trial (infra) before anything else.
+    compute_capability: str | None = None
 
 
 # The running rank's checks, shared by the backend as it proves them (the object is updated in place), so the

@@ -2,8 +2,9 @@
 
 Multi-node failures that otherwise surface as hangs or missing-file crashes minutes into a run (a worker with
 another torch, a dataset copied to one node only, a full disk) are found before any trial: a small task pinned to
-each alive GPU node reports its Python / torch / megatron-core / Transformer Engine versions, GPUs, free disk where
-trials write, and whether the configured data and tokenizer paths exist there. Versions come from package
+each alive GPU node reports its Python / torch / megatron-core / Transformer Engine versions, GPUs (and their
+compute capability, against the declared ``cluster.compute_capability``), free disk where trials write, and whether
+the configured data and tokenizer paths exist there. Versions come from package
 metadata, so nothing heavy is imported on the nodes.
 """
 
@@ -20,6 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
+from sweeper.config.capability import capability_mismatch
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
 
@@ -38,6 +40,7 @@ class NodeCheck:
     gpu_kind: str = "unknown"
     gpu_count: int = 0
     gpu_memory_gib: float = 0.0
+    compute_capability: str | None = None  # what the node's GPUs report (None: could not tell)
     gpu_source: str = "unknown"  # simulated | nvidia-smi | torch | unknown
     free_disk_gib: float | None = None
     disk_path: str = ""
@@ -68,6 +71,7 @@ class DoctorReport:
                 row[key] = value if value == majority[key] else f"{value} !"
             row["gpus"] = f"{node.gpu_count} x {node.gpu_memory_gib:g} GiB" + (
                 " (simulated)" if node.gpu_source == "simulated" else "")
+            row["compute_capability"] = node.compute_capability or "?"
             row["free_disk"] = "?" if node.free_disk_gib is None else f"{node.free_disk_gib:.0f} GiB"
             row["shared_trial_folder"] = {True: "yes", False: "NO", None: "?"}[node.shared]
             missing = [p for p, exists in node.paths.items() if not exists]
@@ -115,6 +119,7 @@ def doctor(
             info = gpu_info.get(node.label)
             if info is not None:
                 check.gpu_kind, check.gpu_memory_gib, check.gpu_source = info.kind, info.memory_gib, info.source
+                check.compute_capability = info.compute_capability
             checks.append(check)
     finally:
         for leftover in probe_dir.glob(f"{token}*"):
@@ -176,6 +181,11 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> lis
         if node.gpu_count < cfg.cluster.gpus_per_node:
             problems.append(f"{node.label}: {node.gpu_count} GPUs, "
                             f"cluster.gpus_per_node says {cfg.cluster.gpus_per_node}")
+        # The trial picks its FP8 recipe from the device; the environment, estimate and exports use the YAML's.
+        mismatch = capability_mismatch(cfg.cluster.compute_capability, node.compute_capability,
+                                       f"{node.label}'s GPUs ({node.gpu_kind})")
+        if mismatch:
+            problems.append(f"{node.label}: {mismatch}")
         if node.megatron_core == ABSENT:
             problems.append(f"{node.label}: megatron-core is not installed")
         if node.shared is False:

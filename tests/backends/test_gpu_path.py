@@ -492,6 +492,25 @@ def test_the_gpu_refuses_the_cuda_graphs_it_does_not_capture():
     assert unsupported_reason(moe, lo(world_size=2, ep=2, cuda_graph="local"), cuda=True, te=True) is None
 
 
+def test_a_rank_on_another_compute_capability_than_declared_fails_as_infra(monkeypatch):
+    """Issue 44: every GPU rank reports its device's capability and fails the trial with one line when it is not
+    the YAML's (the rank would pick the FP8 recipe for another device than the environment and exports). A
+    stand-in: the device is faked (no GPU here); the comparison itself is tests/config/test_capability.py's."""
+    import torch
+
+    from sweeper.backends.megatron.device import CapabilityMismatchError, check_declared_capability
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA B200")
+    assert check_declared_capability("10.0", rank=0) == "10.0"
+    with pytest.raises(CapabilityMismatchError) as info:
+        check_declared_capability("9.0", rank=3)
+    kind, error = classify(info.value, "setup")
+    assert kind == "infra" and error.startswith("cluster.compute_capability is 9.0 but rank 3's GPU (NVIDIA B200) "
+                                                "is 10.0")
+
+
 def test_the_steps_peak_leaves_a_mid_run_checkpoint_out(monkeypatch):
     """On a GPU the allocator's high-water mark is global: the steps' peak is read before a mid-run save and the
     statistics reset after it, so a save that briefly needs more does not become the trial's peak. The CUDA

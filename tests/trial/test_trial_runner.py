@@ -424,6 +424,24 @@ def test_a_node_that_does_not_share_the_trial_folder_is_a_problem() -> None:
                         "every node mounts at the same path: each rank writes its log and checkpoint shards there)"]
 
 
+def test_a_node_whose_gpus_are_not_the_declared_compute_capability_is_a_problem() -> None:
+    """Issue 44: the trial picks its FP8 recipe from the device, the environment, estimate and exports from the
+    YAML's cluster.compute_capability; doctor says so before any trial."""
+    from sweeper.cluster.doctor import DoctorReport, NodeCheck, _problems
+
+    cfg = _cfg()
+    same = dict(python="3.11", torch="2.13", megatron_core="0.16.1", gpu_count=2, shared=True, gpu_kind="NVIDIA H200")
+    nodes = [NodeCheck("n0", "a", compute_capability=cfg.cluster.compute_capability, **same),
+             NodeCheck("n1", "b", compute_capability="10.0", **same)]
+    problems = _problems(nodes, cfg, "/scratch")
+    assert problems == [f"n1: cluster.compute_capability is {cfg.cluster.compute_capability} but n1's GPUs (NVIDIA "
+                        f"H200) is 10.0: the trial would pick its FP8 recipe for 10.0 while the environment, "
+                        f"estimate and exports are made for {cfg.cluster.compute_capability} (set "
+                        f'cluster.compute_capability: "10.0")']
+    rows = DoctorReport(nodes=nodes, problems=problems, expected_nodes=2).rows()
+    assert [r["compute_capability"] for r in rows] == [cfg.cluster.compute_capability, "10.0"]
+
+
 def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() -> None:
     # Aggregation test data (not a trial): two ranks of one TP group reporting different nodes.
     from sweeper.search.selection import is_stable

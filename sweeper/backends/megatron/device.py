@@ -39,6 +39,27 @@ def device_capability_text() -> str | None:
     return capability_text(compute_capability())
 
 
+class CapabilityMismatchError(SmokeFailure):
+    """This rank's GPU is not of the compute capability the YAML declares (``infra``: the configuration's or the
+    node's, never the layout's)."""
+
+    kind = "infra"
+
+
+def check_declared_capability(declared: str, rank: int) -> str | None:
+    """This rank's compute capability as ``"9.0"`` (None on the CPU); raises CapabilityMismatchError when it is
+    not ``declared`` (``cluster.compute_capability``, which the environment, estimate and exports were made for)."""
+    actual = device_capability_text()
+    if actual is None:
+        return None
+    from sweeper.config.capability import capability_mismatch
+
+    problem = capability_mismatch(declared, actual, f"rank {rank}'s GPU ({torch.cuda.get_device_name()})")
+    if problem is not None:
+        raise CapabilityMismatchError(problem)
+    return actual
+
+
 class TransformerEngineImportError(SmokeFailure):
     """Transformer Engine is installed but does not import on this rank (``infra``: the node's install, not the
     layout). Megatron's layer specs swallow this and would build the local spec on the GPU instead."""

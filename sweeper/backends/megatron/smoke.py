@@ -24,7 +24,7 @@ import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
 from sweeper.backends.megatron import cpu_compat
-from sweeper.backends.megatron.device import rank_device, transformer_engine_present
+from sweeper.backends.megatron.device import check_declared_capability, rank_device, transformer_engine_present
 from sweeper.backends.megatron.failures import (
     InvalidLayoutError,
     NonFiniteError,
@@ -79,6 +79,11 @@ def run_rank(request: SmokeRequest) -> RankReport:
     try:
         try:
             spec, layout = request.model, request.layout
+            if cuda:  # before anything else: a trial on another device than declared measures another run
+                # A runner that gives each rank one visible GPU (Ray sets CUDA_VISIBLE_DEVICES) still passes
+                # LOCAL_RANK.
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+                report.compute_capability = check_declared_capability(request.compute_capability, rank)
             te = cuda and transformer_engine_present()
             reason = (run_unsupported_reason(request.run, cuda=cuda, te=te)
                       or unsupported_reason(spec, layout, cuda=cuda, te=te))
@@ -144,9 +149,6 @@ def _smoke(
     # Importing megatron-core is most of a fresh rank process's start-up; timed apart from the rendezvous.
     report.timings_s["import"] = time.perf_counter() - start
     start = time.perf_counter()
-    if cuda:
-        # A runner that gives each rank one visible GPU (Ray sets CUDA_VISIBLE_DEVICES) still passes LOCAL_RANK.
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     torch.distributed.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=request.timeout_s))
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
