@@ -48,6 +48,12 @@ def fp8_format(recipe: str) -> str:
     return "e4m3" if recipe in ("blockwise", "mxfp8") else "hybrid"
 
 
+# Delayed scaling's amax history, as Megatron's long-standing FP8 runs and Bridge's
+# bf16_with_fp8_delayed_scaling_mixed set it (megatron-core's TransformerConfig default is 1 / most_recent): the GPU
+# trial runs it and the exports ask for it (issue 44, item 9).
+FP8_AMAX_HISTORY_LEN = 1024
+FP8_AMAX_COMPUTE_ALGO = "max"
+
 # The MoE router's load balancing in the smoke run and the exports (Megatron's default type, GShard's coefficient).
 MOE_LOAD_BALANCING_TYPE = "aux_loss"
 MOE_AUX_LOSS_COEFF = 1e-2

@@ -4,8 +4,9 @@ The flags are Megatron-LM's own (``megatron/training/arguments.py`` at the tag o
 ``tests/data/megatron_lm_flags.txt`` lists them, and the tests check every flag written here against it):
   - the model: every architecture field of the ModelSpec, in the names ``pretrain_gpt.py`` (``pretrain_mamba.py``
     for hybrid Mamba models) reads;
-  - the layout, precision and recompute flags (``Layout.megatron_args``) and the run settings that move memory
-    (``RunSettings.megatron_args``), exactly as in best_layout.yaml;
+  - the layout, precision and recompute flags (``Layout.megatron_args``), the run settings that move memory
+    (``RunSettings.megatron_args``) and the run's framework's kernel fusions where Megatron-LM's defaults differ
+    (``sweeper.config.fusions``), exactly as in best_layout.yaml;
   - the training shape the sweep measured (sequence length, global batch) and the MoE router settings of the
     smoke run.
 What the sweep did not decide (data, tokenizer, learning rate schedule, iterations, checkpoint folder) is an
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import shlex
 
+from sweeper.config import fusions
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE
 from sweeper.config.schema import SweepConfig
 from sweeper.models.spec import DEEPSEEK_YARN, ModelSpec
@@ -94,9 +96,11 @@ def _mla_args(spec: ModelSpec) -> list[str]:
 
 
 def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
-    """The layout's flags and the run settings' (best_layout.yaml ``megatron_args``)."""
+    """The layout's flags, the run settings' and the framework's fusions where they differ from Megatron-LM's
+    (best_layout.yaml ``megatron_args``)."""
     return layout.megatron_args() + cfg.run.megatron_args(
-        layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer)
+        layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
+    ) + fusions.megatron_lm_args(fusions.framework_fusions(cfg.run.framework, cfg.model), cfg.model)
 
 
 def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from unittest import mock
 
 import pytest
+import yaml
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer import OptimizerConfig
 
@@ -27,6 +28,7 @@ from sweeper.backends.megatron import build, device, gpu
 from sweeper.config.load import load_config
 from sweeper.config.run_settings import RunSettings
 from sweeper.config.schema import SweepConfig, layout_from_string
+from sweeper.export.bridge import dotted_overrides
 from sweeper.export.megatron_lm import launch_script
 from sweeper.space.environment import megatron_environment
 from sweeper.space.layout import Layout
@@ -75,7 +77,18 @@ RENAMED = {
     "--fp8-param-gather": "fp8_param",
     "--num-virtual-stages-per-pipeline-rank": "virtual_pipeline_model_parallel_size",
     "--swiglu": "gated_linear_unit",
+    # The fusions' store_false flags (arguments.py; persist_layer_norm and bias_activation_fusion through
+    # core_transformer_config_from_args: not --no-persist-layer-norm, bias_swiglu_fusion under --swiglu).
+    "--no-gradient-accumulation-fusion": "gradient_accumulation_fusion",
+    "--no-bias-swiglu-fusion": "bias_activation_fusion",
+    "--no-bias-gelu-fusion": "bias_activation_fusion",
+    "--no-masked-softmax-fusion": "masked_softmax_fusion",
+    "--no-bias-dropout-fusion": "bias_dropout_fusion",
+    "--no-rope-fusion": "apply_rope_fusion",
+    "--no-persist-layer-norm": "persist_layer_norm",
 }
+FUSIONS = ("gradient_accumulation_fusion", "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+           "apply_rope_fusion", "persist_layer_norm", "cross_entropy_loss_fusion")
 # TransformerConfig fields a knob, the layout or a run setting decides: compared whether or not a flag names them
 # (an absent flag is Megatron-LM's default).
 DECIDED = (
@@ -87,7 +100,7 @@ DECIDED = (
     "bf16", "fp16", "fp8", "fp8_recipe", "fp8_param", "fp4", "fp4_recipe",
     "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_router_dtype",
     "overlap_moe_expert_parallel_comm", "cuda_graph_impl", "cuda_graph_scope", "use_te_rng_tracker",
-    "cpu_offloading", "cpu_offloading_num_layers", "batch_p2p_comm",
+    "cpu_offloading", "cpu_offloading_num_layers", "batch_p2p_comm", *FUSIONS,
 )
 DDP_DECIDED = ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "use_distributed_optimizer",
                "fp8_param_gather", "use_megatron_fsdp", "data_parallel_sharding_strategy")
@@ -159,7 +172,21 @@ def _megatron_lm_defaults(flags: dict[str, Any], layout: Layout) -> dict[str, An
         out["cpu_offloading"] = True  # validate_args
     # batch_p2p_comm = not overlap_p2p_comm; overlap_p2p_comm (on by default) is turned off without VPP.
     out["batch_p2p_comm"] = layout.vpp <= 1
+    # The fusions' store_false flags default on; validate_args turns bias-gelu fusion off without linear biases
+    # (bias-swiglu stays) and rope fusion off for position embeddings other than rope.
+    out.update(gradient_accumulation_fusion=True, masked_softmax_fusion=True, bias_dropout_fusion=True,
+               persist_layer_norm=True,
+               bias_activation_fusion="--swiglu" in flags or "--disable-bias-linear" not in flags,
+               apply_rope_fusion=flags.get("--position-embedding-type", "learned_absolute") == "rope")
     return out
+
+
+def _gpu_trial_config(cfg: SweepConfig, layout: Layout) -> Any:
+    """The TransformerConfig the GPU trial builds on the mocked Hopper (every fusion kernel present)."""
+    plan = gpu.gpu_plan(cfg.model, layout, HOPPER, causal_conv1d=False, framework=cfg.run.framework,
+                        fp8_recipe=None if cfg.run.fp8_recipe == "auto" else cfg.run.fp8_recipe)
+    with mock.patch.object(gpu, "device_plan", lambda s, lo, r: plan):
+        return build.transformer_config(cfg.model, layout, cuda=True, te=True, run=cfg.run)
 
 
 @pytest.fixture
@@ -170,6 +197,7 @@ def hopper():
     import types
 
     from megatron.core import utils
+    from megatron.core.models.common.embeddings import rope_utils
     from packaging.version import Version
 
     class FusedAdam:  # stand-in for TE's (OptimizerConfig reads its signature for the precision-aware optimizer)
@@ -181,7 +209,9 @@ def hopper():
     optimizers.FusedAdam = FusedAdam
     with mock.patch.object(device, "compute_capability", lambda: HOPPER), \
             mock.patch.object(utils, "get_te_version", lambda: Version("2.12.0")), \
-            mock.patch.dict(sys.modules, {"transformer_engine.pytorch.optimizers": optimizers}):
+            mock.patch.dict(sys.modules, {"transformer_engine.pytorch.optimizers": optimizers}), \
+            mock.patch.object(rope_utils, "fused_apply_rotary_pos_emb", lambda *a, **k: None):
+        # TE's fused RoPE, which TransformerConfig asks rope_utils for under apply_rope_fusion (a stand-in)
         yield
 
 
@@ -190,12 +220,7 @@ def test_the_gpu_trials_configs_are_the_exports(tmp_path: Path, hopper: None, sp
                                                 run: dict[str, Any]) -> None:
     cfg, layout = _case(space, text, run)
     flags = _argv(tmp_path, cfg, layout)
-    spec = cfg.model
-
-    plan = gpu.gpu_plan(spec, layout, HOPPER, causal_conv1d=False,
-                        fp8_recipe=None if cfg.run.fp8_recipe == "auto" else cfg.run.fp8_recipe)
-    with mock.patch.object(gpu, "device_plan", lambda s, lo, r: plan):
-        trial = build.transformer_config(spec, layout, cuda=True, te=True, run=cfg.run)
+    trial = _gpu_trial_config(cfg, layout)
 
     # Megatron-LM's config: the trial's own architecture, with every field the flags set and every DECIDED field
     # at the flags' value or Megatron-LM's default, validated again by TransformerConfig.__post_init__.
@@ -240,6 +265,26 @@ def test_the_gpu_trials_configs_are_the_exports(tmp_path: Path, hopper: None, sp
             assert got is True, f"optimizer {name}"
         else:
             assert got == type(got)(raw), f"optimizer {name}: {got!r} vs {flag}={raw}"
+
+
+@pytest.mark.parametrize(("space", "text", "run"), CASES, ids=IDS)
+def test_the_gpu_trials_config_is_the_bridge_export(hopper: None, space: str, text: str, run: dict[str, Any]) -> None:
+    """Every ``model.<field>`` the Bridge export sets is the trial's value (Bridge's provider is a TransformerConfig
+    and takes them as they are); the fusions are all set, gradient accumulation fusion left to Bridge's probe for
+    apex's kernel only where the trial ran it (the kernel present, as here)."""
+    cfg, layout = _case(space, text, run)
+    trial = _gpu_trial_config(cfg, layout)
+    exported = {key.removeprefix("model."): yaml.safe_load(value)
+                for key, value in (item.split("=", 1) for item in dotted_overrides(cfg, layout))
+                if key.startswith("model.")}
+    for name, value in exported.items():
+        got = getattr(trial, name)
+        if name == "cuda_graph_scope":  # TransformerConfig.__post_init__ turns the names into CudaGraphScope
+            got = [scope.name for scope in got]
+        assert got == value, f"model.{name}: trial {got!r}, Bridge export {value!r}"
+    assert set(FUSIONS) - set(exported) <= {"gradient_accumulation_fusion"}
+    if "gradient_accumulation_fusion" not in exported:
+        assert trial.gradient_accumulation_fusion is True
 
 
 @pytest.mark.parametrize(("space", "text", "run"), CASES, ids=IDS)

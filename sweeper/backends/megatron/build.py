@@ -74,11 +74,16 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         config_class, arch = MLATransformerConfig, mla_config_kwargs(spec)
     if spec.is_hybrid and not te:
         arch = mamba_config_kwargs(spec)
+    # Kernel fusions (sweeper.config.fusions): on the GPU path the run's framework's, less those whose kernel is
+    # missing here. The CPU backend keeps megatron-core's defaults, all off: its local spec runs torch's norms
+    # (torch_norm.py asserts persist_layer_norm off) and no apex or TE (gradient accumulation and RoPE fusion raise
+    # without their kernels); the CPU proves the layout's arithmetic, not the GPU's kernels (MEGATRON_ON_CPU.md).
     if te:  # GPU path (gpu.py): this device's FP8 recipe, MLA / Mamba fields, CP through TE; not run on a GPU yet
         from sweeper.backends.megatron import gpu
 
         plan = gpu.device_plan(spec, layout, run)
         fp8, config_class = dict(plan.config_kwargs), gpu.config_class(plan)
+        fp8.update(plan.fusions)
         fp8.update(gpu.run_config_kwargs(layout, run, device_capability_text()))
     return config_class(
         num_layers=spec.num_layers,

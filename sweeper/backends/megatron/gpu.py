@@ -35,7 +35,15 @@ from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_mo
 from sweeper.backends.megatron.device import capability_text
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs
-from sweeper.config.run_settings import RunSettings, default_fp8_recipe, fp8_format
+from sweeper.config.fusions import KERNELS, framework_fusions
+from sweeper.config.run_settings import (
+    FP8_AMAX_COMPUTE_ALGO,
+    FP8_AMAX_HISTORY_LEN,
+    Framework,
+    RunSettings,
+    default_fp8_recipe,
+    fp8_format,
+)
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
@@ -67,6 +75,9 @@ class GpuPlan:
     config_kwargs: dict[str, Any]
     fp8_recipe: Fp8Recipe | None
     notes: tuple[str, ...] = field(default=())
+    # TransformerConfig's fusion fields as the run's framework turns them on (sweeper.config.fusions), less those
+    # whose kernel is missing on this device (noted).
+    fusions: dict[str, bool] = field(default_factory=dict)
 
 
 # Transformer Engine's blockwise FP8 GEMMs need CUDA 12.9 (its check_fp8_block_scaling_support).
@@ -117,8 +128,8 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
         raise GpuPrecisionError(f"FP8 blockwise scaling needs CUDA >= 12.9 in Transformer Engine; this torch is "
                                 f"built for CUDA {cuda[0]}.{cuda[1]}")
     if chosen == "delayed":
-        kwargs: dict[str, Any] = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=1024,
-                                      fp8_amax_compute_algo="max")
+        kwargs: dict[str, Any] = dict(fp8="hybrid", fp8_recipe="delayed", fp8_amax_history_len=FP8_AMAX_HISTORY_LEN,
+                                      fp8_amax_compute_algo=FP8_AMAX_COMPUTE_ALGO)
     elif chosen == "tensorwise":
         kwargs = dict(fp8="hybrid", fp8_recipe="tensorwise")
     else:
@@ -159,14 +170,23 @@ def gpu_plan(
     fp8_recipe: str | None = None,
     causal_conv1d: bool = True,
     cuda: tuple[int, int] | None = None,
+    framework: Framework = "megatron-core",
+    missing_kernels: frozenset[str] = frozenset(),
 ) -> GpuPlan:
     """The GPU trial's model class, config class, TE layer spec choice and extra TransformerConfig kwargs.
 
     Pure: ``capability`` is the device's (torch.cuda.get_device_capability()), ``causal_conv1d`` whether the
-    causal-conv1d kernels import, ``cuda`` the CUDA version torch was built for (None: not checked). Raises
-    GpuPrecisionError (unsupported, before anything is built) when the precision cannot run on this device."""
+    causal-conv1d kernels import, ``cuda`` the CUDA version torch was built for (None: not checked),
+    ``framework`` the run's (its fusions; megatron-core's are all off), ``missing_kernels`` the fusions whose kernel
+    does not import here (fusion_kernels_missing). Raises GpuPrecisionError (unsupported, before anything is built)
+    when the precision cannot run on this device."""
     kwargs, recipe, note = fp8_precision_kwargs(layout.precision, capability, fp8_recipe, cuda)
     notes: list[str] = [note] if note else []
+    fusions = framework_fusions(framework, spec)
+    for name in sorted(missing_kernels):
+        if fusions.get(name):
+            fusions[name] = False
+            notes.append(f"{name} off: {KERNELS[name]} does not import on this node")
     if layout.cp > 1:
         # TE's attention does the CP exchange; MLA supports only p2p (or a2a+p2p), so p2p for every model.
         kwargs["cp_comm_type"] = "p2p"
@@ -186,6 +206,7 @@ def gpu_plan(
             config_kwargs=kwargs,
             fp8_recipe=recipe,
             notes=tuple(notes),
+            fusions=fusions,
         )
     config_class: Literal["TransformerConfig", "MLATransformerConfig"] = "TransformerConfig"
     if spec.multi_latent_attention:
@@ -205,6 +226,7 @@ def gpu_plan(
         config_kwargs=kwargs,
         fp8_recipe=recipe,
         notes=tuple(notes),
+        fusions=fusions,
     )
 
 
@@ -250,7 +272,23 @@ def device_plan(spec: ModelSpec, layout: Layout, run: RunSettings) -> GpuPlan:
         raise RuntimeError("the GPU plan needs a CUDA device")
     return gpu_plan(spec, layout, capability, fp8_recipe=None if run.fp8_recipe == "auto" else run.fp8_recipe,
                     causal_conv1d=not spec.is_hybrid or module_imports("causal_conv1d"),
-                    cuda=cuda_version(torch.version.cuda))
+                    cuda=cuda_version(torch.version.cuda), framework=run.framework,
+                    missing_kernels=fusion_kernels_missing())
+
+
+def fusion_kernels_missing() -> frozenset[str]:
+    """The fusions (sweeper.config.fusions.KERNELS) whose kernel does not import in this process: apex's
+    fused_weight_gradient_mlp_cuda, the check megatron-core's ColumnParallelLinear and Bridge's
+    can_enable_gradient_accumulation_fusion make; TE's fused RoPE, as rope_utils imports it (TransformerConfig
+    checks the same names)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    missing = set()
+    if not module_imports("fused_weight_gradient_mlp_cuda"):
+        missing.add("gradient_accumulation_fusion")
+    if rope_utils.fused_apply_rotary_pos_emb is None and rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        missing.add("apply_rope_fusion")
+    return frozenset(missing)
 
 
 # -- Megatron-Bridge (model: {hf: DIR}) --------------------------------------------------------------------------
@@ -283,6 +321,7 @@ def bridge_overrides(spec: ModelSpec, layout: Layout, plan: GpuPlan, run: RunSet
     The architecture (and everything else) stays Bridge's, so the trial builds exactly Bridge's model."""
     out = layout_config_kwargs(spec, layout, cuda=True)
     out.update({k: v for k, v in plan.config_kwargs.items() if k in _PLAN_KEYS_FOR_BRIDGE})
+    out.update(plan.fusions)  # the Bridge export sets them too (sweeper.config.fusions)
     out.update(run_config_kwargs(layout, run, capability))
     return out
 
