@@ -3,7 +3,9 @@
 The save is Megatron's ``dist_checkpointing.save`` of the model chunks' sharded state dicts (Megatron-LM's key
 layout: ``model`` or ``model0``, ``model1``... with virtual stages), so the checkpoint is resharding-capable.
 The reload test poisons every parameter with NaN, loads the checkpoint into the same model and requires each
-parameter to be bit-identical with what was saved: a checkpoint that silently misses a tensor fails.
+parameter to be bit-identical with what was saved: a checkpoint that silently misses a tensor fails. Every
+module's non-empty ``_extra_state`` (Transformer Engine's FP8 scales and amax history) must come back from the
+checkpoint byte for byte too.
 Only model weights are saved (no optimizer state): the smoke run proves the sharded write/read path.
 
 Megatron-FSDP layouts save the way Megatron-LM's ``--ckpt-format fsdp_dtensor`` does: torch.distributed.checkpoint
@@ -17,7 +19,9 @@ gate: it loads the reference into the bare chunks before build wraps them.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import queue
 from pathlib import Path
 from typing import Any
@@ -67,8 +71,9 @@ def save(built: Built, directory: Path) -> None:
                             sharded_strategy=("torch_dist", 1))
 
 
-def load(built: Built, directory: Path) -> None:
-    """Load the checkpoint's weights into the model chunks (as saved by ``save``)."""
+def load(built: Built, directory: Path) -> list[dict[str, Any]] | None:
+    """Load the checkpoint's weights into the model chunks (as saved by ``save``); the state dict each chunk
+    loaded (torch_dist; None for Megatron-FSDP's DCP load, which loads in place)."""
     if built.fsdp:
         from torch.distributed import checkpoint as dcp
 
@@ -79,16 +84,19 @@ def load(built: Built, directory: Path) -> None:
             # weights, then the all-gather that makes the full weights the next forward uses.
             chunk.module.install_optimized_model_weights()
             chunk.start_param_sync(force_sync=True)
-        return
-    load_chunks(built.bare_chunks(), directory)
+        return None
+    return load_chunks(built.bare_chunks(), directory)
 
 
-def load_chunks(chunks: list[torch.nn.Module], directory: Path) -> None:
-    """Load a torch_dist checkpoint's weights into bare model chunks. The checkpoint may come from another layout:
-    each rank asks for its shards of the global tensors (Megatron's resharding across TP/PP/VPP/EP/ETP)."""
+def load_chunks(chunks: list[torch.nn.Module], directory: Path) -> list[dict[str, Any]]:
+    """Load a torch_dist checkpoint's weights into bare model chunks, and return the state dict each loaded. The
+    checkpoint may come from another layout: each rank asks for its shards of the global tensors (Megatron's
+    resharding across TP/PP/VPP/EP/ETP)."""
     loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(directory), sharded_strategy=("torch_dist", 1))
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded["model" if len(chunks) == 1 else f"model{i}"], strict=True)
+    states = [loaded["model" if len(chunks) == 1 else f"model{i}"] for i in range(len(chunks))]
+    for chunk, state in zip(chunks, states):
+        chunk.load_state_dict(state, strict=True)
+    return states
 
 
 def _fsdp_state_dict(built: Built) -> dict[str, Any]:
@@ -142,15 +150,54 @@ def snapshot(built: Built) -> dict[str, torch.Tensor]:
     return {name: _local(p).detach().to("cpu", copy=True) for name, p in built.named_parameters().items()}
 
 
-def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Tensor]) -> None:
-    """Load the checkpoint into the model after poisoning it; raise CheckpointError on any difference."""
+def extra_states(chunks: list[torch.nn.Module]) -> dict[tuple[int, str], bytes]:
+    """(chunk, state-dict key) -> the bytes of every non-empty ``_extra_state`` of the chunks' modules: Transformer
+    Engine keeps its FP8 metadata there (scales, amax history), which are not parameters."""
+    out: dict[tuple[int, str], bytes] = {}
+    for i, chunk in enumerate(chunks):
+        # The chunk's state dict names them as the checkpoint does (Float16Module passes its inner model's keys).
+        for key, value in chunk.state_dict().items():
+            if key.rsplit(".", 1)[-1] == _EXTRA_STATE and (data := _extra_bytes(value)):
+                out[(i, key)] = data
+    return out
+
+
+_EXTRA_STATE = "_extra_state"  # torch.nn.Module's state-dict key for what get_extra_state() returns
+
+
+def _extra_bytes(value: Any) -> bytes:
+    """An extra state as bytes to compare: a tensor's storage, a BytesIO's contents, else its pickle."""
+    if value is None:
+        return b""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if value.numel() else b""
+    if isinstance(value, io.BytesIO):
+        return value.getvalue()
+    return pickle.dumps(value)
+
+
+def compare_extra_states(saved: dict[tuple[int, str], bytes], loaded: list[dict[str, Any]]) -> list[str]:
+    """The keys of saved extra states that the checkpoint did not give back byte for byte (a checkpoint that lost
+    or altered FP8 scales). The modules' own state after the load is not compared: Transformer Engine may
+    serialize the same metadata differently once set back (not verified on a GPU yet)."""
+    bad = []
+    for (i, key), value in saved.items():
+        if _extra_bytes(loaded[i].get(key)) != value:
+            bad.append(key if len(loaded) == 1 else f"model{i}.{key}")
+    return bad
+
+
+def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Tensor],
+                       saved_extra: dict[tuple[int, str], bytes] | None = None) -> None:
+    """Load the checkpoint into the model after poisoning it; raise CheckpointError on any difference: in a
+    parameter, or in a module's ``_extra_state`` (``saved_extra``, from ``extra_states`` before the save)."""
     with torch.no_grad():
         for param in built.named_parameters().values():
             _local(param).fill_(float("nan"))
         if built.fsdp:  # the model weights too: install copies the poisoned shards into them
             for chunk in built.model:
                 chunk.module.install_optimized_model_weights()
-    load(built, directory)
+    loaded = load(built, directory)
     current = {name: _local(p).detach().cpu() for name, p in built.named_parameters().items()}
     bad = [name for name, value in saved.items() if not _bit_equal(value, current[name])]
     if bad:
@@ -158,6 +205,13 @@ def reload_and_compare(built: Built, directory: Path, saved: dict[str, torch.Ten
             f"checkpoint reload differs from the saved weights in {len(bad)} of {len(saved)} tensors "
             f"(first: {bad[0]})"
         )
+    if saved_extra and loaded is not None:
+        lost = compare_extra_states(saved_extra, loaded)
+        if lost:
+            raise CheckpointError(
+                f"checkpoint reload differs from the saved extra state (FP8 metadata) in {len(lost)} of "
+                f"{len(saved_extra)} modules (first: {lost[0]})"
+            )
 
 
 def _bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

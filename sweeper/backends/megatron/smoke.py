@@ -347,6 +347,7 @@ def _save_and_compare(
     final = step == request.steps
     directory = ckpt.checkpoint_path(request.trial_dir, step)
     saved = ckpt.snapshot(built)
+    saved_extra = ckpt.extra_states(built.bare_chunks()) if not built.fsdp else None
     enter("checkpoint_save")
     with PeakResident() as resident:
         report.checkpoint_save_s = _seconds(report, "checkpoint_save", lambda: ckpt.save(built, directory))
@@ -358,7 +359,7 @@ def _save_and_compare(
     safe_point()
     enter("checkpoint_load")
     report.checkpoint_load_s = _seconds(report, "checkpoint_load",
-                                        lambda: ckpt.reload_and_compare(built, directory, saved))
+                                        lambda: ckpt.reload_and_compare(built, directory, saved, saved_extra))
     if final:
         report.checks.checkpoint_reloaded = True
 
