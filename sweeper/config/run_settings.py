@@ -186,6 +186,9 @@ class RunSettings(BaseModel):
         recipe = self.recipe(precision, compute_capability)
         if recipe is not None and precision == "fp8":
             args += [f"--fp8-format={fp8_format(recipe)}", f"--fp8-recipe={recipe}"]
+        if recipe == "delayed":  # Megatron-LM's own defaults are 1 / most_recent
+            args += [f"--fp8-amax-history-len={FP8_AMAX_HISTORY_LEN}",
+                     f"--fp8-amax-compute-algo={FP8_AMAX_COMPUTE_ALGO}"]
         if precision in ("bf16", "fp8", "mxfp8") and not self.grad_buffer_fp32(precision):
             args.append("--grad-reduce-in-bf16")
         if self.fp8_params(precision, compute_capability):
@@ -211,6 +214,9 @@ class RunSettings(BaseModel):
             out.append(f"mixed_precision.fp8_recipe={recipe}")
             if precision == "fp8":  # the recipe name's format is delayed scaling's
                 out.append(f"mixed_precision.fp8={fp8_format(recipe)}")
+        if recipe == "delayed":  # MixedPrecisionConfig's own defaults are 1 / most_recent
+            out += [f"mixed_precision.fp8_amax_history_len={FP8_AMAX_HISTORY_LEN}",
+                    f"mixed_precision.fp8_amax_compute_algo={FP8_AMAX_COMPUTE_ALGO}"]
         if precision in ("bf16", "fp8", "mxfp8"):
             grads = str(self.grads_in_fp32).lower()
             out += [f"mixed_precision.grad_reduce_in_fp32={grads}", f"ddp.grad_reduce_in_fp32={grads}"]

@@ -52,7 +52,13 @@ def test_exports_carry_the_settings_as_megatron_flags_and_bridge_overrides() -> 
     run = RunSettings(framework="megatron-bridge", grad_reduce_in_fp32=False, precision_aware_optimizer=True,
                       exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
     args = run.megatron_args("fp8", "9.0")
-    assert args[:4] == ["--fp8-format=hybrid", "--fp8-recipe=delayed", "--grad-reduce-in-bf16", "--fp8-param-gather"]
+    assert args[:6] == ["--fp8-format=hybrid", "--fp8-recipe=delayed", "--fp8-amax-history-len=1024",
+                        "--fp8-amax-compute-algo=max", "--grad-reduce-in-bf16", "--fp8-param-gather"]
+    # Delayed scaling's amax history as the trial runs it (gpu.fp8_precision_kwargs), not the frameworks' 1 /
+    # most_recent; the current-scaling recipes keep none (issue 44, item 9).
+    assert {"mixed_precision.fp8_amax_history_len=1024", "mixed_precision.fp8_amax_compute_algo=max"} <= set(
+        run.bridge_overrides("fp8", "9.0"))
+    assert not any("amax" in a for a in RunSettings(fp8_recipe="tensorwise").megatron_args("fp8", "9.0"))
     assert "--exp-avg-dtype=bf16" in args and "--overlap-grad-reduce" in args and "--overlap-param-gather" in args
     # The block-scaled recipe is E4M3 throughout, in the trial (gpu.py) as in both exports.
     assert RunSettings(fp8_recipe="blockwise").megatron_args("fp8", "9.0")[:2] == [

@@ -28,7 +28,7 @@ from sweeper.backends.megatron import build, device, gpu
 from sweeper.config.load import load_config
 from sweeper.config.run_settings import RunSettings
 from sweeper.config.schema import SweepConfig, layout_from_string
-from sweeper.export.bridge import dotted_overrides
+from sweeper.export.bridge import MIXED_PRECISION_RECIPES, dotted_overrides, overrides
 from sweeper.export.megatron_lm import launch_script
 from sweeper.space.environment import megatron_environment
 from sweeper.space.layout import Layout
@@ -97,7 +97,8 @@ DECIDED = (
     "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
     "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules",
-    "bf16", "fp16", "fp8", "fp8_recipe", "fp8_param", "fp4", "fp4_recipe",
+    "bf16", "fp16", "fp8", "fp8_recipe", "fp8_param", "fp4", "fp4_recipe", "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
     "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_router_dtype",
     "overlap_moe_expert_parallel_comm", "cuda_graph_impl", "cuda_graph_scope", "use_te_rng_tracker",
     "cpu_offloading", "cpu_offloading_num_layers", "batch_p2p_comm", *FUSIONS,
@@ -285,6 +286,13 @@ def test_the_gpu_trials_config_is_the_bridge_export(hopper: None, space: str, te
     assert set(FUSIONS) - set(exported) <= {"gradient_accumulation_fusion"}
     if "gradient_accumulation_fusion" not in exported:
         assert trial.gradient_accumulation_fusion is True
+    # Delayed scaling's amax history: MixedPrecisionConfig's fields (a recipe name's, or the node's), which Bridge
+    # copies onto the model config (MixedPrecisionConfig.setup); its own defaults are 1 / most_recent.
+    if trial.fp8_recipe == "delayed" and trial.fp8:
+        precision = overrides(cfg, layout)["mixed_precision"]
+        fields = MIXED_PRECISION_RECIPES[precision] if isinstance(precision, str) else precision
+        assert (fields.get("fp8_amax_history_len", 1), fields.get("fp8_amax_compute_algo", "most_recent")) == (
+            trial.fp8_amax_history_len, trial.fp8_amax_compute_algo)
 
 
 @pytest.mark.parametrize(("space", "text", "run"), CASES, ids=IDS)
