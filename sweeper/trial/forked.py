@@ -5,7 +5,8 @@ trial's environment, runs the backend and sends its report back. The child is a 
 trial leaves behind (torch.distributed and Megatron's global state, the allocator's high-water mark, a crash)
 reaches the next one, and a rank that crashed, hung or was killed is never reused.
 
-The child keeps only its two pipes and stdio (the parent's other descriptors, Ray's sockets among them, are closed),
+The child keeps only its two pipes, stdio and the NVIDIA driver's device files (the parent's other descriptors, Ray's
+sockets among them, are closed),
 never returns into the parent's code (it always ends with ``os._exit``), and freezes the objects it inherited so
 the garbage collector never finalises the parent's Ray objects in it. It dies with its parent: it is sent SIGKILL
 when the forking thread's process exits (``PR_SET_PDEATHSIG``), and exits when its request pipe closes.
@@ -184,14 +185,26 @@ def _die_with_parent(parent: int) -> None:
         os._exit(71)
 
 
+# Descriptors a forked rank keeps besides its pipes: the NVIDIA driver's device files. Closed under a driver
+# library (NVML, CUDA) that the parent had initialised, they leave it believing it still holds them.
+_DEVICE_FILES = ("/dev/nvidia",)
+
+
 def _close_inherited_fds(keep: tuple[int, ...]) -> None:
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:
         fds = list(range(3, 1024))
     for fd in fds:
-        if fd > 2 and fd not in keep:
+        if fd > 2 and fd not in keep and not _is_device_file(fd):
             try:
                 os.close(fd)
             except OSError:
                 pass
+
+
+def _is_device_file(fd: int) -> bool:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}").startswith(_DEVICE_FILES)
+    except OSError:
+        return False

@@ -93,6 +93,20 @@ def test_child_keeps_only_its_pipes_and_stdio() -> None:
     assert len([f for f in open_fds if f > 2]) <= 3  # two pipe ends, plus the listing's own descriptor
 
 
+def test_child_keeps_the_gpu_drivers_device_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver library the parent initialised (NVML) holds descriptors on /dev/nvidia*: the child keeps them.
+    STAND-IN: this machine has no /dev/nvidia*, so /dev/null plays the device file here."""
+    from sweeper.trial import forked
+
+    monkeypatch.setattr(forked, "_DEVICE_FILES", ("/dev/null",))
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        open_fds = ForkedRank(lambda: sorted(int(n) for n in os.listdir("/proc/self/fd")), TrialChecks, {}).wait()
+    finally:
+        os.close(fd)
+    assert fd in open_fds
+
+
 def gate_failure_backend(request: object) -> object:
     """STAND-IN for the megatron backend, only to test the warm rank's bookkeeping: a rank that proved the
     process group, the model and a forward/backward, then failed (as at the equivalence gate)."""

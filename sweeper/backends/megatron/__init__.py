@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 
 from sweeper.backends.megatron.smoke import run_rank
 
@@ -35,8 +37,7 @@ def warm_up(gpu: bool) -> None:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
-    nvml_silent = torch.backends.cuda.is_built() and torch.cuda._device_count_nvml() < 0  # noqa: SLF001 - torch's probe
-    if gpu and nvml_silent:
+    if gpu and torch.backends.cuda.is_built() and not _nvml_answers():
         raise RuntimeError("NVML does not answer on this node, so torch's CUDA check would initialise CUDA in the "
                            "warm rank process and its forked ranks could not use the GPU; set cluster.warm_ranks: "
                            "false")
@@ -48,6 +49,18 @@ def warm_up(gpu: bool) -> None:
     if torch.cuda.is_initialized():
         raise RuntimeError("warming up initialised CUDA, so its forked ranks could not use the GPU; set "
                            "cluster.warm_ranks: false")
+
+
+def _nvml_answers() -> bool:
+    """Whether NVML answers torch's device count on this node, asked in a child interpreter: asked here, NVML would
+    stay initialised in the warm process, and every forked rank would inherit that state with its descriptors
+    (a candidate cause of the forked GPU ranks' nvmlInit failure on the first GPU run)."""
+    probe = "import sys, torch; sys.exit(0 if torch.cuda._device_count_nvml() >= 0 else 1)"
+    try:
+        return subprocess.run([sys.executable, "-c", probe], env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"},
+                              capture_output=True, timeout=120).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
 
 
 __all__ = ["run_rank", "warm_up"]
