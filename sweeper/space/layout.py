@@ -353,8 +353,10 @@ class Layout:
             if self.flex_backend:
                 out += [f"model.moe_flex_dispatcher_backend={self.flex_backend}", "model.moe_router_dtype=fp32"]
         if self.cuda_graph != "none":
+            # Bridge's GPTModelProvider.provide() asserts TE's RNG tracker under graphs (Megatron-LM's validate_args
+            # turns it on itself); the trial sets it (gpu.run_config_kwargs).
             out += [f"model.cuda_graph_impl={self.cuda_graph_impl}",
-                    f"model.cuda_graph_scope=[{','.join(self.cuda_graph_scope)}]"]
+                    f"model.cuda_graph_scope=[{','.join(self.cuda_graph_scope)}]", "model.use_te_rng_tracker=true"]
         if self.offload_layers:  # Megatron-LM's flag turns cpu_offloading on itself; Bridge's config does not
             out += ["model.cpu_offloading=true", f"model.cpu_offloading_num_layers={self.offload_layers}"]
         if self.fsdp:  # Bridge's ConfigContainer asserts fsdp_dtensor whenever a run saves or loads

@@ -284,6 +284,8 @@ def test_the_gpu_trials_config_is_the_bridge_export(hopper: None, space: str, te
             got = [scope.name for scope in got]
         assert got == value, f"model.{name}: trial {got!r}, Bridge export {value!r}"
     assert set(FUSIONS) - set(exported) <= {"gradient_accumulation_fusion"}
+    if layout.cuda_graph != "none":  # Bridge's provide() asserts TE's RNG tracker under graphs
+        assert exported["cuda_graph_impl"] == trial.cuda_graph_impl and exported["use_te_rng_tracker"] is True
     if "gradient_accumulation_fusion" not in exported:
         assert trial.gradient_accumulation_fusion is True
     # Delayed scaling's amax history: MixedPrecisionConfig's fields (a recipe name's, or the node's), which Bridge
