@@ -12,6 +12,9 @@ Megatron-Bridge 0.3.1):
   ``ddp.grad_reduce_in_fp32``); megatron-core's ``DistributedDataParallelConfig.grad_reduce_in_fp32 = False``.
 - ``fp8_param_gather``: off in Megatron-LM and megatron-core; on in Bridge's FP8 recipes except blockwise
   (bf16_with_fp8_delayed_scaling_mixed, ..._current_scaling_mixed, bf16_with_mxfp8_mixed).
+- MXFP8 with FP8 parameters gathers them through the grad buffer (``reuse_grad_buf_for_mxfp8_param_ag``) in every
+  framework: Bridge's ``MixedPrecisionConfig.finalize`` asserts it, megatron-core's OptimizerConfig warns of the
+  memory without it, and Megatron-LM's opt-in ``--reuse-grad-buf-for-mxfp8-param-ag`` is exported (issue 44).
 - ``overlap_grad_reduce`` / ``overlap_param_gather``: off in Megatron-LM and megatron-core, on in Bridge's
   pretrain recipes. No memory of their own (the all-gather is in place); they hide DP communication.
 - ``optimizer_offload_fraction``: 1.0 in Megatron-LM (``--optimizer-offload-fraction``), 0.0 in megatron-core's
@@ -149,6 +152,14 @@ class RunSettings(BaseModel):
             return self.fp8_param_gather
         return bool(_DEFAULTS[self.framework]["fp8_param_gather"]) and recipe != "blockwise"
 
+    def reuses_grad_buffer(self, precision: str, compute_capability: str | None, *, fsdp: bool = False) -> bool:
+        """MXFP8 weights all-gathered through the grad buffer (reuse_grad_buf_for_mxfp8_param_ag): with FP8
+        parameters under the MXFP8 recipe, which Bridge's MixedPrecisionConfig.finalize asserts and megatron-core's
+        OptimizerConfig recommends (it warns of the extra memory without); Megatron-LM's opt-in flag is exported.
+        Not with Megatron-FSDP (Bridge turns it off there)."""
+        return (self.recipe(precision, compute_capability) == "mxfp8" and not fsdp
+                and self.fp8_params(precision, compute_capability))
+
     @property
     def overlaps_grad_reduce(self) -> bool:
         value = self.overlap_grad_reduce
@@ -180,7 +191,7 @@ class RunSettings(BaseModel):
 
     # -- exports -------------------------------------------------------------------------------------------------
     def megatron_args(self, precision: str, compute_capability: str | None, *,
-                      distributed_optimizer: bool = True) -> list[str]:
+                      distributed_optimizer: bool = True, fsdp: bool = False) -> list[str]:
         """Megatron-LM flags for these settings (beside the layout's ``Layout.megatron_args``)."""
         args: list[str] = []
         recipe = self.recipe(precision, compute_capability)
@@ -193,6 +204,8 @@ class RunSettings(BaseModel):
             args.append("--grad-reduce-in-bf16")
         if self.fp8_params(precision, compute_capability):
             args.append("--fp8-param-gather")
+        if self.reuses_grad_buffer(precision, compute_capability, fsdp=fsdp):
+            args.append("--reuse-grad-buf-for-mxfp8-param-ag")
         if self.precision_aware_optimizer:
             args += ["--use-precision-aware-optimizer", f"--exp-avg-dtype={self.exp_avg_dtype}",
                      f"--exp-avg-sq-dtype={self.exp_avg_sq_dtype}"]
@@ -205,7 +218,7 @@ class RunSettings(BaseModel):
         return args
 
     def bridge_overrides(self, precision: str, compute_capability: str | None, *,
-                         distributed_optimizer: bool = True) -> list[str]:
+                         distributed_optimizer: bool = True, fsdp: bool = False) -> list[str]:
         """Megatron-Bridge overrides (``mixed_precision`` wins over ``ddp`` for the grad dtype and FP8 params, so
         both are set)."""
         out: list[str] = []
@@ -223,6 +236,9 @@ class RunSettings(BaseModel):
         if recipe is not None:
             gather = str(self.fp8_params(precision, compute_capability)).lower()
             out += [f"mixed_precision.fp8_param_gather={gather}", f"ddp.fp8_param_gather={gather}"]
+        if recipe == "mxfp8":  # bf16_with_mxfp8_mixed turns it on; DDP's config asserts FP8 parameters with it
+            reuse = str(self.reuses_grad_buffer(precision, compute_capability, fsdp=fsdp)).lower()
+            out.append(f"mixed_precision.reuse_grad_buf_for_mxfp8_param_ag={reuse}")
         out.append(f"optimizer.use_precision_aware_optimizer={str(self.precision_aware_optimizer).lower()}")
         if self.precision_aware_optimizer:
             out += [f"optimizer.exp_avg_dtype=torch.{_TORCH_DTYPE[self.exp_avg_dtype]}",

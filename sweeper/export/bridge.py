@@ -63,6 +63,7 @@ def dotted_overrides(cfg: SweepConfig, layout: Layout) -> list[str]:
     layout's, the run settings' and the framework's kernel fusions (``sweeper.config.fusions``)."""
     return layout.bridge_overrides() + cfg.run.bridge_overrides(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
+        fsdp=bool(layout.fsdp),
     ) + fusions.bridge_overrides(fusions.framework_fusions(cfg.run.framework, cfg.model))
 
 

@@ -100,6 +100,7 @@ def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
     (best_layout.yaml ``megatron_args``)."""
     return layout.megatron_args() + cfg.run.megatron_args(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
+        fsdp=bool(layout.fsdp),
     ) + fusions.megatron_lm_args(fusions.framework_fusions(cfg.run.framework, cfg.model), cfg.model)
 
 

@@ -104,10 +104,12 @@ DECIDED = (
     "cpu_offloading", "cpu_offloading_num_layers", "batch_p2p_comm", *FUSIONS,
 )
 DDP_DECIDED = ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "use_distributed_optimizer",
-               "fp8_param_gather", "use_megatron_fsdp", "data_parallel_sharding_strategy")
+               "fp8_param_gather", "use_megatron_fsdp", "data_parallel_sharding_strategy",
+               "reuse_grad_buf_for_mxfp8_param_ag")
 OPTIMIZER_DECIDED = ("use_distributed_optimizer", "clip_grad", "adam_beta1", "adam_beta2",
                      "use_precision_aware_optimizer", "exp_avg_dtype", "exp_avg_sq_dtype", "optimizer_cpu_offload",
-                     "optimizer_offload_fraction")
+                     "optimizer_offload_fraction", "fp8_recipe", "overlap_param_gather",
+                     "reuse_grad_buf_for_mxfp8_param_ag")
 
 
 def _case(space: str, text: str, run: dict[str, Any]) -> tuple[SweepConfig, Layout]:
@@ -252,7 +254,7 @@ def test_the_gpu_trials_configs_are_the_exports(tmp_path: Path, hopper: None, sp
     assert ddp.grad_reduce_in_fp32 == (bf16_grads_fp32 or layout.precision == "fp32"), "DDP grad_reduce_in_fp32"
 
     # Optimizer config: fields of their own names (get_megatron_optimizer_config); dtypes as torch dtypes.
-    optimizer = build.optimizer_config(layout, cfg.run)
+    optimizer = build.optimizer_config(layout, cfg.run, te=True)
     for name in OPTIMIZER_DECIDED:
         flag = f"--{name.replace('_', '-')}"
         got = getattr(optimizer, name)

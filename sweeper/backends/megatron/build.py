@@ -145,6 +145,24 @@ class Built:
             for chunk in self.model:
                 chunk.start_param_sync(force_sync=True)
 
+    def refill_param_buffer(self) -> None:
+        """Call after the chunks' zero_grad_buffer: with MXFP8 weights gathered through the grad buffer
+        (reuse_grad_buf_for_mxfp8_param_ag) and the gather overlapped with the forward, the buffer the forward
+        pre-hooks gather from is the grad buffer just zeroed, and the optimizer step left the main parameters'
+        copy into it to the training loop (optimizer.py). Megatron-LM's train_step (training.py, core_v0.16.1) and
+        Bridge's train.py copy them here, only while the pre-hooks are on (otherwise the weights are in place and
+        the copy would land in the main grads); so does this. A no-op in every other run."""
+        ddp = self.model[0].ddp_config
+        if not (ddp.reuse_grad_buf_for_mxfp8_param_ag and ddp.overlap_param_gather):
+            return
+        if not self.model[0].remove_forward_pre_hook_handles:
+            return
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        for inner in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            if isinstance(inner, DistributedOptimizer):
+                inner._copy_main_params_to_param_buffer()  # noqa: SLF001 - what Megatron-LM calls here
+
     def fsdp_parameters(self) -> list[tuple[int, str, torch.Tensor]]:
         """Megatron-FSDP: (chunk index, name, distributed parameter) in the same order on every rank."""
         return [(i, name, param) for i, chunk in enumerate(self.model)
@@ -221,7 +239,7 @@ def build(
 
     # Megatron's own gloo groups (create_gloo_process_groups=False at init): NCCL runs need a reachable gloo
     # interface across nodes for them and use them only for optimizer-state checkpoints, which smoke runs skip.
-    optimizer = get_megatron_optimizer(optimizer_config(layout, run), model, use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(optimizer_config(layout, run, te=te), model, use_gloo_process_groups=False)
     foreach_adam(optimizer)
     dtype = params_dtype(layout)
     if dtype is torch.float16:
@@ -241,9 +259,15 @@ def foreach_adam(optimizer: Any) -> None:
                     group["foreach"] = True
 
 
-def optimizer_config(layout: Layout, run: RunSettings) -> OptimizerConfig:
+def optimizer_config(layout: Layout, run: RunSettings, *, te: bool = False) -> OptimizerConfig:
     """Megatron's Adam as the export's training flags set it (--clip-grad, --adam-beta1/2), the layout's
-    precision and optimizer sharding, and the run settings' moments and offload."""
+    precision and optimizer sharding, and the run settings' moments and offload.
+
+    Megatron-LM fills OptimizerConfig from its arguments by field name (training.py get_megatron_optimizer_config),
+    so it also carries the FP8 recipe (the distributed optimizer shards MXFP8 / blockwise FP8 weights differently
+    from delayed scaling's, distrib_optimizer.py), the param-gather overlap and the MXFP8 grad-buffer reuse (with
+    both, the optimizer leaves copying its main parameters into the buffer to the training loop:
+    Built.refill_param_buffer)."""
     dtype = params_dtype(layout)
     return OptimizerConfig(
         optimizer="adam",
@@ -257,6 +281,9 @@ def optimizer_config(layout: Layout, run: RunSettings) -> OptimizerConfig:
         params_dtype=dtype,
         initial_loss_scale=2.0**16,
         use_distributed_optimizer=layout.distributed_optimizer,
+        fp8_recipe=run.recipe(layout.precision, device_capability_text()) if te else None,
+        overlap_param_gather=run.param_gather_overlap(layout.distributed_optimizer),
+        reuse_grad_buf_for_mxfp8_param_ag=mxfp8_grad_buffer_reuse(layout, run, te),
         **run.optimizer_kwargs(),
     )
 
@@ -265,6 +292,12 @@ def fp8_params(layout: Layout, run: RunSettings, te: bool) -> bool:
     """FP8 weights in the parameter buffer and its all-gather (--fp8-param-gather): the run settings' choice for
     this device, on the GPU path only (the CPU backend runs no FP8)."""
     return te and run.fp8_params(layout.precision, device_capability_text())
+
+
+def mxfp8_grad_buffer_reuse(layout: Layout, run: RunSettings, te: bool) -> bool:
+    """MXFP8 weights all-gathered through the grad buffer (reuse_grad_buf_for_mxfp8_param_ag, DDP's and the
+    optimizer's): RunSettings.reuses_grad_buffer for this device, on the GPU path only."""
+    return te and run.reuses_grad_buffer(layout.precision, device_capability_text(), fsdp=bool(layout.fsdp))
 
 
 def ddp_config(layout: Layout, run: RunSettings, *, cuda: bool, te: bool) -> DistributedDataParallelConfig:
@@ -276,6 +309,7 @@ def ddp_config(layout: Layout, run: RunSettings, *, cuda: bool, te: bool) -> Dis
         **_overlap_config(layout, run),
         use_distributed_optimizer=layout.distributed_optimizer,
         fp8_param_gather=fp8_params(layout, run, te),
+        reuse_grad_buf_for_mxfp8_param_ag=mxfp8_grad_buffer_reuse(layout, run, te),
     )
     if not layout.fsdp:
         return DistributedDataParallelConfig(**common)
