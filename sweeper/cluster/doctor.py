@@ -3,9 +3,10 @@
 Multi-node failures that otherwise surface as hangs or missing-file crashes minutes into a run (a worker with
 another torch, a dataset copied to one node only, a full disk) are found before any trial: a small task pinned to
 each alive GPU node reports its Python / torch / megatron-core / Transformer Engine versions, GPUs (and their
-compute capability, against the declared ``cluster.compute_capability``), free disk where trials write, and whether
-the configured data and tokenizer paths exist there. Versions come from package
-metadata, so nothing heavy is imported on the nodes.
+compute capability, against the declared ``cluster.compute_capability``), which optional GPU kernel packages it
+has (Transformer Engine, mamba_ssm, causal-conv1d, DeepEP) and whether each present one imports, free disk where
+trials write, and whether the configured data and tokenizer paths exist there. Versions come from package metadata;
+the kernel packages are imported in a new interpreter, so nothing heavy stays in the node's Ray worker.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
+from sweeper.cluster.node_kernels import import_failure
 from sweeper.config.capability import capability_mismatch
+from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
 
@@ -42,6 +45,8 @@ class NodeCheck:
     gpu_memory_gib: float = 0.0
     compute_capability: str | None = None  # what the node's GPUs report (None: could not tell)
     gpu_source: str = "unknown"  # simulated | nvidia-smi | torch | unknown
+    kernels: Kernels | None = None  # the optional GPU kernel packages this node has (None: not probed)
+    import_failures: dict[str, str] = field(default_factory=dict)  # a kernel package present but not importing
     free_disk_gib: float | None = None
     disk_path: str = ""
     paths: dict[str, bool] = field(default_factory=dict)  # configured path -> exists on this node
@@ -72,6 +77,7 @@ class DoctorReport:
             row["gpus"] = f"{node.gpu_count} x {node.gpu_memory_gib:g} GiB" + (
                 " (simulated)" if node.gpu_source == "simulated" else "")
             row["compute_capability"] = node.compute_capability or "?"
+            row["kernels"] = "?" if node.kernels is None else (", ".join(node.kernels.present()) or "none")
             row["free_disk"] = "?" if node.free_disk_gib is None else f"{node.free_disk_gib:.0f} GiB"
             row["shared_trial_folder"] = {True: "yes", False: "NO", None: "?"}[node.shared]
             missing = [p for p, exists in node.paths.items() if not exists]
@@ -151,6 +157,11 @@ def _probe_node(disk_path: str, paths: list[str], driver_file: str, node_id: str
                 break
             except importlib.metadata.PackageNotFoundError:
                 continue
+    # Present is not enough: an extension built against another torch (TE's, under pip's build isolation) is
+    # found and fails to import. Imported in a new interpreter, so this worker stays light.
+    facts["kernels"] = Kernels.here()
+    facts["import_failures"] = {name: error for name in facts["kernels"].present()
+                                if (error := import_failure(name)) is not None}
     facts["disk_path"] = disk_path
     facts["free_disk_gib"] = round(shutil.disk_usage(_existing(Path(disk_path))).free / GIB, 1)
     facts["paths"] = {p: Path(p).exists() for p in paths}
@@ -174,7 +185,17 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> lis
         if len(values) > 1:
             per_node = ", ".join(f"{n.label}={getattr(n, key)}" for n in probed)
             problems.append(f"{key} differs between nodes: {per_node}")
+    for name in Kernels().names():
+        has = {n.label: getattr(n.kernels, name) for n in probed if n.kernels is not None}
+        if len(set(has.values())) > 1:
+            per_node = ", ".join(f"{label}={'yes' if v else 'no'}" for label, v in has.items())
+            problems.append(f"{name} is on some GPU nodes only ({per_node}): the sweep runs only what every node "
+                            "has")
     for node in probed:
+        for name, error in node.import_failures.items():
+            hint = (" (built against another torch? docs/gpu-cluster.md: pip install --no-build-isolation)"
+                    if name == "transformer_engine" else "")
+            problems.append(f"{node.label}: {name} is installed but does not import: {error}{hint}")
         for path, exists in node.paths.items():
             if not exists:
                 problems.append(f"{node.label}: {path} does not exist")

@@ -12,7 +12,6 @@ clusters only.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import threading
 import time
 from collections import Counter
@@ -24,7 +23,9 @@ import psutil
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
 from sweeper.cluster import ClusterHandle, connect, plan_placement
 from sweeper.cluster.doctor import DoctorReport, doctor
+from sweeper.cluster.node_kernels import gpu_node_kernels
 from sweeper.cluster.placement import PlacementError
+from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
 from sweeper.models.proxy import is_proxy
@@ -74,7 +75,10 @@ class TrialHost:
         self.handle = handle
         self.simulated = handle.is_simulated
         self.cuda = not self.simulated
-        self.te = self.cuda and importlib.util.find_spec("transformer_engine") is not None
+        # What the GPU nodes have, not the driver (a KubeRay head is a CPU pod): every node's, since a trial's ranks
+        # may land on any of them.
+        self.kernels = Kernels.on_every(gpu_node_kernels(handle).values()) if self.cuda else Kernels()
+        self.te = self.kernels.transformer_engine
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
         self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
@@ -161,7 +165,7 @@ class TrialHost:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
 
     def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
-        return unsupported_reason(model, layout, cuda=self.cuda, te=self.te)
+        return unsupported_reason(model, layout, cuda=self.cuda, te=self.te, kernels=self.kernels)
 
     # -- running -------------------------------------------------------------------------------------------------
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,

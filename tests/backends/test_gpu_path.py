@@ -18,6 +18,7 @@ import pytest
 from sweeper.backends.megatron import gpu
 from sweeper.backends.megatron.failures import UnsupportedError, classify
 from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.config.kernels import Kernels
 from sweeper.config.run_settings import RunSettings
 from sweeper.errors import ModelError
 from sweeper.models.catalog import preset, resolve_model
@@ -220,8 +221,9 @@ def test_build_constructs_the_gpu_config_for_real(name, layout):
 def test_support_matrix_gpu_vs_cpu():
     mla, hybrid = preset("deepseek-v2-lite"), preset("nemotron-3-nano-30b-a3b")
     assert unsupported_reason(mla, lo(), cuda=True, te=True) is None
-    with mock.patch.object(gpu, "module_present", return_value=True):
-        assert unsupported_reason(hybrid, lo(), cuda=True, te=True) is None
+    # The GPU nodes' kernels, as the driver learnt them from the nodes (this machine, the driver, has none).
+    on_nodes = Kernels(transformer_engine=True, mamba_ssm=True)
+    assert unsupported_reason(hybrid, lo(), cuda=True, te=True, kernels=on_nodes) is None
     # The CPU backend runs both architectures (torch Mamba2 kernels, local MLA spec), at CPU size only (the
     # production models need --proxy there); a GPU without TE runs neither.
     for model in (mla, hybrid):
@@ -237,8 +239,8 @@ def test_support_matrix_gpu_vs_cpu():
 
 
 def test_gpu_refuses_hybrid_without_mamba_ssm_and_fp8_mla_with_cp():
-    with mock.patch.object(gpu, "module_present", return_value=False):
-        reason = unsupported_reason(preset("nemotron-3-nano-30b-a3b"), lo(), cuda=True, te=True)
+    reason = unsupported_reason(preset("nemotron-3-nano-30b-a3b"), lo(), cuda=True, te=True,
+                                kernels=Kernels(transformer_engine=True))
     assert reason == ("hybrid Mamba model (hybrid_layer_pattern) unsupported on this backend (megatron-core-gpu): "
                       "Megatron's MambaMixer needs the mamba_ssm package (pip install mamba-ssm causal-conv1d)")
     reason = unsupported_reason(preset("deepseek-v2-lite"), lo(cp=2, precision="fp8"), cuda=True, te=True)
@@ -377,10 +379,11 @@ def test_the_cpu_backend_names_each_knob_it_cannot_run():
         assert unsupported_reason(moe, lo(world_size=2, ep=2, moe_token_dispatcher=dispatcher), cuda=False,
                                   te=False) is None
     assert unsupported_reason(moe, lo(world_size=2, fsdp="optim_grads_params"), cuda=False, te=False) is None
-    with mock.patch.object(gpu, "module_present", return_value=False):
-        reason = unsupported_reason(moe, lo(world_size=2, ep=2, moe_token_dispatcher="flex:hybridep"), cuda=True,
-                                    te=True)
+    flex = lo(world_size=2, ep=2, moe_token_dispatcher="flex:hybridep")
+    reason = unsupported_reason(moe, flex, cuda=True, te=True, kernels=Kernels(transformer_engine=True))
     assert reason is not None and "needs DeepEP" in reason
+    assert unsupported_reason(moe, flex, cuda=True, te=True, kernels=Kernels(transformer_engine=True, deep_ep=True)) \
+        is None
 
 
 def test_the_shared_loss_is_made_on_the_device_the_losses_are_on() -> None:

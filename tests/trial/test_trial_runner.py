@@ -324,6 +324,12 @@ def test_doctor_on_the_simulated_cluster(sim, tmp_path: Path) -> None:
     # Every node read the driver's token file where trials will write, and left its own; none is left behind.
     assert all(n.shared for n in report.nodes) and rows[1]["shared_trial_folder"] == "yes"
     assert not list(tmp_path.glob(".sweeper-doctor-*")) and not (tmp_path / "sweeps").exists()
+    # Each GPU node says which kernels it has (none here), as a GPU sweep's host asks them.
+    from sweeper.cluster.node_kernels import gpu_node_kernels
+    from sweeper.config.kernels import Kernels
+
+    assert [n.kernels for n in report.nodes] == [Kernels(), Kernels()] and rows[0]["kernels"] == "none"
+    assert gpu_node_kernels(sim) == {"sim-0": Kernels(), "sim-1": Kernels()}
 
     missing = doctor(_cfg(data_paths=[str(present), "/nonexistent/data.bin"]), sim)
     assert not missing.ok
@@ -440,6 +446,28 @@ def test_a_node_whose_gpus_are_not_the_declared_compute_capability_is_a_problem(
                         f'cluster.compute_capability: "10.0")']
     rows = DoctorReport(nodes=nodes, problems=problems, expected_nodes=2).rows()
     assert [r["compute_capability"] for r in rows] == [cfg.cluster.compute_capability, "10.0"]
+
+
+def test_kernels_on_some_nodes_only_or_not_importing_are_problems() -> None:
+    """Issue 44: the GPU nodes' kernels decide what a sweep runs (what every node has); one that is installed but
+    does not import (TE's extension built against another torch) is named with the error's line."""
+    from sweeper.cluster.doctor import DoctorReport, NodeCheck, _problems
+    from sweeper.config.kernels import Kernels
+
+    cfg = _cfg()
+    same = dict(python="3.11", torch="2.13", megatron_core="0.16.1", gpu_count=2, shared=True,
+                compute_capability=cfg.cluster.compute_capability)
+    te = Kernels(transformer_engine=True)
+    nodes = [NodeCheck("n0", "a", kernels=Kernels(transformer_engine=True, mamba_ssm=True), **same),
+             NodeCheck("n1", "b", kernels=te, import_failures={"transformer_engine": "ImportError: undefined symbol: "
+                                                                "_ZN3c10"}, **same)]
+    problems = _problems(nodes, cfg, "/scratch")
+    assert problems == [
+        "mamba_ssm is on some GPU nodes only (n0=yes, n1=no): the sweep runs only what every node has",
+        "n1: transformer_engine is installed but does not import: ImportError: undefined symbol: _ZN3c10 (built "
+        "against another torch? docs/gpu-cluster.md: pip install --no-build-isolation)"]
+    rows = DoctorReport(nodes=nodes, problems=problems, expected_nodes=2).rows()
+    assert [r["kernels"] for r in rows] == ["transformer_engine, mamba_ssm", "transformer_engine"]
 
 
 def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() -> None:

@@ -24,7 +24,6 @@ the estimator and the exports read too.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ from sweeper.backends.megatron.device import capability_text
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs
 from sweeper.config.fusions import KERNELS, framework_fusions
+from sweeper.config.kernels import Kernels
 from sweeper.config.run_settings import (
     FP8_AMAX_COMPUTE_ALGO,
     FP8_AMAX_HISTORY_LEN,
@@ -138,14 +138,16 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
     return kwargs, chosen, f"precision fp8: recipe {chosen} ({how}), format {kwargs['fp8']}"  # type: ignore[return-value]
 
 
-def gpu_unsupported_reason(spec: ModelSpec, layout: Layout, *, mamba_ssm: bool | None = None) -> tuple[str, str] | None:
-    """(feature, why) the GPU+TE backend cannot run, or None. support.unsupported_reason formats it."""
-    if spec.is_hybrid:
-        has_mamba = mamba_ssm if mamba_ssm is not None else module_present("mamba_ssm")
-        if not has_mamba:
-            return ("hybrid Mamba model (hybrid_layer_pattern)",
-                    "Megatron's MambaMixer needs the mamba_ssm package (pip install mamba-ssm causal-conv1d)")
-    if layout.dispatcher == "flex" and not module_present("deep_ep"):
+def gpu_unsupported_reason(spec: ModelSpec, layout: Layout, *, kernels: Kernels | None = None
+                           ) -> tuple[str, str] | None:
+    """(feature, why) the GPU+TE backend cannot run, or None. support.unsupported_reason formats it. ``kernels``:
+    what the GPU nodes have (the driver asks them, sweeper.cluster.node_kernels); None: this machine's, as on a
+    rank."""
+    kernels = kernels or Kernels.here()
+    if spec.is_hybrid and not kernels.mamba_ssm:
+        return ("hybrid Mamba model (hybrid_layer_pattern)",
+                "Megatron's MambaMixer needs the mamba_ssm package (pip install mamba-ssm causal-conv1d)")
+    if layout.dispatcher == "flex" and not kernels.deep_ep:
         return (f"moe_token_dispatcher {layout.moe_token_dispatcher}",
                 "the flex dispatcher needs DeepEP (deep_ep; HybridEP is its hybrid-ep branch) on the GPU nodes")
     if layout.cuda_graph == "full_iteration" or layout.cuda_graph_impl == "transformer_engine":
@@ -244,14 +246,6 @@ def run_config_kwargs(layout: Layout, run: RunSettings, capability: str | None) 
 
 
 # -- the device and its optional kernels (cheap; no CUDA call) ---------------------------------------------------
-def module_present(name: str) -> bool:
-    """True when ``name`` can be found on sys.path (find_spec: no import, so no CUDA initialisation)."""
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
-
-
 def module_imports(name: str) -> bool:
     """True when ``name`` really imports (a CUDA extension built for another torch fails here, not in find_spec)."""
     try:

@@ -8,6 +8,7 @@ and so does multi-latent attention (Megatron's local MLA spec with a K/V-width-a
 
 from __future__ import annotations
 
+from sweeper.config.kernels import Kernels
 from sweeper.config.run_settings import RunSettings
 from sweeper.models.params import total_params
 from sweeper.models.spec import ModelSpec
@@ -34,8 +35,10 @@ def run_unsupported_reason(run: RunSettings, *, cuda: bool, te: bool) -> str | N
     return None
 
 
-def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool) -> str | None:
-    """The first feature of (spec, layout) this backend cannot run, as a one-line reason; None when all can."""
+def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
+                       kernels: Kernels | None = None) -> str | None:
+    """The first feature of (spec, layout) this backend cannot run, as a one-line reason; None when all can.
+    ``kernels``: what the GPU nodes have, as the driver learnt it from them (None: this machine's, on a rank)."""
     backend = backend_name(cuda)
 
     def no(feature: str, why: str) -> str:
@@ -54,7 +57,7 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool)
     if cuda and te:  # the GPU path (gpu.py) builds MLA and MambaModel; it refuses only what TE/kernels lack
         from sweeper.backends.megatron.gpu import gpu_unsupported_reason
 
-        gpu_reason = gpu_unsupported_reason(spec, layout)
+        gpu_reason = gpu_unsupported_reason(spec, layout, kernels=kernels)
         if gpu_reason:
             return no(*gpu_reason)
     # Hybrid Mamba models run on the CPU through sweeper's torch Mamba2 kernels (cpu_mamba.py); a GPU without
