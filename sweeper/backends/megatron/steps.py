@@ -115,6 +115,7 @@ def forward_backward(
     for chunk in built.model:
         chunk.zero_grad_buffer()
     built.optimizer.zero_grad()
+    built.refill_param_buffer()  # MXFP8 weights gathered through the grad buffer just zeroed (Megatron-LM's train_step)
     # The interleaved schedule wants one iterator per model chunk; each chunk consumes the same micro-batches.
     iterators: Any = [iter(batches) for _ in built.model] if len(built.model) > 1 else iter(batches)
     losses = get_forward_backward_func()(
