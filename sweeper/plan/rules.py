@@ -595,6 +595,25 @@ def cuda_graphs(c: RuleContext) -> str | None:
     return None
 
 
+@rule("cuda_graph")
+def local_graphs_dropless_moe(c: RuleContext) -> str | None:
+    # Not a Megatron check (TransformerConfig.__post_init__ refuses only the `moe` scope without drop-and-pad):
+    # cuda_graph_impl local with an empty scope graphs whole layers, the MoE layer included
+    # (transformer_layer.py MoETransformerLayer.create_mcore_cudagraph_manager), and full_iteration graphs the
+    # whole step. megatron-core 0.16.1's dropless token dispatchers read the per-expert token counts on the host
+    # inside the forward (moe/token_dispatcher.py: MoEAllGatherTokenDispatcher.dispatch_postprocess `.cpu()`,
+    # MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize: a device-to-host copy, then d2h_event.synchronize()),
+    # which a CUDA stream capture refuses, and a graph would replay the first step's split sizes anyway. sweeper's
+    # MoE trials are dropless (no capacity factor): every MoE layout with local graphs is refused.
+    if c.model.is_moe and c.layout.cuda_graph_impl == "local":
+        return (f"cuda_graph {c.layout.cuda_graph} captures the MoE layers whole, and megatron-core 0.16.1's "
+                "dropless token dispatchers copy the per-expert token counts to the host and synchronise inside "
+                "the forward (moe/token_dispatcher.py: .cpu(), _maybe_dtoh_and_synchronize), which a CUDA graph "
+                "capture cannot hold (Megatron: 'moe cuda graph is only supported with drop-padding MoE.'); use "
+                "te:attn or te:attn+moe_router")
+    return None
+
+
 @rule("offload_layers", "pp", "recompute")
 def activation_offload(c: RuleContext) -> str | None:
     lo, layers = c.layout, c.model.num_layers

@@ -330,6 +330,13 @@ CASES: dict[str, list[Case]] = {
         (MOE, L(16, ep=8, cuda_graph="local", moe_a2a_overlap=True), H100x2, SEQ,
          "needs cuda_graph_impl transformer_engine"),
     ],
+    "local_graphs_dropless_moe": [
+        (DENSE, L(16, cuda_graph="local"), H100x2, SEQ, None),
+        (MOE, L(16, ep=8, cuda_graph="te:attn+moe_router"), H100x2, SEQ, None),  # the dispatch runs eagerly
+        (MOE, L(16, ep=8, cuda_graph="local"), H100x2, SEQ, "captures the MoE layers whole"),
+        (HYBRID, L(16, ep=8, cuda_graph="local"), H100x2, SEQ, "copy the per-expert token counts to the host"),
+        (MOE, L(16, ep=8, cuda_graph="full_iteration"), H100x2, SEQ, "cuda_graph full_iteration captures"),
+    ],
     "activation_offload": [
         (DENSE, L(16, offload_layers=4), H100x2, SEQ, None),
         (DENSE, L(16, offload_layers=8), H100x2, SEQ, "CPU offloading can be done only for layers less than 8"),
