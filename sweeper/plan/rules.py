@@ -628,6 +628,18 @@ def activation_offload(c: RuleContext) -> str | None:
     return None
 
 
+@rule("offload_layers")
+def offload_not_hybrid(c: RuleContext) -> str | None:
+    # Not a Megatron check: megatron-core 0.16.1's TransformerBlock enters the offload context around each layer
+    # (transformer_block.py: get_cpu_offload_context, `with self.offload_context`), MambaStack has none
+    # (ssm/mamba_block.py), so a hybrid model builds and trains with cpu_offloading on and offloads nothing: the
+    # trial would measure the layout without offload under an offload label.
+    if c.layout.offload_layers and c.model.is_hybrid:
+        return ("activation offload (cpu_offloading_num_layers) does nothing on a hybrid Mamba model: megatron-core "
+                "0.16.1's MambaStack (ssm/mamba_block.py) has no CPU offload context, only TransformerBlock does")
+    return None
+
+
 @rule("fsdp", "distributed_optimizer")
 def megatron_fsdp(c: RuleContext) -> str | None:
     # Megatron-LM's validate_args (main) and Megatron-Bridge's _validate_and_apply_megatron_fsdp_configs both turn

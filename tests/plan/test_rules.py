@@ -344,6 +344,11 @@ CASES: dict[str, list[Case]] = {
         (DENSE, L(16, offload_layers=2, recompute="selective"), H100x2, SEQ,
          "CPU offloading does not work when activation recomputation is enabled"),
     ],
+    "offload_not_hybrid": [
+        (DENSE, L(16, offload_layers=2), H100x2, SEQ, None),
+        (HYBRID, L(16, ep=8), H100x2, SEQ, None),
+        (HYBRID, L(16, ep=8, offload_layers=2), H100x2, SEQ, "MambaStack (ssm/mamba_block.py) has no CPU offload"),
+    ],
     "megatron_fsdp": [
         (MOE, L(16, ep=8, fsdp="optim_grads_params"), H100x2, SEQ, None),
         (DENSE, L(16, fsdp="optim", distributed_optimizer=False), H100x2, SEQ,
