@@ -11,7 +11,8 @@ Megatron-Bridge 0.3.1):
   Bridge's ``MixedPrecisionConfig.grad_reduce_in_fp32 = True`` (training/mixed_precision.py; it overwrites
   ``ddp.grad_reduce_in_fp32``); megatron-core's ``DistributedDataParallelConfig.grad_reduce_in_fp32 = False``.
 - ``fp8_param_gather``: off in Megatron-LM and megatron-core; on in Bridge's FP8 recipes except blockwise
-  (bf16_with_fp8_delayed_scaling_mixed, ..._current_scaling_mixed, bf16_with_mxfp8_mixed).
+  (bf16_with_fp8_delayed_scaling_mixed, ..._current_scaling_mixed, bf16_with_mxfp8_mixed); only with the
+  distributed optimizer (Megatron-LM asserts it), off in a layout without it.
 - MXFP8 with FP8 parameters gathers them through the grad buffer (``reuse_grad_buf_for_mxfp8_param_ag``) in every
   framework: Bridge's ``MixedPrecisionConfig.finalize`` asserts it, megatron-core's OptimizerConfig warns of the
   memory without it, and Megatron-LM's opt-in ``--reuse-grad-buf-for-mxfp8-param-ag`` is exported (issue 44).
@@ -143,22 +144,28 @@ class RunSettings(BaseModel):
             return "delayed"
         return default_fp8_recipe(int(compute_capability.partition(".")[0]))
 
-    def fp8_params(self, precision: str, compute_capability: str | None) -> bool:
-        """Whether FP8/MXFP8 weights are stored and gathered in FP8 (--fp8-param-gather)."""
+    def fp8_params(self, precision: str, compute_capability: str | None, *, distributed_optimizer: bool = True) -> bool:
+        """Whether FP8/MXFP8 weights are stored and gathered in FP8 (--fp8-param-gather) in a layout with or without
+        the distributed optimizer: only with it, as ``param_gather_overlap``. Megatron-LM's validate_args asserts
+        "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or inference
+        mode" (arguments.py, core_v0.16.1; sweeper's Megatron-FSDP needs the distributed optimizer too), and
+        Bridge's FP8 recipes turn it on by default: a layout without the distributed optimizer keeps BF16 weights
+        in the estimate, the trial and both exports, instead of a space losing those layouts."""
         recipe = self.recipe(precision, compute_capability)
-        if recipe is None:
+        if recipe is None or not distributed_optimizer:
             return False
         if self.fp8_param_gather is not None:
             return self.fp8_param_gather
         return bool(_DEFAULTS[self.framework]["fp8_param_gather"]) and recipe != "blockwise"
 
-    def reuses_grad_buffer(self, precision: str, compute_capability: str | None, *, fsdp: bool = False) -> bool:
+    def reuses_grad_buffer(self, precision: str, compute_capability: str | None, *, fsdp: bool = False,
+                           distributed_optimizer: bool = True) -> bool:
         """MXFP8 weights all-gathered through the grad buffer (reuse_grad_buf_for_mxfp8_param_ag): with FP8
         parameters under the MXFP8 recipe, which Bridge's MixedPrecisionConfig.finalize asserts and megatron-core's
         OptimizerConfig recommends (it warns of the extra memory without); Megatron-LM's opt-in flag is exported.
         Not with Megatron-FSDP (Bridge turns it off there)."""
         return (self.recipe(precision, compute_capability) == "mxfp8" and not fsdp
-                and self.fp8_params(precision, compute_capability))
+                and self.fp8_params(precision, compute_capability, distributed_optimizer=distributed_optimizer))
 
     @property
     def overlaps_grad_reduce(self) -> bool:
@@ -202,9 +209,10 @@ class RunSettings(BaseModel):
                      f"--fp8-amax-compute-algo={FP8_AMAX_COMPUTE_ALGO}"]
         if precision in ("bf16", "fp8", "mxfp8") and not self.grad_buffer_fp32(precision):
             args.append("--grad-reduce-in-bf16")
-        if self.fp8_params(precision, compute_capability):
+        if self.fp8_params(precision, compute_capability, distributed_optimizer=distributed_optimizer):
             args.append("--fp8-param-gather")
-        if self.reuses_grad_buffer(precision, compute_capability, fsdp=fsdp):
+        if self.reuses_grad_buffer(precision, compute_capability, fsdp=fsdp,
+                                   distributed_optimizer=distributed_optimizer):
             args.append("--reuse-grad-buf-for-mxfp8-param-ag")
         if self.precision_aware_optimizer:
             args += ["--use-precision-aware-optimizer", f"--exp-avg-dtype={self.exp_avg_dtype}",
@@ -234,10 +242,12 @@ class RunSettings(BaseModel):
             grads = str(self.grads_in_fp32).lower()
             out += [f"mixed_precision.grad_reduce_in_fp32={grads}", f"ddp.grad_reduce_in_fp32={grads}"]
         if recipe is not None:
-            gather = str(self.fp8_params(precision, compute_capability)).lower()
+            gather = str(self.fp8_params(precision, compute_capability,
+                                         distributed_optimizer=distributed_optimizer)).lower()
             out += [f"mixed_precision.fp8_param_gather={gather}", f"ddp.fp8_param_gather={gather}"]
         if recipe == "mxfp8":  # bf16_with_mxfp8_mixed turns it on; DDP's config asserts FP8 parameters with it
-            reuse = str(self.reuses_grad_buffer(precision, compute_capability, fsdp=fsdp)).lower()
+            reuse = str(self.reuses_grad_buffer(precision, compute_capability, fsdp=fsdp,
+                                                distributed_optimizer=distributed_optimizer)).lower()
             out.append(f"mixed_precision.reuse_grad_buf_for_mxfp8_param_ag={reuse}")
         out.append(f"optimizer.use_precision_aware_optimizer={str(self.precision_aware_optimizer).lower()}")
         if self.precision_aware_optimizer:

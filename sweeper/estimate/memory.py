@@ -138,7 +138,7 @@ def _columnwise_copy(recipe: str, compute_capability: str | None) -> bool:
 
 
 def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capability: str | None,
-                     run: RunSettings = RunSettings()) -> tuple[float, float]:
+                     run: RunSettings = RunSettings(), *, distributed_optimizer: bool = True) -> tuple[float, float]:
     """(bytes of the model weight, bytes of TE's extra quantised copies) per linear-layer parameter under FP8.
 
     Without --fp8-param-gather the weight stays BF16 in DDP's param buffer and TE caches its FP8 workspace across
@@ -164,7 +164,7 @@ def fp8_weight_bytes(precision: str, constants: EstimatorConstants, compute_capa
     scales = 1 / 32 if recipe == "mxfp8" else 0.0
     copy = 1.0 + scales
     second = copy if _columnwise_copy(recipe, compute_capability) else 0.0
-    if not run.fp8_params(precision, compute_capability):
+    if not run.fp8_params(precision, compute_capability, distributed_optimizer=distributed_optimizer):
         return float(BF16_BYTES), copy + second
     if recipe == "mxfp8":
         return 0.0, copy + second
@@ -234,7 +234,8 @@ def model_state_bytes(
     fp8 = 0.0
     if precision in QUANTIZED:
         # Transformer Engine quantises linear-layer weights only: embeddings, output layer and norms stay BF16.
-        weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability, run)
+        weight_bytes, extra = fp8_weight_bytes(precision, constants, compute_capability, run,
+                                               distributed_optimizer=distributed_optimizer)
         weights += (weight_bytes - BF16_BYTES) * layers
         fp8 = extra * params.layers.total
     return StateBytes(

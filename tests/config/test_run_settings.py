@@ -99,3 +99,29 @@ def test_flagship_spaces_name_their_framework() -> None:
     for name in ("nemotron.yaml", "deepseek_v2_lite.yaml"):
         run = load_config(ROOT / "search_spaces" / name).run
         assert run.framework == "megatron-bridge" and run.grads_in_fp32 is False
+
+
+@pytest.mark.parametrize("run", [RunSettings(framework="megatron-bridge"), RunSettings(fp8_param_gather=True)],
+                         ids=["bridge-default", "explicit"])
+def test_fp8_parameters_only_with_the_distributed_optimizer(run: RunSettings) -> None:
+    """Megatron-LM's validate_args asserts '--fp8-param-gather only supported with distributed optimizer, ...'
+    (arguments.py, core_v0.16.1): a layout without it keeps BF16 weights in the estimate and both exports, as
+    --overlap-param-gather is left out there (issue 44 item 12)."""
+    from sweeper.config.estimator import EstimatorConstants
+    from sweeper.estimate.memory import fp8_weight_bytes
+
+    assert run.fp8_params("fp8", "9.0") is True
+    assert run.fp8_params("fp8", "9.0", distributed_optimizer=False) is False
+    assert "--fp8-param-gather" in run.megatron_args("fp8", "9.0", distributed_optimizer=True)
+    assert "--fp8-param-gather" not in run.megatron_args("fp8", "9.0", distributed_optimizer=False)
+    overrides = set(run.bridge_overrides("fp8", "9.0", distributed_optimizer=False))
+    assert {"mixed_precision.fp8_param_gather=false", "ddp.fp8_param_gather=false"} <= overrides
+    mxfp8 = run.model_copy(update={"fp8_param_gather": True})
+    assert mxfp8.reuses_grad_buffer("mxfp8", "10.0") is True
+    assert mxfp8.reuses_grad_buffer("mxfp8", "10.0", distributed_optimizer=False) is False
+    assert "--reuse-grad-buf-for-mxfp8-param-ag" not in mxfp8.megatron_args("mxfp8", "10.0",
+                                                                             distributed_optimizer=False)
+    constants = EstimatorConstants()
+    bf16_weights = fp8_weight_bytes("fp8", constants, "9.0", RunSettings(fp8_param_gather=False))
+    assert fp8_weight_bytes("fp8", constants, "9.0", run, distributed_optimizer=False) == bf16_weights
+    assert fp8_weight_bytes("fp8", constants, "9.0", run) != bf16_weights
