@@ -306,3 +306,16 @@ def test_tolerances() -> None:
     assert TOLERANCE["fp32"] < TOLERANCE["fp16"] < TOLERANCE["bf16"] < TOLERANCE["fp8"] == TOLERANCE["mxfp8"]
     assert tolerance("fp32", "bf16") == tolerance("bf16", "fp32") == TOLERANCE["bf16"]
     assert rel_err(1.0005, 1.0) == pytest.approx(5e-4) and rel_err(math.nan, 1.0) == math.inf
+
+
+def test_only_delayed_fp8_scaling_warms_its_amax_history_before_the_gate() -> None:
+    """Issue 44: delayed scaling's first FP8 iteration runs at scale 1 (an empty amax history); the gate discards
+    one forward/backward first. Current, blockwise and MXFP8 scaling need none, nor does a run without FP8. (The
+    discarded iteration itself runs on a GPU only: scripts/gpu_check.sh's FP8 cases.)"""
+    from types import SimpleNamespace
+
+    from sweeper.backends.megatron.equivalence import scales_from_history
+
+    assert scales_from_history(SimpleNamespace(fp8="hybrid", fp8_recipe="delayed"))
+    for fp8, recipe in (("hybrid", "tensorwise"), ("e4m3", "blockwise"), ("e4m3", "mxfp8"), (None, "delayed")):
+        assert not scales_from_history(SimpleNamespace(fp8=fp8, fp8_recipe=recipe))

@@ -348,19 +348,24 @@ def run(
         report.reference_load = gate.preloaded
     else:
         enter("checkpoint_load")
-        chunks = built.bare_chunks()
-        keys, moved = ckpt.resharding(chunks, gate.directory)
-        started = time.perf_counter()
-        ckpt.load_chunks(chunks, gate.directory)
-        report.reference_load = {"layout": ref.layout, "tensors": keys, "resharded": moved,
-                                 "load_s": time.perf_counter() - started}
-        # The optimizer's FP32 main copies (mixed precision, distributed optimizer) still hold the built weights.
-        built.optimizer.reload_model_params()
+        report.reference_load = _load_reference(built, gate.directory, ref)
+    sequences = gate_sequences(ref, layout)
+    batches = fixed_batch(ref.seed, ref.sequences, ref.seq_length, spec.vocab_size, device, first=sequences)
+    if scales_from_history(built.config) and gate.preloaded is None:
+        # Delayed scaling computes each FP8 scale from the amax history, which is empty before the first FP8
+        # iteration: the gate would run at scale 1 (E5M2 gradients of ~1e-6 underflow to zero), and FP8 weights
+        # (fp8_param) were quantized at scale 1 when the reference was loaded. A discarded forward/backward on the
+        # gate's batch fills the history (no step: the weights are unchanged), and the reference is loaded again,
+        # quantized at the scales it set; the gate then compares what a run past its first iteration computes.
+        enter("steps")
+        measure(built, batches, ref.seq_length)
+        enter("checkpoint_load")
+        _load_reference(built, gate.directory, ref)
+        report.notes.append("FP8 delayed scaling: one discarded forward/backward filled the amax history before "
+                            "the equivalence gate, and the reference was loaded again at its scales")
     if request.inject == "swap_shards":
         _swap_shards(built)
     enter("steps")
-    sequences = gate_sequences(ref, layout)
-    batches = fixed_batch(ref.seed, ref.sequences, ref.seq_length, spec.vocab_size, device, first=sequences)
     loss, norm = measure(built, batches, ref.seq_length)
     report.checks.forward_backward = True  # the layout's forward and backward ran, whatever the gate finds
     ref_loss, ref_norm = ref.on(sequences)
@@ -377,6 +382,25 @@ def run(
             f"{err:.3g} > {limit:g}, "
             f"{layout.precision})"
         )
+
+
+def scales_from_history(config: object) -> bool:
+    """Whether the run's FP8 scales come from an amax history (Transformer Engine's delayed scaling), which the
+    first FP8 iteration finds empty. Current scaling (tensorwise), blockwise and MXFP8 scale each tensor from itself."""
+    return bool(getattr(config, "fp8", None)) and getattr(config, "fp8_recipe", None) == "delayed"
+
+
+def _load_reference(built: Built, directory: Path, ref: Reference) -> dict:
+    """Load (reshard) the reference into the built chunks; what reference_load records of it."""
+    from sweeper.backends.megatron import checkpoint as ckpt
+
+    chunks = built.bare_chunks()
+    keys, moved = ckpt.resharding(chunks, directory)
+    started = time.perf_counter()
+    ckpt.load_chunks(chunks, directory)
+    # The optimizer's FP32 main copies (mixed precision, distributed optimizer) still hold the built weights.
+    built.optimizer.reload_model_params()
+    return {"layout": ref.layout, "tensors": keys, "resharded": moved, "load_s": time.perf_counter() - started}
 
 
 def _fit(built: Built, batches: list, seq_length: int, steps: int, lr: float) -> float:
