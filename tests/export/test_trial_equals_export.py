@@ -101,7 +101,7 @@ DECIDED = (
     "fp8_amax_compute_algo",
     "moe_token_dispatcher_type", "moe_flex_dispatcher_backend", "moe_router_dtype",
     "overlap_moe_expert_parallel_comm", "cuda_graph_impl", "cuda_graph_scope", "use_te_rng_tracker",
-    "cpu_offloading", "cpu_offloading_num_layers", "batch_p2p_comm", *FUSIONS,
+    "cpu_offloading", "cpu_offloading_num_layers", "batch_p2p_comm", "overlap_p2p_comm", *FUSIONS,
 )
 DDP_DECIDED = ("overlap_grad_reduce", "overlap_param_gather", "align_param_gather", "use_distributed_optimizer",
                "fp8_param_gather", "use_megatron_fsdp", "data_parallel_sharding_strategy",
@@ -174,6 +174,7 @@ def _megatron_lm_defaults(flags: dict[str, Any], layout: Layout) -> dict[str, An
     if int(flags.get("--cpu-offloading-num-layers", 0)) > 0:
         out["cpu_offloading"] = True  # validate_args
     # batch_p2p_comm = not overlap_p2p_comm; overlap_p2p_comm (on by default) is turned off without VPP.
+    out["overlap_p2p_comm"] = layout.vpp > 1
     out["batch_p2p_comm"] = layout.vpp <= 1
     # The fusions' store_false flags default on; validate_args turns bias-gelu fusion off without linear biases
     # (bias-swiglu stays) and rope fusion off for position embeddings other than rope.
@@ -334,3 +335,19 @@ def test_te_graphs_ask_for_nccl_graph_register_off_and_blackwell_for_no_connecti
     names = {v.name: v.value for v in megatron_environment(layout, "9.0")}
     assert names["NCCL_GRAPH_REGISTER"] == "0" and names["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert "CUDA_DEVICE_MAX_CONNECTIONS" not in {v.name for v in megatron_environment(layout, "10.0")}
+
+
+def test_the_interleaved_schedule_overlaps_p2p_on_a_gpu_only() -> None:
+    """Megatron-LM overlaps the interleaved schedule's p2p (batch_p2p_comm off, issue 44 item 14c); the CPU trial
+    keeps it off: gloo sends from memory the schedule frees before the send is waited on (layout_config.py)."""
+    from sweeper.backends.megatron.layout_config import layout_config_kwargs
+
+    cfg, interleaved = _case("quickstart.yaml", "gpus=4,pp=2,vpp=2", {})
+    _, plain = _case("quickstart.yaml", "gpus=4,pp=2", {})
+    gpu_kwargs = layout_config_kwargs(cfg.model, interleaved, cuda=True)
+    cpu_kwargs = layout_config_kwargs(cfg.model, interleaved, cuda=False)
+    assert (gpu_kwargs["overlap_p2p_comm"], gpu_kwargs["batch_p2p_comm"]) == (True, False)
+    assert (cpu_kwargs["overlap_p2p_comm"], cpu_kwargs["batch_p2p_comm"]) == (False, False)
+    for cuda in (True, False):
+        kwargs = layout_config_kwargs(cfg.model, plain, cuda=cuda)
+        assert (kwargs["overlap_p2p_comm"], kwargs["batch_p2p_comm"]) == (False, True)

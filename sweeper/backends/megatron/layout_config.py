@@ -38,11 +38,18 @@ def layout_config_kwargs(spec: ModelSpec, layout: Layout, *, cuda: bool) -> dict
         # directly. On the CPU this also keeps backward inside the device mode (torch.autograd.backward would
         # run it from within the mode's own handler, where the mode is suspended).
         deallocate_pipeline_outputs=True,
-        # Interleaved schedule: unbatched p2p. Batched p2p posts send_prev/recv_prev/send_next/recv_next on one
-        # group and tag; with PP=2 "prev" and "next" are the same peer, so an activation and a gradient (same
-        # shape) are matched to each other's receive, silently: PP2+VPP2 computed another model (equivalence gate,
-        # gloo: loss 3.49 vs 1.43). Megatron's unbatched p2p sends one direction over another group for 2-rank
-        # pipelines. (overlap_p2p_comm, Megatron-LM's VPP default, still drifted by 7% on gloo: left off.)
+        # Interleaved schedule: unbatched p2p, overlapped with compute on a GPU, as Megatron-LM runs it
+        # (arguments.py core_v0.16.1: --no-overlap-p2p-communication is store_false, validate_args turns it off
+        # without VPP, core_transformer_config_from_args sets batch_p2p_comm = not overlap_p2p_comm; Bridge's
+        # CommOverlapConfig likewise; schedules.py refuses both together). Batched p2p posts send_prev/recv_prev/
+        # send_next/recv_next on one group and tag; with PP=2 "prev" and "next" are the same peer, so on gloo an
+        # activation and a gradient (same shape) are matched to each other's receive, silently: PP2+VPP2 computed
+        # another model (equivalence gate, gloo: loss 3.49 vs 1.43). The overlap stays off on the CPU: the
+        # interleaved schedule frees each sent output (deallocate_output_tensor) before its isend is waited on
+        # (schedules.py forward_backward_pipelining_with_interleaving), which NCCL survives (the caching
+        # allocator keeps the block for the communication stream) and gloo does not: it sends from the freed
+        # host memory (measured: 7% drift in the gate; a bare gloo isend whose tensor's .data is swapped hangs).
+        overlap_p2p_comm=cuda and layout.vpp > 1,
         batch_p2p_comm=layout.vpp <= 1,
         **layout.knob_config(),
         **layout.recompute_config(),
