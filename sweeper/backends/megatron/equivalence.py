@@ -41,7 +41,8 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -295,6 +296,30 @@ def measure(built: Built, batches: list, seq_length: int) -> tuple[float, float]
     return loss, norm
 
 
+@contextmanager
+def local_graphs_off(model: list[torch.nn.Module]) -> Iterator[None]:
+    """The gate's forwards and backwards run eagerly and record no local CUDA graph.
+
+    megatron-core 0.16.1's CudaGraphManager (transformer/cuda_graphs.py) records each graphed layer on its first
+    training forward, and every schedule captures what was recorded at its end (schedules.py create_cudagraphs),
+    so the gate's forward/backward (one sequence per micro-batch) would become the captured shape: the steps at
+    another micro-batch size then fail "cudagraph_created is set to True but no matching cudagraph runners were
+    found" (one pipeline stage) or "CUDA graph argument mismatch" (several), and another micro-batch count breaks
+    the per-micro-batch runners of a pipeline. A layer without its ``cudagraph_manager`` submodule runs as a plain
+    module (MegatronModule.__call__ asks ``_should_call_local_cudagraph``: hasattr), nothing is recorded,
+    create_cudagraphs returns on the empty record, and the steps' first step records and captures their own shape,
+    as Megatron-LM's first iteration does. Nothing is captured here, so there is nothing to delete afterwards."""
+    hidden = [(module, manager) for chunk in model for module in list(chunk.modules())
+              if (manager := dict(module.named_children()).get("cudagraph_manager")) is not None]
+    for module, _ in hidden:
+        delattr(module, "cudagraph_manager")
+    try:
+        yield
+    finally:
+        for module, manager in hidden:
+            module.cudagraph_manager = manager
+
+
 def run(
     gate: Plan,
     request: SmokeRequest,
@@ -303,7 +328,20 @@ def run(
     device: torch.device,
     enter: Callable[[Phase], None],
 ) -> None:
-    """Make the reference, or load it and compare (raises EquivalenceError beyond tolerance)."""
+    """Make the reference, or load it and compare (raises EquivalenceError beyond tolerance); local CUDA graphs
+    off throughout (local_graphs_off)."""
+    with local_graphs_off(built.model):
+        _run(gate, request, built, report, device, enter)
+
+
+def _run(
+    gate: Plan,
+    request: SmokeRequest,
+    built: Built,
+    report: RankReport,
+    device: torch.device,
+    enter: Callable[[Phase], None],
+) -> None:
     from sweeper.backends.megatron import checkpoint as ckpt
 
     spec, layout = request.model, request.layout
