@@ -144,7 +144,7 @@ class RunSettings(BaseModel):
             return "delayed"
         return default_fp8_recipe(int(compute_capability.partition(".")[0]))
 
-    def fp8_params(self, precision: str, compute_capability: str | None, *, distributed_optimizer: bool = True) -> bool:
+    def fp8_params(self, precision: str, compute_capability: str | None, *, distributed_optimizer: bool) -> bool:
         """Whether FP8/MXFP8 weights are stored and gathered in FP8 (--fp8-param-gather) in a layout with or without
         the distributed optimizer: only with it, as ``param_gather_overlap``. Megatron-LM's validate_args asserts
         "--fp8-param-gather only supported with distributed optimizer, torch fsdp2, megatron fsdp, or inference
@@ -158,8 +158,8 @@ class RunSettings(BaseModel):
             return self.fp8_param_gather
         return bool(_DEFAULTS[self.framework]["fp8_param_gather"]) and recipe != "blockwise"
 
-    def reuses_grad_buffer(self, precision: str, compute_capability: str | None, *, fsdp: bool = False,
-                           distributed_optimizer: bool = True) -> bool:
+    def reuses_grad_buffer(self, precision: str, compute_capability: str | None, *, fsdp: bool,
+                           distributed_optimizer: bool) -> bool:
         """MXFP8 weights all-gathered through the grad buffer (reuse_grad_buf_for_mxfp8_param_ag): with FP8
         parameters under the MXFP8 recipe, which Bridge's MixedPrecisionConfig.finalize asserts and megatron-core's
         OptimizerConfig recommends (it warns of the extra memory without); Megatron-LM's opt-in flag is exported.

@@ -19,8 +19,9 @@ def test_each_framework_fills_what_the_yaml_leaves_out() -> None:
     lm, bridge, core = RunSettings(), RunSettings(framework="megatron-bridge"), RunSettings(framework="megatron-core")
     assert (lm.grads_in_fp32, bridge.grads_in_fp32, core.grads_in_fp32) == (True, True, False)
     assert (lm.overlaps_grad_reduce, bridge.overlaps_grad_reduce, core.overlaps_grad_reduce) == (False, True, False)
-    assert (lm.fp8_params("fp8", "9.0"), bridge.fp8_params("fp8", "9.0")) == (False, True)
-    assert bridge.fp8_params("bf16", "9.0") is False  # no FP8, no FP8 weights
+    assert (lm.fp8_params("fp8", "9.0", distributed_optimizer=True),
+            bridge.fp8_params("fp8", "9.0", distributed_optimizer=True)) == (False, True)
+    assert bridge.fp8_params("bf16", "9.0", distributed_optimizer=True) is False  # no FP8, no FP8 weights
     offload = {"optimizer_cpu_offload": True}
     assert RunSettings(**offload).offloaded_fraction == 1.0
     assert RunSettings(framework="megatron-bridge", **offload).offloaded_fraction == 0.0  # Bridge moves nothing
@@ -110,15 +111,15 @@ def test_fp8_parameters_only_with_the_distributed_optimizer(run: RunSettings) ->
     from sweeper.config.estimator import EstimatorConstants
     from sweeper.estimate.memory import fp8_weight_bytes
 
-    assert run.fp8_params("fp8", "9.0") is True
+    assert run.fp8_params("fp8", "9.0", distributed_optimizer=True) is True
     assert run.fp8_params("fp8", "9.0", distributed_optimizer=False) is False
     assert "--fp8-param-gather" in run.megatron_args("fp8", "9.0", distributed_optimizer=True)
     assert "--fp8-param-gather" not in run.megatron_args("fp8", "9.0", distributed_optimizer=False)
     overrides = set(run.bridge_overrides("fp8", "9.0", distributed_optimizer=False))
     assert {"mixed_precision.fp8_param_gather=false", "ddp.fp8_param_gather=false"} <= overrides
     mxfp8 = run.model_copy(update={"fp8_param_gather": True})
-    assert mxfp8.reuses_grad_buffer("mxfp8", "10.0") is True
-    assert mxfp8.reuses_grad_buffer("mxfp8", "10.0", distributed_optimizer=False) is False
+    assert mxfp8.reuses_grad_buffer("mxfp8", "10.0", fsdp=False, distributed_optimizer=True) is True
+    assert mxfp8.reuses_grad_buffer("mxfp8", "10.0", fsdp=False, distributed_optimizer=False) is False
     assert "--reuse-grad-buf-for-mxfp8-param-ag" not in mxfp8.megatron_args("mxfp8", "10.0",
                                                                              distributed_optimizer=False)
     constants = EstimatorConstants()

@@ -49,6 +49,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("quickstart.yaml", "gpus=4,cp=2,recompute=full", {"overlap_grad_reduce": True}),
     ("quickstart.yaml", "gpus=4,distributed_optimizer=true,recompute=selective", {"framework": "megatron-core"}),
     ("quickstart.yaml", "gpus=4,tp=2,precision=fp8,distributed_optimizer=true", {"framework": "megatron-bridge"}),
+    ("quickstart.yaml", "gpus=4,precision=fp8,distributed_optimizer=false", {"framework": "megatron-bridge"}),
     ("quickstart.yaml", "gpus=4,precision=fp8", {"fp8_recipe": "blockwise", "fp8_param_gather": False}),
     ("quickstart.yaml", "gpus=4,precision=fp8,distributed_optimizer=true",
      {"fp8_recipe": "tensorwise", "fp8_param_gather": True, "grad_reduce_in_fp32": False}),

@@ -291,13 +291,15 @@ def optimizer_config(layout: Layout, run: RunSettings, *, te: bool = False) -> O
 def fp8_params(layout: Layout, run: RunSettings, te: bool) -> bool:
     """FP8 weights in the parameter buffer and its all-gather (--fp8-param-gather): the run settings' choice for
     this device, on the GPU path only (the CPU backend runs no FP8)."""
-    return te and run.fp8_params(layout.precision, device_capability_text())
+    return te and run.fp8_params(layout.precision, device_capability_text(),
+                                 distributed_optimizer=layout.distributed_optimizer)
 
 
 def mxfp8_grad_buffer_reuse(layout: Layout, run: RunSettings, te: bool) -> bool:
     """MXFP8 weights all-gathered through the grad buffer (reuse_grad_buf_for_mxfp8_param_ag, DDP's and the
     optimizer's): RunSettings.reuses_grad_buffer for this device, on the GPU path only."""
-    return te and run.reuses_grad_buffer(layout.precision, device_capability_text(), fsdp=bool(layout.fsdp))
+    return te and run.reuses_grad_buffer(layout.precision, device_capability_text(), fsdp=bool(layout.fsdp),
+                                         distributed_optimizer=layout.distributed_optimizer)
 
 
 def ddp_config(layout: Layout, run: RunSettings, *, cuda: bool, te: bool) -> DistributedDataParallelConfig:

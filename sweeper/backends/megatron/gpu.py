@@ -238,7 +238,7 @@ def run_config_kwargs(layout: Layout, run: RunSettings, capability: str | None) 
     tracker under a CUDA graph (validate_args turns --te-rng-tracker on; megatron-core's CudaGraphManager asserts
     a graph-safe tracker)."""
     out: dict[str, Any] = {}
-    if run.fp8_params(layout.precision, capability):
+    if run.fp8_params(layout.precision, capability, distributed_optimizer=layout.distributed_optimizer):
         out["fp8_param"] = True
     if layout.cuda_graph != "none":
         out["use_te_rng_tracker"] = True
