@@ -26,6 +26,7 @@ from sweeper.space.layout import Layout
 # Predicted step-time differences per (estimator inputs, layout, N): candidates() re-ranks every stable record on each
 # event, and the estimator is the same for the whole sweep.
 _EXTRA_S: dict[tuple[str, Layout, int], float] = {}
+_INPUT_KEYS: dict[int, tuple[SweepConfig, str]] = {}
 
 
 def production_gpus(cfg: SweepConfig) -> int:
@@ -52,8 +53,7 @@ def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:
     production = production_layout(cfg, layout)
     if production is None or production == layout:
         return 0.0
-    key = (cfg.model_dump_json(include={"model", "cluster", "training", "estimate", "run"}), layout,
-           production.world_size)
+    key = (_inputs_key(cfg), layout, production.world_size)
     if key not in _EXTRA_S:
         estimator = Estimator.for_config(cfg)
         try:
@@ -62,6 +62,16 @@ def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:
             trial_s = production_s = None
         _EXTRA_S[key] = max(0.0, production_s - trial_s) if trial_s and production_s else 0.0
     return _EXTRA_S[key]
+
+
+def _inputs_key(cfg: SweepConfig) -> str:
+    """The estimator's inputs of ``cfg`` as text, serialised once per config object (a sweep asks on every event
+    for every stable record; the config never changes once loaded: changes are model_copy's new objects)."""
+    held = _INPUT_KEYS.get(id(cfg))
+    if held is None or held[0] is not cfg:  # the config held keeps its id from being reused
+        held = _INPUT_KEYS[id(cfg)] = (cfg, cfg.model_dump_json(include={"model", "cluster", "training", "estimate",
+                                                                         "run"}))
+    return held[1]
 
 
 def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: float | None,
