@@ -146,7 +146,7 @@ def _child(
         gc.freeze()  # inherited objects (the parent's Ray handles among them) are never collected here
         parent = os.getppid()
         _die_with_parent(parent)
-        _close_inherited_fds(keep)
+        _close_inherited_fds(keep, close_device_files=env.get(CLOSE_DEVICE_FILES_ENV) == "1")
         os.environ.clear()
         os.environ.update(env)
         lock = threading.Lock()
@@ -188,15 +188,18 @@ def _die_with_parent(parent: int) -> None:
 # Descriptors a forked rank keeps besides its pipes: the NVIDIA driver's device files. Closed under a driver
 # library (NVML, CUDA) that the parent had initialised, they leave it believing it still holds them.
 _DEVICE_FILES = ("/dev/nvidia",)
+# Diagnosis only (scripts/gpu_check.sh's bf16-dense-warm-closefds): "1" in the warm rank's environment closes the
+# device files too, as forked ranks did when the first GPU run's NCCL failed in nvmlInit.
+CLOSE_DEVICE_FILES_ENV = "SWEEPER_FORK_CLOSE_DEVICE_FILES"
 
 
-def _close_inherited_fds(keep: tuple[int, ...]) -> None:
+def _close_inherited_fds(keep: tuple[int, ...], close_device_files: bool = False) -> None:
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:
         fds = list(range(3, 1024))
     for fd in fds:
-        if fd > 2 and fd not in keep and not _is_device_file(fd):
+        if fd > 2 and fd not in keep and (close_device_files or not _is_device_file(fd)):
             try:
                 os.close(fd)
             except OSError:
