@@ -342,28 +342,104 @@ def test_gpu_check_script_parses():
     subprocess.run(["bash", "-n", str(ROOT / "scripts/gpu_check.sh")], check=True)
 
 
-def test_gpu_check_plan_only_writes_valid_spaces(tmp_path):
-    """--plan-only: every case's space loads and its layout is valid for a pretend B200 with two GPUs."""
+ISSUE_44_CASES = {"bf16-moe-graph-local", "bf16-moe-a2a-ep2", "fp8-dense-bf16-ref", "fp8-bridge-params",
+                  "mxfp8-fp8-params", "bf16-cc-mismatch", "bf16-dense-warm", "bf16-dense-warm-closefds"}
+
+
+def _plan_only(tmp_path: Path, **env: str) -> tuple[dict[str, str], Path]:
+    """gpu_check.sh --plan-only for a pretend B200 with two GPUs: its table's rows by case, and its kept folder."""
     import sys
 
     env = {"PATH": "/usr/bin:/bin", "PYTHON": sys.executable, "GPU_CHECK_DEVICE": "10.0 180 2 yes yes no B200",
-           "TMPDIR": str(tmp_path)}
+           "TMPDIR": str(tmp_path), "SWEEPER_GPU_CHECK_KEEP": "1", **env}
     out = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--plan-only"], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith(("bf16", "fp8", "mxfp8"))}
+    (work,) = tmp_path.glob("sweeper-gpu-check.*")
+    return rows, work
+
+
+def test_gpu_check_plan_only_writes_valid_spaces(tmp_path):
+    """--plan-only: every case's space loads (plan exits 0) and its layout is valid for a pretend B200 with two
+    GPUs, but the one a rule refuses; issue 44's cases write the space each is there to show."""
+    from sweeper.config.load import load_config
+
+    rows, work = _plan_only(tmp_path)
     assert set(rows) == {"bf16-dense", "fp8-dense", "fp8-blockwise", "mxfp8-dense", "bf16-moe", "bf16-mla",
                          "bf16-dense-tp2-sp", "bf16-hybrid", "bf16-graph-mbs1", "bf16-graph-mbs2", "bf16-overlap-dp2",
-                         "bf16-bridge-llama", "bf16-dense-1b-mbs1", "bf16-dense-1b-mbs2"}
+                         "bf16-bridge-llama", "bf16-dense-1b-mbs1", "bf16-dense-1b-mbs2"} | ISSUE_44_CASES
     assert "skipped" in rows["fp8-blockwise"]  # Hopper only
     assert "skipped" in rows["bf16-bridge-llama"]  # --plan-only assumes no Megatron-Bridge
-    for name in set(rows) - {"fp8-blockwise", "bf16-bridge-llama"}:
+    # rules.local_graphs_dropless_moe (issue 44 item 4): the case shows the refusal
+    refused = rows["bf16-moe-graph-local"]
+    assert " planned " in refused and "captures the MoE layers whole" in refused, refused
+    for name in set(rows) - {"fp8-blockwise", "bf16-bridge-llama", "bf16-moe-graph-local"}:
         assert " planned " in rows[name] and "invalid" not in rows[name], rows[name]
+    assert (work / "fp8-dense-bf16-ref.plan.json").is_file()
+
+    space = {name: load_config(work / f"{name}.yaml") for name in ISSUE_44_CASES}
+    # The FP8 trial is gated against bf16-dense's reference: the same space name, BF16 first.
+    assert space["fp8-dense-bf16-ref"].name == "gpu-check-bf16-dense"
+    assert space["fp8-dense-bf16-ref"].space.values("precision") == ["bf16", "fp8"]
+    bridge = space["fp8-bridge-params"]
+    assert bridge.run.framework == "megatron-bridge" and bridge.training.checkpoint
+    assert bridge.run.fp8_params("fp8", bridge.cluster.compute_capability, distributed_optimizer=True)
+    mxfp8 = space["mxfp8-fp8-params"]
+    assert mxfp8.run.reuses_grad_buffer("mxfp8", mxfp8.cluster.compute_capability, fsdp=False,
+                                        distributed_optimizer=True)
+    assert space["bf16-moe-a2a-ep2"].space.values("ep") == [2]
+    assert space["bf16-cc-mismatch"].cluster.compute_capability == "9.0"  # the pretend card is 10.0
+    assert space["bf16-dense-warm"].cluster.warm_ranks and space["bf16-dense-warm-closefds"].cluster.warm_ranks
+    assert space["bf16-dense-warm"].name == "gpu-check-bf16-dense"
+    assert load_config(work / "bf16-dense.yaml").cluster.warm_ranks is None  # fresh rank actors on GPUs
+
+
+def test_gpu_check_runs_a_group(tmp_path):
+    """GPU_CHECK_ONLY=issue44 runs issue 44's cases and the earlier ones it names (bf16-dense, the mbs-2 graph,
+    TP2+SP), nothing else."""
+    rows, _ = _plan_only(tmp_path, GPU_CHECK_ONLY="issue44")
+    ran = {name for name, row in rows.items() if " planned " in row}
+    assert ran == ISSUE_44_CASES | {"bf16-dense", "bf16-graph-mbs2", "bf16-dense-tp2-sp"}
+
+
+def test_gpu_check_installs_from_a_wheelhouse_first(tmp_path):
+    """GPU_CHECK_WHEELHOUSE: a venv over this python's packages, scripts/install_offline.sh into it, then the cases
+    with its python. STAND-IN: everything is installed here already, so an empty wheelhouse serves (pip finds
+    sweeper and its dependencies satisfied through this python's site-packages); a missing one exits 3."""
+    (tmp_path / "wheels").mkdir()
+    rows, work = _plan_only(tmp_path, GPU_CHECK_WHEELHOUSE=str(tmp_path / "wheels"), GPU_CHECK_ONLY="bf16-dense")
+    assert " planned " in rows["bf16-dense"]
+    assert "install_offline: sweeper imports offline" in (work / "install.log").read_text()
+    assert (work / "venv" / "bin" / "python").exists()
+    missing = subprocess.run(["bash", str(ROOT / "scripts/gpu_check.sh"), "--plan-only"], cwd=ROOT,
+                             env={"PATH": "/usr/bin:/bin", "GPU_CHECK_WHEELHOUSE": str(tmp_path / "none")},
+                             capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 3 and "is not a folder" in missing.stderr
+
+
+def test_gpu_check_fork_switch_closes_the_device_files(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16-dense-warm-closefds' switch: SWEEPER_FORK_CLOSE_DEVICE_FILES=1 in a forked rank's environment closes the
+    driver's device files the child keeps otherwise. STAND-IN: no /dev/nvidia* here, /dev/null plays it."""
+    import os
+
+    from sweeper.record.schema import TrialChecks
+    from sweeper.trial import forked
+
+    monkeypatch.setattr(forked, "_DEVICE_FILES", ("/dev/null",))
+    fd = os.open(os.devnull, os.O_RDONLY)
+    try:
+        listing = lambda: sorted(int(n) for n in os.listdir("/proc/self/fd"))  # noqa: E731
+        kept = forked.ForkedRank(listing, TrialChecks, {}).wait()
+        closed = forked.ForkedRank(listing, TrialChecks, {forked.CLOSE_DEVICE_FILES_ENV: "1"}).wait()
+    finally:
+        os.close(fd)
+    assert fd in kept and fd not in closed
 
 
 def test_the_cpu_backend_names_each_knob_it_cannot_run():
     """Issue 18: flex dispatch, the A2A overlap, CUDA graphs and activation offload are GPU-only; the alltoall and
-    allgather dispatchers run on the CPU (cpu_compat). Megatron-FSDP runs on the CPU with data, tensor and expert
+    allgather dispatchers run on the CPU (cpu.compat). Megatron-FSDP runs on the CPU with data, tensor and expert
     parallelism (tests/backends/test_fsdp.py); with pipeline parallelism it has not been verified."""
     moe = preset("tiny-moe")
     cases = ((dict(ep=2, moe_token_dispatcher="flex:deepep"), "moe_token_dispatcher flex:deepep", "DeepEP"),
@@ -472,13 +548,13 @@ def test_a_gpu_rank_without_transformer_engine_gets_megatrons_no_te_fixes(monkey
     import megatron.core.transformer.moe.moe_utils as moe_utils
     import torch
 
-    from sweeper.backends.megatron import cpu_compat
+    from sweeper.backends.megatron.cpu import compat
 
     monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)
-    monkeypatch.setattr(cpu_compat, "_without_te_patched", False)
+    monkeypatch.setattr(compat, "_without_te_patched", False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     current_device = torch.cuda.current_device
-    assert cpu_compat.install() is False  # the CPU redirections stay off on a CUDA rank
+    assert compat.install() is False  # the CPU redirections stay off on a CUDA rank
     assert moe_utils.te_general_gemm is None  # the router's torch path
     assert torch.cuda.current_device is current_device
 
