@@ -25,12 +25,12 @@ from pathlib import Path
 from proxy_step import _parts  # the same cProfile summing (benchmarks/ is this script's folder on sys.path)
 
 _PARTS = (
-    ("experts (forward)", ("moe/experts.py", "cpu_experts.py"), "forward"),
+    ("experts (forward)", ("moe/experts.py", "cpu/experts.py"), "forward"),
     ("router (forward)", ("moe/router.py",), "forward"),
     ("token dispatch / combine", ("moe/token_dispatcher.py",), ("token_dispatch", "token_combine",
                                                                 "dispatch_preprocess", "combine_postprocess")),
-    ("Mamba mixer (forward)", ("cpu_mamba.py", "ssm/mamba_mixer.py"), "forward"),
-    ("attention (forward)", ("cpu_attention.py", "dot_product_attention.py", "multi_latent_attention.py",
+    ("Mamba mixer (forward)", ("cpu/mamba.py", "ssm/mamba_mixer.py"), "forward"),
+    ("attention (forward)", ("cpu/attention.py", "dot_product_attention.py", "multi_latent_attention.py",
                              "transformer/attention.py"), "forward"),
     ("backward (all)", ("~",), "<method 'run_backward' of 'torch._C._EngineBase' objects>"),
     ("pipeline send/recv", ("p2p_communication.py",), ("send_forward", "recv_forward", "send_backward",

@@ -28,14 +28,14 @@ def _free_port() -> int:
 # What one step is made of, as cProfile's cumulative time of these functions (file part, function name): the
 # forward of each kind of leaf module, the whole backward, the optimizer step. Forward parts do not nest.
 _PARTS = (
-    ("experts forward", ("moe/experts.py", "cpu_experts.py"), "forward"),
+    ("experts forward", ("moe/experts.py", "cpu/experts.py"), "forward"),
     ("router forward", ("moe/router.py",), "forward"),
     ("token dispatch / combine", ("moe/token_dispatcher.py",), ("token_dispatch", "token_combine",
                                                                 "dispatch_preprocess", "combine_postprocess")),
-    ("Mamba mixer forward", ("cpu_mamba.py", "ssm/mamba_mixer.py"), "forward"),
-    ("core attention forward", ("cpu_attention.py", "dot_product_attention.py"), "forward"),
+    ("Mamba mixer forward", ("cpu/mamba.py", "ssm/mamba_mixer.py"), "forward"),
+    ("core attention forward", ("cpu/attention.py", "dot_product_attention.py"), "forward"),
     ("linear layers forward", ("tensor_parallel/layers.py",), "forward"),
-    ("norms forward", ("torch_norm.py", "cpu_norm.py"), "forward"),
+    ("norms forward", ("torch_norm.py", "cpu/norm.py"), "forward"),
     ("backward (all)", ("~",), "<method 'run_backward' of 'torch._C._EngineBase' objects>"),
     ("optimizer step", ("optimizer/optimizer.py", "optimizer/distrib_optimizer.py"), "step"),
     ("whole step", ("steps.py",), "train_step"),
@@ -65,14 +65,14 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from sweeper.backends.megatron import cpu_compat
+    from sweeper.backends.megatron.cpu import compat
 
-    cpu_compat.install()
+    compat.install()
     torch.distributed.init_process_group("gloo")
     from megatron.core import parallel_state
 
     from sweeper.backends.megatron.build import build
-    from sweeper.backends.megatron.cpu_experts import GroupedSequentialMLP
+    from sweeper.backends.megatron.cpu.experts import GroupedSequentialMLP
     from sweeper.backends.megatron.steps import micro_batches, train_step
     from sweeper.config.load import PROXY_GLOBAL_BATCH_CAP, PROXY_SEQ_LENGTH_CAP
     from sweeper.models.catalog import preset

@@ -40,11 +40,11 @@ def _in_mode_thread(fn: Callable[[], Any], counter: _KernelDtypes | None = None)
     box: dict[str, Any] = {}
 
     def main() -> None:
-        from sweeper.backends.megatron import cpu_compat
+        from sweeper.backends.megatron.cpu import compat
 
         try:
             with counter or contextlib.nullcontext():
-                assert cpu_compat.install()
+                assert compat.install()
                 box["out"] = fn()
         except BaseException as exc:  # noqa: BLE001 - re-raised in the test's thread
             box["exc"] = exc

@@ -1,4 +1,4 @@
-"""GroupedSequentialMLP (cpu_experts.py) against megatron-core's own SequentialMLP: the same local experts, weights
+"""GroupedSequentialMLP (cpu/experts.py) against megatron-core's own SequentialMLP: the same local experts, weights
 and routed tokens give the same output and the same gradients to FP32 rounding (issue 31), for gated (SwiGLU) and
 plain (squared ReLU, Nemotron's) experts, with experts that get no token, and at ETP 2 (each rank's shards). Real
 megatron-core modules in gloo ranks; no stand-ins. (Expert biases are not compared: megatron-core 0.16.1's own
@@ -27,7 +27,7 @@ def _compare(rank: int, etp: int, gated: bool, bias: bool, empty: bool) -> dict[
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
-    from sweeper.backends.megatron.cpu_experts import GroupedSequentialMLP
+    from sweeper.backends.megatron.cpu.experts import GroupedSequentialMLP
 
     parallel_state.initialize_model_parallel(expert_tensor_parallel_size=etp, create_gloo_process_groups=False)
     model_parallel_cuda_manual_seed(7)

@@ -1,4 +1,4 @@
-"""sweeper's pure-torch Mamba2 kernels (cpu_mamba.py) against a naive step-by-step recurrence, and in megatron-core.
+"""sweeper's pure-torch Mamba2 kernels (cpu/mamba.py) against a naive step-by-step recurrence, and in megatron-core.
 
 The reference is the SSD definition run one time step at a time in float64: per head
 ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T``, ``y_t = h_t C_t + D x_t``, heads sharing their group's B and C.
@@ -21,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sweeper.backends.megatron import cpu_mamba
-from sweeper.backends.megatron.cpu_mamba import (
+from sweeper.backends.megatron.cpu import mamba
+from sweeper.backends.megatron.cpu.mamba import (
     GatedRMSNorm,
     gated_rms_norm,
     mamba_chunk_scan_combined,
@@ -391,11 +391,11 @@ def _naive_mixer(mixer: Any, hidden: torch.Tensor) -> torch.Tensor:
 def _megatron_checks(port: int) -> dict[str, Any]:
     import copy
 
-    from sweeper.backends.megatron import cpu_compat
+    from sweeper.backends.megatron.cpu import compat
 
-    cpu_compat.install()
-    assert cpu_mamba.install() is True
-    assert cpu_mamba.install() is True  # idempotent
+    compat.install()
+    assert mamba.install() is True
+    assert mamba.install() is True  # idempotent
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     import megatron.core.ssm.mamba_mixer as mixer_module
     from megatron.core import parallel_state, tensor_parallel
@@ -416,7 +416,7 @@ def _megatron_checks(port: int) -> dict[str, Any]:
             num_moe_experts=2, moe_router_topk=1, moe_router_pre_softmax=True, moe_token_dispatcher_type="allgather",
             moe_ffn_hidden_size=32, add_bias_linear=False,
         )
-        spec = cpu_mamba.local_mamba_stack_spec()
+        spec = mamba.local_mamba_stack_spec()
         seqlen, batch = 37, 2
         hidden = torch.randn(seqlen, batch, 32)
         errors: dict[str, float] = {}
@@ -489,7 +489,7 @@ def _worker(port: int, out: Any) -> None:
 
 @pytest.fixture(scope="module")
 def megatron_report() -> dict[str, Any]:
-    # A fresh process: cpu_compat.install() redirects CUDA for the whole process, which other tests must not see.
+    # A fresh process: compat.install() redirects CUDA for the whole process, which other tests must not see.
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     proc = ctx.Process(target=_worker, args=(_free_port(), out))
@@ -507,7 +507,7 @@ def megatron_report() -> dict[str, Any]:
 
 
 def test_megatron_mixer_matches_naive_recurrence(megatron_report: dict[str, Any]) -> None:
-    assert megatron_report["kernels"] == cpu_mamba.__name__
+    assert megatron_report["kernels"] == mamba.__name__
     errors = megatron_report["errors"]
     # Both training paths (fused split-conv-scan, and conv + chunk scan + gated norm), several chunk sizes
     # (37 tokens: 3 chunks of 16, one of 128, 8 of 5), D per head and per channel, with and without the norm.

@@ -40,9 +40,9 @@ def _worker_main(rank: int, world: int, port: int, fn: Any, args: tuple, out: An
 
     torch.set_num_threads(1)
     try:
-        from sweeper.backends.megatron import cpu_compat
+        from sweeper.backends.megatron.cpu import compat
 
-        cpu_compat.install()
+        compat.install()
         torch.distributed.init_process_group("gloo")
         out.put((rank, "ok", fn(rank, *args)))
     except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails with it
@@ -102,7 +102,7 @@ def _attention_case(rank: int, cp: int, groups: int) -> dict[str, float]:
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.utils import get_batch_on_this_cp_rank
 
-    from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention, load_balanced_positions
+    from sweeper.backends.megatron.cpu.attention import ContextParallelDotProductAttention, load_balanced_positions
 
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(1)  # attention dropout forks the model-parallel RNG
@@ -150,7 +150,7 @@ def _assert_attention_equal(results: list[dict[str, float]]) -> None:
 def test_gathered_chunks_return_to_sequence_order() -> None:
     import torch
 
-    from sweeper.backends.megatron.cpu_attention import load_balanced_positions, to_sequence_order
+    from sweeper.backends.megatron.cpu.attention import load_balanced_positions, to_sequence_order
 
     for cp in (2, 3, 4):
         seq = 4 * cp
@@ -257,9 +257,9 @@ def test_local_spec_swaps_only_what_the_layout_needs() -> None:
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from sweeper.backends.megatron.build import transformer_config
-    from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention
-    from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
-    from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
+    from sweeper.backends.megatron.cpu.attention import ContextParallelDotProductAttention
+    from sweeper.backends.megatron.cpu.norm import SequenceParallelTorchNorm
+    from sweeper.backends.megatron.cpu.spec import adapt_local_block_spec
 
     spec = preset("tiny-gpt")
 

@@ -43,11 +43,12 @@ def _gradients(rank: int, spec: ModelSpec, tp: int, sp: bool, megatron_local_spe
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import ColumnParallelLinear
 
-    from sweeper.backends.megatron import cpu_spec, steps
+    from sweeper.backends.megatron import steps
     from sweeper.backends.megatron.build import build
+    from sweeper.backends.megatron.cpu import spec as cpu_layer_spec
 
     if megatron_local_spec:  # Megatron's own local spec: column-parallel down projections
-        cpu_spec.DuplicatedLinear = ColumnParallelLinear  # type: ignore[misc]
+        cpu_layer_spec.DuplicatedLinear = ColumnParallelLinear  # type: ignore[misc]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     layout = Layout(world_size=tp, tp=tp, sp=sp, gbs=1, precision="fp32", distributed_optimizer=False)
     built = build(spec, layout, cuda=False, te=False, seed=1234, vocab_size=VOCAB)

@@ -685,8 +685,8 @@ def _probe(cases: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     from megatron.core.transformer.transformer_config import MLATransformerConfig
     from torch.testing._internal.distributed.fake_pg import FakeStore
     try:
-        from sweeper.backends.megatron import cpu_compat
-        cpu_compat.install()
+        from sweeper.backends.megatron.cpu import compat
+        compat.install()
     except ImportError:
         pass
     import megatron.core.transformer.multi_latent_attention as mla_module

@@ -41,9 +41,9 @@ def warm_up(gpu: bool) -> None:
         raise RuntimeError("NVML does not answer on this node, so torch's CUDA check would initialise CUDA in the "
                            "warm rank process and its forked ranks could not use the GPU; set cluster.warm_ranks: "
                            "false")
-    from sweeper.backends.megatron import cpu_compat
+    from sweeper.backends.megatron.cpu import compat
 
-    cpu_compat.install()
+    compat.install()
     for name in _WARM_MODULES:
         importlib.import_module(name)
     if torch.cuda.is_initialized():

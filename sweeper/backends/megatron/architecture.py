@@ -43,7 +43,7 @@ def mamba_config_kwargs(spec: ModelSpec) -> dict[str, Any]:
 
 def mamba_model_builder(spec: ModelSpec, stack_spec: Any) -> Callable[..., Any]:
     """A callable with GPTModel's keyword arguments that builds one MambaModel chunk from ``stack_spec`` (TE's
-    mamba_stack_spec on a GPU, cpu_mamba.local_mamba_stack_spec on the CPU), with the spec's conv kernel width."""
+    mamba_stack_spec on a GPU, cpu.mamba.local_mamba_stack_spec on the CPU), with the spec's conv kernel width."""
 
     def mamba_chunk(*, config: Any, vocab_size: int, max_sequence_length: int, pre_process: bool,
                     post_process: bool, share_embeddings_and_output_weights: bool, position_embedding_type: str,

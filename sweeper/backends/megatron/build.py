@@ -2,7 +2,7 @@
 
 ModelSpec field names follow TransformerConfig, so most fields pass straight through; the layout supplies the
 parallel sizes, precision, recompute and the uneven pipeline split. On the CPU backend the model uses Megatron's
-local (pure torch) layer spec (for hybrid Mamba models a local stack spec with torch Mamba2 kernels, cpu_mamba.py),
+local (pure torch) layer spec (for hybrid Mamba models a local stack spec with torch Mamba2 kernels, cpu/mamba.py),
 CPU initialisation and the layout's MoE token dispatcher (alltoall unless it says otherwise); on a GPU with
 Transformer Engine it uses the TE layer spec. With virtual pipeline stages one model chunk is built per stage.
 Each chunk is wrapped in Megatron's DDP, or with ``Layout.fsdp`` in Megatron-FSDP (FullyShardedDataParallel with
@@ -27,7 +27,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
 from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_model_builder, mla_config_kwargs
-from sweeper.backends.megatron.cpu_spec import adapt_local_block_spec
+from sweeper.backends.megatron.cpu.spec import adapt_local_block_spec
 from sweeper.backends.megatron.device import device_capability_text, rank_device
 from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs, params_dtype
@@ -191,11 +191,11 @@ def build(
         from sweeper.backends.megatron import gpu
 
         config, model_class = gpu.gpu_model(spec, layout, config, run)
-    elif spec.is_hybrid:  # torch Mamba2 kernels and a local hybrid stack spec (cpu_mamba.py)
-        from sweeper.backends.megatron import cpu_mamba
+    elif spec.is_hybrid:  # torch Mamba2 kernels and a local hybrid stack spec (cpu/mamba.py)
+        from sweeper.backends.megatron.cpu import mamba
 
-        cpu_mamba.install()
-        model_class = mamba_model_builder(spec, adapt_local_block_spec(cpu_mamba.local_mamba_stack_spec(), config))
+        mamba.install()
+        model_class = mamba_model_builder(spec, adapt_local_block_spec(mamba.local_mamba_stack_spec(), config))
     # Same seed on every rank: CPU initialisation draws full weights from the global generator, then shards them.
     torch.manual_seed(seed)
     # A CUDA graph replays its RNG calls: Megatron's CudaGraphManager asserts a graph-safe tracker (TE's, as
@@ -210,7 +210,7 @@ def build(
             config, use_transformer_engine=te, normalization=spec.normalization, vp_stage=vp_stage
         )
         if not te and block_spec is not None:
-            # CP attention and SP norms of our own where Megatron's local modules refuse them (cpu_spec.py).
+            # CP attention and SP norms of our own where Megatron's local modules refuse them (cpu/spec.py).
             block_spec = adapt_local_block_spec(block_spec, config)
         chunk = model_class(
             config=config,

@@ -165,7 +165,7 @@ def _package_relative(filename: str) -> str:
 
 _SWEEPER_ROOT = Path(__file__).resolve().parents[2]  # the sweeper package
 # Frames that only pass a call through (the CUDA-to-CPU device mode wraps every torch call Megatron makes).
-_PASS_THROUGH = {(str(_SWEEPER_ROOT / "backends" / "megatron" / "cpu_compat.py"), "__torch_function__")}
+_PASS_THROUGH = {(str(_SWEEPER_ROOT / "backends" / "megatron" / "cpu" / "compat.py"), "__torch_function__")}
 
 
 def sweeper_origin(exc: BaseException) -> str | None:

@@ -54,6 +54,6 @@ def layout_config_kwargs(spec: ModelSpec, layout: Layout, *, cuda: bool) -> dict
         **layout.knob_config(),
         **layout.recompute_config(),
     )
-    if spec.is_moe:  # alltoall unless the layout says otherwise (on the CPU via cpu_compat)
+    if spec.is_moe:  # alltoall unless the layout says otherwise (on the CPU via cpu.compat)
         out.update(layout.moe_config())
     return out

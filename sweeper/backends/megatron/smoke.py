@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest, share_checks
-from sweeper.backends.megatron import cpu_compat
+from sweeper.backends.megatron.cpu import compat
 from sweeper.backends.megatron.device import check_declared_capability, rank_device, transformer_engine_present
 from sweeper.backends.megatron.failures import (
     InvalidLayoutError,
@@ -143,7 +143,7 @@ def _smoke(
     # -- init: process group and Megatron's parallel groups ------------------------------------------------------
     enter("init")
     start = time.perf_counter()
-    cpu_compat.install()
+    compat.install()
     from megatron.core import parallel_state
 
     # Importing megatron-core is most of a fresh rank process's start-up; timed apart from the rendezvous.

@@ -60,7 +60,7 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         gpu_reason = gpu_unsupported_reason(spec, layout, kernels=kernels)
         if gpu_reason:
             return no(*gpu_reason)
-    # Hybrid Mamba models run on the CPU through sweeper's torch Mamba2 kernels (cpu_mamba.py); a GPU without
+    # Hybrid Mamba models run on the CPU through sweeper's torch Mamba2 kernels (cpu/mamba.py); a GPU without
     # Transformer Engine would need them too, with mamba_ssm's kernels expected there.
     if spec.is_hybrid and cuda and not te:
         return no("hybrid Mamba model (hybrid_layer_pattern)", "MambaModel's mamba_stack_spec needs Transformer "
@@ -69,7 +69,7 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         return no("multi_latent_attention (MLA)", "MLA's layer spec needs Transformer Engine on a GPU")
     if spec.multi_latent_attention and layout.cp > 1 and not (cuda and te):
         # Megatron's local attention refuses CP ("Context parallelism is only supported by TEDotProductAttention!")
-        # and sweeper's CPU CP attention (cpu_attention.py) is written for equal K/V head widths, not MLA's.
+        # and sweeper's CPU CP attention (cpu/attention.py) is written for equal K/V head widths, not MLA's.
         return no(f"multi_latent_attention with context parallel (cp={layout.cp})", "MLA's context-parallel "
                   "attention is Transformer Engine's (cp_comm_type p2p); Megatron's local attention refuses CP")
     if layout.quantized and not (cuda and te):
@@ -86,8 +86,8 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         # state; moe_act also needs TE's grouped-GEMM experts ("only supported with moe_grouped_gemm").
         return no(f"recompute module {discarding[0]}", "Megatron's output-discarding checkpoint (moe_act, "
                   "layernorm, mla_up_proj) needs Transformer Engine on a GPU")
-    # Without Transformer Engine, CP runs through cpu_attention.py (K/V all-gather, load-balanced causal mask)
-    # and SP through cpu_norm.py (norm weights marked sequence_parallel); both are exercised on gloo.
+    # Without Transformer Engine, CP runs through cpu/attention.py (K/V all-gather, load-balanced causal mask)
+    # and SP through cpu/norm.py (norm weights marked sequence_parallel); both are exercised on gloo.
     return None
 
 
@@ -115,7 +115,7 @@ def _fsdp_unsupported(spec: ModelSpec, layout: Layout, cuda: bool) -> str | None
 
 def _gpu_only_knob(layout: Layout) -> tuple[str, str] | None:
     """(feature, why) of an issue-18 knob that needs a GPU with Transformer Engine; None when the layout sets none.
-    The alltoall and allgather dispatchers run everywhere (cpu_compat)."""
+    The alltoall and allgather dispatchers run everywhere (cpu.compat)."""
     if layout.dispatcher == "flex":
         return (f"moe_token_dispatcher {layout.moe_token_dispatcher}", "the flex dispatcher's DeepEP and HybridEP "
                 "kernels are CUDA (NVSHMEM) libraries; megatron raises 'DeepEP is not installed' without them")

@@ -11,7 +11,7 @@ How each CUDA assumption listed in docs/MEGATRON_ON_CPU.md is met: allocations o
 ``current_device``; literal ``device="cuda"`` factories, ``Tensor.cuda()``/``.to("cuda")`` and the optimizer's
 ``param.type()`` checks go through the mode; RNG forks and activation recompute use CPU generator states;
 ``te_general_gemm`` is defined as None and MLA's Transformer Engine branch is switched off (its duplicated
-``TELinear`` becomes cpu_linear's ``DuplicatedLinear``); the MoE alltoall
+``TELinear`` becomes cpu.linear's ``DuplicatedLinear``); the MoE alltoall
 dispatcher gets host split sizes as numpy arrays and uneven all-gathers (``_patch_alltoall_dispatcher``);
 Megatron-FSDP's constructor gets a device index to format (``_patch_megatron_fsdp``); BF16/FP16 products run in FP32
 and are rounded back, as a tensor-core GEMM does, at FP32's speed (``_PRODUCTS``); Megatron's torch.compile'd
@@ -253,8 +253,8 @@ def _patch_megatron_without_te() -> None:
     if not getattr(te_extensions, "HAVE_TE", True):
         mla.HAVE_TE = False
         # MLASelfAttention gives the duplicated-mode arguments to the class it knows as TELinear (a MagicMock
-        # here): the local spec's down projections are that layer's local twin (cpu_linear.py).
-        from sweeper.backends.megatron.cpu_linear import DuplicatedLinear
+        # here): the local spec's down projections are that layer's local twin (cpu/linear.py).
+        from sweeper.backends.megatron.cpu.linear import DuplicatedLinear
 
         mla.TELinear = DuplicatedLinear
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
@@ -280,7 +280,7 @@ def _patch_megatron() -> None:
     _patch_megatron_fsdp()
     from megatron.core.tensor_parallel import layers
 
-    from sweeper.backends.megatron.cpu_experts import GroupedLinear
+    from sweeper.backends.megatron.cpu.experts import GroupedLinear
 
     for function in (layers.LinearWithGradAccumulationAndAsyncCommunication, layers.LinearWithFrozenWeight,
                      GroupedLinear):

@@ -8,7 +8,7 @@ as ``ColumnParallelLinear`` instead and all-gathers the output; the backward of 
 gradient, so the shared rotary key ``k_pos_emb``, which every rank feeds to its own heads only, keeps one rank's
 heads' gradient (NVIDIA/Megatron-LM#1699, open): the local spec trains another model under TP (measured: gradient
 norm 2.0713 vs 2.11566 for a 2-layer MLA model at TP2). This module gives the CPU path the GPU path's layer.
-``cpu_compat`` registers it where ``MLASelfAttention`` looks for ``TELinear``, so Megatron builds it with the
+``cpu.compat`` registers it where ``MLASelfAttention`` looks for ``TELinear``, so Megatron builds it with the
 duplicated-mode arguments, exactly as it builds TE's.
 """
 

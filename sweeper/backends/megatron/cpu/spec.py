@@ -5,9 +5,9 @@ returns a copy of the block spec in which, only where the layout needs it, core 
 ``ContextParallelDotProductAttention`` (cp > 1) or, for multi-latent attention, ``LatentDotProductAttention`` (K and V
 of different widths), and every torch norm becomes ``SequenceParallelTorchNorm`` (sequence_parallel). Multi-latent
 attention's down projections become ``DuplicatedLinear``, the layer TE's spec uses there (the local spec's
-column-parallel ones drop part of the rotary key's gradient under TP: cpu_linear.py). A MoE layer's
+column-parallel ones drop part of the rotary key's gradient under TP: cpu/linear.py). A MoE layer's
 ``SequentialMLP`` becomes ``GroupedSequentialMLP`` (the same experts and checkpoint, one batched matmul per
-projection instead of a loop over the experts: cpu_experts.py). Everything else — and the whole spec when CP is 1,
+projection instead of a loop over the experts: cpu/experts.py). Everything else — and the whole spec when CP is 1,
 SP off and the model neither MLA nor MoE — stays Megatron's own.
 """
 
@@ -23,10 +23,10 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from sweeper.backends.megatron.cpu_attention import ContextParallelDotProductAttention, LatentDotProductAttention
-from sweeper.backends.megatron.cpu_experts import GroupedSequentialMLP
-from sweeper.backends.megatron.cpu_linear import DuplicatedLinear
-from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
+from sweeper.backends.megatron.cpu.attention import ContextParallelDotProductAttention, LatentDotProductAttention
+from sweeper.backends.megatron.cpu.experts import GroupedSequentialMLP
+from sweeper.backends.megatron.cpu.linear import DuplicatedLinear
+from sweeper.backends.megatron.cpu.norm import SequenceParallelTorchNorm
 
 
 def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:

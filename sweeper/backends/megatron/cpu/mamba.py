@@ -380,7 +380,7 @@ class MambaTorchNorm:
     norm, which megatron-core hard-codes as ``TENorm``."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float | None = None) -> torch.nn.Module:  # type: ignore[misc]
-        from sweeper.backends.megatron.cpu_norm import SequenceParallelTorchNorm
+        from sweeper.backends.megatron.cpu.norm import SequenceParallelTorchNorm
 
         return SequenceParallelTorchNorm(config, hidden_size, eps=config.layernorm_epsilon if eps is None else eps)
 
@@ -441,7 +441,7 @@ def local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> Any:
     ``ColumnParallelLinear``, ``TERowParallelLinear`` a ``RowParallelLinear``, ``TEDotProductAttention`` the local
     ``DotProductAttention``, and MoE layers the local MoE spec (``SequentialMLP`` experts unless
     ``moe_grouped_gemm``). Norm keys map to the TE names in checkpoints, as Megatron's local GPT spec does.
-    Installs the kernels first. ``cpu_spec.adapt_local_block_spec`` applies to it for CP and SP."""
+    Installs the kernels first. ``cpu.spec.adapt_local_block_spec`` applies to it for CP and SP."""
     install()
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
