@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from sweeper.backends.megatron.cpu.patches import replace
+
 _installed = False
 _without_te_patched = False
 _mode_entered = threading.local()  # per thread (an ident set would be fooled by a later thread reusing an ident)
@@ -122,7 +124,7 @@ def products_in_fp32_on_backward(function: type[torch.autograd.Function]) -> Non
         with _ProductsInFp32():
             return backward(ctx, *grads)
 
-    function.backward = staticmethod(wrapped)  # type: ignore[method-assign]
+    replace(function, "backward", staticmethod(wrapped))
 
 
 def _in_fp32(func: Callable[..., Any], args: tuple, kwargs: dict[str, Any] | None) -> Any:
@@ -244,25 +246,25 @@ def _patch_megatron_without_te() -> None:
 
     # The router references an undefined name (NameError at the first MoE forward); None selects the torch path.
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+        replace(moe_utils, "te_general_gemm", None)
     # megatron.core.extensions.transformer_engine still imports and exports MagicMocks for its classes, so
     # multi_latent_attention sets HAVE_TE and then calls isinstance(x, <MagicMock>) (TypeError).
     import megatron.core.extensions.transformer_engine as te_extensions
     import megatron.core.transformer.multi_latent_attention as mla
 
     if not getattr(te_extensions, "HAVE_TE", True):
-        mla.HAVE_TE = False
+        replace(mla, "HAVE_TE", False)
         # MLASelfAttention gives the duplicated-mode arguments to the class it knows as TELinear (a MagicMock
         # here): the local spec's down projections are that layer's local twin (cpu/linear.py).
         from sweeper.backends.megatron.cpu.linear import DuplicatedLinear
 
-        mla.TELinear = DuplicatedLinear
+        replace(mla, "TELinear", DuplicatedLinear)
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
 
     if not isinstance(adapter.TELinear, type):
         # Its TELinear is a MagicMock too, and the adapter's isinstance(module, (TELinear,)) raises (TypeError) at
         # TP > 1. No module of a model built without TE is a TELinear.
-        adapter.TELinear = type("NoTELinear", (), {})
+        replace(adapter, "TELinear", type("NoTELinear", (), {}))
 
 
 def _patch_megatron() -> None:
@@ -271,9 +273,9 @@ def _patch_megatron() -> None:
 
     # "CUDA" RNG state on a CPU build is the CPU generator's state: tracker forks and activation recompute
     # (CheckpointFunction) save/restore it through these two functions.
-    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()  # noqa: SLF001
-    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)  # noqa: SLF001
-    mrandom.CudaRNGStatesTracker = _make_cpu_tracker(mrandom.CudaRNGStatesTracker)
+    replace(mrandom, "_get_cuda_rng_state", lambda *a, **k: torch.get_rng_state())
+    replace(mrandom, "_set_cuda_rng_state", lambda state, *a, **k: torch.set_rng_state(state))
+    replace(mrandom, "CudaRNGStatesTracker", _make_cpu_tracker(mrandom.CudaRNGStatesTracker))
     # A tracker created before install (e.g. by an import) would be the CUDA one; force the next one to be ours.
     mrandom.initialize_rng_tracker(force_reset=True)
     _patch_alltoall_dispatcher(moe_utils)
@@ -299,11 +301,11 @@ def _patch_optimizer_fallbacks() -> None:
 
     if getattr(clip_grads, "l2_norm_impl", None) is not None and clip_grads.l2_norm_impl.__module__ == \
             "megatron.core.utils":
-        clip_grads.l2_norm_impl = _foreach_l2_norm
-        clip_grads.multi_tensor_scale_impl = _foreach_scale
+        replace(clip_grads, "l2_norm_impl", _foreach_l2_norm)
+        replace(clip_grads, "multi_tensor_scale_impl", _foreach_scale)
     if getattr(base, "multi_tensor_scale_impl", None) is not None and base.multi_tensor_scale_impl.__module__ == \
             "megatron.core.utils":
-        base.multi_tensor_scale_impl = _foreach_scale
+        replace(base, "multi_tensor_scale_impl", _foreach_scale)
 
 
 def _foreach_l2_norm(chunk_size: int, noop_flag: Any, tensor_lists: list[list[torch.Tensor]], per_tensor: bool,
@@ -345,7 +347,7 @@ def _patch_megatron_fsdp() -> None:
             torch.cuda.current_device = current
 
     init_with_device_index.sweeper_cpu = True  # type: ignore[attr-defined]
-    megatron_fsdp.MegatronFSDP.__init__ = init_with_device_index
+    replace(megatron_fsdp.MegatronFSDP, "__init__", init_with_device_index)
     _patch_megatron_fsdp_collectives()
 
 
@@ -389,8 +391,8 @@ def _patch_megatron_fsdp_collectives() -> None:
             event[0].wait()
 
     async_bucket_gather.sweeper_cpu = True  # type: ignore[attr-defined]
-    buffers._coalescing_manager = uncoalesced  # noqa: SLF001
-    pipeline.async_bucket_gather = async_bucket_gather
+    replace(buffers, "_coalescing_manager", uncoalesced)
+    replace(pipeline, "async_bucket_gather", async_bucket_gather)
 
 
 def _patch_alltoall_dispatcher(moe_utils: Any) -> None:
@@ -410,8 +412,8 @@ def _patch_alltoall_dispatcher(moe_utils: Any) -> None:
             return tensor.detach().clone().numpy()
         return move(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
-    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu  # imported by name there
+    replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)  # imported by name there
     if not getattr(torch.distributed.all_gather, "sweeper_uneven", False):
         torch.distributed.all_gather = _all_gather_uneven(torch.distributed.all_gather)
 

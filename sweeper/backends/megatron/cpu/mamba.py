@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from sweeper.backends.megatron.cpu.patches import record, replace
+
 _INF_LIMIT = (0.0, float("inf"))
 _lock = threading.Lock()
 
@@ -406,6 +408,7 @@ def _provide_tensor_ops_without_triton() -> None:
     for name in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
         setattr(stub, name, _no_triton(name))
     sys.modules[_TRITON_TENSOR_OPS] = stub
+    record(_TRITON_TENSOR_OPS, stub)
 
 
 def install() -> bool:
@@ -425,13 +428,13 @@ def install() -> bool:
 
         if mixer.HAVE_MAMBA_SSM and getattr(mixer, "mamba_chunk_scan_combined", None) is not mamba_chunk_scan_combined:
             return False  # mamba_ssm's own kernels
-        mixer.mamba_chunk_scan_combined = mamba_chunk_scan_combined
-        mixer.mamba_split_conv1d_scan_combined = mamba_split_conv1d_scan_combined
-        mixer.RMSNormGated = GatedRMSNorm
-        mixer.ExtendedRMSNorm = ExtendedGatedRMSNorm
-        mixer.HAVE_MAMBA_SSM = True
+        replace(mixer, "mamba_chunk_scan_combined", mamba_chunk_scan_combined)
+        replace(mixer, "mamba_split_conv1d_scan_combined", mamba_split_conv1d_scan_combined)
+        replace(mixer, "RMSNormGated", GatedRMSNorm)
+        replace(mixer, "ExtendedRMSNorm", ExtendedGatedRMSNorm)
+        replace(mixer, "HAVE_MAMBA_SSM", True)
         if not te_ext.HAVE_TE:
-            mamba_block.TENorm = MambaTorchNorm
+            replace(mamba_block, "TENorm", MambaTorchNorm)
         return True
 
 
@@ -464,7 +467,7 @@ def local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> Any:
 
     # num_experts only has to be set here (as in Megatron's TE mamba_stack_spec); the layer takes the config's.
     moe = get_moe_module_spec(use_te=False, num_experts=8, moe_grouped_gemm=moe_grouped_gemm)
-    return ModuleSpec(
+    stack = ModuleSpec(
         module=MambaStack,
         submodules=MambaStackSubmodules(
             mamba_layer=ModuleSpec(
@@ -516,3 +519,5 @@ def local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> Any:
             ),
         ),
     )
+    record("megatron.core.models.mamba.mamba_layer_specs.mamba_stack_spec", stack)
+    return stack

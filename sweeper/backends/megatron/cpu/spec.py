@@ -27,6 +27,7 @@ from sweeper.backends.megatron.cpu.attention import ContextParallelDotProductAtt
 from sweeper.backends.megatron.cpu.experts import GroupedSequentialMLP
 from sweeper.backends.megatron.cpu.linear import DuplicatedLinear
 from sweeper.backends.megatron.cpu.norm import SequenceParallelTorchNorm
+from sweeper.backends.megatron.cpu.patches import dotted, record
 
 
 def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
@@ -41,6 +42,8 @@ def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
         swaps[DotProductAttention] = ContextParallelDotProductAttention
     if config.sequence_parallel:
         swaps[WrappedTorchNorm] = SequenceParallelTorchNorm
+    for original, stand_in in swaps.items():
+        record(dotted(original), stand_in)
     if not swaps:
         return block_spec
     # A copy: Megatron's spec builders may hand out shared spec objects (one MoE layer spec for every layer).
@@ -53,6 +56,7 @@ def _swap(node: Any, swaps: dict[type, type]) -> Any:
     if isinstance(node, MLASelfAttentionSubmodules):
         # TE's spec: duplicated down projections (a column-parallel one is elsewhere in the spec, so not a swap).
         node.linear_q_down_proj = node.linear_kv_down_proj = DuplicatedLinear
+        record(dotted(MLASelfAttentionSubmodules), DuplicatedLinear)
     if isinstance(node, list):
         return [_swap(item, swaps) for item in node]
     if dataclasses.is_dataclass(node) and not isinstance(node, type):

@@ -1,0 +1,148 @@
+"""Every megatron-core symbol the CPU stand-ins replace, wrap, subclass or substitute in a spec, with the signature
+it was written against and the megatron-core versions it was written for: the table to read when a release moves.
+
+``tests/backends/test_cpu_patches.py`` checks each row against the installed megatron-core (the symbol is still
+there, its signature is the one below, the version is in range) and that every patch the stand-ins apply is a
+row here. ``signature`` is ``inspect.signature`` of megatron-core's original without its annotations (names,
+order, kinds and defaults are what a patch depends on; annotation text changes with Python and torch), for a class
+its constructor's. None where the original is not a callable of megatron-core's own: a flag, a MagicMock that
+megatron-core puts in place of a class of a missing package, a name it leaves undefined without that package
+(``defined=False``), or a module. Patches of torch itself (``torch.cuda`` stand-ins, ``all_gather`` of uneven
+tensors, the device mode) are not megatron-core's and are not listed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One megatron-core symbol a stand-in replaces (``target``, dotted), by whom (``by``, relative to this
+    package), the signature it was written against and the megatron-core versions (a PEP 440 specifier)."""
+
+    target: str
+    by: str
+    signature: str | None
+    versions: str
+    defined: bool = True  # False: megatron-core leaves the name undefined where the optional package is missing
+
+
+_MCORE = "megatron.core."
+_FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp."
+
+PATCHES: tuple[Patch, ...] = (
+    # compat.py: megatron-core's own bugs without Transformer Engine (any device)
+    Patch(_MCORE + "transformer.moe.moe_utils.te_general_gemm", "compat._patch_megatron_without_te", None,
+          "==0.16.1", defined=False),
+    Patch(_MCORE + "transformer.multi_latent_attention.HAVE_TE", "compat._patch_megatron_without_te", None,
+          "==0.16.1"),
+    Patch(_MCORE + "transformer.multi_latent_attention.TELinear", "linear.DuplicatedLinear", None, "==0.16.1"),
+    Patch(_MCORE + "distributed.fsdp.mcore_fsdp_adapter.TELinear", "compat._patch_megatron_without_te", None,
+          "==0.16.1"),
+    # compat.py: the CPU's
+    Patch(_MCORE + "tensor_parallel.random._get_cuda_rng_state", "compat._patch_megatron",
+          "(device='cuda', clone=False, graph_safe=False)", "==0.16.1"),
+    Patch(_MCORE + "tensor_parallel.random._set_cuda_rng_state", "compat._patch_megatron",
+          "(new_state, device=-1, graph_safe=False)", "==0.16.1"),
+    Patch(_MCORE + "tensor_parallel.random.CudaRNGStatesTracker", "compat._make_cpu_tracker",
+          "(use_cudagraphable_rng=False, is_inference_rng_tracker=False)", "==0.16.1"),
+    Patch(_MCORE + "tensor_parallel.random.CudaRNGStatesTracker.add", "compat._make_cpu_tracker",
+          "(self, name, seed)", "==0.16.1"),
+    Patch(_MCORE + "tensor_parallel.random.CudaRNGStatesTracker.fork", "compat._make_cpu_tracker",
+          "(self, name='model-parallel-rng')", "==0.16.1"),
+    Patch(_MCORE + "transformer.moe.moe_utils.maybe_move_tensor_to_cpu", "compat._patch_alltoall_dispatcher",
+          "(tensor, as_numpy=False, record_stream=False)", "==0.16.1"),
+    Patch(_MCORE + "transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu", "compat._patch_alltoall_dispatcher",
+          "(tensor, as_numpy=False, record_stream=False)", "==0.16.1"),
+    Patch(_MCORE + "optimizer.clip_grads.l2_norm_impl", "compat._foreach_l2_norm",
+          "(chunk_size, noop_flag, tensor_lists, per_tensor, *args)", "==0.16.1"),
+    Patch(_MCORE + "optimizer.clip_grads.multi_tensor_scale_impl", "compat._foreach_scale",
+          "(chunk_size, noop_flag, tensor_lists, scale)", "==0.16.1"),
+    Patch(_MCORE + "optimizer.optimizer.multi_tensor_scale_impl", "compat._foreach_scale",
+          "(chunk_size, noop_flag, tensor_lists, scale)", "==0.16.1"),
+    Patch(_FSDP + "megatron_fsdp.MegatronFSDP.__init__", "compat._patch_megatron_fsdp",
+          "(self, module, dist_index, ddp_config=None, fsdp_unit_modules=None, disable_bucketing=False, device=None, "
+          "calculate_per_token_loss=False, init_model_with_meta_device=False, sync_model_each_microbatch=False, "
+          "keep_fp8_transpose_cache=False, nccl_ub=False, fsdp_double_buffer=False, "
+          "disable_symmetric_registration=False, enable_fine_grained_param_gather_hook=False)", "==0.16.1"),
+    Patch(_FSDP + "param_and_grad_buffer._coalescing_manager", "compat._patch_megatron_fsdp_collectives",
+          "(group=None, device=None, async_ops=False)", "==0.16.1"),
+    Patch(_FSDP + "param_and_grad_buffer.AllGatherPipeline.async_bucket_gather",
+          "compat._patch_megatron_fsdp_collectives", "(self, bucket_id, bwd)", "==0.16.1"),
+    Patch(_MCORE + "tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
+          "compat.products_in_fp32_on_backward", "(ctx, grad_output)", "==0.16.1"),
+    Patch(_MCORE + "tensor_parallel.layers.LinearWithFrozenWeight.backward", "compat.products_in_fp32_on_backward",
+          "(ctx, grad_output)", "==0.16.1"),
+    # spec.py's substitutions in the local layer spec, and the modules substituted
+    Patch(_MCORE + "transformer.moe.experts.SequentialMLP", "spec.adapt_local_block_spec",
+          "(num_local_experts, config, submodules, pg_collection=None)", "==0.16.1"),
+    Patch(_MCORE + "transformer.moe.experts.SequentialMLP.forward", "experts.GroupedSequentialMLP",
+          "(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)", "==0.16.1"),
+    Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention", "spec.adapt_local_block_spec",
+          "(config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None, "
+          "cp_comm_type=None, pg_collection=None)", "==0.16.1"),
+    Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention.__init__",
+          "attention.LatentDotProductAttention",
+          "(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None, "
+          "cp_comm_type=None, pg_collection=None)", "==0.16.1"),
+    Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention.forward",
+          "attention.ContextParallelDotProductAttention",
+          "(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
+          "packed_seq_params=None)", "==0.16.1"),
+    Patch(_MCORE + "transformer.torch_norm.WrappedTorchNorm", "spec.adapt_local_block_spec",
+          "(config, hidden_size, eps=1e-05, persist_layer_norm=False, zero_centered_gamma=False, "
+          "normalization='LayerNorm')", "==0.16.1"),
+    Patch(_MCORE + "transformer.multi_latent_attention.MLASelfAttentionSubmodules", "spec._swap",
+          "(linear_q_proj=None, linear_q_down_proj=None, linear_q_up_proj=None, linear_kv_down_proj=None, "
+          "linear_kv_up_proj=None, core_attention=None, linear_proj=None, q_layernorm=None, kv_layernorm=None)",
+          "==0.16.1"),
+    Patch(_MCORE + "transformer.module.MegatronModule.__init__",
+          "attention.ContextParallelDotProductAttention, linear.DuplicatedLinear", "(self, config)", "==0.16.1"),
+    Patch(_MCORE + "transformer.module.MegatronModule.sharded_state_dict", "linear.DuplicatedLinear",
+          "(self, prefix='', sharded_offsets=(), metadata=None)", "==0.16.1"),
+    # mamba.py: torch Mamba2 kernels where mamba_ssm (and Triton) are missing, and the local stack spec
+    Patch(_MCORE + "ssm.mamba_mixer.mamba_chunk_scan_combined", "mamba.install", None, "==0.16.1", defined=False),
+    Patch(_MCORE + "ssm.mamba_mixer.mamba_split_conv1d_scan_combined", "mamba.install", None, "==0.16.1",
+          defined=False),
+    Patch(_MCORE + "ssm.mamba_mixer.RMSNormGated", "mamba.GatedRMSNorm", None, "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_mixer.ExtendedRMSNorm", "mamba.ExtendedGatedRMSNorm", None, "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_mixer.HAVE_MAMBA_SSM", "mamba.install", None, "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)", "==0.16.1"),
+    Patch(_MCORE + "inference.contexts.attention_context.triton.tensor_ops",
+          "mamba._provide_tensor_ops_without_triton", None, "==0.16.1"),
+    Patch(_MCORE + "models.mamba.mamba_layer_specs.mamba_stack_spec", "mamba.local_mamba_stack_spec", None,
+          "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_block.MambaStackSubmodules", "mamba.local_mamba_stack_spec",
+          "(mamba_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
+          "attention_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
+          "mlp_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
+          "moe_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>)", "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_layer.MambaLayerSubmodules", "mamba.local_mamba_stack_spec",
+          "(norm=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
+          "mixer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
+          "mamba_bda=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
+          "sharded_state_dict_keys_map=<factory>)", "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_mixer.MambaMixerSubmodules", "mamba.local_mamba_stack_spec",
+          "(in_proj=None, out_proj=None)", "==0.16.1"),
+)
+
+# What this process patched: target -> the value put there (read by the test that every patch is a row above).
+applied: dict[str, Any] = {}
+
+
+def dotted(owner: Any) -> str:
+    """The dotted name of a module or class."""
+    return f"{owner.__module__}.{owner.__qualname__}" if isinstance(owner, type) else owner.__name__
+
+
+def replace(owner: Any, name: str, value: Any) -> None:
+    """``setattr(owner, name, value)`` on a megatron-core module or class, recorded in ``applied``."""
+    applied[f"{dotted(owner)}.{name}"] = value
+    setattr(owner, name, value)
+
+
+def record(target: str, value: Any) -> None:
+    """Record a substitution that is not a ``setattr`` (a class swapped in a layer spec, a module stand-in)."""
+    applied[target] = value
