@@ -15,9 +15,10 @@ fitted too and can lower (or raise) the model state, not only the activations (i
 
 How much the data can tell: with one or two samples, or samples whose state/dynamic mix does not vary, a single
 ratio scales the whole prediction (``s = a``, ``c = 0``); with three, ``s`` and ``a`` apart; with four or more,
-``s``, ``a`` and the fixed overhead ``c``. Least squares, factors clamped to a plausible range. Step time gets one
-multiplicative factor (the median ratio, robust to one slow outlier). Factors are stored as JSON under
-``"<cluster>/<model>"`` keys in a file the caller chooses, so a later sweep on the same cluster starts calibrated.
+``s``, ``a`` and the fixed overhead ``c``. Linear least squares (``scipy.optimize.lsq_linear``), factors clamped
+to a plausible range. Step time gets one multiplicative factor (the median ratio, robust to one slow outlier).
+Factors are stored as JSON under ``"<cluster>/<model>"`` keys in a file the caller chooses, so a later sweep on the
+same cluster starts calibrated.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from sweeper.estimate.step_time import term_factor
 from sweeper.record.files import write_atomic
@@ -41,6 +44,9 @@ MIN_STATE_FACTOR, MAX_STATE_FACTOR = 0.5, 1.5
 # Samples needed to fit the state and activation factors apart, and the fixed overhead as well.
 MIN_SAMPLES_FOR_SPLIT = 3
 MIN_SAMPLES_FOR_OFFSET = 4
+# Columns whose smallest singular value is below this share of the largest are taken as dependent (their normal
+# matrix's condition number past 1e9): the fit would split the peak between factors on rounding noise.
+DEPENDENT_COLUMNS = 1e-9 ** 0.5
 # Components of ``Estimate.breakdown``: the model state (made once, kept), what forward/backward allocates and
 # frees (activations, transients, logits), and what the optimizer step allocates while no activation is alive
 # (FP32 copies of BF16 main grads, ``memory.StateBytes.grad_copies``). The peak holds the state and the larger of
@@ -126,22 +132,16 @@ def _clamp(x: float, lo: float = MIN_FACTOR, hi: float = MAX_FACTOR) -> float:
     return min(hi, max(lo, x))
 
 
-def _least_squares(rows: list[list[float]], ys: list[float]) -> list[float] | None:
-    """Solve the normal equations of ``rows @ x = ys``; None when the columns are (nearly) dependent."""
-    k = len(rows[0])
-    a = [[sum(r[i] * r[j] for r in rows) for j in range(k)] + [sum(r[i] * y for r, y in zip(rows, ys))]
-         for i in range(k)]
-    for col in range(k):  # Gauss-Jordan with partial pivoting on a k x k system (k <= 3)
-        pivot = max(range(col, k), key=lambda r: abs(a[r][col]))
-        scale = max(abs(a[i][i]) for i in range(k)) or 1.0
-        if abs(a[pivot][col]) < 1e-9 * scale:
-            return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(k):
-            if r != col:
-                f = a[r][col] / a[col][col]
-                a[r] = [x - f * y for x, y in zip(a[r], a[col])]
-    return [a[i][k] / a[i][i] for i in range(k)]
+def _least_squares(rows: np.ndarray, ys: np.ndarray) -> np.ndarray | None:
+    """The least-squares solution of ``rows @ x = ys``; None when the columns are (nearly) dependent."""
+    from scipy.optimize import lsq_linear  # a third of a second to import: ``plan`` fits nothing and stays instant
+
+    # A column that is (nearly) a combination of the others: the samples cannot tell the factors apart.
+    singular = np.linalg.svd(rows, compute_uv=False)  # largest first
+    if singular[-1] < DEPENDENT_COLUMNS * singular[0]:
+        return None
+    # Unbounded: the factors are clamped after the fit, and a clamped fit's offset is refitted (``_fit_memory``).
+    return np.asarray(lsq_linear(rows, ys).x)
 
 
 def _fit_memory(mem: Sequence[Sample]) -> tuple[float, float, float]:
@@ -150,13 +150,15 @@ def _fit_memory(mem: Sequence[Sample]) -> tuple[float, float, float]:
     dynamics = [s.fragmentation * s.dynamic() for s in mem]
     ys = [float(s.measured_peak_gib or 0.0) for s in mem]
     # Relative residuals (each row divided by its measurement): a 1 GiB miss matters on a 10 GiB peak, not on 80.
-    w = [1.0 / y for y in ys]
+    rows = np.column_stack([states, dynamics, np.ones(len(mem))]) / np.array(ys)[:, None]
+    ones = np.ones(len(mem))
     fitted: list[float] | None = None
     if len(mem) >= MIN_SAMPLES_FOR_OFFSET:
-        fitted = _least_squares([[st * k, dy * k, k] for st, dy, k in zip(states, dynamics, w)], [1.0] * len(ys))
+        x = _least_squares(rows, ones)
+        fitted = None if x is None else [float(v) for v in x]
     if fitted is None and len(mem) >= MIN_SAMPLES_FOR_SPLIT:
-        fitted = _least_squares([[st * k, dy * k] for st, dy, k in zip(states, dynamics, w)], [1.0] * len(ys))
-        fitted = None if fitted is None else [*fitted, 0.0]
+        x = _least_squares(rows[:, :2], ones)
+        fitted = None if x is None else [float(x[0]), float(x[1]), 0.0]
     if fitted is not None:
         s, a, c = _clamp(fitted[0], MIN_STATE_FACTOR, MAX_STATE_FACTOR), _clamp(fitted[1]), fitted[2]
         if c and (s, a) != (fitted[0], fitted[1]):  # clamped: the offset takes the mean residual, nothing else

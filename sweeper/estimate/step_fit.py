@@ -19,8 +19,9 @@ towards 0, i.e. the term keeps the estimator's relative weight until the trials 
 freed follows what the trials support: none for one or two trials (the level alone), then forward selection, one
 term at a time, the term whose freeing lowers the fit's Bayesian information criterion most, with two trials per
 freed term (``MAX_FREE``): a fit that passes exactly through its samples extrapolates wildly to the layouts it has
-not seen. Gauss-Newton with a Levenberg damping solves each fit (a few dozen parameters at most), each newly freed
-term started from the best of a coarse grid of offsets.
+not seen. ``scipy.optimize.least_squares`` (trust-region reflective, the prior as residual rows, each freed theta
+bounded by ``MAX_LOG_OFFSET``) solves each fit (a few dozen parameters at most), each newly freed term started from
+the best of a coarse grid of offsets.
 """
 
 from __future__ import annotations
@@ -120,24 +121,23 @@ class _Problem:
 
 # Where a newly freed term's search starts: the best of these log offsets from the level. A term that is a
 # thousandth of the step (gloo's TP collectives priced at NCCL's speed) needs a factor of thousands to show, which a
-# damped Gauss-Newton step from 0 would crawl towards.
+# trust-region step from 0 would crawl towards.
 START_OFFSETS = np.linspace(-MAX_LOG_OFFSET, MAX_LOG_OFFSET, 29)
+# least_squares' ftol, xtol and gtol. Its defaults (1e-8) stop in a flat valley: on benchmarks/
+# step_time_calibration.py's fits a weakly determined factor ends 0.3 % from the optimum; at 1e-14 within 1e-5.
+TOLERANCE = 1e-14
 
 
 def _solve(problem: _Problem, free: list[int], level0: float, theta0: np.ndarray | None = None,
            ) -> tuple[float, np.ndarray, float]:
-    """Levenberg-damped Gauss-Newton over the level and the freed thetas from (level0, theta0); (level, theta,
-    objective)."""
+    """The least-squares fit of the level and the freed thetas (each within ``MAX_LOG_OFFSET``) from (level0,
+    theta0); (level, theta, objective)."""
+    from scipy.optimize import least_squares  # a third of a second to import: ``plan`` fits nothing
+
     n_terms = len(problem.names)
     level = level0
     theta = np.zeros(n_terms) if theta0 is None else theta0.copy()
-    cols = [0] + [1 + i for i in free]
     weight = (NOISE / PRIOR) ** 2  # the prior's weight against one sample's squared log residual
-
-    def objective(lv: float, th: np.ndarray) -> tuple[float, np.ndarray, np.ndarray]:
-        logp, jac = problem.predict(lv, th)
-        r = logp - problem.log_measured
-        return float(r @ r + weight * th @ th), r, jac
 
     if free and theta0 is not None:  # the newest freed term: start from the best of a coarse grid
         newest = free[-1]
@@ -153,30 +153,37 @@ def _solve(problem: _Problem, free: list[int], level0: float, theta0: np.ndarray
         theta[newest] = min(START_OFFSETS, key=at)
         logp = problem.predict(level, theta)[0]
         level += float(np.mean(problem.log_measured - logp))
-    value, r, jac = objective(level, theta)
-    damping = 1e-3
-    for _ in range(60):
-        j = jac[:, cols]
-        params = np.concatenate([[level], theta[free]])
-        prior_grad = np.concatenate([[0.0], weight * params[1:]])
-        hess = j.T @ j + np.diag(np.concatenate([[0.0], np.full(len(free), weight)]))
-        g = j.T @ r + prior_grad
-        step = np.linalg.solve(hess + damping * np.diag(np.diag(hess) + 1e-12), -g)
-        lv = level + step[0]
+    cols = [0] + [1 + i for i in free]
+    # The prior as residual rows: theta_t / PRIOR against each sample's log residual / NOISE.
+    root_weight = NOISE / PRIOR
+    prior_jac = np.hstack([np.zeros((len(free), 1)), root_weight * np.eye(len(free))])
+    last: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # least_squares asks for the Jacobian where it just was
+
+    def unpack(x: np.ndarray) -> tuple[float, np.ndarray]:
         th = theta.copy()
-        th[free] = np.clip(theta[free] + step[1:], -MAX_LOG_OFFSET, MAX_LOG_OFFSET)
-        new_value, new_r, new_jac = objective(lv, th)
-        if new_value < value:
-            converged = value - new_value < 1e-10 * max(1.0, value)
-            level, theta, value, r, jac = lv, th, new_value, new_r, new_jac
-            damping = max(damping / 3, 1e-9)
-            if converged:
-                break
-        else:
-            damping *= 10
-            if damping > 1e8:
-                break
-    return level, theta, value
+        th[free] = x[1:]
+        return float(x[0]), th
+
+    def predicted(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        key = x.tobytes()
+        if key not in last:
+            last.clear()
+            last[key] = problem.predict(*unpack(x))
+        return last[key]
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        return np.concatenate([predicted(x)[0] - problem.log_measured, root_weight * x[1:]])
+
+    def jacobian(x: np.ndarray) -> np.ndarray:
+        return np.vstack([predicted(x)[1][:, cols], prior_jac])
+
+    bound = np.full(len(free), MAX_LOG_OFFSET)
+    result = least_squares(residuals, np.concatenate([[level], theta[free]]), jac=jacobian, x_scale="jac",
+                           bounds=(np.concatenate([[-np.inf], -bound]), np.concatenate([[np.inf], bound])),
+                           ftol=TOLERANCE, xtol=TOLERANCE, gtol=TOLERANCE)
+    level, theta = unpack(result.x)
+    r = result.fun[: len(problem.log_measured)]
+    return level, theta, float(r @ r + weight * theta @ theta)
 
 
 def _median_error(log_pred: np.ndarray, log_measured: np.ndarray) -> float:
