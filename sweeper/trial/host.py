@@ -75,10 +75,7 @@ class TrialHost:
         self.handle = handle
         self.simulated = handle.is_simulated
         self.cuda = not self.simulated
-        # What the GPU nodes have, not the driver (a KubeRay head is a CPU pod): every node's, since a trial's ranks
-        # may land on any of them.
-        self.kernels = Kernels.on_every(gpu_node_kernels(handle).values()) if self.cuda else Kernels()
-        self.te = self.kernels.transformer_engine
+        self._kernels: Kernels | None = None
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
         self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
@@ -163,6 +160,18 @@ class TrialHost:
         with self._lock:
             for nid in reservation.node_ids:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
+
+    @property
+    def kernels(self) -> Kernels:
+        """What the GPU nodes have, not the driver (a KubeRay head is a CPU pod): what every node has, since a
+        trial's ranks may land on any of them. Asked once, when first needed."""
+        if self._kernels is None:
+            self._kernels = Kernels.on_every(gpu_node_kernels(self.handle).values()) if self.cuda else Kernels()
+        return self._kernels
+
+    @property
+    def te(self) -> bool:
+        return self.kernels.transformer_engine
 
     def unsupported(self, model: ModelSpec, layout: Layout) -> str | None:
         return unsupported_reason(model, layout, cuda=self.cuda, te=self.te, kernels=self.kernels)

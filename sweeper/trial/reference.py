@@ -47,10 +47,11 @@ def reference_sequences(cfg: SweepConfig) -> int:
     return math.lcm(1, *{proxy_run_layout(lo).dp for lo in enumerate_layouts(cfg) if lo.dp})
 
 
-def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
-    """The simplest layout this cluster can run for the reference, or None."""
+def reference_layout(cfg: SweepConfig, host: Any, precision: str | None = None) -> Layout | None:
+    """The simplest layout this cluster can run for the reference (in ``precision``; default FP32 on a simulated
+    cluster, the space's first precision on GPUs), or None."""
     sequences = reference_sequences(cfg)
-    precision = "fp32" if host.simulated else cfg.space.values("precision")[0]
+    precision = precision or ("fp32" if host.simulated else cfg.space.values("precision")[0])
     single = Layout(world_size=1, gbs=sequences, precision=precision)
     candidates = [single] + sorted(
         # The reference is made with Megatron's DDP (equivalence.plan refuses Megatron-FSDP for it).
@@ -58,28 +59,31 @@ def reference_layout(cfg: SweepConfig, host: Any) -> Layout | None:
          for lo in enumerate_layouts(cfg)),
         key=lambda lo: (lo.world_size, lo.tp * lo.pp * lo.cp * lo.ep * lo.etp * lo.vpp),
     )
-    return next((entry.layout for entry in assess_each(cfg, candidates)
+    return next((entry.layout for entry in assess_each(cfg, candidates, production=False)
                  if entry.launchable and host.unsupported(cfg.model, entry.layout) is None), None)
 
 
-def _reusable(cfg: SweepConfig, folder: Path) -> bool:
-    """An existing reference serves this space when it is of the same model, sequence length and a batch every
-    data-parallel size of the space divides, and records its batch's prefixes."""
+def _reusable(cfg: SweepConfig, folder: Path, precision: str | None = None) -> bool:
+    """An existing reference serves this space when it is of the same model, sequence length, a batch every
+    data-parallel size of the space divides and the precision asked for (if any), and records its batch's
+    prefixes."""
     try:
         ref = json.loads((folder / REFERENCE_FILE).read_text())
     except (OSError, ValueError):
+        return False
+    if precision is not None and ref.get("precision") != precision:
         return False
     # "prefixes": a reference of the current format (2), which every trial's gate can compare on.
     return (ref.get("model") == cfg.model.model_dump() and ref.get("seq_length") == cfg.training.seq_length
             and ref.get("sequences", 0) % reference_sequences(cfg) == 0 and "prefixes" in ref)
 
 
-def ensure_reference(cfg: SweepConfig, host: Host, folder: Path) -> ReferenceOutcome:
+def ensure_reference(cfg: SweepConfig, host: Host, folder: Path, precision: str | None = None) -> ReferenceOutcome:
     if (folder / REFERENCE_FILE).is_file():
-        if _reusable(cfg, folder):
+        if _reusable(cfg, folder, precision):
             return ReferenceOutcome(str(folder), None, f"reusing the reference in {folder}")
         shutil.rmtree(folder)  # made for another model or space under the same name: make it again
-    layout = reference_layout(cfg, host)
+    layout = reference_layout(cfg, host, precision)
     if layout is None:
         return ReferenceOutcome(None, None, "equivalence gate off: no layout of this space can hold the reference")
     with reserved(host, layout, PLACE_TIMEOUT_S) as slot:

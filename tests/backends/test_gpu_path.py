@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import json
 import subprocess
 from pathlib import Path
@@ -260,7 +261,7 @@ def _hf_dir(tmp_path: Path) -> Path:
 
 
 def _bridge_installed(installed: bool):
-    real = gpu.importlib.util.find_spec
+    real = importlib.util.find_spec
 
     def find_spec(name, *args):
         if name == "megatron.bridge":
