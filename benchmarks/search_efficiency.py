@@ -36,7 +36,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import optuna
@@ -84,12 +84,20 @@ def estimator_landscape(cfg: SweepConfig) -> Landscape:
     return Landscape(samples, "stand-in: estimator predictions")
 
 
-def measured_landscape(table: dict) -> Landscape:
+def measured_landscape(table: dict, cfg: SweepConfig) -> Landscape:
+    """A table of scripts/measure_landscape.py. Tables measured before trials ran their share of the production
+    batch (issue 43) ran every layout at the whole batch: each is keyed by the layout a sweep of ``cfg`` proposes
+    now (its share), and left out where that layout is refused (e.g. a micro-batch its share cannot hold). The
+    replay judges the proposer's order over the landscape; the values stay as measured."""
     samples, trials = {}, {}
+    valid = {entry.layout for entry in assess_all(cfg, enumerate_layouts(cfg)) if entry.valid}
     for entry in table["layouts"].values():
         if not entry["trials"]:
             continue  # a partial table (the measurement was stopped): not measured yet
-        layout = Layout.from_dict(entry["layout"])
+        measured = Layout.from_dict(entry["layout"])
+        layout = replace(measured, gbs=cfg.trial_global_batch(measured.world_size))
+        if layout not in valid:
+            continue
         passed = [t["tokens_per_s"] for t in entry["trials"] if t["status"] == "passed" and t["tokens_per_s"]]
         samples[layout] = passed if len(passed) == len(entry["trials"]) else []
         trials[layout] = [TrialResult(status=t["status"], failure_kind=t["failure_kind"], metrics=TrialMetrics(
@@ -179,7 +187,7 @@ def main() -> None:
     if args.landscape:
         table = json.loads(args.landscape.read_text())
         cfg = load_config(ROOT / table["space"])
-        land = measured_landscape(table)
+        land = measured_landscape(table, cfg)
         source = str(args.landscape)
     else:
         cfg = load_config(args.space)

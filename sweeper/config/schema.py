@@ -8,6 +8,7 @@ to a default on a 16-GPU reservation). ``config.load.load_config`` reads a file 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -127,7 +128,9 @@ class TrainingConfig(_Strict):
     seq_length: PositiveInt = 4096
     """Tokens per sequence (Megatron's --seq-length)."""
     global_batch_size: PositiveInt = 64
-    """Sequences per step (--global-batch-size); every layout's DP x micro-batch must divide it."""
+    """Sequences per step of the production run (--global-batch-size) on its GPUs (``budget.gpus``, else the
+    cluster's): a trial of W GPUs runs its share, the batch over the copies of its layout the production run holds
+    (gbs x W / N), so each data-parallel rank runs the production run's micro-batches (issue 43)."""
     steps: PositiveInt = 20
     """Training steps of an exploration trial (a confirmation runs search.confirm_steps)."""
     checkpoint: bool = True
@@ -335,6 +338,41 @@ class SweepConfig(_Strict):
         return self
 
     @property
+    def production_gpus(self) -> int:
+        """N: the production run's GPUs (``budget.gpus``, else the cluster's)."""
+        if self.budget is not None and self.budget.gpus is not None:
+            return self.budget.gpus
+        return self.cluster.total_gpus
+
+    def copies(self, world_size: int) -> int:
+        """How many copies of a layout of ``world_size`` GPUs the production run holds side by side (0: none)."""
+        return self.production_gpus // world_size
+
+    def trial_global_batch(self, world_size: int) -> int:
+        """The global batch a trial of ``world_size`` GPUs runs: the production run's over the copies of its layout
+        (gbs x W / N), so every data-parallel rank runs as many micro-batches as in production. Rounded down where
+        it does not split (``production_batch_reason`` refuses those layouts); the whole batch for a layout the
+        production run cannot hold."""
+        gbs, k = self.training.global_batch_size, self.copies(world_size)
+        return max(1, gbs // k) if k else gbs
+
+    def production_layout(self, layout: Layout) -> Layout | None:
+        """The layout as the production run runs it: ``copies`` times the data parallelism, each data-parallel rank
+        with the trial's micro-batches: the global batch scaled alike, which is the production run's when the trial
+        ran its share of it (``trial_global_batch``); None when the production run holds no copy."""
+        k = self.copies(layout.world_size)
+        return replace(layout, world_size=layout.world_size * k, gbs=layout.gbs * k) if k else None
+
+    def production_batch_reason(self, world_size: int) -> str | None:
+        """Why layouts of ``world_size`` GPUs cannot run the production batch in equal shares, or None."""
+        gbs, k = self.training.global_batch_size, self.copies(world_size)
+        if k and gbs % k:
+            return (f"global_batch_size ({gbs}) on the production run's {self.production_gpus} GPUs does not split "
+                    f"over the {k} copies of a {world_size}-GPU layout: its trial would not run the production "
+                    f"run's micro-batches")
+        return None
+
+    @property
     def world_sizes(self) -> list[int]:
         return sorted(set(self.space.values("gpus") or [self.cluster.total_gpus]))
 
@@ -360,7 +398,6 @@ def layout_from_string(cfg: SweepConfig, text: str) -> Layout:
     size comes from ``gpus=``, or ``dp=`` (W = TP*PP*CP*DP), or else the space's largest world size."""
     given = parse_assignments(text, what="--layout")
     axes: dict[str, Any] = {a.name: cfg.space.values(a.name)[0] for a in SEARCHED if a.name != "gpus"}
-    axes["gbs"] = cfg.training.global_batch_size
     axes.update({k: v for k, v in given.items() if k not in ("gpus", "dp", "edp")})
     model_parallel = axes["tp"] * axes["pp"] * axes["cp"]
     if "gpus" in given:
@@ -373,6 +410,7 @@ def layout_from_string(cfg: SweepConfig, text: str) -> Layout:
         raise LayoutError(f"--layout: gpus={world} but tp*pp*cp*dp = {model_parallel * given['dp']}")
     if world > cfg.cluster.total_gpus:
         raise LayoutError(f"--layout: needs {world} GPUs but the cluster has {cfg.cluster.total_gpus}")
+    axes.setdefault("gbs", cfg.trial_global_batch(world))
     sp = resolve_sp(axes.pop("sp"), axes["tp"])
     layout = with_pipeline_split(Layout(world_size=world, sp=sp, **axes), cfg.model)
     if "edp" in given and given["edp"] != layout.edp:

@@ -13,5 +13,9 @@ __all__ = ["EXECUTABLE", "LAUNCH_FILE", "OVERRIDES_FILE", "export_files"]
 
 
 def export_files(cfg: SweepConfig, layout: Layout, trial: int) -> dict[str, str]:
-    """File name -> text of every export of ``layout`` (sweep trial ``trial``)."""
-    return {LAUNCH_FILE: launch_script(cfg, layout, trial), OVERRIDES_FILE: overrides_yaml(cfg, layout, trial)}
+    """File name -> text of every export of the measured ``layout`` (sweep trial ``trial``), as the production run
+    runs it (``SweepConfig.production_layout``: its data parallelism and nodes on the production run's GPUs, the
+    production batch); each names the measured layout for reproduction."""
+    production = cfg.production_layout(layout) or layout
+    return {LAUNCH_FILE: launch_script(cfg, production, trial, measured=layout),
+            OVERRIDES_FILE: overrides_yaml(cfg, production, trial, measured=layout)}

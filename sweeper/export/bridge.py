@@ -22,6 +22,7 @@ from omegaconf import OmegaConf
 
 from sweeper.config import fusions
 from sweeper.config.schema import SweepConfig
+from sweeper.export.production import measured_note
 from sweeper.space.layout import Layout
 
 OVERRIDES_FILE = "megatron_bridge_overrides.yaml"
@@ -97,8 +98,9 @@ def _mixed_precision(items: list[str]) -> Any:
     return {"_target_": MIXED_PRECISION_CLASS, **recipe, **fields}
 
 
-def overrides_yaml(cfg: SweepConfig, layout: Layout, trial: int) -> str:
-    """The file: a header naming the recipe (when the model has one) and how to apply it, then the tree."""
+def overrides_yaml(cfg: SweepConfig, layout: Layout, trial: int, measured: Layout | None = None) -> str:
+    """The file: a header naming the recipe (when the model has one) and how to apply it, then the tree.
+    ``measured``: the trial's layout ``layout`` is the production shape of (named in the header)."""
     recipe = RECIPES.get(cfg.model.name)
     header = [
         f"# {cfg.name}: the layout sweeper found best (trial #{trial}, {layout.short()}) for {cfg.model.name}.",
@@ -106,6 +108,7 @@ def overrides_yaml(cfg: SweepConfig, layout: Layout, trial: int) -> str:
         "# No Megatron-Bridge recipe ships for this model: merge onto the ConfigContainer you build for it.",
         "# Apply: process_config_with_overrides(cfg, config_filepath='megatron_bridge_overrides.yaml')",
         "#   (megatron.bridge.training.utils.omegaconf_utils), then pretrain(cfg, forward_step).",
+        *measured_note(layout, measured or layout),
     ]
     body = yaml.safe_dump(overrides(cfg, layout), sort_keys=False, width=120)
     return "\n".join(header) + "\n" + body

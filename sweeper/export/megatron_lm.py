@@ -20,6 +20,7 @@ import shlex
 from sweeper.config import fusions
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE
 from sweeper.config.schema import SweepConfig
+from sweeper.export.production import measured_note
 from sweeper.models.spec import DEEPSEEK_YARN, ModelSpec
 from sweeper.space.environment import megatron_environment
 from sweeper.space.layout import Layout
@@ -104,8 +105,9 @@ def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
     ) + fusions.megatron_lm_args(fusions.framework_fusions(cfg.run.framework, cfg.model), cfg.model)
 
 
-def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
-    """The bash script (see the module docstring)."""
+def launch_script(cfg: SweepConfig, layout: Layout, trial: int, measured: Layout | None = None) -> str:
+    """The bash script (see the module docstring) for ``layout``; ``measured``: the trial's layout it is the
+    production shape of (named in the header)."""
     per_node = min(layout.world_size, cfg.cluster.gpus_per_node)
     nodes = max(1, layout.world_size // per_node)
     entry = "pretrain_mamba.py" if cfg.model.is_hybrid else "pretrain_gpt.py"
@@ -122,6 +124,7 @@ def launch_script(cfg: SweepConfig, layout: Layout, trial: int) -> str:
         "#!/usr/bin/env bash",
         f"# {cfg.name}: the layout sweeper found best (trial #{trial}, {layout.short()}) for {cfg.model.name},",
         f"# on {nodes} node(s) x {per_node} GPUs (compute capability {cfg.cluster.compute_capability}).",
+        *measured_note(layout, measured or layout),
         "# Written by sweeper next to best_layout.yaml; the layout, precision and recompute flags are the ones the",
         "# sweep measured. Run it from any folder, one copy per node:",
         "#   MEGATRON_LM=/path/to/Megatron-LM bash launch_megatron_lm.sh                      (one node)",

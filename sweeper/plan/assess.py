@@ -50,11 +50,16 @@ class PlanEntry:
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
-           checker: Checker | None = None, estimator: Estimator | None = None) -> PlanEntry:
+           checker: Checker | None = None, estimator: Estimator | None = None, production: bool = True) -> PlanEntry:
     """Rules, then (for valid layouts) the estimator. ``checker`` and ``estimator``: a space's ``Checker`` and
-    ``Estimator`` (many layouts; the estimator's calibration is then its own, not ``calibration``)."""
+    ``Estimator`` (many layouts; the estimator's calibration is then its own, not ``calibration``). ``production``:
+    the layout is a trial of the production run, whose batch it must share evenly with its copies (false for the
+    equivalence reference, whose batch is its own)."""
     reasons = (checker(layout) if checker is not None
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
+    shared = cfg.production_batch_reason(layout.world_size) if production else None
+    if shared:
+        reasons = [*reasons, shared]
     predicted = None
     if not reasons:
         predicted = (estimator or Estimator.for_config(cfg, calibration))(layout)
@@ -75,11 +80,11 @@ def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration
 
 
 def assess_each(cfg: SweepConfig, layouts: Iterable[Layout], calibration: Calibration | None = None,
-                ) -> Iterator[PlanEntry]:
+                production: bool = True) -> Iterator[PlanEntry]:
     """``assess_all`` one layout at a time, for a caller that may stop at the first that serves."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
     estimator = Estimator.for_config(cfg, calibration)
-    return (assess(cfg, lo, calibration, checker, estimator) for lo in layouts)
+    return (assess(cfg, lo, calibration, checker, estimator, production) for lo in layouts)
 
 
 def _order(entry: PlanEntry) -> tuple[int, float, float]:

@@ -1,8 +1,9 @@
 """The space: every Layout a search YAML describes, and the ``--only`` filter over it.
 
-``enumerate_layouts`` is the product of the space's axes with SP ``auto`` resolved (on whenever TP > 1), the
-global batch from ``training``, and Megatron's uneven pipeline split filled in where layers do not divide by PP.
-Duplicates (e.g. ``sp: [auto, true]``) collapse to one layout.
+``enumerate_layouts`` is the product of the space's axes with SP ``auto`` resolved (on whenever TP > 1), each
+layout's share of the production run's global batch (``SweepConfig.trial_global_batch``), and Megatron's uneven
+pipeline split filled in where layers do not divide by PP. Duplicates (e.g. ``sp: [auto, true]``) collapse to one
+layout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
     fields = [a.field for a in SEARCHED]
     choices = [_checked(a.field, cfg.world_sizes if a.name == "gpus" else cfg.space.values(a.name)) for a in SEARCHED]
     splits: dict[tuple[int, int], dict[str, Any]] = {}
+    batches: dict[int, int] = {}  # world size -> the trial's share of the production batch
     seen: dict[tuple[Any, ...], Layout] = {}
     for values in itertools.product(*choices):
         axes = dict(zip(fields, values, strict=True))
@@ -33,6 +35,8 @@ def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
         pipeline = (axes["pp"], axes["vpp"])
         if pipeline not in splits:
             splits[pipeline] = pipeline_split_fields(cfg.model, *pipeline)
+        axes["gbs"] = batches.get(axes["world_size"]) or batches.setdefault(
+            axes["world_size"], cfg.trial_global_batch(axes["world_size"]))
         seen[key] = Layout.from_checked({**defaults, **axes, **splits[pipeline]})
     return list(seen.values())
 

@@ -15,8 +15,6 @@ only the larger data parallelism's cost applies to it.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import LayoutError
 from sweeper.estimate import Estimate, Estimator
@@ -31,21 +29,19 @@ _INPUT_KEYS: dict[int, tuple[SweepConfig, str]] = {}
 
 def production_gpus(cfg: SweepConfig) -> int:
     """N: the production run's GPUs (``budget.gpus``, else the cluster's)."""
-    if cfg.budget is not None and cfg.budget.gpus is not None:
-        return cfg.budget.gpus
-    return cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    return cfg.production_gpus
 
 
 def copies(cfg: SweepConfig, layout: Layout) -> int:
     """How many copies of the layout the production run holds side by side (0: it needs more GPUs than N)."""
-    return production_gpus(cfg) // layout.world_size
+    return cfg.copies(layout.world_size)
 
 
 def production_layout(cfg: SweepConfig, layout: Layout) -> Layout | None:
     """The layout as the production run runs it: ``copies`` times the data parallelism, each data-parallel rank
-    with the trial's micro-batches (the global batch scaled alike); None when N holds no copy."""
-    k = copies(cfg, layout)
-    return replace(layout, world_size=layout.world_size * k, gbs=layout.gbs * k) if k else None
+    with the trial's micro-batches: the global batch scaled alike, which is the production run's when the trial
+    ran its share of it (``SweepConfig.trial_global_batch``); None when N holds no copy."""
+    return cfg.production_layout(layout)
 
 
 def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:

@@ -175,6 +175,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
     chosen_by = winner.median_run(cfg)  # the run whose objective is the median that chose the winner
     result = chosen_by.result
     layout = winner.layout
+    production = cfg.production_layout(layout) or layout  # what the exports launch (issue 43)
     return {
         "name": cfg.name,
         "model": cfg.model.name,
@@ -182,8 +183,10 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "trial": winner.number,
         "layout": layout.to_dict(),
         "layout_string": layout.to_string(),
-        "megatron_args": layout_args(cfg, layout),
-        "megatron_bridge_overrides": dotted_overrides(cfg, layout),
+        "production": {"gpus": production.world_size, "copies": copies(cfg, layout),
+                       "layout_string": production.to_string(), "global_batch_size": production.gbs},
+        "megatron_args": layout_args(cfg, production),
+        "megatron_bridge_overrides": dotted_overrides(cfg, production),
         "run": {"framework": cfg.run.framework, **cfg.run.model_dump(exclude_defaults=True)},
         "measured": dict(vars(result.metrics)),
         "measured_run": {"phase": chosen_by.phase, "attempt": chosen_by.attempt},

@@ -101,7 +101,7 @@ class LayoutStudy:
     def layout_of(self, params: dict[str, Any]) -> Layout:
         axes = {AXIS[axis].field: params[PARAM[axis]] for axis in AXES}
         axes["sp"] = resolve_sp(axes["sp"], axes["tp"])
-        layout = Layout(gbs=self.cfg.training.global_batch_size, **axes)
+        layout = Layout(gbs=self.cfg.trial_global_batch(axes["world_size"]), **axes)
         return with_pipeline_split(layout, self.cfg.model)
 
     def enqueue(self, layout: Layout, again: bool = False) -> None:

@@ -92,9 +92,14 @@ def _flags(argv: list[str]) -> dict[str, str]:
 @pytest.mark.parametrize(("space", "text"), CASES)
 def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_and_model(
         tmp_path: Path, space: str, text: str) -> None:
-    cfg, layout = _case(space, text)
-    script = export_files(cfg, layout, 3)[LAUNCH_FILE]
+    cfg, measured = _case(space, text)
+    script = export_files(cfg, measured, 3)[LAUNCH_FILE]
     subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    # The export launches the production run (issue 43): the measured layout's copies on its GPUs, its batch.
+    layout = cfg.production_layout(measured) or measured
+    assert layout.gbs == cfg.training.global_batch_size or cfg.copies(measured.world_size) == 0
+    if layout != measured:
+        assert f"--layout '{measured.to_string()}'" in script  # how to reproduce the measurement
     nodes = max(1, layout.world_size // cfg.cluster.gpus_per_node)
     argv = _run_script(tmp_path, script, NNODES=str(nodes))
     entry = "pretrain_mamba.py" if cfg.model.is_hybrid else "pretrain_gpt.py"
@@ -152,8 +157,9 @@ def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(space: 
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
-    cfg, layout = _case(space, text)
-    text_yaml = export_files(cfg, layout, 2)[OVERRIDES_FILE]
+    cfg, measured = _case(space, text)
+    text_yaml = export_files(cfg, measured, 2)[OVERRIDES_FILE]
+    layout = cfg.production_layout(measured) or measured  # the production run's shape (issue 43)
     tree = OmegaConf.to_container(OmegaConf.create(text_yaml))
     assert isinstance(tree, dict) and set(tree) <= CONFIG_CONTAINER
     fields = {
@@ -168,7 +174,7 @@ def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(space: 
     model = tree["model"]
     assert model["tensor_model_parallel_size"] == layout.tp and model["expert_model_parallel_size"] == layout.ep
     assert model["sequence_parallel"] is layout.sp and model["seq_length"] == cfg.training.seq_length
-    assert tree["train"] == {"micro_batch_size": layout.mbs, "global_batch_size": layout.gbs}
+    assert tree["train"] == {"micro_batch_size": layout.mbs, "global_batch_size": cfg.training.global_batch_size}
     precision = tree["mixed_precision"]
     if isinstance(precision, dict):  # the whole config, as Bridge instantiates it
         assert precision["_target_"] == MIXED_PRECISION_CLASS

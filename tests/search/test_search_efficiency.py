@@ -21,7 +21,8 @@ from sweeper.config.load import load_config  # noqa: E402
 @pytest.fixture(scope="module")
 def dense() -> tuple:
     table = json.loads((ROOT / "tests" / "data" / "landscape_dense.json").read_text())
-    return load_config(ROOT / table["space"]), bench.measured_landscape(table)
+    cfg = load_config(ROOT / table["space"])
+    return cfg, bench.measured_landscape(table, cfg)
 
 
 @pytest.mark.parametrize("mode", ["tpe", "random", "ordered"])

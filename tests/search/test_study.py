@@ -21,7 +21,8 @@ from sweeper.plan.space import enumerate_layouts
 from sweeper.search.study import CONSTRAINT, LayoutStudy
 from sweeper.space.layout import Layout
 
-# 2,304 combinations, 148 of them valid for tiny-moe (4 experts, 2 query groups, 4 layers).
+# 2,304 combinations, 130 of them valid for tiny-moe (4 experts, 2 query groups, 4 layers; the smaller layouts run
+# their share of the production batch, which their largest micro-batches cannot hold).
 MANY_INVALID: dict[str, Any] = {
     "name": "study",
     "model": "tiny-moe",
@@ -63,7 +64,7 @@ def drive(study: LayoutStudy, proposals: int) -> list[Layout]:
 
 
 def test_space_is_mostly_invalid(cfg: SweepConfig, launchable: list[Layout]) -> None:
-    assert len(enumerate_layouts(cfg)) == 2304 and len(launchable) == 148
+    assert len(enumerate_layouts(cfg)) == 2304 and len(launchable) == 130
 
 
 @pytest.mark.parametrize("mode", ["ordered", "random", "tpe"])
