@@ -25,6 +25,7 @@ def mlflow_server(mlflow_server_process: Any) -> str:
 
 
 @pytest.mark.e2e
+@pytest.mark.slow  # 2.3 minutes on 2 cores with its server; CI keeps the tracking-server loss test (test_search_loop)
 def test_a_sweep_logs_everything_through_a_tracking_server(tmp_path: Path, mlflow_server: str) -> None:
     out = tmp_path / "sweep"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MLFLOW_TRACKING_TOKEN": TOKEN}

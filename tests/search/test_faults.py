@@ -262,6 +262,7 @@ def _kill_resume(tmp: Path, kills: int) -> str:
     return out.stdout
 
 
+@pytest.mark.slow  # 2 minutes on 2 cores; CI keeps test_sigkill_then_resume_reruns_nothing_finished (one kill)
 def test_the_driver_killed_three_times_and_resumed_loses_duplicates_and_reruns_nothing(tmp_path: Path) -> None:
     """Issue 34, at CI's scale: SIGKILL during the reference, the confirmation and the report, --resume each time
     (scripts/kill_resume.py; its checks: trials.jsonl, Optuna and MLflow agree exactly once, no leak, the winner)."""
