@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sweeper.config.schema import SweepConfig
+from sweeper.estimate.disk import disk_plan
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
 from sweeper.search.objective import predicted_objective, production_gpus
@@ -69,6 +70,11 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
         wide.print(table)
     if len(shown) < len(valid):
         console.print(f"... {len(valid) - len(shown)} more valid layouts (--limit 0 shows all, --json lists them)")
+    if valid:
+        # The reference is FP32 on a simulated cluster (the CPU backend), the space's first precision on GPUs.
+        reference = "fp32" if c.simulate is True else cfg.space.values("precision")[0]
+        smallest = min(e.layout.world_size for e in valid)
+        console.print(disk_plan(cfg, reference, smallest).line(cfg.training.keep_checkpoints))
     reasons = invalid_reasons(entries)
     if reasons:
         why = Table(title="invalid layouts by reason")
