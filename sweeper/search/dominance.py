@@ -47,11 +47,11 @@ class Dominance:
 
     def verdict(self, layout: Layout) -> str | None:
         """Why a measured trial makes ``layout`` not worth running, or None."""
-        oom = self._oom.get(replace(layout, mbs=1))
+        oom = self._oom.get(replace(layout, mbs=1)) if self._oom else None  # a Layout is costly to build
         if oom is not None and layout.mbs > oom.mbs:
             return (f"dominated: micro-batch {oom.mbs} of this layout ran out of memory (trial #{oom.number} "
                     f"{oom.layout}), and activations only grow with the micro-batch")
-        if layout.recompute != "none":
+        if layout.recompute != "none" and self._plain:
             plain = self._plain.get(replace(layout, recompute="none"))
             if plain is not None:
                 return (f"dominated: the same layout without recompute is stable (trial #{plain.number} "

@@ -48,7 +48,19 @@ class Frontier:
         for r in records:  # a resumed sweep knows again what its measured trials decided
             if r.attempt >= 1:
                 self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
+        self._layouts = enumerate_layouts(cfg)
+        self._plan: list[PlanEntry] = []
+        self._plan_calibration: object = self  # no plan made yet (never a calibration)
         self.launchable = self._launchable()
+
+    def _assessed(self) -> list[PlanEntry]:
+        """Every layout's rules and prediction under the current calibration: made again only when the calibration
+        changed (a new object); a measured trial's memory evidence or dominance changes verdicts, not predictions."""
+        current = self.calibrator.current
+        if current is not self._plan_calibration:
+            self._plan = assess_all(self.cfg, self._layouts, current)
+            self._plan_calibration = current
+        return self._plan
 
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
@@ -56,7 +68,7 @@ class Frontier:
         (``sweeper.search.dominance``), and this backend can run them; best predicted objective first. Everything else
         is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
         ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
-        plan = assess_all(self.cfg, enumerate_layouts(self.cfg), self.calibrator.current)
+        plan = self._assessed()
         entries, pruned, dominated, unsupported = [], [], [], []
         for e in plan:
             if not e.valid or e.predicted is None:
@@ -101,7 +113,7 @@ class Frontier:
         largest first (equal-size trials pack the cluster side by side instead of a large one waiting behind
         small ones), fastest predicted first within a size."""
         if self.cfg.search.sampler == "grid":
-            grid = {lo: i for i, lo in enumerate(enumerate_layouts(self.cfg))}
+            grid = {lo: i for i, lo in enumerate(self._layouts)}
             return sorted((e.layout for e in self.launchable), key=grid.__getitem__)
         return [e.layout for e in sorted(self.launchable, key=lambda e: -e.layout.world_size)]
 

@@ -46,11 +46,13 @@ def production_layout(cfg: SweepConfig, layout: Layout) -> Layout | None:
 
 def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:
     """What the production layout's step costs over the trial layout's, as the estimator prices both (seconds)."""
-    production = production_layout(cfg, layout)
-    if production is None or production == layout:
+    k = copies(cfg, layout)
+    if k <= 1:  # the production run is the trial's layout itself, or holds none
         return 0.0
-    key = (_inputs_key(cfg), layout, production.world_size)
+    key = (_inputs_key(cfg), layout, k)
     if key not in _EXTRA_S:
+        production = production_layout(cfg, layout)
+        assert production is not None
         estimator = Estimator.for_config(cfg)
         try:
             trial_s, production_s = estimator(layout).step_time_s, estimator(production).step_time_s

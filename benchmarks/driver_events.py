@@ -1,0 +1,96 @@
+"""The driver's own cost per event on a space of over 100,000 layouts (issue 43): what a measured trial costs the
+frontier before and after its incremental re-assessment, in one run.
+
+The space: benchmarks/spaces/nemotron_wide.yaml widened to 128 nodes x 8 GPUs and trials of 8 to 1,024 GPUs. The
+frontier (sweeper/search/frontier.py) is built over it as a sweep builds it, with a stand-in cluster handle (no Ray:
+every layout is supported) and a fresh sweep folder. Then measured trials arrive as a GPU sweep records them: a
+device peak under the limit (memory evidence) or an out-of-memory failure, each one an event that changes verdicts
+but not the calibration. "before" re-assesses the whole space on every such event (rules and estimator for every
+layout, as the frontier did before issue 43); "after" keeps the assessed plan until the calibration changes. One
+proposal (the next launchable layout not yet taken) is timed too. Prints CPU seconds and the ratio.
+
+    python benchmarks/driver_events.py [--events 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sweeper.config.load import load_config  # noqa: E402
+from sweeper.estimate.calibrator import Calibrator  # noqa: E402
+from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
+from sweeper.record.sweepdir import SweepDir  # noqa: E402
+from sweeper.search.frontier import Frontier  # noqa: E402
+
+WIDE = {"cluster": {"nodes": 128}, "space": {"gpus": [8, 16, 32, 64, 128, 256, 512, 1024],
+                                              "ep": [1, 2, 4, 8, 16, 32, 64], "pp": [1, 2, 4, 8],
+                                              "mbs": [1, 2, 4]}}
+
+
+class StandInHandle:
+    """Stand-in for the trial host (no Ray): every layout is supported."""
+
+    def unsupported(self, model: object, layout: object) -> None:
+        return None
+
+
+def config() -> object:
+    cfg = load_config(ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml")
+    cluster = cfg.cluster.model_copy(update=WIDE["cluster"])
+    space = cfg.space.model_copy(update=WIDE["space"])
+    training = cfg.training.model_copy(update={"global_batch_size": 4096})
+    return cfg.model_copy(update={"cluster": cluster, "space": space, "training": training})
+
+
+def cpu() -> float:
+    return time.process_time()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--events", type=int, default=5)
+    args = parser.parse_args()
+    cfg = config()
+    with tempfile.TemporaryDirectory() as tmp:
+        started = cpu()
+        frontier = Frontier(cfg, StandInHandle(), Calibrator(cfg, Path(tmp)), SweepDir(Path(tmp)), [],
+                            lambda layout: False)
+        build_s = cpu() - started
+        layouts = len(frontier._layouts)  # noqa: SLF001 - the benchmark reads the frontier's space
+        launchable = list(frontier.launchable)
+        print(f"space: {layouts:,} layouts, {len(launchable):,} launchable; frontier built in {build_s:.1f} s CPU")
+        before, after = [], []
+        for i in range(args.events):
+            entry = launchable[(i * 7919) % len(launchable)]
+            assert entry.predicted is not None
+            peak = entry.predicted.memory_gib * (0.9 if i % 2 else 1.5)  # a fit below the limit, or an OOM
+            oom = peak > cfg.memory_limit_gib
+            result = TrialResult(status="failed" if oom else "passed", failure_kind="oom" if oom else None,
+                                 metrics=TrialMetrics(peak_memory_gib=peak, tokens_per_s=1.0, step_time_s=1.0),
+                                 memory_kind="device")
+            frontier._plan_calibration = frontier  # noqa: SLF001 - "before": the plan made again on every event
+            started = cpu()
+            frontier.learn(100 + i, entry.layout, result, calibration_changed=False)
+            before.append(cpu() - started)
+            started = cpu()
+            frontier.learn(200 + i, entry.layout, result, calibration_changed=False)  # "after": the plan kept
+            after.append(cpu() - started)
+        started = cpu()
+        proposal = next((e.layout for e in frontier.launchable if not frontier.taken(e.layout)), None)
+        propose_s = cpu() - started
+        b, a = statistics.median(before), statistics.median(after)
+        print(f"per measured-trial event (median of {args.events}): before {b:.2f} s CPU, after {a:.2f} s CPU: "
+              f"{b / a:.1f}x less")
+        print(f"one proposal: {propose_s * 1e3:.2f} ms CPU ({proposal.short() if proposal else 'none left'})")
+
+
+if __name__ == "__main__":
+    main()
