@@ -59,7 +59,7 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
     shared = cfg.production_batch_reason(layout.world_size) if production else None
     if shared:
-        reasons = [*reasons, shared]
+        reasons = [shared, *reasons]  # first: the rules below judged a rounded share
     predicted = None
     if not reasons:
         predicted = (estimator or Estimator.for_config(cfg, calibration))(layout)

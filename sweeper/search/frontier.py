@@ -53,6 +53,11 @@ class Frontier:
         self._plan_calibration: object = self  # no plan made yet (never a calibration)
         self.launchable = self._launchable()
 
+    @property
+    def assessed(self) -> list[PlanEntry]:
+        """Every layout of the space with its rules' verdict and prediction, as the frontier last assessed it."""
+        return self._plan
+
     def _assessed(self) -> list[PlanEntry]:
         """Every layout's rules and prediction under the current calibration: made again only when the calibration
         changed (a new object); a measured trial's memory evidence or dominance changes verdicts, not predictions."""

@@ -26,7 +26,7 @@ from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, EXIT_OK
 from sweeper.estimate.calibrator import Calibrator
 from sweeper.export import EXECUTABLE, export_files
-from sweeper.plan.assess import PlanEntry, assess
+from sweeper.plan.assess import PlanEntry, assess, invalid_reasons
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report, report_figures
@@ -124,6 +124,12 @@ class Sweep:
         if skipped:
             console.print(f"[yellow]backend[/] {len(skipped)} valid layouts cannot run here and are not proposed "
                           f"(sweep.json unsupported), e.g. {skipped[0]['layout']}: {skipped[0]['reason']}")
+        if not self.frontier.launchable:
+            reasons = invalid_reasons(self.frontier.assessed)
+            if reasons:  # every layout refused: say the commonest reason (``sweeper plan`` lists them all)
+                reason, count = reasons[0]
+                console.print(f"[red]space[/] no layout of the space can run: {count} of {len(self.frontier.assessed)}"
+                              f" are refused because {reason} (sweeper plan lists every reason)", important=True)
         self.exhaustive = len(self.frontier.launchable) <= self.max_trials or cfg.search.sampler == "grid"
         mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
         self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self.frontier.order())
