@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from sweeper.config.units import readable
+from sweeper.config.units import GIB, readable
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.files import write_atomic
@@ -217,6 +217,22 @@ def step_time_section(info: SweepMeta) -> str:
     return intro + figures.html_table(["trial", "layout", "measured s", "uncalibrated s", "calibrated s"], rows)
 
 
+def _disk_text(info: SweepMeta, rows: list[TrialRow]) -> str:
+    """The trials' checkpoints (issue 43): the largest one, how many were kept through the trial, and what the sweep's
+    end left and freed (sweep.json ``checkpoints``)."""
+    sizes = [r.result.checkpoint_bytes for r in rows if r.result.checkpoint_bytes is not None]
+    if not sizes:
+        return "no trial saved one"
+    kept = sum(1 for r in rows if r.result.checkpoint_bytes is not None and not r.result.checkpoint_deleted)
+    text = (f"{len(sizes)} saved, up to {max(sizes) / GIB:.2f} GiB each; {kept} kept past their reload, "
+            f"{len(sizes) - kept} deleted after it")
+    end = info.checkpoints or {}
+    if end:
+        text += (f"; at the end (keep_checkpoints: {end.get('keep')}) {len(end.get('kept') or [])} left, "
+                 f"{int(end.get('freed_bytes') or 0) / GIB:.2f} GiB freed")
+    return text
+
+
 def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int, memory_kind: str | None,
             sweep_dir: Path) -> str:
     model = info.model or {}
@@ -231,6 +247,7 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
     mlflow = info.mlflow or {}
     facts = [
         ("Model", f"{esc(model.get('name', 'not recorded'))} <span class='dim'>{esc(' '.join(model_bits))}</span>"),
+        ("Checkpoints on disk", esc(_disk_text(info, rows))),
         ("Cluster", esc(cluster_text)),
         ("Status", esc(info.status or "not recorded")),
         ("Objective", esc(info.objective or "not recorded")),

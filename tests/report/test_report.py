@@ -33,7 +33,8 @@ def _passed(tokens: float, peak: float, tflops: float = 100.0) -> TrialResult:
                          checkpoint_saved=True, checkpoint_reloaded=True, equivalence_rel_err=1e-4)
     return TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=tokens, step_time_s=1.0,
                        tflops_per_gpu=tflops, peak_memory_gib=peak, loss_first=10.5, loss_last=9.8),
-                       checks=checks, backend="megatron-core-gpu", memory_kind="device")
+                       checks=checks, backend="megatron-core-gpu", memory_kind="device",
+                       checkpoint_bytes=3 * 2**29, checkpoint_deleted=True)
 
 
 def _failed(kind: str, error: str, peak: float | None = None) -> TrialResult:
@@ -142,6 +143,12 @@ def test_header_shows_best_headroom_and_counts(rendered: tuple[Path, str]) -> No
     assert "oom 1" in page and "nan 1" in page and "infra 1" in page
     assert "invalid_layout 2" in page
     assert "2 passed of 2" in page
+
+
+def test_header_says_what_the_checkpoints_took_on_disk(rendered: tuple[Path, str]) -> None:
+    """Issue 43: the report shows each trial's checkpoint size and what stayed on disk."""
+    _, page = rendered
+    assert "7 saved, up to 1.50 GiB each; 0 kept past their reload, 7 deleted after it" in page
 
 
 def test_every_attempt_is_a_table_row(rendered: tuple[Path, str]) -> None:
