@@ -5,6 +5,7 @@ Megatron's linear layers have. Each check runs in its own thread: the mode is en
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -154,7 +155,9 @@ def test_megatrons_linear_backward_runs_its_products_in_fp32_even_with_the_mode_
 
     def run() -> list[torch.Tensor]:
         # No gradient-accumulation fusion, no TP all-reduce or sequence parallelism: no process group needed.
-        out = Linear.apply(x, w, None, False, False, False, None, 0, None)
+        # megatron-core 0.19 adds gtp_remat_size (1: the weight is whole).
+        gtp = (1,) if "gtp_remat_size" in inspect.signature(Linear.forward).parameters else ()
+        out = Linear.apply(x, w, None, False, False, False, None, 0, None, *gtp)
         torch.autograd.backward(out.float().square().sum())
         return [x.grad, w.grad]
 

@@ -6,6 +6,7 @@ SequentialMLP fails with them at ETP 1, an in-place add on its reduce's output v
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,10 @@ def _compare(rank: int, etp: int, gated: bool, bias: bool, empty: bool) -> dict[
         activation_func=F.silu if gated else (lambda x: torch.relu(x) ** 2), use_cpu_initialization=True,
         expert_tensor_parallel_size=etp, params_dtype=torch.float32,
     )
-    submodules = get_gpt_layer_local_spec(num_experts=experts).submodules.mlp.submodules.experts.submodules
+    def inner(spec):  # a ModuleSpec, or from megatron-core 0.19 functools.partial(<class>, submodules=...)
+        return spec.keywords["submodules"] if isinstance(spec, functools.partial) else spec.submodules
+
+    submodules = inner(inner(inner(get_gpt_layer_local_spec(num_experts=experts)).mlp).experts)
     pg = get_default_pg_collection()
     torch.manual_seed(3)
     ours = GroupedSequentialMLP(experts, config, submodules, pg_collection=pg)

@@ -100,9 +100,9 @@ def _attention_case(rank: int, cp: int, groups: int) -> dict[str, float]:
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.utils import get_batch_on_this_cp_rank
 
     from sweeper.backends.megatron.cpu.attention import ContextParallelDotProductAttention, load_balanced_positions
+    from sweeper.backends.megatron.releases import batch_on_this_cp_rank
 
     parallel_state.initialize_model_parallel(context_parallel_size=cp)
     tensor_parallel.model_parallel_cuda_manual_seed(1)  # attention dropout forks the model-parallel RNG
@@ -126,7 +126,7 @@ def _attention_case(rank: int, cp: int, groups: int) -> dict[str, float]:
 
     mine = load_balanced_positions(seq // cp, cp, parallel_state.get_context_parallel_rank())
     # The positions this module assumes are the ones Megatron's batch split gives this rank.
-    megatron_split = get_batch_on_this_cp_rank({"tokens": torch.arange(seq).unsqueeze(0)})["tokens"][0]
+    megatron_split = batch_on_this_cp_rank({"tokens": torch.arange(seq).unsqueeze(0)})["tokens"][0]
     assert megatron_split.tolist() == mine.tolist(), (megatron_split, mine)
     local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
     out = under_test(*local, None)

@@ -67,8 +67,8 @@ def save(built: Built, directory: Path) -> None:
         dcp.save(_fsdp_state_dict(built), checkpoint_id=str(directory))
         return
     _use_in_process_results_queue()
-    dist_checkpointing.save(_sharded_state_dict(built.bare_chunks()), str(directory),
-                            sharded_strategy=("torch_dist", 1))
+    # megatron-core's default strategy, torch_dist (0.19 no longer takes it as a ("torch_dist", 1) tuple).
+    dist_checkpointing.save(_sharded_state_dict(built.bare_chunks()), str(directory))
 
 
 def load(built: Built, directory: Path) -> list[dict[str, Any]] | None:
@@ -92,7 +92,7 @@ def load_chunks(chunks: list[torch.nn.Module], directory: Path) -> list[dict[str
     """Load a torch_dist checkpoint's weights into bare model chunks, and return the state dict each loaded. The
     checkpoint may come from another layout: each rank asks for its shards of the global tensors (Megatron's
     resharding across TP/PP/VPP/EP/ETP)."""
-    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(directory), sharded_strategy=("torch_dist", 1))
+    loaded = dist_checkpointing.load(_sharded_state_dict(chunks), str(directory))  # the strategy it was saved with
     states = [loaded["model" if len(chunks) == 1 else f"model{i}"] for i in range(len(chunks))]
     for chunk, state in zip(chunks, states):
         chunk.load_state_dict(state, strict=True)

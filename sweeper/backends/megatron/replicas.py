@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state as ps
-from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron.core.utils import unwrap_model
 
+from sweeper.backends.megatron import releases
 from sweeper.backends.megatron.build import Built
 from sweeper.backends.megatron.failures import ReplicaDivergenceError
 
@@ -107,8 +107,7 @@ def _replicated_params(built: Built) -> dict[str, list[tuple[str, torch.Tensor]]
     return out
 
 
-_EXPERT_MODULES: tuple[type[torch.nn.Module], ...] = tuple(
-    cls for cls in (SequentialMLP, GroupedMLP, TEGroupedMLP) if isinstance(cls, type))
+_EXPERT_MODULES = releases.expert_mlp_classes()
 
 
 def _checksum(param: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from sweeper.backends.megatron import releases
 from sweeper.backends.megatron.build import Built
 from sweeper.backends.megatron.device import rank_device
 from sweeper.backends.megatron.failures import NonFiniteError
@@ -63,9 +64,7 @@ def _on_this_cp_rank(batch: Batch) -> Batch:
     """The CP rank's part of the sequence: 2*CP chunks, rank i keeps chunks i and 2*CP-1-i (Megatron's order)."""
     if parallel_state.get_context_parallel_world_size() == 1:
         return batch
-    from megatron.core.utils import get_batch_on_this_cp_rank
-
-    parts = get_batch_on_this_cp_rank(
+    parts = releases.batch_on_this_cp_rank(
         {"tokens": batch.tokens, "labels": batch.labels, "position_ids": batch.position_ids}
     )
     return Batch(parts["tokens"], parts["labels"], parts["position_ids"])

@@ -241,7 +241,8 @@ def _patch_torch_cuda() -> None:
 
 
 def _patch_megatron_without_te() -> None:
-    """megatron-core 0.16.1's own bugs when Transformer Engine is not installed, on any device."""
+    """megatron-core 0.16.1's own bugs when Transformer Engine is not installed, on any device (0.19 has the fixes:
+    each is mended only where it is found)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     # The router references an undefined name (NameError at the first MoE forward); None selects the torch path.
@@ -253,17 +254,19 @@ def _patch_megatron_without_te() -> None:
     import megatron.core.transformer.multi_latent_attention as mla
 
     if not getattr(te_extensions, "HAVE_TE", True):
-        replace(mla, "HAVE_TE", False)
-        # MLASelfAttention gives the duplicated-mode arguments to the class it knows as TELinear (a MagicMock
-        # here): the local spec's down projections are that layer's local twin (cpu/linear.py).
+        if mla.HAVE_TE:  # megatron-core 0.16.1; from 0.19 it is TE's own flag
+            replace(mla, "HAVE_TE", False)
+        # MLASelfAttention gives the duplicated-mode arguments to the class it knows as TELinear (a MagicMock in
+        # 0.16.1, None from 0.19): the local spec's down projections are that layer's local twin (cpu/linear.py).
         from sweeper.backends.megatron.cpu.linear import DuplicatedLinear
 
         replace(mla, "TELinear", DuplicatedLinear)
     import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter
 
-    if not isinstance(adapter.TELinear, type):
-        # Its TELinear is a MagicMock too, and the adapter's isinstance(module, (TELinear,)) raises (TypeError) at
-        # TP > 1. No module of a model built without TE is a TELinear.
+    if hasattr(adapter, "TELinear") and not isinstance(adapter.TELinear, type):
+        # Its TELinear is a MagicMock too (0.16.1; the name is gone from 0.19), and the adapter's
+        # isinstance(module, (TELinear,)) raises (TypeError) at TP > 1. No module of a model built without TE is a
+        # TELinear.
         replace(adapter, "TELinear", type("NoTELinear", (), {}))
 
 

@@ -9,6 +9,12 @@ its constructor's. None where the original is not a callable of megatron-core's 
 megatron-core puts in place of a class of a missing package, a name it leaves undefined without that package
 (``defined=False``), or a module. Patches of torch itself (``torch.cuda`` stand-ins, ``all_gather`` of uneven
 tensors, the device mode) are not megatron-core's and are not listed.
+
+``versions`` is where a patch applies. A patch that mends a megatron-core defect fixed in a later release (Transformer
+Engine's MagicMocks, ``te_general_gemm`` left undefined) names the releases that have the defect; elsewhere the
+stand-in finds the fix and leaves megatron-core as it is, and the test checks that it did. Every row was checked
+against each release in ``CHECKED``, the ends of the supported range ``SUPPORTED``; where a signature differs
+between them, ``signature`` maps each release range to its own.
 """
 
 from __future__ import annotations
@@ -16,116 +22,151 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from packaging.specifiers import SpecifierSet
+
+# The megatron-core releases the CPU stand-ins run on (pyproject's range), and those every row was checked against.
+SUPPORTED = ">=0.16.1,<0.20"
+CHECKED = ("0.16.1", "0.19.2")
+
 
 @dataclass(frozen=True)
 class Patch:
     """One megatron-core symbol a stand-in replaces (``target``, dotted), by whom (``by``, relative to this
-    package), the signature it was written against and the megatron-core versions (a PEP 440 specifier)."""
+    package), the signature it was written against (one, or one per release range: a PEP 440 specifier -> the
+    signature) and the megatron-core releases where the patch applies (a PEP 440 specifier)."""
 
     target: str
     by: str
-    signature: str | None
-    versions: str
+    signature: str | None | dict[str, str]
+    versions: str = SUPPORTED
     defined: bool = True  # False: megatron-core leaves the name undefined where the optional package is missing
+
+    def applies(self, release: str) -> bool:
+        """Whether the stand-ins patch this symbol on megatron-core ``release``."""
+        return release in SpecifierSet(self.versions)
+
+    def signature_on(self, release: str) -> str | None:
+        """The signature megatron-core ``release`` has (None: not a callable of megatron-core's own)."""
+        if not isinstance(self.signature, dict):
+            return self.signature
+        for versions, signature in self.signature.items():
+            if release in SpecifierSet(versions):
+                return signature
+        raise LookupError(f"{self.target}: no signature recorded for megatron-core {release}")
 
 
 _MCORE = "megatron.core."
 _FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp."
 
 PATCHES: tuple[Patch, ...] = (
-    # compat.py: megatron-core's own bugs without Transformer Engine (any device)
+    # compat.py: megatron-core's own bugs without Transformer Engine (any device); fixed in 0.19.2: te_general_gemm
+    # defined as None, multi-latent attention's HAVE_TE false and its TE classes None, the FSDP adapter's TELinear gone
     Patch(_MCORE + "transformer.moe.moe_utils.te_general_gemm", "compat._patch_megatron_without_te", None,
           "==0.16.1", defined=False),
     Patch(_MCORE + "transformer.multi_latent_attention.HAVE_TE", "compat._patch_megatron_without_te", None,
           "==0.16.1"),
-    Patch(_MCORE + "transformer.multi_latent_attention.TELinear", "linear.DuplicatedLinear", None, "==0.16.1"),
+    # The duplicated down projections' class where MLASelfAttention looks for TE's (a MagicMock, later None)
+    Patch(_MCORE + "transformer.multi_latent_attention.TELinear", "linear.DuplicatedLinear", None),
     Patch(_MCORE + "distributed.fsdp.mcore_fsdp_adapter.TELinear", "compat._patch_megatron_without_te", None,
           "==0.16.1"),
     # compat.py: the CPU's
     Patch(_MCORE + "tensor_parallel.random._get_cuda_rng_state", "compat._patch_megatron",
-          "(device='cuda', clone=False, graph_safe=False)", "==0.16.1"),
+          "(device='cuda', clone=False, graph_safe=False)"),
     Patch(_MCORE + "tensor_parallel.random._set_cuda_rng_state", "compat._patch_megatron",
-          "(new_state, device=-1, graph_safe=False)", "==0.16.1"),
+          "(new_state, device=-1, graph_safe=False)"),
     Patch(_MCORE + "tensor_parallel.random.CudaRNGStatesTracker", "compat._make_cpu_tracker",
-          "(use_cudagraphable_rng=False, is_inference_rng_tracker=False)", "==0.16.1"),
+          "(use_cudagraphable_rng=False, is_inference_rng_tracker=False)"),
     Patch(_MCORE + "tensor_parallel.random.CudaRNGStatesTracker.add", "compat._make_cpu_tracker",
-          "(self, name, seed)", "==0.16.1"),
+          "(self, name, seed)"),
     Patch(_MCORE + "tensor_parallel.random.CudaRNGStatesTracker.fork", "compat._make_cpu_tracker",
-          "(self, name='model-parallel-rng')", "==0.16.1"),
+          "(self, name='model-parallel-rng')"),
     Patch(_MCORE + "transformer.moe.moe_utils.maybe_move_tensor_to_cpu", "compat._patch_alltoall_dispatcher",
-          "(tensor, as_numpy=False, record_stream=False)", "==0.16.1"),
+          "(tensor, as_numpy=False, record_stream=False)"),
     Patch(_MCORE + "transformer.moe.token_dispatcher.maybe_move_tensor_to_cpu", "compat._patch_alltoall_dispatcher",
-          "(tensor, as_numpy=False, record_stream=False)", "==0.16.1"),
+          "(tensor, as_numpy=False, record_stream=False)"),
     Patch(_MCORE + "optimizer.clip_grads.l2_norm_impl", "compat._foreach_l2_norm",
-          "(chunk_size, noop_flag, tensor_lists, per_tensor, *args)", "==0.16.1"),
+          "(chunk_size, noop_flag, tensor_lists, per_tensor, *args)"),
     Patch(_MCORE + "optimizer.clip_grads.multi_tensor_scale_impl", "compat._foreach_scale",
-          "(chunk_size, noop_flag, tensor_lists, scale)", "==0.16.1"),
+          "(chunk_size, noop_flag, tensor_lists, scale)"),
     Patch(_MCORE + "optimizer.optimizer.multi_tensor_scale_impl", "compat._foreach_scale",
-          "(chunk_size, noop_flag, tensor_lists, scale)", "==0.16.1"),
-    Patch(_FSDP + "megatron_fsdp.MegatronFSDP.__init__", "compat._patch_megatron_fsdp",
-          "(self, module, dist_index, ddp_config=None, fsdp_unit_modules=None, disable_bucketing=False, device=None, "
-          "calculate_per_token_loss=False, init_model_with_meta_device=False, sync_model_each_microbatch=False, "
-          "keep_fp8_transpose_cache=False, nccl_ub=False, fsdp_double_buffer=False, "
-          "disable_symmetric_registration=False, enable_fine_grained_param_gather_hook=False)", "==0.16.1"),
+          "(chunk_size, noop_flag, tensor_lists, scale)"),
+    Patch(_FSDP + "megatron_fsdp.MegatronFSDP.__init__", "compat._patch_megatron_fsdp", {
+        "<0.17": "(self, module, dist_index, ddp_config=None, fsdp_unit_modules=None, disable_bucketing=False, "
+                 "device=None, calculate_per_token_loss=False, init_model_with_meta_device=False, "
+                 "sync_model_each_microbatch=False, keep_fp8_transpose_cache=False, nccl_ub=False, "
+                 "fsdp_double_buffer=False, disable_symmetric_registration=False, "
+                 "enable_fine_grained_param_gather_hook=False)",
+        ">=0.19": "(self, module, dist_index, ddp_config=None, mixed_precision_policy=MixedPrecisionPolicy("
+                  "main_params_dtype=torch.float32, main_grads_dtype=None, grad_comm_dtype=None), "
+                  "fsdp_unit_modules=None, disable_bucketing=False, device=None, calculate_per_token_loss=False, "
+                  "init_model_with_meta_device=False, sync_model_each_microbatch=False, "
+                  "keep_fp8_transpose_cache=False, nccl_ub=False, fsdp_double_buffer=False, "
+                  "fsdp_db_use_persist_buf_on_alloc_fail=False, disable_symmetric_registration=False, "
+                  "enable_fine_grained_param_gather_hook=False, enable_fine_grained_param_gather_backward_hook=False, "
+                  "fine_grained_recurse_module_types=None, report_nan_in_param_grad=False)"}),
     Patch(_FSDP + "param_and_grad_buffer._coalescing_manager", "compat._patch_megatron_fsdp_collectives",
-          "(group=None, device=None, async_ops=False)", "==0.16.1"),
+          "(group=None, device=None, async_ops=False)"),
     Patch(_FSDP + "param_and_grad_buffer.AllGatherPipeline.async_bucket_gather",
-          "compat._patch_megatron_fsdp_collectives", "(self, bucket_id, bwd)", "==0.16.1"),
+          "compat._patch_megatron_fsdp_collectives", "(self, bucket_id, bwd)"),
     Patch(_MCORE + "tensor_parallel.layers.LinearWithGradAccumulationAndAsyncCommunication.backward",
-          "compat.products_in_fp32_on_backward", "(ctx, grad_output)", "==0.16.1"),
+          "compat.products_in_fp32_on_backward", "(ctx, grad_output)"),
     Patch(_MCORE + "tensor_parallel.layers.LinearWithFrozenWeight.backward", "compat.products_in_fp32_on_backward",
-          "(ctx, grad_output)", "==0.16.1"),
+          "(ctx, grad_output)"),
     # spec.py's substitutions in the local layer spec, and the modules substituted
-    Patch(_MCORE + "transformer.moe.experts.SequentialMLP", "spec.adapt_local_block_spec",
-          "(num_local_experts, config, submodules, pg_collection=None)", "==0.16.1"),
+    Patch(_MCORE + "transformer.moe.experts.SequentialMLP", "spec.adapt_local_block_spec", {
+        "<0.17": "(num_local_experts, config, submodules, pg_collection=None)",
+        ">=0.19": "(num_local_experts, config, submodules, pg_collection=None, name=None)"}),
     Patch(_MCORE + "transformer.moe.experts.SequentialMLP.forward", "experts.GroupedSequentialMLP",
-          "(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)", "==0.16.1"),
+          "(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)"),
     Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention", "spec.adapt_local_block_spec",
           "(config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None, "
-          "cp_comm_type=None, pg_collection=None)", "==0.16.1"),
+          "cp_comm_type=None, pg_collection=None)"),
     Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention.__init__",
           "attention.LatentDotProductAttention",
           "(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None, softmax_scale=None, "
-          "cp_comm_type=None, pg_collection=None)", "==0.16.1"),
+          "cp_comm_type=None, pg_collection=None)"),
     Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention.forward",
           "attention.ContextParallelDotProductAttention",
           "(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, "
-          "packed_seq_params=None)", "==0.16.1"),
+          "packed_seq_params=None)"),
     Patch(_MCORE + "transformer.torch_norm.WrappedTorchNorm", "spec.adapt_local_block_spec",
           "(config, hidden_size, eps=1e-05, persist_layer_norm=False, zero_centered_gamma=False, "
-          "normalization='LayerNorm')", "==0.16.1"),
-    Patch(_MCORE + "transformer.multi_latent_attention.MLASelfAttentionSubmodules", "spec._swap",
-          "(linear_q_proj=None, linear_q_down_proj=None, linear_q_up_proj=None, linear_kv_down_proj=None, "
-          "linear_kv_up_proj=None, core_attention=None, linear_proj=None, q_layernorm=None, kv_layernorm=None)",
-          "==0.16.1"),
+          "normalization='LayerNorm')"),
+    Patch(_MCORE + "transformer.multi_latent_attention.MLASelfAttentionSubmodules", "spec._swap", {
+        "<0.17": "(linear_q_proj=None, linear_q_down_proj=None, linear_q_up_proj=None, linear_kv_down_proj=None, "
+                 "linear_kv_up_proj=None, core_attention=None, linear_proj=None, q_layernorm=None, "
+                 "kv_layernorm=None)",
+        ">=0.19": "(linear_proj, q_layernorm, kv_layernorm, linear_q_proj=None, linear_q_down_proj=None, "
+                  "linear_q_up_proj=None, linear_kv_down_proj=None, linear_kv_up_proj=None, "
+                  "linear_qkv_down_proj=None, core_attention=None)"}),
     Patch(_MCORE + "transformer.module.MegatronModule.__init__",
-          "attention.ContextParallelDotProductAttention, linear.DuplicatedLinear", "(self, config)", "==0.16.1"),
+          "attention.ContextParallelDotProductAttention, linear.DuplicatedLinear", "(self, config)"),
     Patch(_MCORE + "transformer.module.MegatronModule.sharded_state_dict", "linear.DuplicatedLinear",
-          "(self, prefix='', sharded_offsets=(), metadata=None)", "==0.16.1"),
+          "(self, prefix='', sharded_offsets=(), metadata=None)"),
     # mamba.py: torch Mamba2 kernels where mamba_ssm (and Triton) are missing, and the local stack spec
-    Patch(_MCORE + "ssm.mamba_mixer.mamba_chunk_scan_combined", "mamba.install", None, "==0.16.1", defined=False),
+    Patch(_MCORE + "ssm.mamba_mixer.mamba_chunk_scan_combined", "mamba.install", None, "==0.16.1",
+          defined=False),
     Patch(_MCORE + "ssm.mamba_mixer.mamba_split_conv1d_scan_combined", "mamba.install", None, "==0.16.1",
           defined=False),
-    Patch(_MCORE + "ssm.mamba_mixer.RMSNormGated", "mamba.GatedRMSNorm", None, "==0.16.1"),
-    Patch(_MCORE + "ssm.mamba_mixer.ExtendedRMSNorm", "mamba.ExtendedGatedRMSNorm", None, "==0.16.1"),
-    Patch(_MCORE + "ssm.mamba_mixer.HAVE_MAMBA_SSM", "mamba.install", None, "==0.16.1"),
-    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)", "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_mixer.RMSNormGated", "mamba.GatedRMSNorm", None),
+    Patch(_MCORE + "ssm.mamba_mixer.ExtendedRMSNorm", "mamba.ExtendedGatedRMSNorm", None),
+    Patch(_MCORE + "ssm.mamba_mixer.HAVE_MAMBA_SSM", "mamba.install", None),
+    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)"),
     Patch(_MCORE + "inference.contexts.attention_context.triton.tensor_ops",
-          "mamba._provide_tensor_ops_without_triton", None, "==0.16.1"),
-    Patch(_MCORE + "models.mamba.mamba_layer_specs.mamba_stack_spec", "mamba.local_mamba_stack_spec", None,
-          "==0.16.1"),
+          "mamba._provide_tensor_ops_without_triton", None),
+    Patch(_MCORE + "models.mamba.mamba_layer_specs.mamba_stack_spec", "mamba.local_mamba_stack_spec", None),
     Patch(_MCORE + "ssm.mamba_block.MambaStackSubmodules", "mamba.local_mamba_stack_spec",
           "(mamba_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
           "attention_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
           "mlp_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
-          "moe_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>)", "==0.16.1"),
+          "moe_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>)"),
     Patch(_MCORE + "ssm.mamba_layer.MambaLayerSubmodules", "mamba.local_mamba_stack_spec",
           "(norm=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
           "mixer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
           "mamba_bda=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
-          "sharded_state_dict_keys_map=<factory>)", "==0.16.1"),
+          "sharded_state_dict_keys_map=<factory>)"),
     Patch(_MCORE + "ssm.mamba_mixer.MambaMixerSubmodules", "mamba.local_mamba_stack_spec",
-          "(in_proj=None, out_proj=None)", "==0.16.1"),
+          "(in_proj=None, out_proj=None)"),
 )
 
 # What this process patched: target -> the value put there (read by the test that every patch is a row above).

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from typing import Any
 
 from megatron.core.transformer import TransformerConfig
@@ -59,6 +60,12 @@ def _swap(node: Any, swaps: dict[type, type]) -> Any:
         record(dotted(MLASelfAttentionSubmodules), DuplicatedLinear)
     if isinstance(node, list):
         return [_swap(item, swaps) for item in node]
+    if isinstance(node, functools.partial):
+        # From megatron-core 0.19 a spec may be functools.partial(<module class>, submodules=...).
+        func = _swap(node.func, swaps)
+        args = tuple(_swap(arg, swaps) for arg in node.args)
+        keywords = {key: _swap(value, swaps) for key, value in node.keywords.items()}
+        return functools.partial(func, *args, **keywords)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for field in dataclasses.fields(node):
             value = getattr(node, field.name)

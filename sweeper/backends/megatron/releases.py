@@ -1,0 +1,42 @@
+"""What differs between the megatron-core releases sweeper runs (0.16.1 to 0.19.x), in one place: the trial code
+calls these instead of branching on the version where it uses megatron-core.
+
+Each difference names the release that made it. The CPU stand-ins' patches have their own table
+(cpu/patches.py), checked against the installed release by tests/backends/test_cpu_patches.py.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import cache
+from importlib.metadata import version
+from typing import Any
+
+import torch
+from packaging.version import Version
+
+
+@cache
+def installed() -> Version:
+    """The installed megatron-core release."""
+    return Version(version("megatron-core"))
+
+
+def batch_on_this_cp_rank(batch: dict[str, Any]) -> dict[str, Any]:
+    """``megatron.core.utils.get_batch_on_this_cp_rank`` for a pretraining batch (no packed sequences): the sequence
+    in 2*CP chunks, CP rank i keeping chunks i and 2*CP-1-i. From 0.19 the function also asks whether hybrid CP is
+    on (it is not: sweeper's CP is the layout's one group)."""
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False)
+    return get_batch_on_this_cp_rank(batch)
+
+
+def expert_mlp_classes() -> tuple[type[torch.nn.Module], ...]:
+    """megatron-core's expert MLP modules of this release: SequentialMLP and TEGroupedMLP, and up to 0.16 the legacy
+    GroupedMLP (removed by 0.19). A class megatron-core leaves a MagicMock without its package is left out."""
+    from megatron.core.transformer.moe import experts
+
+    names = ("SequentialMLP", "GroupedMLP", "TEGroupedMLP")
+    return tuple(cls for name in names if isinstance(cls := getattr(experts, name, None), type))
