@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import Any
 
+from packaging.version import Version
+
+from sweeper.config import megatron_release
 from sweeper.config.schema import ClusterConfig
 from sweeper.models.spec import ModelSpec
 from sweeper.space.axes import PIPELINE_SPLIT
@@ -382,6 +385,9 @@ def experts_divisible_by_ep(c: RuleContext) -> str | None:
     return None
 
 
+EXPERT_GRADS_FIXED_IN = Version("0.19")  # the first release checked to reduce expert gradients over expert DP
+
+
 @rule("ep", "etp", "tp")
 def expert_grads_reduced_over_expert_dp(c: RuleContext) -> str | None:
     # Not a Megatron check but a megatron-core <= 0.16.1 defect (measured: TP2 ETP1 EP1 replicas differ after one
@@ -389,14 +395,17 @@ def expert_grads_reduced_over_expert_dp(c: RuleContext) -> str | None:
     # extensions/transformer_engine.py), so with EP 1 DDP puts expert weights in the dense buffers and reduces
     # their gradients over the data-parallel group (TP*PP ranks apart) instead of the expert-data-parallel group.
     # The groups are the same only when ETP == TP; otherwise each expert replica keeps its own tokens' gradient.
-    # Fixed upstream by NVIDIA/Megatron-LM#5916 (expert params become `is_expert and (EP > 1 or ETP != TP)`).
+    # Fixed upstream by NVIDIA/Megatron-LM#5916 (expert params become `is_expert and (EP > 1 or ETP != TP)`): in
+    # 0.19.2 (tensor_parallel/layers.py use_expert_pgs; TP2 ETP1 EP1 replicas then stay equal), not checked in 0.17
+    # or 0.18, so refused below 0.19.
     lo = c.layout
-    if c.model.is_moe and lo.ep == 1 and lo.etp != lo.tp:
+    if c.model.is_moe and lo.ep == 1 and lo.etp != lo.tp and megatron_release.installed() < EXPERT_GRADS_FIXED_IN:
         return (
             f"expert_tensor_parallel_size ({lo.etp}) != tensor_model_parallel_size ({lo.tp}) with "
-            f"expert_model_parallel_size 1: megatron-core <= 0.16.1 treats expert weights as dense when EP == 1 "
+            f"expert_model_parallel_size 1: megatron-core {megatron_release.installed()} treats expert weights as "
+            f"dense when EP == 1 "
             f"(param.allreduce=True), so their gradients are reduced over the data-parallel group instead of the "
-            f"expert-data-parallel group and the expert replicas drift apart (fixed upstream in "
+            f"expert-data-parallel group and the expert replicas drift apart (fixed in megatron-core 0.19, "
             f"NVIDIA/Megatron-LM#5916); use ETP = TP or EP > 1"
         )
     return None

@@ -17,10 +17,12 @@ import pytest
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import CheckpointError, NonFiniteError, SimulatedOOMError, classify, one_line
 from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.config import megatron_release
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.models.catalog import preset
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
+from sweeper.plan.rules import EXPERT_GRADS_FIXED_IN
 from sweeper.record.schema import FAILURE_KINDS
 from sweeper.space.layout import Layout
 
@@ -157,6 +159,11 @@ def test_expert_replicas_that_drift_apart_are_reported_as_divergence(tmp_path: P
     # the backend runs what it is given). The copies differ after one step: the smoke run must say so.
     layout = Layout(world_size=2, tp=2, sp=True, gbs=2, precision="fp32")
     reports = _run(_request(tmp_path, layout, "tiny-moe", steps=2, checkpoint=True), 2)
+    if megatron_release.installed() >= EXPERT_GRADS_FIXED_IN:
+        # NVIDIA/Megatron-LM#5916's fix: the experts' gradients reduced over expert DP, the copies stay equal.
+        _assert_passed(reports, steps=2)
+        assert all(r.checks.replicas_consistent for r in reports)
+        return
     _assert_failed(reports, "replica_divergence")
     for r in reports:
         assert "mlp.experts.local_experts" in r.error and "expert-data-parallel group (global ranks [0, 1])" in r.error
@@ -184,6 +191,9 @@ def test_expert_replicas_stay_equal_when_etp_equals_tp(tmp_path: Path) -> None:
     ids=["tp2-sp", "pp2-uneven", "ep2"],
 )
 def test_mla_trains_on_the_cpu(tmp_path: Path, layout: Layout) -> None:
+    refused = unsupported_reason(TINY_MLA, layout, cuda=False, te=False)
+    if refused:  # megatron-core 0.19 fuses this model's query norm into a TE layer
+        pytest.skip(refused)
     reports = _run(_request(tmp_path, layout, TINY_MLA, checkpoint=True), 2)
     _assert_passed(reports)
     assert all(r.checks.checkpoint_reloaded for r in reports)
@@ -393,7 +403,7 @@ def test_classification_of_megatron_layout_assertions() -> None:
     from megatron.core import parallel_state
     from megatron.core.transformer import TransformerConfig
 
-    with pytest.raises(AssertionError) as asserted:
+    with pytest.raises((AssertionError, ValueError)) as asserted:  # an assert up to 0.16, a ValueError from 0.19
         TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, moe_ffn_hidden_size=32)
     assert classify(asserted.value, "build") == ("invalid_layout", str(asserted.value))
     created = not torch.distributed.is_initialized()

@@ -368,6 +368,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _conv1d(mixer: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mixer's depthwise conv weight (d, 1, w) and bias: an ``nn.Conv1d`` in megatron-core 0.16.1, two
+    parameters (``conv1d_weight``, ``conv1d_bias``) in 0.19.2."""
+    if hasattr(mixer, "conv1d_weight"):
+        return mixer.conv1d_weight, mixer.conv1d_bias
+    return mixer.conv1d.weight, mixer.conv1d.bias
+
+
 def _naive_mixer(mixer: Any, hidden: torch.Tensor) -> torch.Tensor:
     """MambaMixer.forward recomputed through the naive recurrence (float64), with the mixer's own parameters."""
     d_inner, heads, groups, n, p = (mixer.d_inner_local_tp, mixer.nheads_local_tp, mixer.ngroups_local_tp,
@@ -375,7 +383,8 @@ def _naive_mixer(mixer: Any, hidden: torch.Tensor) -> torch.Tensor:
     zxbcdt = F.linear(hidden.to(F64), mixer.in_proj.weight.to(F64)).transpose(0, 1)  # (b, l, d)
     b, seqlen = zxbcdt.shape[:2]
     z, xBC, dt = torch.split(zxbcdt, [d_inner, d_inner + 2 * groups * n, heads], dim=-1)
-    xBC = naive_causal_conv(xBC, mixer.conv1d.weight[:, 0].to(F64), mixer.conv1d.bias.to(F64))
+    conv_weight, conv_bias = _conv1d(mixer)
+    xBC = naive_causal_conv(xBC, conv_weight[:, 0].to(F64), conv_bias.to(F64))
     x, B, C = torch.split(xBC, [d_inner, groups * n, groups * n], dim=-1)
     D = mixer.D.to(F64)
     y, _ = naive_scan(x.reshape(b, seqlen, heads, p), naive_dt(dt, mixer.dt_bias.to(F64), True, None),
@@ -428,7 +437,7 @@ def _megatron_checks(port: int) -> dict[str, Any]:
             # Non-trivial values for the parameters that start at ones/zeros.
             with torch.no_grad():
                 mixer.D.uniform_(-1, 1)
-                mixer.conv1d.bias.uniform_(-0.2, 0.2)
+                _conv1d(mixer)[1].uniform_(-0.2, 0.2)
                 if rmsnorm:
                     mixer.norm.weight.uniform_(0.5, 1.5)
             params = [p for p in mixer.parameters()]

@@ -133,7 +133,7 @@ def test_patched_symbol_is_where_and_what_it_was_written_for(patch: Patch, probe
         assert patch.target not in probe["applied"], \
             f"{where} applies to megatron-core {patch.versions}, yet was patched on {release}"
         return
-    if patch.defined:
+    if patch.defined_on(release):
         assert original["found"], f"{where} is gone from megatron-core {release} (found up to " \
                                   f"{original['owner']}): find where it moved and update the patch and its row"
     else:

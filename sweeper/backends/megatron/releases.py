@@ -8,18 +8,16 @@ Each difference names the release that made it. The CPU stand-ins' patches have 
 from __future__ import annotations
 
 import inspect
-from functools import cache
-from importlib.metadata import version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from packaging.version import Version
 
+if TYPE_CHECKING:
+    import torch
 
-@cache
-def installed() -> Version:
-    """The installed megatron-core release."""
-    return Version(version("megatron-core"))
+# Multi-latent attention without a query LoRA normalises the query in a fused norm+linear q_proj when qk_layernorm is
+# on (transformer/mla_qk_norm_config.py); 0.16.1 had no query norm there. Checked on 0.19.2, not on 0.17/0.18.
+MLA_Q_NORM_FUSED = Version("0.17")
 
 
 def batch_on_this_cp_rank(batch: dict[str, Any]) -> dict[str, Any]:

@@ -8,6 +8,8 @@ and so does multi-latent attention (Megatron's local MLA spec with a K/V-width-a
 
 from __future__ import annotations
 
+from sweeper.backends.megatron import releases
+from sweeper.config import megatron_release
 from sweeper.config.kernels import Kernels
 from sweeper.config.run_settings import RunSettings
 from sweeper.models.params import total_params
@@ -67,6 +69,14 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
                   "Engine on a GPU")
     if spec.multi_latent_attention and cuda and not te:
         return no("multi_latent_attention (MLA)", "MLA's layer spec needs Transformer Engine on a GPU")
+    if (spec.multi_latent_attention and spec.qk_layernorm and spec.q_lora_rank is None and not (cuda and te)
+            and megatron_release.installed() >= releases.MLA_Q_NORM_FUSED):
+        # From 0.19 MLA without a query LoRA normalises the query in a fused norm+linear q_proj
+        # (transformer/mla_qk_norm_config.py), which only Transformer Engine provides: megatron-core raises
+        # "qk_layernorm requires TransformerEngine" (0.16.1 built the kv norm alone, the query unnormalised).
+        return no(f"multi_latent_attention with qk_layernorm and no q_lora_rank on megatron-core "
+                  f"{megatron_release.installed()}", "its query norm is fused into q_proj, a Transformer Engine layer "
+                  "(megatron-core 0.16 builds it without TE)")
     if spec.multi_latent_attention and layout.cp > 1 and not (cuda and te):
         # Megatron's local attention refuses CP ("Context parallelism is only supported by TEDotProductAttention!")
         # and sweeper's CPU CP attention (cpu/attention.py) is written for equal K/V head widths, not MLA's.

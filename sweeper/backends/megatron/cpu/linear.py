@@ -44,6 +44,7 @@ class DuplicatedLinear(MegatronModule):
         tp_comm_buffer_name: str | None = None,
         is_expert: bool = False,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        name: str | None = None,  # the module's dotted name, which megatron-core 0.19 passes to every layer
     ) -> None:
         super().__init__(config=config)
         if parallel_mode not in ("duplicated", None):

@@ -1,17 +1,17 @@
 """Pure-torch Mamba2 kernels so that megatron-core's ``MambaMixer`` runs where mamba_ssm (Triton, CUDA) is absent.
 
-megatron-core 0.16.1's ``ssm/mamba_mixer.py`` calls three mamba_ssm pieces: ``mamba_chunk_scan_combined`` (the
-chunked SSD scan, used by the prefill / ``use_mamba_mem_eff_path=False`` path), ``mamba_split_conv1d_scan_combined``
-(split of the fused in-projection + causal depthwise conv + SSD scan + z gating, the default training path) and the
-gated ``RMSNorm``. This module implements them in torch from the Mamba2 (SSD) definition, with the call signatures
-and tensor layouts the mixer uses: per head ``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T`` and
-``y_t = h_t C_t + D x_t`` (A a scalar per head, B/C shared by the heads of a group), computed per chunk as a masked
-attention-like product inside the chunk plus a state passed between chunks, so nothing loops over time steps. The
-result is exact (not an approximation) for any chunk size; autograd provides the backward. ``install()`` puts them
-into megatron-core's Mamba modules when the real kernels are missing, and ``local_mamba_stack_spec()`` is the
-hybrid stack spec built from Megatron's local (non Transformer Engine) modules. Packed sequences (``seq_idx``,
-``cu_seqlens``) are refused with ``NotImplementedError``: megatron-core itself refuses packed Mamba training
-without the causal-conv1d and mamba_ssm packages.
+megatron-core's ``ssm/mamba_mixer.py`` (0.16.1 and 0.19.2) calls three mamba_ssm pieces:
+``mamba_chunk_scan_combined`` (the chunked SSD scan, used by the prefill / ``use_mamba_mem_eff_path=False`` path),
+``mamba_split_conv1d_scan_combined`` (split of the fused in-projection + causal depthwise conv + SSD scan + z
+gating, the default training path) and the gated ``RMSNorm``. This module implements them in torch from the Mamba2
+(SSD) definition, with the call signatures and tensor layouts the mixer uses: per head
+``h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T`` and ``y_t = h_t C_t + D x_t`` (A a scalar per head, B/C shared by the
+heads of a group), computed per chunk as a masked attention-like product inside the chunk plus a state passed
+between chunks, so nothing loops over time steps. The result is exact (not an approximation) for any chunk size;
+autograd provides the backward. ``install()`` puts them into megatron-core's Mamba modules when the real kernels are
+missing, and ``local_mamba_stack_spec()`` is the hybrid stack spec built from Megatron's local (non Transformer
+Engine) modules. Packed sequences (``seq_idx``, ``cu_seqlens``) are refused with ``NotImplementedError``:
+megatron-core itself refuses packed Mamba training without the causal-conv1d and mamba_ssm packages.
 """
 
 from __future__ import annotations
@@ -378,8 +378,9 @@ class ExtendedGatedRMSNorm(GatedRMSNorm):
 class MambaTorchNorm:
     """A torch LayerNorm/RMSNorm (by ``config.normalization``) with ``config.layernorm_epsilon`` unless an eps is
     given, its parameters marked ``sequence_parallel`` as Transformer Engine's norms are. Stands where the TE spec
-    fuses the norm into ``in_proj`` (``MambaLayer.norm``, built without an eps) and for ``MambaStack``'s final
-    norm, which megatron-core hard-codes as ``TENorm``."""
+    fuses the norm into ``in_proj`` (``MambaLayer.norm``, built without an eps in megatron-core 0.16.1) and for
+    ``MambaStack``'s final norm, which megatron-core hard-codes as ``TENorm`` (0.19.2's ``has_residual`` is never
+    passed there)."""
 
     def __new__(cls, config: Any, hidden_size: int, eps: float | None = None) -> torch.nn.Module:  # type: ignore[misc]
         from sweeper.backends.megatron.cpu.norm import SequenceParallelTorchNorm
@@ -400,8 +401,10 @@ def _no_triton(name: str) -> Any:
 
 
 def _provide_tensor_ops_without_triton() -> None:
-    # mamba_mixer imports three Triton kernels of dynamic-batching inference at module level, and that module
-    # imports triton unconditionally: without Triton (CPU torch builds) the mixer would not even import.
+    # mamba_mixer imports three Triton kernels of dynamic-batching inference at module level, and megatron-core
+    # 0.16.1's module imports triton unconditionally: without Triton (CPU torch builds) the mixer would not even
+    # import. (0.19.2's falls back by itself, but there megatron.core itself needs Triton to import, through
+    # transformer/moe/ops/paged_stash.py, so this never applies.)
     if _TRITON_TENSOR_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
         return
     stub = types.ModuleType(_TRITON_TENSOR_OPS, "Stand-ins for megatron-core's Triton tensor ops (not installed).")
@@ -409,6 +412,15 @@ def _provide_tensor_ops_without_triton() -> None:
         setattr(stub, name, _no_triton(name))
     sys.modules[_TRITON_TENSOR_OPS] = stub
     record(_TRITON_TENSOR_OPS, stub)
+
+
+def _stack_module() -> types.ModuleType:
+    """The module that defines ``MambaStack``, whose ``TENorm`` builds the stack's final norm: ssm/mamba_block.py
+    in megatron-core 0.16.1; models/hybrid/hybrid_block.py (as ``HybridStack``) in 0.19.2, where mamba_block.py
+    only re-exports its names, so a ``TENorm`` set there would never be read."""
+    from megatron.core.ssm import mamba_block
+
+    return sys.modules[mamba_block.MambaStack.__module__]
 
 
 def install() -> bool:
@@ -424,7 +436,6 @@ def install() -> bool:
         _provide_tensor_ops_without_triton()
         import megatron.core.ssm.mamba_mixer as mixer
         from megatron.core.extensions import transformer_engine as te_ext
-        from megatron.core.ssm import mamba_block
 
         if mixer.HAVE_MAMBA_SSM and getattr(mixer, "mamba_chunk_scan_combined", None) is not mamba_chunk_scan_combined:
             return False  # mamba_ssm's own kernels
@@ -434,15 +445,16 @@ def install() -> bool:
         replace(mixer, "ExtendedRMSNorm", ExtendedGatedRMSNorm)
         replace(mixer, "HAVE_MAMBA_SSM", True)
         if not te_ext.HAVE_TE:
-            replace(mamba_block, "TENorm", MambaTorchNorm)
+            replace(_stack_module(), "TENorm", MambaTorchNorm)
         return True
 
 
 def local_mamba_stack_spec(moe_grouped_gemm: bool = False) -> Any:
-    """megatron-core's ``mamba_stack_spec`` (models/mamba/mamba_layer_specs.py) with local modules instead of
-    Transformer Engine ones: each TE "layernorm + column-parallel linear" becomes a torch norm before a
-    ``ColumnParallelLinear``, ``TERowParallelLinear`` a ``RowParallelLinear``, ``TEDotProductAttention`` the local
-    ``DotProductAttention``, and MoE layers the local MoE spec (``SequentialMLP`` experts unless
+    """megatron-core's ``mamba_stack_spec`` (models/mamba/mamba_layer_specs.py; in 0.19.2 an alias of
+    models/hybrid's ``hybrid_stack_spec``, whose GDN, DSA, MLA and MTP entries this spec leaves out) with local
+    modules instead of Transformer Engine ones: each TE "layernorm + column-parallel linear" becomes a torch norm
+    before a ``ColumnParallelLinear``, ``TERowParallelLinear`` a ``RowParallelLinear``, ``TEDotProductAttention``
+    the local ``DotProductAttention``, and MoE layers the local MoE spec (``SequentialMLP`` experts unless
     ``moe_grouped_gemm``). Norm keys map to the TE names in checkpoints, as Megatron's local GPT spec does.
     Installs the kernels first. ``cpu.spec.adapt_local_block_spec`` applies to it for CP and SP."""
     install()

@@ -7,8 +7,8 @@ row here. ``signature`` is ``inspect.signature`` of megatron-core's original wit
 order, kinds and defaults are what a patch depends on; annotation text changes with Python and torch), for a class
 its constructor's. None where the original is not a callable of megatron-core's own: a flag, a MagicMock that
 megatron-core puts in place of a class of a missing package, a name it leaves undefined without that package
-(``defined=False``), or a module. Patches of torch itself (``torch.cuda`` stand-ins, ``all_gather`` of uneven
-tensors, the device mode) are not megatron-core's and are not listed.
+(``undefined_in`` names those releases), or a module. Patches of torch itself (``torch.cuda`` stand-ins,
+``all_gather`` of uneven tensors, the device mode) are not megatron-core's and are not listed.
 
 ``versions`` is where a patch applies. A patch that mends a megatron-core defect fixed in a later release (Transformer
 Engine's MagicMocks, ``te_general_gemm`` left undefined) names the releases that have the defect; elsewhere the
@@ -39,11 +39,15 @@ class Patch:
     by: str
     signature: str | None | dict[str, str]
     versions: str = SUPPORTED
-    defined: bool = True  # False: megatron-core leaves the name undefined where the optional package is missing
+    undefined_in: str | None = None  # where megatron-core leaves the name undefined without its optional package
 
     def applies(self, release: str) -> bool:
         """Whether the stand-ins patch this symbol on megatron-core ``release``."""
         return release in SpecifierSet(self.versions)
+
+    def defined_on(self, release: str) -> bool:
+        """Whether megatron-core ``release`` defines the name (as None, at least) without the optional package."""
+        return self.undefined_in is None or release not in SpecifierSet(self.undefined_in)
 
     def signature_on(self, release: str) -> str | None:
         """The signature megatron-core ``release`` has (None: not a callable of megatron-core's own)."""
@@ -57,12 +61,13 @@ class Patch:
 
 _MCORE = "megatron.core."
 _FSDP = "megatron.core.distributed.fsdp.src.megatron_fsdp."
+_IDENTITY = "<class 'megatron.core.transformer.identity_op.IdentityOp'>"
 
 PATCHES: tuple[Patch, ...] = (
     # compat.py: megatron-core's own bugs without Transformer Engine (any device); fixed in 0.19.2: te_general_gemm
     # defined as None, multi-latent attention's HAVE_TE false and its TE classes None, the FSDP adapter's TELinear gone
     Patch(_MCORE + "transformer.moe.moe_utils.te_general_gemm", "compat._patch_megatron_without_te", None,
-          "==0.16.1", defined=False),
+          "==0.16.1", undefined_in="==0.16.1"),
     Patch(_MCORE + "transformer.multi_latent_attention.HAVE_TE", "compat._patch_megatron_without_te", None,
           "==0.16.1"),
     # The duplicated down projections' class where MLASelfAttention looks for TE's (a MagicMock, later None)
@@ -144,22 +149,28 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_MCORE + "transformer.module.MegatronModule.sharded_state_dict", "linear.DuplicatedLinear",
           "(self, prefix='', sharded_offsets=(), metadata=None)"),
     # mamba.py: torch Mamba2 kernels where mamba_ssm (and Triton) are missing, and the local stack spec
-    Patch(_MCORE + "ssm.mamba_mixer.mamba_chunk_scan_combined", "mamba.install", None, "==0.16.1",
-          defined=False),
-    Patch(_MCORE + "ssm.mamba_mixer.mamba_split_conv1d_scan_combined", "mamba.install", None, "==0.16.1",
-          defined=False),
+    Patch(_MCORE + "ssm.mamba_mixer.mamba_chunk_scan_combined", "mamba.install", None, undefined_in="==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_mixer.mamba_split_conv1d_scan_combined", "mamba.install", None,
+          undefined_in="==0.16.1"),
     Patch(_MCORE + "ssm.mamba_mixer.RMSNormGated", "mamba.GatedRMSNorm", None),
     Patch(_MCORE + "ssm.mamba_mixer.ExtendedRMSNorm", "mamba.ExtendedGatedRMSNorm", None),
     Patch(_MCORE + "ssm.mamba_mixer.HAVE_MAMBA_SSM", "mamba.install", None),
-    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)"),
+    # The stack's final norm, where the stack is defined: MambaStack up to 0.16, HybridStack from 0.19 (mamba_block
+    # then only re-exports hybrid_block's names)
+    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)", "==0.16.1"),
+    Patch(_MCORE + "models.hybrid.hybrid_block.TENorm", "mamba.MambaTorchNorm",
+          "(config, hidden_size, eps=1e-05, has_residual=False)", ">=0.19"),
+    # Never from 0.19: megatron.core itself then imports triton (transformer/moe/ops/paged_stash.py)
     Patch(_MCORE + "inference.contexts.attention_context.triton.tensor_ops",
-          "mamba._provide_tensor_ops_without_triton", None),
+          "mamba._provide_tensor_ops_without_triton", None, "==0.16.1"),
     Patch(_MCORE + "models.mamba.mamba_layer_specs.mamba_stack_spec", "mamba.local_mamba_stack_spec", None),
-    Patch(_MCORE + "ssm.mamba_block.MambaStackSubmodules", "mamba.local_mamba_stack_spec",
-          "(mamba_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
-          "attention_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
-          "mlp_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
-          "moe_layer=<class 'megatron.core.transformer.identity_op.IdentityOp'>)"),
+    # From 0.19 an alias of HybridStackSubmodules, with the GDN, DSA, MLA and MTP entries the local spec leaves out
+    Patch(_MCORE + "ssm.mamba_block.MambaStackSubmodules", "mamba.local_mamba_stack_spec", {
+        "<0.17": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "attention_layer", "mlp_layer",
+                                                                      "moe_layer")) + ")",
+        ">=0.19": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "gdn_layer", "attention_layer",
+                                                                      "dsa_layer", "mla_layer", "mlp_layer",
+                                                                      "moe_layer")) + ", mtp_block_spec=None)"}),
     Patch(_MCORE + "ssm.mamba_layer.MambaLayerSubmodules", "mamba.local_mamba_stack_spec",
           "(norm=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
           "mixer=<class 'megatron.core.transformer.identity_op.IdentityOp'>, "
