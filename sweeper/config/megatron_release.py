@@ -14,3 +14,13 @@ from packaging.version import Version
 def installed() -> Version:
     """The installed megatron-core release."""
     return Version(version("megatron-core"))
+
+
+# From 0.19 (checked on 0.19.2) a layer's graphed parts are cuda_graph_modules, full-iteration graphs
+# cuda_graph_impl="full_iteration"; cuda_graph_scope is deprecated (migrated with a warning).
+GRAPH_MODULES_FROM = Version("0.19")
+
+
+def graph_modules() -> bool:
+    """Whether the installed release names CUDA graphs' parts cuda_graph_modules (Layout.cuda_graph_fields)."""
+    return installed() >= GRAPH_MODULES_FROM

@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from sweeper.config import fusions
+from sweeper.config import fusions, megatron_release
 from sweeper.config.schema import SweepConfig
 from sweeper.export.production import measured_note
 from sweeper.space.layout import Layout
@@ -62,7 +62,7 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
 def dotted_overrides(cfg: SweepConfig, layout: Layout) -> list[str]:
     """The winner's Megatron-Bridge overrides in dotted form (best_layout.yaml ``megatron_bridge_overrides``): the
     layout's, the run settings' and the framework's kernel fusions (``sweeper.config.fusions``)."""
-    return layout.bridge_overrides() + cfg.run.bridge_overrides(
+    return layout.bridge_overrides(megatron_release.graph_modules()) + cfg.run.bridge_overrides(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
         fsdp=bool(layout.fsdp),
     ) + fusions.bridge_overrides(fusions.framework_fusions(cfg.run.framework, cfg.model))

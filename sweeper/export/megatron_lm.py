@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import shlex
 
-from sweeper.config import fusions
+from sweeper.config import fusions, megatron_release
 from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE
 from sweeper.config.schema import SweepConfig
 from sweeper.export.production import measured_note
@@ -99,7 +99,7 @@ def _mla_args(spec: ModelSpec) -> list[str]:
 def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
     """The layout's flags, the run settings' and the framework's fusions where they differ from Megatron-LM's
     (best_layout.yaml ``megatron_args``)."""
-    return layout.megatron_args() + cfg.run.megatron_args(
+    return layout.megatron_args(megatron_release.graph_modules()) + cfg.run.megatron_args(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
         fsdp=bool(layout.fsdp),
     ) + fusions.megatron_lm_args(fusions.framework_fusions(cfg.run.framework, cfg.model), cfg.model)

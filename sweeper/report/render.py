@@ -16,6 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sweeper.config import megatron_release
 from sweeper.config.units import GIB, readable
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
@@ -135,7 +136,8 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
     confirm = [r for r in same if r.phase == "confirm"]
     confirm_note = (f", confirmed by {sum(r.category == 'passed' for r in confirm)}/{len(confirm)} runs"
                     if confirm else "")
-    flags = f"<pre>{esc(' '.join(layout.megatron_args()))}</pre>" if layout is not None else ""
+    flags = (f"<pre>{esc(' '.join(layout.megatron_args(megatron_release.graph_modules())))}</pre>"
+             if layout is not None else "")
     return (
         f'<p class="good">Best stable layout: <b>{esc(name)}</b> (trial {esc(best_number)}{confirm_note}) — '
         f"{num(tokens, '{:,.0f}')} tokens/s, {num(peak, '{:.2f}')} GiB peak memory.</p>"

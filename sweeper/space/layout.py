@@ -185,6 +185,16 @@ class Layout:
             return ()
         return tuple(s for s in CUDA_GRAPH_SCOPES if s in graphed_scopes(self.cuda_graph))
 
+    def cuda_graph_fields(self, graph_modules: bool) -> dict[str, Any]:
+        """cuda_graph_impl and the graphed parts of a layer under megatron-core's names: ``cuda_graph_scope`` up to
+        0.16; with ``graph_modules`` (0.19 on) ``cuda_graph_modules``, full-iteration graphs then an impl of their
+        own (transformer/cuda_graph_config.py; 0.19 still migrates the old names, with a deprecation warning)."""
+        if not graph_modules:
+            return {"cuda_graph_impl": self.cuda_graph_impl, "cuda_graph_scope": list(self.cuda_graph_scope)}
+        if self.cuda_graph == "full_iteration":
+            return {"cuda_graph_impl": "full_iteration", "cuda_graph_modules": []}
+        return {"cuda_graph_impl": self.cuda_graph_impl, "cuda_graph_modules": list(self.cuda_graph_scope)}
+
     @property
     def recompute_modules(self) -> tuple[str, ...]:
         """Megatron's recompute_modules under selective granularity (empty for none and full)."""
@@ -291,8 +301,9 @@ class Layout:
             return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
         return {}
 
-    def megatron_args(self) -> list[str]:
-        """Megatron-LM ``pretrain_gpt.py`` / ``pretrain_mamba.py`` flags for this layout."""
+    def megatron_args(self, graph_modules: bool = False) -> list[str]:
+        """Megatron-LM ``pretrain_gpt.py`` / ``pretrain_mamba.py`` flags for this layout; ``graph_modules`` as in
+        ``cuda_graph_fields`` (Megatron-LM of megatron-core 0.19 names the flag ``--cuda-graph-modules``)."""
         args: list[str] = []
         for axis in AXES:
             value = axis.value(self)
@@ -313,9 +324,11 @@ class Layout:
             if self.flex_backend:  # DeepEP asserts FP32 router probabilities (token_dispatcher.py)
                 args += [f"--moe-flex-dispatcher-backend={self.flex_backend}", "--moe-router-dtype=fp32"]
         if self.cuda_graph != "none":
-            args.append(f"--cuda-graph-impl={self.cuda_graph_impl}")
-            if self.cuda_graph_scope:
-                args += ["--cuda-graph-scope", *self.cuda_graph_scope]
+            graphs = self.cuda_graph_fields(graph_modules)
+            args.append(f"--cuda-graph-impl={graphs['cuda_graph_impl']}")
+            parts = "cuda_graph_modules" if graph_modules else "cuda_graph_scope"
+            if graphs[parts]:
+                args += [f"--{parts.replace('_', '-')}", *graphs[parts]]
             # Megatron-LM's validate_args asserts both (arguments.py, core_v0.16.1).
             if self.cuda_graph == "full_iteration":
                 args.append("--no-check-for-nan-in-loss-and-grad")
@@ -325,8 +338,9 @@ class Layout:
             args += ["--use-megatron-fsdp", "--ckpt-format=fsdp_dtensor"]
         return args
 
-    def bridge_overrides(self) -> list[str]:
-        """Megatron-Bridge recipe overrides (Hydra-style ``section.field=value``)."""
+    def bridge_overrides(self, graph_modules: bool = False) -> list[str]:
+        """Megatron-Bridge recipe overrides (Hydra-style ``section.field=value``); ``graph_modules`` as in
+        ``cuda_graph_fields``."""
         out: list[str] = []
         for axis in AXES:
             value = axis.value(self)
@@ -355,22 +369,24 @@ class Layout:
         if self.cuda_graph != "none":
             # Bridge's GPTModelProvider.provide() asserts TE's RNG tracker under graphs (Megatron-LM's validate_args
             # turns it on itself); the trial sets it (gpu.run_config_kwargs).
-            out += [f"model.cuda_graph_impl={self.cuda_graph_impl}",
-                    f"model.cuda_graph_scope=[{','.join(self.cuda_graph_scope)}]", "model.use_te_rng_tracker=true"]
+            out += [f"model.{name}=[{','.join(value)}]" if isinstance(value, list) else f"model.{name}={value}"
+                    for name, value in self.cuda_graph_fields(graph_modules).items()]
+            out.append("model.use_te_rng_tracker=true")
         if self.offload_layers:  # Megatron-LM's flag turns cpu_offloading on itself; Bridge's config does not
             out += ["model.cpu_offloading=true", f"model.cpu_offloading_num_layers={self.offload_layers}"]
         if self.fsdp:  # Bridge's ConfigContainer asserts fsdp_dtensor whenever a run saves or loads
             out += ["ddp.use_megatron_fsdp=true", "checkpoint.ckpt_format=fsdp_dtensor"]
         return out
 
-    def knob_config(self) -> dict[str, Any]:
+    def knob_config(self, graph_modules: bool = False) -> dict[str, Any]:
         """The issue-18 knobs under Megatron-Core's TransformerConfig names (the MoE dispatcher is the MoE
-        section's: ``moe_config``)."""
+        section's: ``moe_config``); ``graph_modules``: the graphs under the names of megatron-core 0.19
+        (``cuda_graph_fields``)."""
         out: dict[str, Any] = {}
         if self.moe_a2a_overlap:
             out["overlap_moe_expert_parallel_comm"] = True
         if self.cuda_graph != "none":
-            out.update(cuda_graph_impl=self.cuda_graph_impl, cuda_graph_scope=list(self.cuda_graph_scope))
+            out.update(self.cuda_graph_fields(graph_modules))
         if self.offload_layers:
             out.update(cpu_offloading=True, cpu_offloading_num_layers=self.offload_layers)
         return out

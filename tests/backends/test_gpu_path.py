@@ -19,6 +19,7 @@ import pytest
 from sweeper.backends.megatron import gpu
 from sweeper.backends.megatron.failures import UnsupportedError, classify
 from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.config import megatron_release
 from sweeper.config.kernels import Kernels
 from sweeper.config.run_settings import RunSettings
 from sweeper.errors import ModelError
@@ -664,7 +665,7 @@ def test_a_bridge_model_gets_every_field_the_layout_decides(layout):
         config = build.transformer_config(spec, layout, cuda=True, te=True, run=run)
     for name, value in overrides.items():
         assert getattr(config, name) == value, name
-    for name in layout.knob_config():
+    for name in layout.knob_config(megatron_release.graph_modules()):
         assert name in overrides
     if layout.precision == "nvfp4":
         assert (overrides["fp4"], overrides["fp4_recipe"]) == ("e2m1", "nvfp4")

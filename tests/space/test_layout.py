@@ -387,3 +387,26 @@ def test_only_filter() -> None:
     assert not matches(Layout(world_size=8, tp=2, sp=False), only)
     assert not matches(Layout(world_size=8, tp=4, sp=True), only)
     assert only_filter(None) == {}
+
+
+@pytest.mark.parametrize(("graphs", "up_to_016", "from_019"), [
+    ("local", ["--cuda-graph-impl=local"], ["--cuda-graph-impl=local"]),
+    ("te:attn+moe_router", ["--cuda-graph-impl=transformer_engine", "--cuda-graph-scope", "attn", "moe_router"],
+     ["--cuda-graph-impl=transformer_engine", "--cuda-graph-modules", "attn", "moe_router"]),
+    ("full_iteration", ["--cuda-graph-impl=local", "--cuda-graph-scope", "full_iteration"],
+     ["--cuda-graph-impl=full_iteration"]),
+])
+def test_cuda_graphs_are_exported_under_the_names_of_the_installed_megatron(graphs, up_to_016, from_019) -> None:
+    """megatron-core 0.19 renames cuda_graph_scope to cuda_graph_modules and makes full-iteration graphs an impl of
+    their own; the flags, the Bridge overrides and the config fields follow the release they are written for."""
+    lo = Layout(world_size=1, gbs=1, cuda_graph=graphs)
+    for modules, flags in ((False, up_to_016), (True, from_019)):
+        args = lo.megatron_args(graph_modules=modules)
+        start = next(i for i, a in enumerate(args) if a.startswith("--cuda-graph-impl"))
+        assert args[start:start + len(flags)] == flags
+        fields = lo.cuda_graph_fields(modules)
+        assert fields == {k: v for k, v in lo.knob_config(modules).items() if k.startswith("cuda_graph")}
+        overrides = lo.bridge_overrides(graph_modules=modules)
+        assert f"model.cuda_graph_impl={fields['cuda_graph_impl']}" in overrides
+        parts = "cuda_graph_modules" if modules else "cuda_graph_scope"
+        assert f"model.{parts}=[{','.join(fields[parts])}]" in overrides

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from sweeper.config import megatron_release
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
 
@@ -51,7 +52,7 @@ def layout_config_kwargs(spec: ModelSpec, layout: Layout, *, cuda: bool) -> dict
         # host memory (measured: 7% drift in the gate; a bare gloo isend whose tensor's .data is swapped hangs).
         overlap_p2p_comm=cuda and layout.vpp > 1,
         batch_p2p_comm=layout.vpp <= 1,
-        **layout.knob_config(),
+        **layout.knob_config(megatron_release.graph_modules()),
         **layout.recompute_config(),
     )
     if spec.is_moe:  # alltoall unless the layout says otherwise (on the CPU via cpu.compat)
