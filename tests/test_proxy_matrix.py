@@ -19,9 +19,10 @@ import pytest
 
 from sweeper.backends.megatron.equivalence import TOLERANCE
 from sweeper.backends.megatron.support import unsupported_reason
+from sweeper.config import megatron_release
 from sweeper.config.load import load_config, proxy_config
 from sweeper.config.schema import SweepConfig, layout_from_string
-from sweeper.plan.rules import check
+from sweeper.plan.rules import EXPERT_GRADS_FIXED_IN, check
 from sweeper.space.layout import Layout
 
 pytestmark = pytest.mark.e2e
@@ -36,13 +37,18 @@ RUN = {
 }
 REFUSED = {  # (layout, a piece of the reason, refused by: "rule" | "backend")
     "nemotron": [("tp=2,sp=false", "MoE with tensor parallelism needs sequence parallelism", "rule"),
-                 ("etp=2", "NVIDIA/Megatron-LM#5916", "rule"),
                  ("pp=2,vpp=2", "hybrid Mamba models do not support the interleaved", "rule")],
     "deepseek": [("tp=2,sp=false", "MoE with tensor parallelism needs sequence parallelism", "rule"),
-                 ("etp=2", "NVIDIA/Megatron-LM#5916", "rule"),
                  ("cp=2", "multi_latent_attention with context parallel (cp=2) unsupported on this backend",
                   "backend")],
 }
+# ETP2 with EP1 (ETP != TP): refused where megatron-core reduces the experts' gradients over the wrong group
+# (NVIDIA/Megatron-LM#5916), run where the release has the fix.
+for _which in RUN:
+    if megatron_release.installed() < EXPERT_GRADS_FIXED_IN:
+        REFUSED[_which].append(("etp=2", "NVIDIA/Megatron-LM#5916", "rule"))
+    else:
+        RUN[_which].append("etp=2")
 
 
 def _cfg(which: str) -> SweepConfig:
@@ -81,6 +87,9 @@ def test_each_axis_alone_passes_the_fp32_gate_on_the_proxy(tmp_path: Path, which
     from sweeper.trial.reference import ensure_reference
 
     cfg = _cfg(which)
+    refused = unsupported_reason(cfg.model, _layout(cfg, "dp=2"), cuda=False, te=False)
+    if refused:  # DeepSeek-V2-Lite on megatron-core 0.19: its query norm is a TE layer there
+        pytest.skip(refused)
     results = {}
     with open_host(cfg) as host:
         started = time.monotonic()

@@ -69,6 +69,11 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
                   "Engine on a GPU")
     if spec.multi_latent_attention and cuda and not te:
         return no("multi_latent_attention (MLA)", "MLA's layer spec needs Transformer Engine on a GPU")
+    if spec.multi_latent_attention and layout.cp > 1 and not (cuda and te):
+        # Megatron's local attention refuses CP ("Context parallelism is only supported by TEDotProductAttention!")
+        # and sweeper's CPU CP attention (cpu/attention.py) is written for equal K/V head widths, not MLA's.
+        return no(f"multi_latent_attention with context parallel (cp={layout.cp})", "MLA's context-parallel "
+                  "attention is Transformer Engine's (cp_comm_type p2p); Megatron's local attention refuses CP")
     if (spec.multi_latent_attention and spec.qk_layernorm and spec.q_lora_rank is None and not (cuda and te)
             and megatron_release.installed() >= releases.MLA_Q_NORM_FUSED):
         # From 0.19 MLA without a query LoRA normalises the query in a fused norm+linear q_proj
@@ -77,11 +82,6 @@ def unsupported_reason(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         return no(f"multi_latent_attention with qk_layernorm and no q_lora_rank on megatron-core "
                   f"{megatron_release.installed()}", "its query norm is fused into q_proj, a Transformer Engine layer "
                   "(megatron-core 0.16 builds it without TE)")
-    if spec.multi_latent_attention and layout.cp > 1 and not (cuda and te):
-        # Megatron's local attention refuses CP ("Context parallelism is only supported by TEDotProductAttention!")
-        # and sweeper's CPU CP attention (cpu/attention.py) is written for equal K/V head widths, not MLA's.
-        return no(f"multi_latent_attention with context parallel (cp={layout.cp})", "MLA's context-parallel "
-                  "attention is Transformer Engine's (cp_comm_type p2p); Megatron's local attention refuses CP")
     if layout.quantized and not (cuda and te):
         # Without TE megatron-core accepts fp4="e2m1" and trains in BF16 (fp4_utils.get_fp4_context is a
         # nullcontext): a pass would be a false one.
