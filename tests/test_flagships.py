@@ -99,7 +99,7 @@ def test_a_flagship_proxy_trains_across_an_uneven_pipeline_split(tmp_path_factor
 
 CAMPAIGN = [
     ("deepseek", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=bf16"),
-    # FP32 as well: the gate's strict tolerance (1e-3); BF16's 2e-2 hid MLA's TP gradient defect (issue 29).
+    # FP32 as well: the gate's strict tolerance (1e-3); BF16's tolerance (2e-2 then, 3e-2 now) hid MLA's TP gradient defect (issue 29).
     ("deepseek", "gpus=8,tp=2,pp=2,ep=2,sp=true,precision=fp32"),
     ("nemotron", "gpus=8,tp=2,ep=4,sp=true,precision=fp32"),
 ]

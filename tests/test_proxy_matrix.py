@@ -1,7 +1,7 @@
 """Each parallel axis alone, at two ranks, on both flagship proxies, in FP32: the gate's strict tolerance (1e-3).
 
-A BF16 pass allows 2e-2 against the FP32 reference, wide enough to hide a layout that trains another model (MLA
-under TP did, issue 29); FP32 on the CPU backend proves a layout to 1e-3. For the Nemotron-3-Nano and the
+A BF16 pass allows 3e-2 against the FP32 reference (twice the worst correct layout measured), wide enough to hide a
+layout that trains another model (MLA under TP did, issue 29); FP32 on the CPU backend proves a layout to 1e-3. For the Nemotron-3-Nano and the
 DeepSeek-V2-Lite proxies (docs/MISSION.md's flagships at CPU widths), every axis that can run alone at two ranks
 runs as a real trial on warm ranks of one simulated 1 x 2 cluster (real megatron-core on gloo, one FP32
 reference per model loaded into each layout, checkpoint save and reload, replica check): TP2 with SP (ETP2 with
@@ -31,7 +31,7 @@ SPACES = {"nemotron": "search_spaces/nemotron.yaml", "deepseek": "search_spaces/
 ROOT = Path(__file__).resolve().parents[1]
 RUN = {
     "nemotron": ["tp=2,etp=2,sp=true", "tp=2,ep=2,sp=true", "pp=2", "ep=2", "cp=2", "dp=2"],
-    # And the BF16 realism check of Megatron's uneven 14/13 split of DeepSeek's 27 layers (tolerance 2e-2).
+    # And the BF16 realism check of Megatron's uneven 14/13 split of DeepSeek's 27 layers (tolerance 3e-2).
     "deepseek": ["tp=2,etp=2,sp=true", "tp=2,ep=2,sp=true", "pp=2", "ep=2", "dp=2", "pp=2,vpp=2",
                  "pp=2,precision=bf16"],
 }
