@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from sweeper.backends.base import RankReport, SmokeRequest
+from sweeper.backends.megatron import releases
 from sweeper.backends.megatron.failures import CheckpointError, NonFiniteError, SimulatedOOMError, classify, one_line
 from sweeper.backends.megatron.support import unsupported_reason
 from sweeper.config import megatron_release
@@ -518,10 +519,15 @@ def test_cpu_backend_reports_unsupported_features(model: str | ModelSpec, layout
 
 
 def test_cpu_backend_runs_the_flagship_architectures_at_cpu_size() -> None:
-    # Hybrid Mamba (torch Mamba2 kernels) and MLA (local spec) build on the CPU; MLA with CP does not.
-    for model in (TINY_HYBRID, TINY_MLA):
-        assert unsupported_reason(model, Layout(world_size=8, tp=2, pp=2, ep=2, sp=True), cuda=False,
-                                  te=False) is None
+    # Hybrid Mamba (torch Mamba2 kernels) and MLA (local spec) build on the CPU; MLA with CP does not. From
+    # megatron-core 0.19 an MLA model without a query LoRA and with qk_layernorm needs TE's fused norm+linear.
+    layout = Layout(world_size=8, tp=2, pp=2, ep=2, sp=True)
+    assert unsupported_reason(TINY_HYBRID, layout, cuda=False, te=False) is None
+    mla = unsupported_reason(TINY_MLA, layout, cuda=False, te=False)
+    if megatron_release.installed() >= releases.MLA_Q_NORM_FUSED:
+        assert mla is not None and "fused into q_proj, a Transformer Engine layer" in mla
+        mla = unsupported_reason(TINY_MLA.model_copy(update=dict(q_lora_rank=32)), layout, cuda=False, te=False)
+    assert mla is None
     assert unsupported_reason(TINY_HYBRID, Layout(world_size=2, cp=2), cuda=False, te=False) is None
     # The production sizes are refused on the CPU with the way out, not left to swap the machine.
     reason = unsupported_reason(preset("nemotron-3-nano-30b-a3b"), Layout(world_size=8, ep=8), cuda=False, te=False)
