@@ -24,10 +24,13 @@ def batch_on_this_cp_rank(batch: dict[str, Any]) -> dict[str, Any]:
     """``megatron.core.utils.get_batch_on_this_cp_rank`` for a pretraining batch (no packed sequences): the sequence
     in 2*CP chunks, CP rank i keeping chunks i and 2*CP-1-i. From 0.19 the function also asks whether hybrid CP is
     on (it is not: sweeper's CP is the layout's one group)."""
+    from megatron.core import parallel_state
     from megatron.core.utils import get_batch_on_this_cp_rank
 
     if "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters:
-        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False)
+        # 0.19 splits over the group it is given, the whole world without one (0.16 asked parallel_state itself).
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False,
+                                         cp_group=parallel_state.get_context_parallel_group())
     return get_batch_on_this_cp_rank(batch)
 
 
