@@ -598,7 +598,12 @@ def cuda_graphs(c: RuleContext) -> str | None:
         return "moe cuda graph is only supported with drop-padding MoE."
     if lo.recompute_granularity == "full" and lo.cuda_graph != "full_iteration":
         return "full recompute is only supported with full iteration CUDA graph."
-    if lo.moe_a2a_overlap and (lo.cuda_graph_impl != "transformer_engine" or scope & {"moe", "mlp"}):
+    # With the A2A overlap megatron-core 0.16 asserts TE graphs without the moe/mlp scopes; 0.19 checks the scopes
+    # of TE graphs only (transformer_config.py), so local and full-iteration graphs pass there.
+    te_graphs = lo.cuda_graph_impl == "transformer_engine"
+    if lo.moe_a2a_overlap and megatron_release.graph_modules() and te_graphs and scope & {"moe", "mlp"}:
+        return "CUDA graph scope on moe and mlp is not supported with overlap_moe_expert_parallel_comm"
+    if lo.moe_a2a_overlap and not megatron_release.graph_modules() and (not te_graphs or scope & {"moe", "mlp"}):
         return ("overlap_moe_expert_parallel_comm needs cuda_graph_impl transformer_engine; CUDA graph scope on "
                 "moe and mlp is not supported with overlap_moe_expert_parallel_comm")
     return None

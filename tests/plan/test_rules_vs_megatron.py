@@ -1,4 +1,5 @@
-"""Cross-check: ``sweeper.plan.rules`` accepts exactly the layouts megatron-core 0.16.1 accepts.
+"""Cross-check: ``sweeper.plan.rules`` accepts exactly the layouts the installed megatron-core accepts (0.16.1 or
+0.19.2; see "Both releases" below for what is asked differently on 0.19).
 
 Hypothesis draws tiny models (heads, query groups, hidden, FFN, layers, experts, top-k, router groups, bias,
 hybrid Mamba patterns) and layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss
@@ -24,6 +25,27 @@ data-side checks; the token dispatcher is ``allgather`` (``alltoall`` creates a 
 created (the fake backend cannot stand in for gloo); the vocabulary is padded to a multiple of 128*TP as
 Megatron-LM's front end does. An error raised *after* the MoE layer's SP check (the CPU forward hits CUDA-only
 code) means the check passed. No CUDA RNG patch was needed: ``use_cpu_initialization`` never touches it.
+
+Both releases: the same questions, each asked of the installed release's own code. Where 0.19 moved or changed the
+code, the 0.19 branch is taken by feature detection (the 0.16.1 path is unchanged):
+- hybrid layer selection: 0.19 has no ``MambaStack._select_layers_for_pipeline_parallel``; ``HybridModel`` takes its
+  chunk's layers from ``models/hybrid/hybrid_layer_allocation.select_pipeline_segment`` (hybrid_model.py:205), asked
+  for every pipeline rank *and virtual stage* (the pipeline group's rank stood in for with a patched
+  ``torch.distributed.get_rank/get_world_size``). sweeper's patterns have no '|' stage separators, so that is its
+  auto-split: VPP raises (hybrid_layer_allocation.py:387), an even split that does not divide raises (:437; 0.16.1
+  truncated silently), first/last are honoured and a middle that does not divide raises (:414). The layers built
+  must be the pattern itself, in order; account_for_* is still never passed to it (counted as a rejection, as on
+  0.16.1).
+- layer specs: 0.19 gives the MLP and MoE blocks as ``functools.partial(MLP.as_mlp_submodule | MoELayer,
+  submodules=...)``, built standalone the way TransformerLayer calls them (transformer_layer.py:433).
+- ``get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None)``: 0.19 splits over the group it is given, and over
+  the whole world when given none (utils.py:2615, 2653, 2483), so it is given the layout's CP group (0.16.1 found
+  it in parallel_state). ``test_trial_cp_split_is_megatrons`` checks the trials' own call
+  (backends/megatron/releases.py) keeps the same chunks.
+- the knob check: the CUDA-graph fields under the installed release's names (Layout.knob_config), and on 0.19 one
+  TransformerConfig construction with every field instead of ``dataclasses.replace`` on a built one: 0.19's
+  __post_init__ derives inference_cuda_graph_scope from cuda_graph_impl and asserts the pair, so a replace keeps
+  the derived value and refuses cuda_graph_impl='local' by itself.
 
 Disagreements this test found, fixed in sweeper/plan/rules.py:
 - FFN / expert FFN / fused QKV widths not divisible by TP / ETP / TP (``divide`` asserts at model build; the QKV
@@ -60,11 +82,14 @@ Documented Megatron gaps / interpretations (the rules are deliberately not "fixe
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 import os
 import warnings
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 
@@ -73,6 +98,8 @@ torch = pytest.importorskip("torch")
 from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+from sweeper.backends.megatron import releases  # noqa: E402
+from sweeper.config import megatron_release  # noqa: E402
 from sweeper.config.schema import ClusterConfig  # noqa: E402
 from sweeper.models.spec import ModelSpec  # noqa: E402
 from sweeper.plan import rules  # noqa: E402
@@ -92,6 +119,16 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build 
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
+
+# What the installed release asks differently (see the module docstring, "Both releases"); each feature-detected.
+try:  # 0.19: HybridModel selects each pipeline segment (models/hybrid/hybrid_layer_allocation.py)
+    from megatron.core.models.hybrid.hybrid_layer_allocation import select_pipeline_segment
+except ImportError:  # 0.16.1: MambaStack._select_layers_for_pipeline_parallel
+    select_pipeline_segment = None
+# 0.19: get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None) splits over the group it is given, the whole
+# world when none (utils.py get_batch_on_this_cp_rank, _get_batch_on_this_cp_rank_per_sequence_balancing); 0.16.1
+# falls back to parallel_state's CP group.
+CP_SPLIT_NEEDS_GROUP = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
 
 # Rules that are not Megatron checks, so the cross-check leaves them out (each is unit-tested in test_rules.py).
 EXCLUDED: dict[str, str] = {
@@ -179,7 +216,8 @@ def _stage(where: str, fn, *args, **kwargs):
         raise Rejected(f"{where}: {type(exc).__name__}: {exc}") from exc
 
 
-def transformer_config(case: Case) -> TransformerConfig:
+def transformer_config(case: Case, **extra) -> TransformerConfig:
+    """``extra``: more TransformerConfig fields, given to the same construction (the knob check on 0.19)."""
     m, lo = case.model, case.layout
     kwargs = dict(
         num_layers=m.num_layers,
@@ -219,6 +257,7 @@ def transformer_config(case: Case) -> TransformerConfig:
         )
         if m.moe_router_num_groups:
             kwargs.update(moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=1)
+    kwargs.update(extra)
     return _stage("TransformerConfig", TransformerConfig, **kwargs)
 
 
@@ -267,6 +306,9 @@ def _gpt_layers(config: TransformerConfig, lo: Layout) -> None:
 
 
 def _hybrid_layers(config: TransformerConfig, m: ModelSpec) -> None:
+    if select_pipeline_segment is not None:
+        _hybrid_segments(config, m)
+        return
     pattern = list(m.hybrid_layer_pattern or "")
     pp = config.pipeline_model_parallel_size
     if pp == 1:
@@ -280,6 +322,54 @@ def _hybrid_layers(config: TransformerConfig, m: ModelSpec) -> None:
         built += selected
     if len(built) != len(pattern):
         raise Rejected(f"MambaStack: would silently build {len(built)} of {len(pattern)} layers")
+
+
+class _PipelineGroup:
+    """Rank ``rank`` of a ``size``-rank pipeline group, for ``select_pipeline_segment``, which asks
+    ``torch.distributed.get_rank/get_world_size(pp_group)`` (the fake world itself is only ever rank 0)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+
+
+@contextlib.contextmanager
+def _as_pipeline_rank(rank: int, size: int):
+    stand_in = _PipelineGroup(rank, size)
+    get_rank, get_world_size = torch.distributed.get_rank, torch.distributed.get_world_size
+
+    def rank_of(group=None):
+        return stand_in.rank if group is stand_in else get_rank(group)
+
+    def size_of(group=None):
+        return stand_in.size if group is stand_in else get_world_size(group)
+
+    with mock.patch.object(torch.distributed, "get_rank", rank_of), \
+            mock.patch.object(torch.distributed, "get_world_size", size_of):
+        yield stand_in
+
+
+def _hybrid_segments(config: TransformerConfig, m: ModelSpec) -> None:
+    """0.19: ``HybridModel.__init__`` (models/hybrid/hybrid_model.py:205) takes its chunk's layers from
+    ``select_pipeline_segment(pattern, pp_group, vp_stage, first_stage_layers, last_stage_layers)``, asked here for
+    every pipeline rank and virtual stage. sweeper's patterns have no '|' stage separators, so that is the
+    "auto-split" path (models/hybrid/hybrid_layer_allocation.py:385-446): VPP refused, an even split that does not
+    divide refused (no longer truncated), first/last honoured. The account_for_* options are still not passed to it."""
+    pattern = m.hybrid_layer_pattern or ""
+    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
+    if pp > 1 and (config.account_for_embedding_in_pipeline_split or config.account_for_loss_in_pipeline_split):
+        raise Rejected("HybridModel: ignores account_for_*_in_pipeline_split (it builds a split other than asked)")
+    built: list[str] = []
+    for rank in range(pp):
+        for vp_stage in range(vpp) if vpp else [None]:
+            with _as_pipeline_rank(rank, pp) as pp_group:
+                selected, _ = _stage(
+                    "select_pipeline_segment", select_pipeline_segment, pattern, pp_group, vp_stage,
+                    first_stage_layers=config.num_layers_in_first_pipeline_stage,
+                    last_stage_layers=config.num_layers_in_last_pipeline_stage,
+                )
+            built += selected
+    if "".join(built) != pattern:
+        raise Rejected(f"select_pipeline_segment: would silently build {''.join(built)!r} for {pattern!r}")
 
 
 def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
@@ -314,10 +404,21 @@ def _build_hybrid_blocks(config: TransformerConfig, m: ModelSpec, lo: Layout) ->
         if "*" in pattern:
             build_module(dense.self_attention, config=config, layer_number=1)
         if "-" in pattern:
-            build_module(dense.mlp, config=config)
-        return build_module(moe_spec.mlp, config=config) if "E" in pattern else None
+            _build_mlp(dense.mlp, config)
+        return _build_mlp(moe_spec.mlp, config) if "E" in pattern else None
     finally:
         config.sequence_parallel, config.context_parallel_size = lo.sp, lo.cp
+
+
+def _build_mlp(spec, config: TransformerConfig):
+    """A layer spec's MLP or MoE block: ``build_module`` for a ModuleSpec (0.16.1); 0.19's specs give it as
+    ``functools.partial(MLP.as_mlp_submodule or MoELayer, submodules=...)``, which TransformerLayer calls with these
+    arguments (transformer/transformer_layer.py:433, its default process groups at :332)."""
+    if isinstance(spec, functools.partial):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        return spec(config=config, pg_collection=ProcessGroupCollection.use_mpu_process_groups(), is_mtp_layer=False)
+    return build_module(spec, config=config)
 
 
 def _moe_forward(config: TransformerConfig, moe: MoELayer, sp: bool) -> None:
@@ -335,11 +436,19 @@ def _data_side(case: Case) -> None:
     lo, seq = case.layout, case.seq_length
     tokens = torch.zeros(1, seq)
     if lo.cp > 1:
-        tokens = _stage("get_batch_on_this_cp_rank", get_batch_on_this_cp_rank, {"tokens": tokens})["tokens"]
+        tokens = _stage("get_batch_on_this_cp_rank", _cp_split, {"tokens": tokens})["tokens"]
     if lo.sp:
         hidden = torch.zeros(tokens.shape[1], 1, 1)
         _stage("scatter_to_sequence_parallel_region", scatter_to_sequence_parallel_region, hidden, ps.get_tensor_model_parallel_group())
     _stage("ConstantNumMicroBatchesCalculator", ConstantNumMicroBatchesCalculator, lo.gbs, lo.mbs, lo.dp, False, 0)
+
+
+def _cp_split(batch: dict) -> dict:
+    """The sequence into 2*CP chunks over the layout's CP group. 0.19 is given the group (without it, it splits over
+    the whole world); 0.16.1 finds it in parallel_state."""
+    if CP_SPLIT_NEEDS_GROUP:
+        return get_batch_on_this_cp_rank(batch, is_hybrid_cp=False, cp_group=ps.get_context_parallel_group())
+    return get_batch_on_this_cp_rank(batch)
 
 
 
@@ -474,6 +583,10 @@ def _dense(**kw) -> ModelSpec:
     return ModelSpec(**{**base, **kw})
 
 
+def _hybrid(pattern: str) -> ModelSpec:
+    return _dense(num_layers=len(pattern), hybrid_layer_pattern=pattern, mamba_num_heads=16, mamba_num_groups=8)
+
+
 def _L(**kw) -> Layout:
     return Layout(**{"gbs": 48, **kw})
 
@@ -499,6 +612,12 @@ EXAMPLES = [
     (Case(_dense(**{**MOE, "moe_router_topk": 1}), _L(world_size=1), 64), False),
     (Case(_dense(), _L(world_size=2, cp=2), 6), False),
     (Case(_dense(), _L(world_size=2, gbs=3), 64), False),
+    # Hybrid pipeline splits (0.16.1: MambaStack; 0.19: select_pipeline_segment).
+    (Case(_hybrid("M*M-"), _L(world_size=2, pp=2), 64), True),
+    (Case(_hybrid("M*M-M"), _L(world_size=2, pp=2), 64), False),  # 0.16.1 truncates, 0.19 raises
+    (Case(_hybrid("M*M-M"), with_pipeline_split(_L(world_size=2, pp=2), _hybrid("M*M-M")), 64), True),
+    (Case(_hybrid("M*M-"), _L(world_size=2, pp=2, vpp=2), 64), False),
+    (Case(_hybrid("M*M-"), _L(world_size=2, pp=2, account_for_embedding=True, account_for_loss=True), 64), False),
 ]
 
 
@@ -506,6 +625,20 @@ EXAMPLES = [
 def test_known_cases(case: Case, valid: bool) -> None:
     assert (megatron_verdict(case) is None) == valid, megatron_verdict(case)
     assert (not sweeper_reasons(case)) == valid, sweeper_reasons(case)
+
+
+def test_trial_cp_split_is_megatrons() -> None:
+    """The trials split a batch over CP with ``releases.batch_on_this_cp_rank`` (backends/megatron/steps.py): in a
+    world larger than the CP group (TP2 x CP2) it must keep the chunks Megatron's split over the CP group keeps, CP
+    rank 0 chunks 0 and 3 of 4. (On 0.19 a call without cp_group splits over the whole world: 8 chunks.)"""
+    tokens = torch.arange(16).reshape(1, 16)
+    with fake_world(4):
+        ps.initialize_model_parallel(tensor_model_parallel_size=2, context_parallel_size=2,
+                                     create_gloo_process_groups=False)
+        theirs = _cp_split({"tokens": tokens.clone()})["tokens"].tolist()
+        ours = releases.batch_on_this_cp_rank({"tokens": tokens.clone()})["tokens"].tolist()
+    assert theirs == [[0, 1, 2, 3, 12, 13, 14, 15]]
+    assert ours == theirs, f"the trials' CP split keeps {ours}, Megatron's over the CP group {theirs}"
 
 
 # -- issue 18's knobs: each knob rule against TransformerConfig.__post_init__ ----------------------------------
@@ -519,10 +652,12 @@ NOT_IN_CONFIG = ("only applies to MoE models", "Flex token dispatcher requires T
 
 def _knob_cases() -> list:  # of pytest.param
     from test_rules import CASES as RULE_CASES  # tests/plan is on sys.path (pytest rootdir import mode)
+    from test_rules import on_this_release
 
     out = []
     for name in ("token_dispatcher", "a2a_overlap", "cuda_graphs", "activation_offload"):
         for i, (model, layout, _cluster, seq, expected) in enumerate(RULE_CASES[name]):
+            expected = on_this_release(name, expected)
             if expected is None or not any(text in expected for text in NOT_IN_CONFIG):
                 out.append(pytest.param(model, layout, seq, expected is None, id=f"{name}-{i}"))
     return out
@@ -533,12 +668,25 @@ def test_knob_rules_agree_with_megatron(model: ModelSpec, layout: Layout, seq: i
     """The same layout with its knobs as TransformerConfig fields (Layout.knob_config, moe_config,
     recompute_config and the precision's params dtype) is accepted by megatron-core exactly when the rules accept
     it."""
+    graph_modules = megatron_release.graph_modules()  # the graphs under the installed release's names, as trials
     base = transformer_config(Case(model, layout, seq))
-    fields = dict(layout.knob_config(), **layout.recompute_config())
+    fields = dict(layout.knob_config(graph_modules), **layout.recompute_config())
     if model.is_moe:
         fields.update(layout.moe_config())
     if layout.precision in ("bf16", "fp8", "mxfp8", "nvfp4"):
         fields.update(bf16=True, params_dtype=torch.bfloat16)
+    if graph_modules:
+        # 0.19 derives inference_cuda_graph_scope from cuda_graph_impl in __post_init__ (transformer_config.py:2452,
+        # cuda_graph_config.py normalize_inference_cuda_graph_scope) and then asserts the pair, so dataclasses.replace
+        # on a built config keeps the derived 'none' and refuses cuda_graph_impl='local' by itself. One construction
+        # with every field, as the trial's config is built (backends/megatron/layout_config.py).
+        try:
+            transformer_config(Case(model, layout, seq), **fields)
+            refused = None
+        except Rejected as exc:
+            refused = str(exc)
+        assert (refused is None) == valid, refused
+        return
     try:
         replace(base, **fields)
         refused = None
