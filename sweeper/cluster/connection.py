@@ -116,9 +116,14 @@ class ClusterHandle:
 
     def free_gpus_per_node(self) -> dict[str, int]:
         """GPUs not reserved by any placement group or actor right now, per node label."""
+        available = self.available_gpus()
+        return {node.label: int(available.get(node.node_id, 0)) for node in self.nodes()}
+
+    def available_gpus(self) -> dict[str, float]:
+        """GPUs no placement group or actor of any job holds right now, per node id (this sweep's own included)."""
         # Ray has no public per-node "available" view; the GCS accessor behind ray.available_resources() does.
         available = ray._private.state.available_resources_per_node()  # noqa: SLF001
-        return {node.label: int(available.get(node.node_id, {}).get("GPU", 0)) for node in self.nodes()}
+        return {node_id: float(resources.get("GPU", 0.0)) for node_id, resources in available.items()}
 
     def gpu_info(self) -> dict[str, GpuInfo]:
         """GPU kind and memory per node label: from the config on a simulated cluster, from the node otherwise."""

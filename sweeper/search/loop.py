@@ -426,7 +426,9 @@ class Sweep:
         line otherwise (and in sweep.log)."""
         best = candidates(self.records, self.cfg)
         top = (best[0].layout.short(), best[0].values(self.cfg)[0]) if best else None
-        summary = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top)
+        summary = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top,
+                                     others=self.scheduler.host.held_by_others(),
+                                     waiting=bool(self.scheduler.waiting))
         running = [{"trial": f"{r.number}.{r.attempt}", "phase": r.phase, "layout": r.layout.short(),
                     "gpus": r.layout.world_size, "nodes": ",".join(r.slot.labels) if r.slot else "",
                     "elapsed_s": time.monotonic() - r.started} for r in self.scheduler.in_flight]

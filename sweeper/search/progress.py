@@ -20,15 +20,21 @@ class Progress:
     # confirm_steps over the exploration's steps).
     confirm_runs: float = 0.0
 
-    def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None) -> str:
+    def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None,
+             others: int = 0, waiting: bool = False) -> str:
+        """``others``: GPUs other jobs hold on the sweep's nodes; ``waiting``: a trial waits for GPUs."""
         explore = [r for r in records if r.phase == "explore"]
         passed = sum(1 for r in explore if r.result.status == "passed")
         failed = sum(1 for r in explore if r.result.status == "failed")
         pruned = sum(1 for r in explore if r.result.status == "pruned")
         elapsed = time.monotonic() - self.started
         best_text = f"best {best[0]} {best[1]:,.1f} {self.objective}" if best else "no stable layout yet"
+        held = ""
+        if others:
+            held = f" | {'waiting for ' if waiting else ''}{others} GPUs held by other jobs"
         return (f"{_duration(elapsed)} | running {running} | passed {passed} | failed {failed} | pruned {pruned} | "
-                f"{best_text} | budget {launched}/{self.max_trials} trials{self._eta(records, running, launched)}")
+                f"{best_text} | budget {launched}/{self.max_trials} trials{self._eta(records, running, launched)}"
+                f"{held}")
 
     def _eta(self, records: list[TrialRecord], running: int, launched: int) -> str:
         """Time left: the trials still to launch and the confirmations, each at the median time of the trials

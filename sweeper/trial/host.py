@@ -79,6 +79,7 @@ class TrialHost:
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
         self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
+        self._others: dict[str, int] = {}  # node id -> GPUs other jobs hold there, as of the snapshot
         self._lock = threading.Lock()
         # Warm (forked) ranks by default on a simulated cluster only: on an H200, NCCL in a rank forked from a warm
         # Ray actor failed to start NVML ("GPU access blocked by the operating system") where fresh ranks passed.
@@ -91,14 +92,35 @@ class TrialHost:
         each candidate fits, twice per proposal, and every ask read the whole cluster's node table (issue 43)."""
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot[0] >= CAPACITY_SNAPSHOT_S:
-            self._snapshot = (now, {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()})
+            nodes = {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()}
+            self._others = self._held_by_others(nodes)
+            self._snapshot = (now, nodes)
         sim = self.handle.simulated
         # Ray marks a killed node dead only after its health checks time out; a simulated cluster knows at once
         # (asked on every call: it is the driver's own table, and a lost node must not be reserved again).
         return {node: info for node, info in self._snapshot[1].items() if sim is None or sim.node_for(node) is not None}
 
+    def _held_by_others(self, nodes: dict[str, tuple[str, int]]) -> dict[str, int]:
+        """GPUs another job holds on each node (issue 46): what Ray says is taken there, less what this sweep holds
+        (its trials' reservations, its warm ranks idle or leased). A reservation whose placement group Ray has not
+        made yet counts as this sweep's, so the difference never goes below zero; a group Ray has not removed yet
+        after its trial ended reads as another job's until the next snapshot, a second later."""
+        available = self.handle.available_gpus()
+        warm = self.pool.held_per_node() if self.pool is not None else {}
+        others = {}
+        for nid, (_, gpus) in nodes.items():
+            ours = max(self._used.get(nid, 0), warm.get(nid, 0))
+            others[nid] = max(0, gpus - int(available.get(nid, gpus)) - ours)
+        return others
+
     def capacity_total(self) -> int:
         return sum(gpus for _, gpus in self._alive().values())
+
+    def held_by_others(self) -> int:
+        """GPUs other jobs hold on this sweep's nodes, as of the last look (at most a second old)."""
+        with self._lock:
+            alive = self._alive()
+            return sum(self._others.get(nid, 0) for nid in alive)
 
     def reserve(self, layout: Layout) -> Reservation | None:
         """Nodes for this layout's placement bundles, or None when they are not free right now."""
@@ -123,7 +145,7 @@ class TrialHost:
         alive = self._alive()
         if self.pool is not None:
             self.pool.keep_nodes(set(alive))
-        free = {nid: gpus - self._used.get(nid, 0) for nid, (_, gpus) in alive.items()}
+        free = {nid: gpus - self._used.get(nid, 0) - self._others.get(nid, 0) for nid, (_, gpus) in alive.items()}
         chosen = [nid for nid in sorted(free, key=lambda n: (free[n], alive[n][0]))
                   if free[nid] >= plan.ranks_per_bundle][: plan.num_bundles]  # best fit: fullest node first
         if len(chosen) < plan.num_bundles:

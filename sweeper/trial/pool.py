@@ -142,6 +142,14 @@ class RankPool:
         self._lock = threading.Lock()
         self._closed = False
 
+    def held_per_node(self) -> dict[str, int]:
+        """The GPUs this pool's warm ranks hold in Ray, idle or leased, per node id."""
+        with self._lock:
+            held: dict[str, int] = {}
+            for warm in self._busy + [w for ranks in self._idle.values() for w in ranks]:
+                held[warm.node_id] = held.get(warm.node_id, 0) + 1
+            return held
+
     def lease(self, node_ids: list[str], per_bundle: int, world_size: int, timeout_s: float) -> Lease:
         """Warm ranks for a trial whose bundle i of ``per_bundle`` GPUs is on ``node_ids[i]`` (idle ones first, new
         ones for the rest). Raises PlacementTimeout when a new one's GPU is not reserved within ``timeout_s``."""

@@ -38,6 +38,9 @@ class Host(Protocol):
     def capacity_total(self) -> int:
         """GPUs on the nodes alive now."""
 
+    def held_by_others(self) -> int:
+        """GPUs other jobs hold on those nodes now (never reserved for a trial until they free up)."""
+
     def reserve(self, layout: Layout) -> Reservation | None:
         """GPUs for ``layout`` if they are free now (the ledger counts them used until ``release``)."""
 

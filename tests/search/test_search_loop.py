@@ -66,6 +66,9 @@ class StandInHost:
     def capacity_total(self) -> int:
         return sum(self.gpus for _ in self.free)
 
+    def held_by_others(self) -> int:
+        return 0
+
     def prestart(self, layouts: list[Layout]) -> int:
         self.prestarted = len(layouts)
         return 0

@@ -1,12 +1,20 @@
-"""The GPU ledger's reads of the cluster (issue 43): one read of Ray's node table answers a whole fill.
+"""The GPU ledger's reads of the cluster: one read of Ray's node table answers a whole fill (issue 43), and GPUs
+another Ray job holds are not this sweep's to reserve (issue 46).
 
-The handle below is a STAND-IN for a Ray cluster handle (it counts the node-table reads a real one makes with
-ray.nodes()); the ledger, TrialHost, is the real one.
+``CountingHandle`` is a STAND-IN for a Ray cluster handle (it counts the node-table reads a real one makes with
+ray.nodes()); the ledger, TrialHost, is the real one. The other-jobs test runs a real simulated Ray cluster and a
+second real Ray job (its own driver process) that holds GPUs on it.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from sweeper.cluster.connection import NodeInfo
 from sweeper.config.load import load_config
@@ -30,6 +38,9 @@ class CountingHandle:
         self.reads += 1
         return [NodeInfo(f"n{i}", f"10.0.0.{i}", f"10.0.0.{i}", 8, 64.0, i == 0) for i in range(2)]
 
+    def available_gpus(self) -> dict[str, float]:
+        return {f"n{i}": 8.0 for i in range(2)}  # no other job on this stand-in cluster
+
 
 def test_a_fill_of_many_capacity_questions_reads_the_node_table_once(monkeypatch) -> None:
     cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
@@ -42,3 +53,55 @@ def test_a_fill_of_many_capacity_questions_reads_the_node_table_once(monkeypatch
     monkeypatch.setattr(host_module, "CAPACITY_SNAPSHOT_S", 0.0)  # the snapshot expired: read again
     host.fits(layouts[0])
     assert handle.reads == 2
+
+
+# The second job: its own Ray driver on the sweep's cluster, holding GPUS GPUs of one node in a placement group
+# until its standard input closes. It prints the node it got.
+_OTHER_JOB = r"""
+import sys, ray
+from ray.util.placement_group import placement_group, placement_group_table
+ray.init(address=sys.argv[1], log_to_driver=False)
+group = placement_group([{"GPU": float(sys.argv[2]), "CPU": 0.01}], strategy="STRICT_PACK")
+ray.get(group.ready(), timeout=120)
+print(placement_group_table(group)["bundles_to_node_id"][0], flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.e2e
+def test_gpus_another_ray_job_holds_are_not_reserved_and_are_said(tmp_path: Path) -> None:
+    import ray
+
+    from sweeper.search.progress import Progress
+    from sweeper.trial.host import open_host
+
+    cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")  # a simulated 2 x 2 cluster
+    cfg = cfg.model_copy(update=dict(cluster=cfg.cluster.model_copy(update=dict(warm_ranks=False))))
+    with open_host(cfg) as host:
+        assert host.held_by_others() == 0 and host.fits(Layout(world_size=4, gbs=4))
+        address = ray.get_runtime_context().gcs_address
+        job = subprocess.Popen([sys.executable, "-c", _OTHER_JOB, address, "2"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+        try:
+            taken = job.stdout.readline().strip()  # the node the other job holds both GPUs of
+            assert taken, "the second job got no placement group"
+            deadline = time.monotonic() + 20
+            while host.held_by_others() != 2 and time.monotonic() < deadline:  # raylets report with a lag
+                time.sleep(0.5)
+            assert host.held_by_others() == 2
+            assert not host.fits(Layout(world_size=4, gbs=4))  # was: reserved, then a placement timeout (infra)
+            slot = host.reserve(Layout(world_size=2, gbs=2))
+            assert slot is not None and slot.node_ids == [next(n.node_id for n in host.handle.nodes()
+                                                               if n.node_id != taken)]
+            assert not host.fits(Layout(world_size=2, gbs=2))  # the sweep's own reservation and the other job's
+            host.release(slot)
+            line = Progress(4, "tokens/s", time.monotonic()).line([], 0, 0, None, others=host.held_by_others(),
+                                                                   waiting=True)
+            assert line.endswith("waiting for 2 GPUs held by other jobs")
+        finally:
+            job.stdin.close()
+            job.wait(timeout=60)
+        deadline = time.monotonic() + 20
+        while host.held_by_others() and time.monotonic() < deadline:  # the job's group goes with its driver
+            time.sleep(0.5)
+        assert host.held_by_others() == 0 and host.fits(Layout(world_size=4, gbs=4))
