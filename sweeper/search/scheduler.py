@@ -41,11 +41,18 @@ class Running:
     waiting_since: float | None = None  # when it joined the retry queue
 
 
+# A trial waits in its own driver thread. The pool makes a thread only when a trial starts and no idle one is left,
+# so its bound costs nothing until trials run; 64 threads left a 1,024-GPU cluster's 65th..128th trial of 8 GPUs
+# holding its reservation in the executor's queue, GPUs idle (issue 46). One thread per GPU is the most a cluster of
+# that size can run at once.
+MAX_TRIAL_THREADS = 8192
+
+
 class Scheduler:
     def __init__(self, host: Host, parallel_cap: int) -> None:
         self.host = host
-        self.parallel_cap = parallel_cap
-        self.pool = cf.ThreadPoolExecutor(max_workers=64, thread_name_prefix="trial")
+        self.parallel_cap = min(parallel_cap, MAX_TRIAL_THREADS)
+        self.pool = cf.ThreadPoolExecutor(max_workers=self.parallel_cap, thread_name_prefix="trial")
         self.futures: dict[cf.Future[TrialResult], Running] = {}
         self.cancels: dict[int, threading.Event] = {}
         self.retry: list[Running] = []
