@@ -239,6 +239,10 @@ class SearchConfig(_Strict):
     """Best candidates re-run to confirm them; the winner must pass every confirmation (0: no confirmation)."""
     confirm_steps: PositiveInt | None = None
     """Steps of a confirmation run; null: twice training.steps."""
+    confirm_alone: bool | None = None
+    """A confirmation runs with no other trial of the sweep on its nodes (none starts there while it runs), so the
+    throughput that decides is not shared with neighbours' links, NICs and filesystem traffic; null: on GPU clusters
+    yes, on a simulated one no (its nodes are one machine)."""
     confirm_max_step_time_drift: float = Field(1.5, gt=1.0)
     """A confirmation whose last quarter of steps took more than this many times its first quarter (after warm-up)
     does not confirm the layout: time that grows with the steps (fragmentation, a leak, throttling) is what a long

@@ -30,7 +30,7 @@ from typing import Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimator
 from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
-from sweeper.estimate.step_fit import StepFit, StepModel
+from sweeper.estimate.step_fit import StepFit, StepModel, repeat_noise
 from sweeper.estimate.step_time import CLUSTER_TERMS
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
@@ -169,6 +169,9 @@ class Calibrator:
         return {
             "backend": f"CPU ranks sharing {self.host_cores} cores" if self.host_cores else "GPUs",
             "level": model.level, "factors": model.factors(), "samples": len(rows),
+            # The measurement spread the fit assumed (log units): the constant until a layout ran twice, then the
+            # repeats' own (step_fit.repeat_noise).
+            "noise": model.fit.noise, "noise_from_repeats": repeat_noise(model.samples, model.layouts) is not None,
             "error_uncalibrated": error("uncalibrated_s"),
             "error_one_factor": statistics.median(abs(one * r["uncalibrated_s"] / r["measured_s"] - 1) for r in rows),
             "error_calibrated": error("calibrated_s"), "trials": rows,

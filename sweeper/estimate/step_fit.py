@@ -40,6 +40,12 @@ from sweeper.space.layout import Layout
 # repeats spread by 7-15 % (tests/data/landscape_*.json, noise_cv_median), a GPU's by a few percent. The larger one
 # keeps a term from being freed to explain noise.
 NOISE = 0.10
+# Once a layout has run more than once (a confirmation, a retry) the noise is the spread of its repeats instead:
+# the pooled standard deviation of log step time within each repeated layout, with at least MIN_REPEAT_DOF degrees
+# of freedom, kept within [MIN_NOISE, MAX_NOISE] (a pair that happened to agree must not let every term go free;
+# issue 46).
+MIN_REPEAT_DOF = 2
+MIN_NOISE, MAX_NOISE = 0.02, 0.5
 # How far a term's efficiency may plausibly lie from the common level, in log units (a factor of three either way at
 # one sigma): the estimator's structure is trusted, its constants less so. Trials that say otherwise move a term as
 # far as they need (the CPU backend's gloo collectives end up thousands of times NCCL's cost); a wider prior let
@@ -75,6 +81,7 @@ class StepFit:
     error_before: float | None = None  # median |predicted - measured| / measured, uncalibrated
     error_level: float | None = None  # the same with the level only (what one factor would give)
     error_after: float | None = None  # with the fitted terms
+    noise: float = NOISE  # the measurement spread the fit assumed (log units): NOISE, or the repeats' own
 
     def factor(self, term: str) -> float:
         return term_factor(term, self.factors, self.level)
@@ -129,7 +136,7 @@ TOLERANCE = 1e-14
 
 
 def _solve(problem: _Problem, free: list[int], level0: float, theta0: np.ndarray | None = None,
-           ) -> tuple[float, np.ndarray, float]:
+           noise: float = NOISE) -> tuple[float, np.ndarray, float]:
     """The least-squares fit of the level and the freed thetas (each within ``MAX_LOG_OFFSET``) from (level0,
     theta0); (level, theta, objective)."""
     from scipy.optimize import least_squares  # a third of a second to import: ``plan`` fits nothing
@@ -137,7 +144,7 @@ def _solve(problem: _Problem, free: list[int], level0: float, theta0: np.ndarray
     n_terms = len(problem.names)
     level = level0
     theta = np.zeros(n_terms) if theta0 is None else theta0.copy()
-    weight = (NOISE / PRIOR) ** 2  # the prior's weight against one sample's squared log residual
+    weight = (noise / PRIOR) ** 2  # the prior's weight against one sample's squared log residual
 
     if free and theta0 is not None:  # the newest freed term: start from the best of a coarse grid
         newest = free[-1]
@@ -155,7 +162,7 @@ def _solve(problem: _Problem, free: list[int], level0: float, theta0: np.ndarray
         level += float(np.mean(problem.log_measured - logp))
     cols = [0] + [1 + i for i in free]
     # The prior as residual rows: theta_t / PRIOR against each sample's log residual / NOISE.
-    root_weight = NOISE / PRIOR
+    root_weight = noise / PRIOR
     prior_jac = np.hstack([np.zeros((len(free), 1)), root_weight * np.eye(len(free))])
     last: dict[bytes, tuple[np.ndarray, np.ndarray]] = {}  # least_squares asks for the Jacobian where it just was
 
@@ -190,8 +197,24 @@ def _median_error(log_pred: np.ndarray, log_measured: np.ndarray) -> float:
     return float(np.median(np.abs(np.exp(log_pred - log_measured) - 1.0)))
 
 
-def fit_step(samples: Sequence[StepSample]) -> StepFit:
-    """The level and the freed terms' factors that best explain ``samples`` (see the module's docstring)."""
+def repeat_noise(samples: Sequence[StepSample], layouts: Sequence[object]) -> float | None:
+    """The spread of the measured step time between runs of the same layout (``layouts[i]`` is sample i's): the
+    pooled standard deviation of its log, None with fewer than MIN_REPEAT_DOF degrees of freedom."""
+    groups: dict[object, list[float]] = {}
+    for sample, layout in zip(samples, layouts, strict=True):
+        if sample.measured_s > 0:
+            groups.setdefault(layout, []).append(math.log(sample.measured_s))
+    repeated = [g for g in groups.values() if len(g) > 1]
+    dof = sum(len(g) - 1 for g in repeated)
+    if dof < MIN_REPEAT_DOF:
+        return None
+    squares = sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in repeated)
+    return min(MAX_NOISE, max(MIN_NOISE, math.sqrt(squares / dof)))
+
+
+def fit_step(samples: Sequence[StepSample], noise: float = NOISE) -> StepFit:
+    """The level and the freed terms' factors that best explain ``samples`` (see the module's docstring), with
+    ``noise`` the spread of a measurement in log units (NOISE, or the repeats' own: ``repeat_noise``)."""
     samples = [s for s in samples if s.measured_s > 0 and s.terms.seconds() > 0]
     if not samples:
         return StepFit()
@@ -201,10 +224,10 @@ def fit_step(samples: Sequence[StepSample]) -> StepFit:
     zero = np.zeros(len(names))
     raw_log = problem.predict(0.0, zero)[0]
     level0 = float(np.median(problem.log_measured - raw_log))
-    level, theta, value = _solve(problem, [], level0)
+    level, theta, value = _solve(problem, [], level0, noise=noise)
 
     def bic(objective: float, free: int) -> float:
-        return objective / NOISE ** 2 + (1 + free) * math.log(n)
+        return objective / noise ** 2 + (1 + free) * math.log(n)
 
     free: list[int] = []
     best_score = bic(value, 0)
@@ -215,7 +238,7 @@ def fit_step(samples: Sequence[StepSample]) -> StepFit:
     while len(free) < MAX_FREE(n) and candidates:
         scored = []
         for i in candidates:
-            lv, th, val = _solve(problem, [*free, i], best[0], best[1])
+            lv, th, val = _solve(problem, [*free, i], best[0], best[1], noise=noise)
             scored.append((bic(val, len(free) + 1), i, lv, th))
         score, i, lv, th = min(scored, key=lambda x: x[0])
         if score >= best_score:
@@ -232,7 +255,7 @@ def fit_step(samples: Sequence[StepSample]) -> StepFit:
         level=math.exp(level), factors=factors, samples=n,
         error_before=_median_error(raw_log, problem.log_measured),
         error_level=_median_error(raw_log + level0, problem.log_measured),
-        error_after=_median_error(problem.predict(level, theta)[0], problem.log_measured),
+        error_after=_median_error(problem.predict(level, theta)[0], problem.log_measured), noise=noise,
     )
 
 
@@ -246,6 +269,7 @@ class StepModel:
     def __init__(self, estimator: Estimator, start: StepFit | None = None) -> None:
         self.estimator = estimator
         self.samples: list[StepSample] = []
+        self.layouts: list[Layout] = []  # the layout of each sample (repeats give the measurement noise)
         self.start = start or StepFit()
         self.base = {t: f if t == PP_BUBBLE else f / self.start.level for t, f in (self.start.factors or {}).items()}
         self.fit = self.start
@@ -263,7 +287,8 @@ class StepModel:
     def add(self, layout: Layout, measured_step_s: float) -> StepFit:
         """One more measured trial: refit and return the new fit (relative to the stored shape)."""
         self.samples.append(StepSample(self.terms(layout).weighted(self._base), measured_step_s))
-        self.fit = fit_step(self.samples)
+        self.layouts.append(layout)
+        self.fit = fit_step(self.samples, repeat_noise(self.samples, self.layouts) or NOISE)
         return self.fit
 
     def factor(self, term: str) -> float:

@@ -156,13 +156,23 @@ class TrialRecord:
     started_at: str | None = None
     ended_at: str | None = None
     mlflow_run_id: str | None = None
+    # Trials of the sweep ("number.attempt") that ran on one of its nodes while it ran, and the GPUs other jobs
+    # held there when it started: whether its measurement shared the nodes (issue 46).
+    neighbours: list[str] = field(default_factory=list)
+    other_jobs_gpus: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "number": self.number, "layout": self.layout, "result": self.result.to_json(),
             "predicted": self.predicted, "started_at": self.started_at, "ended_at": self.ended_at,
             "attempt": self.attempt, "mlflow_run_id": self.mlflow_run_id, "phase": self.phase,
+            "neighbours": self.neighbours, "other_jobs_gpus": self.other_jobs_gpus,
         }
+
+    @property
+    def alone(self) -> bool:
+        """Whether it ran with no other trial and no other job's GPUs on its nodes."""
+        return not self.neighbours and not self.other_jobs_gpus
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TrialRecord:
@@ -178,6 +188,8 @@ class TrialRecord:
             started_at=data.get("started_at"),
             ended_at=data.get("ended_at"),
             mlflow_run_id=data.get("mlflow_run_id"),
+            neighbours=[str(n) for n in data.get("neighbours") or []],
+            other_jobs_gpus=int(data.get("other_jobs_gpus") or 0),
         )
 
     @property

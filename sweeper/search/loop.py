@@ -308,6 +308,11 @@ class Sweep:
         self._record_pruned(entry, reason, trial, number=number)
         return None
 
+    def _confirm_alone(self) -> bool:
+        """search.confirm_alone, null meaning on GPU clusters (a simulated cluster's nodes are one machine)."""
+        alone = self.cfg.search.confirm_alone
+        return not self.handle.simulated if alone is None else alone
+
     def _parallel_cap(self) -> int:
         cap = self.options.parallel or (self.cfg.search.parallel if self.cfg.search.parallel != "auto" else 0)
         return cap or 1_000_000
@@ -350,7 +355,7 @@ class Sweep:
         record = TrialRecord(
             number=run.number, layout=run.layout.to_dict(), result=result, predicted=run.predicted,
             started_at=run.started_at, ended_at=now(), attempt=run.attempt, mlflow_run_id=run.run_id,
-            phase=run.phase,
+            phase=run.phase, neighbours=sorted(run.neighbours), other_jobs_gpus=run.other_jobs_gpus,
         )
         self.dir.append_trial(record)
         self.records.append(record)
@@ -475,7 +480,7 @@ class Sweep:
             slot = None
             retry = bool(todo) and confirm_attempts(self.records, todo[0].number)[1] > 0
             if len(good) + len(pending) < wanted and (budget > 0 or retry) and todo:
-                slot = self.handle.reserve(todo[0].layout)
+                slot = self.handle.reserve(todo[0].layout, alone=self._confirm_alone())
             if slot is not None:
                 budget -= 0 if retry else 1
                 attempt = confirm_attempts(self.records, todo[0].number)[0] + 1

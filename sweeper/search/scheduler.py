@@ -39,6 +39,10 @@ class Running:
     slot: Reservation | None  # None while waiting for GPUs
     started: float = field(default_factory=time.monotonic)
     waiting_since: float | None = None  # when it joined the retry queue
+    # Trials of the sweep ("number.attempt") that ran on one of its nodes while it ran, and the GPUs other jobs held
+    # there when it started: a measurement with neighbours shares the node's links, NICs and filesystem (issue 46).
+    neighbours: set[str] = field(default_factory=set)
+    other_jobs_gpus: int = 0
 
 
 # A trial waits in its own driver thread. The pool makes a thread only when a trial starts and no idle one is left,
@@ -137,6 +141,12 @@ class Scheduler:
     def submit(self, run: Running, **kwargs: Any) -> None:
         """Start ``host.run_trial`` for ``run`` on its reservation in a worker thread (``cancel_all`` stops it)."""
         assert run.slot is not None, "a trial is launched only with GPUs reserved"
+        nodes = set(run.slot.node_ids)
+        for other in self.futures.values():
+            if other.slot is not None and nodes & set(other.slot.node_ids):
+                other.neighbours.add(f"{run.number}.{run.attempt}")
+                run.neighbours.add(f"{other.number}.{other.attempt}")
+        run.other_jobs_gpus = self.host.held_by_others(run.slot.node_ids)
         cancel = threading.Event()
         future = self.pool.submit(self.host.run_trial, reservation=run.slot, cancel=cancel, **kwargs)
         self.futures[future] = run

@@ -80,6 +80,7 @@ class TrialHost:
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
         self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
         self._others: dict[str, int] = {}  # node id -> GPUs other jobs hold there, as of the snapshot
+        self._alone: set[str] = set()  # nodes a trial holds alone (search.confirm_alone): nobody else starts there
         self._lock = threading.Lock()
         # Warm (forked) ranks by default on a simulated cluster only: on an H200, NCCL in a rank forked from a warm
         # Ray actor failed to start NVML ("GPU access blocked by the operating system") where fresh ranks passed.
@@ -116,26 +117,30 @@ class TrialHost:
     def capacity_total(self) -> int:
         return sum(gpus for _, gpus in self._alive().values())
 
-    def held_by_others(self) -> int:
-        """GPUs other jobs hold on this sweep's nodes, as of the last look (at most a second old)."""
+    def held_by_others(self, node_ids: list[str] | None = None) -> int:
+        """GPUs other jobs hold on ``node_ids`` (None: every alive node), as of the last look (at most a second
+        old)."""
         with self._lock:
             alive = self._alive()
-            return sum(self._others.get(nid, 0) for nid in alive)
+            return sum(self._others.get(nid, 0) for nid in (alive if node_ids is None else set(node_ids)))
 
-    def reserve(self, layout: Layout) -> Reservation | None:
-        """Nodes for this layout's placement bundles, or None when they are not free right now."""
+    def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
+        """Nodes for this layout's placement bundles, or None when they are not free right now; ``alone``: nodes
+        no trial of this sweep uses, and none starts on until ``release``."""
         with self._lock:
-            slot = self._choose(layout)
+            slot = self._choose(layout, alone)
             if slot is not None:
                 for nid in slot.node_ids:
                     self._used[nid] = self._used.get(nid, 0) + slot.gpus_per_bundle
+                if alone:
+                    self._alone.update(slot.node_ids)
             return slot
 
     def fits(self, layout: Layout) -> bool:
         with self._lock:
             return self._choose(layout) is not None
 
-    def _choose(self, layout: Layout) -> Reservation | None:
+    def _choose(self, layout: Layout, alone: bool = False) -> Reservation | None:
         """The nodes ``reserve`` would take now (the caller holds the lock)."""
         try:
             plan = plan_placement(layout.world_size, self.cfg.cluster.gpus_per_node,
@@ -145,12 +150,13 @@ class TrialHost:
         alive = self._alive()
         if self.pool is not None:
             self.pool.keep_nodes(set(alive))
-        free = {nid: gpus - self._used.get(nid, 0) - self._others.get(nid, 0) for nid, (_, gpus) in alive.items()}
+        free = {nid: gpus - self._used.get(nid, 0) - self._others.get(nid, 0) for nid, (_, gpus) in alive.items()
+                if nid not in self._alone and not (alone and self._used.get(nid, 0))}
         chosen = [nid for nid in sorted(free, key=lambda n: (free[n], alive[n][0]))
                   if free[nid] >= plan.ranks_per_bundle][: plan.num_bundles]  # best fit: fullest node first
         if len(chosen) < plan.num_bundles:
             return None
-        return Reservation(chosen, [alive[n][0] for n in chosen], plan.ranks_per_bundle)
+        return Reservation(chosen, [alive[n][0] for n in chosen], plan.ranks_per_bundle, alone)
 
     def reserve_within(self, layout: Layout, timeout_s: float) -> Reservation | None:
         """``reserve``, retried for up to ``timeout_s`` (a fresh cluster's nodes may still be registering)."""
@@ -182,6 +188,8 @@ class TrialHost:
         with self._lock:
             for nid in reservation.node_ids:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
+            if reservation.alone:
+                self._alone.difference_update(reservation.node_ids)
 
     @property
     def kernels(self) -> Kernels:

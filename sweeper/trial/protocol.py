@@ -28,6 +28,7 @@ class Reservation:
     node_ids: list[str]  # one per placement bundle
     labels: list[str]
     gpus_per_bundle: int
+    alone: bool = False  # no other trial of the sweep may start on these nodes while it is held
 
 
 @runtime_checkable
@@ -38,11 +39,13 @@ class Host(Protocol):
     def capacity_total(self) -> int:
         """GPUs on the nodes alive now."""
 
-    def held_by_others(self) -> int:
-        """GPUs other jobs hold on those nodes now (never reserved for a trial until they free up)."""
+    def held_by_others(self, node_ids: list[str] | None = None) -> int:
+        """GPUs other jobs hold now on ``node_ids`` (None: every alive node); never reserved for a trial until
+        they free up."""
 
-    def reserve(self, layout: Layout) -> Reservation | None:
-        """GPUs for ``layout`` if they are free now (the ledger counts them used until ``release``)."""
+    def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
+        """GPUs for ``layout`` if they are free now (the ledger counts them used until ``release``); ``alone``: on
+        nodes no other trial of the sweep uses, kept so until ``release``."""
 
     def fits(self, layout: Layout) -> bool:
         """Whether ``reserve`` would find GPUs for ``layout`` now; reserves nothing."""

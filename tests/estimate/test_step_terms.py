@@ -6,6 +6,7 @@ measured trials, in a unit test of the fit only), and the recorded CPU landscape
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from sweeper.config.load import load_config
 from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import Calibration, Estimator, estimate
-from sweeper.estimate.step_fit import StepModel, StepSample, fit_step
+from sweeper.estimate.step_fit import MIN_NOISE, NOISE, StepModel, StepSample, fit_step, repeat_noise
 from sweeper.estimate.step_time import PP_BUBBLE, TP
 from sweeper.models.catalog import PRESETS
 from sweeper.space.layout import Layout
@@ -83,6 +84,31 @@ def test_no_more_free_factors_than_trials_support() -> None:
     samples = _synthetic({TP: 3.0, "launch": 0.2, "dp": 4.0}, 1.3)
     for n in (2, 3, 4):
         assert len(fit_step(samples[:: len(samples) // n][:n]).factors or {}) <= n - 1
+
+
+def test_the_fits_noise_is_the_spread_of_a_layouts_repeats_once_there_are_enough() -> None:
+    """Issue 46: the noise the fit assumes (what a term must explain before it is freed) is measured between runs
+    of the same layout, not a constant, once the repeats give two degrees of freedom."""
+    base = _synthetic({}, 1.0)
+    a, b = base[0], base[1]
+
+    def at(sample: StepSample, factor: float) -> StepSample:
+        return StepSample(sample.terms, sample.measured_s * factor)
+
+    # One pair: one degree of freedom, not enough.
+    assert repeat_noise([a, at(a, 1.2)], ["A", "A"]) is None
+    # Two pairs, each spread by a log of 0.2 (sd of a pair: |d| / sqrt 2).
+    samples, layouts = [a, at(a, math.exp(0.2)), b, at(b, math.exp(-0.2))], ["A", "A", "B", "B"]
+    assert repeat_noise(samples, layouts) == pytest.approx(0.2 / math.sqrt(2), rel=1e-9)
+    # Repeats that agree exactly do not let the fit take noise for signal: the floor.
+    assert repeat_noise([a, a, b, b], ["A", "A", "B", "B"]) == MIN_NOISE
+    # The model uses it once there are repeats, and says which noise it assumed.
+    model = StepModel(Estimator(LLAMA, H100, 4096))
+    for lo, factor in zip([LAYOUTS[0], LAYOUTS[0], LAYOUTS[1], LAYOUTS[1]], [1.0, 1.3, 1.0, 0.8], strict=True):
+        fit = model.add(lo, model.terms(lo).seconds() * factor)
+    expected = repeat_noise(model.samples, model.layouts)
+    assert expected is not None and fit.noise == pytest.approx(expected) and fit.noise != NOISE
+    assert StepModel(Estimator(LLAMA, H100, 4096)).add(LAYOUTS[0], 1.0).noise == NOISE
 
 
 def test_the_recorded_cpu_landscape_is_explained_term_by_term_far_better_than_by_one_factor() -> None:

@@ -22,13 +22,15 @@ def test_docs_schemas_are_the_generated_ones() -> None:
 def test_a_record_round_trips_through_its_json_line(tmp_path: Path) -> None:
     result = TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=1234.5, peak_memory_gib=3.0))
     record = TrialRecord(number=3, layout={"tp": 2, "gpus": 4}, result=result, attempt=2, phase="confirm",
-                         predicted={"memory_gib": 2.5}, started_at="a", ended_at="b", mlflow_run_id="r")
+                         predicted={"memory_gib": 2.5}, started_at="a", ended_at="b", mlflow_run_id="r",
+                         neighbours=["1.1", "2.1"], other_jobs_gpus=4)
     sweep = SweepDir(tmp_path)
     sweep.append_trial(record)
     assert sweep.read_trials() == [record]
-    assert record.predicted_memory_gib == 2.5
+    assert record.predicted_memory_gib == 2.5 and not record.alone
     assert set(json.loads(sweep.trials.read_text())) == {"number", "layout", "result", "predicted", "started_at",
-                                                         "ended_at", "attempt", "mlflow_run_id", "phase"}
+                                                         "ended_at", "attempt", "mlflow_run_id", "phase",
+                                                         "neighbours", "other_jobs_gpus"}
 
 
 def test_reading_skips_torn_and_foreign_lines_and_drops_unknown_result_keys(tmp_path: Path) -> None:

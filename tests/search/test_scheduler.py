@@ -1,4 +1,4 @@
-"""The scheduler runs as many trials at once as the cluster holds (issue 46): no thread cap below that.
+"""The scheduler runs as many trials at once as the cluster holds, and notes which trials shared nodes (issue 46).
 
 The host is a STAND-IN (a fixed pool of single-GPU slots whose trials wait on an event); the scheduler is real."""
 
@@ -24,6 +24,9 @@ class SlotsHost:
 
     def release(self, reservation: Reservation) -> None:
         pass
+
+    def held_by_others(self, node_ids: list[str] | None = None) -> int:
+        return 3 if node_ids == ["busy"] else 0  # another job holds 3 GPUs on node "busy"
 
     def run_trial(self, *, reservation: Reservation, cancel: threading.Event, **kwargs: object) -> TrialResult:
         with self.lock:
@@ -53,3 +56,24 @@ def test_a_thousand_gpu_cluster_runs_128_trials_at_once_not_64() -> None:
         while scheduler.futures:
             scheduler.wait_one(5.0)
         scheduler.shutdown()
+
+
+def test_trials_that_share_a_node_are_each_others_neighbours_and_other_jobs_are_counted() -> None:
+    host = SlotsHost()
+    scheduler = Scheduler(host, parallel_cap=8)
+    layout = Layout(world_size=4, gbs=4)
+
+    def run(number: int, nodes: list[str]) -> Running:
+        return Running(number, 1, "explore", layout, None, None, None, "", Reservation(nodes, nodes, 4 // len(nodes)))
+
+    a, b, c, d = run(1, ["n0"]), run(2, ["n0", "n1"]), run(3, ["n2"]), run(4, ["busy"])
+    try:
+        for r in (a, b, c, d):
+            scheduler.submit(r)
+    finally:
+        host.go.set()
+        while scheduler.futures:
+            scheduler.wait_one(5.0)
+        scheduler.shutdown()
+    assert a.neighbours == {"2.1"} and b.neighbours == {"1.1"} and not c.neighbours
+    assert (c.other_jobs_gpus, d.other_jobs_gpus) == (0, 3)

@@ -66,7 +66,7 @@ class StandInHost:
     def capacity_total(self) -> int:
         return sum(self.gpus for _ in self.free)
 
-    def held_by_others(self) -> int:
+    def held_by_others(self, node_ids: list[str] | None = None) -> int:
         return 0
 
     def prestart(self, layouts: list[Layout]) -> int:
@@ -80,7 +80,7 @@ class StandInHost:
         nodes = [n for n, f in self.free.items() if f >= per][:need]
         return (nodes, per) if len(nodes) == need else None
 
-    def reserve(self, layout: Layout) -> Reservation | None:
+    def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
         with self.lock:
             chosen = self._nodes(layout)
             if chosen is None:

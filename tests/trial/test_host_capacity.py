@@ -105,3 +105,33 @@ def test_gpus_another_ray_job_holds_are_not_reserved_and_are_said(tmp_path: Path
         while host.held_by_others() and time.monotonic() < deadline:  # the job's group goes with its driver
             time.sleep(0.5)
         assert host.held_by_others() == 0 and host.fits(Layout(world_size=4, gbs=4))
+
+
+def test_a_trial_reserved_alone_has_its_nodes_to_itself_until_released() -> None:
+    """search.confirm_alone (issue 46): a confirmation's nodes carry no other trial of the sweep while it runs."""
+    cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
+    host = TrialHost(cfg, CountingHandle())  # type: ignore[arg-type]
+    one_node = Layout(world_size=8, ep=8, gbs=64)
+    half = Layout(world_size=4, ep=4, gbs=64)
+    explore = host.reserve(half)  # half of one node
+    assert explore is not None
+    alone = host.reserve(one_node, alone=True)
+    assert alone is not None and alone.alone and set(alone.node_ids).isdisjoint(explore.node_ids)
+    assert host.reserve(one_node, alone=True) is None  # the other node is shared with the exploration
+    assert host.reserve(half) is not None  # beside the exploration: fine
+    assert not host.fits(half)  # both nodes full now
+    host.release(alone)
+    assert host.reserve(half) is not None  # the confirmation's node takes an exploration again
+
+
+def test_a_node_held_alone_takes_no_other_trial_even_with_free_gpus() -> None:
+    cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
+    host = TrialHost(cfg, CountingHandle())  # type: ignore[arg-type]
+    half = Layout(world_size=4, ep=4, gbs=64)
+    alone = host.reserve(half, alone=True)  # four of a node's eight GPUs
+    assert alone is not None
+    first = host.reserve(half)
+    assert first is not None and set(first.node_ids).isdisjoint(alone.node_ids)
+    second = host.reserve(half)
+    assert second is not None and set(second.node_ids).isdisjoint(alone.node_ids)
+    assert host.reserve(half) is None  # four GPUs are free on the confirmation's node, and stay its own
