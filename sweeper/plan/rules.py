@@ -155,7 +155,10 @@ def vpp_needs_pp(c: RuleContext) -> str | None:
 @rule("vpp")
 def vpp_not_hybrid(c: RuleContext) -> str | None:
     if c.layout.vpp > 1 and c.model.is_hybrid:
-        return "hybrid Mamba models do not support the interleaved (virtual pipeline) schedule in megatron-core 0.16"
+        # 0.16: MambaModel has no virtual stages; 0.19: HybridModel's automatic split raises with VPP
+        # (models/hybrid/hybrid_layer_allocation.py), accepting it only from a pattern with "|" stage marks.
+        return ("hybrid Mamba models do not support the interleaved (virtual pipeline) schedule without explicit "
+                "pipeline stage marks in the layer pattern (megatron-core 0.16 not at all)")
     return None
 
 
@@ -287,8 +290,9 @@ def pipeline_split_options(c: RuleContext) -> str | None:
                 "time with account_for_embedding_in_pipeline_split and account_for_loss_in_pipeline_split")
     if (accounted or lo.pipeline_layout) and c.model.is_hybrid:
         return ("a hybrid Mamba model ignores account_for_embedding/loss_in_pipeline_split and "
-                "pipeline_model_parallel_layout (MambaStack._select_layers_for_pipeline_parallel splits num_layers "
-                "// PP), so the split would not be the one asked for")
+                "pipeline_model_parallel_layout (megatron-core 0.16's MambaStack._select_layers_for_pipeline_parallel "
+                "and 0.19's select_pipeline_segment split the layer pattern alone), so the split would not be the "
+                "one asked for")
     if (accounted or lo.pipeline_layout) and lo.pp == 1:
         return "pipeline-split options need pipeline_model_parallel_size > 1"
     return None
@@ -332,7 +336,7 @@ def pipeline_split(c: RuleContext) -> str | None:
         if c.model.is_hybrid:
             return (
                 f"num_layers ({layers}) is not divisible by pipeline_model_parallel_size ({lo.pp}); megatron-core "
-                "0.16 would silently drop layers of a hybrid Mamba model (integer division), so sweeper refuses it"
+                "0.16 would silently drop layers of a hybrid Mamba model (integer division) and 0.19 refuses it"
             )
         if uneven_split(layers, lo.pp, lo.vpp) is None and accounted_split(layers, lo.pp, lo.vpp) is None:
             return (
