@@ -143,6 +143,13 @@ def _parser() -> argparse.ArgumentParser:
                         help="fault injection on simulated clusters: node-loss@trial=N, node-join@trial=N, "
                         "hang@trial=N, nan@trial=N, kill-rank@trial=N (repeatable)")
     search.add_argument("--proxy", action="store_true", help=PROXY_HELP)
+    search.add_argument("--rehearse", action="store_true",
+                        help="rehearse the sweep: the real driver against trials modelled from the estimator on the "
+                        "YAML's cluster, on a virtual clock, no GPU and no Ray; writes rehearsal.json (default --out "
+                        "sweeps/<name>-rehearsal/)")
+    search.add_argument("--rehearse-faults", metavar="SPEC",
+                        help="with --rehearse: node_loss_per_hour=RATE,hang=P (node losses per node-hour of a "
+                        "trial, the chance a trial hangs)")
     loudness = search.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true",
                           help="also show the libraries' log lines (Optuna, MLflow, Ray) on the terminal")
@@ -276,6 +283,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     from sweeper.search.faults import parse_injections
     from sweeper.search.loop import SearchOptions
 
+    if args.rehearse or args.rehearse_faults is not None:
+        return _rehearse(args, cfg)
     parse_injections(args.inject, simulated=True)  # their syntax first: bad input is refused before any probing
     from sweeper.cluster import resolve_target
 
@@ -299,6 +308,33 @@ def cmd_search(args: argparse.Namespace) -> int:
         overrides=list(args.set),
         verbosity="verbose" if args.verbose else "quiet" if args.quiet else "normal",
         display=_live_display(args.quiet),
+    )
+    return run_search(cfg, options)
+
+
+def _rehearse(args: argparse.Namespace, cfg: Any) -> int:
+    """``search --rehearse``: no cluster is asked anything; the sweep runs against modelled trials."""
+    from sweeper.search.command import run_search
+    from sweeper.search.loop import SearchOptions
+    from sweeper.trial.rehearsal import Faults
+
+    if not args.rehearse:
+        raise UsageError("--rehearse-faults: only with --rehearse")
+    for flag, given in (("--address", args.address), ("--inject", args.inject)):
+        if given:
+            raise UsageError(f"{flag}: a rehearsal runs no cluster (--rehearse-faults models faults)")
+    Faults.parse(args.rehearse_faults)  # bad input refused before anything is written
+    options = SearchOptions(
+        out=args.out or Path("sweeps") / f"{cfg.name}-rehearsal",
+        resume=args.resume,
+        max_trials=args.max_trials,
+        parallel=args.parallel,
+        space=resolve_space_path(args.space),
+        overrides=list(args.set),
+        verbosity="verbose" if args.verbose else "quiet" if args.quiet else "normal",
+        display=_live_display(args.quiet),
+        rehearse=True,
+        rehearse_faults=args.rehearse_faults,
     )
     return run_search(cfg, options)
 

@@ -101,14 +101,17 @@ class CalibrationUpdate:
 
 
 class Calibrator:
-    def __init__(self, cfg: SweepConfig, sweep_dir: Path, host_cores: int | None = None) -> None:
-        """``host_cores``: the trials run on a simulated cluster's CPU ranks sharing this many cores (None: GPUs)."""
-        self.cfg, self.host_cores = cfg, host_cores
+    def __init__(self, cfg: SweepConfig, sweep_dir: Path, host_cores: int | None = None,
+                 shared: bool = True) -> None:
+        """``host_cores``: the trials run on a simulated cluster's CPU ranks sharing this many cores (None: GPUs).
+        ``shared``: read and write the calibration cache other sweeps share (a rehearsal's modelled trials do
+        neither: only its own folder's calibration.json)."""
+        self.cfg, self.host_cores, self.shared = cfg, host_cores, shared
         self.sweep_file = sweep_dir / "calibration.json"
         self.samples: list[Sample] = []
         # A simulated sweep's stored factors are its CPU's: they rank its layouts, never price the GPU cluster's.
-        self.current: Calibration | None = None if host_cores else stored(cfg)[0]
-        start = stored(cfg, host_cores)[0] if host_cores else self.current
+        self.current: Calibration | None = None if host_cores or not shared else stored(cfg)[0]
+        start = (stored(cfg, host_cores)[0] if shared else None) if host_cores else self.current
         self.report: FitReport | None = None
         self._raw = Estimator.for_config(cfg)  # the uncalibrated predictions the samples are fitted against
         self.step = StepModel(Estimator.for_config(cfg, host_cores=host_cores), _step_fit(start))
@@ -179,7 +182,7 @@ class Calibrator:
 
     def _save(self, calibration: Calibration) -> None:
         """Store the factors for this cluster and model, and the cluster's own step-time part for any model."""
-        for path in (cache_path(), self.sweep_file):
+        for path in (cache_path(), self.sweep_file) if self.shared else (self.sweep_file,):
             save(path, key(self.cfg, self.host_cores), calibration)
             # Relative to this model's level (its compute's efficiency): another model's level is its own.
             level = calibration.step_time_factor

@@ -117,6 +117,7 @@ class Tracker:
         for name, value in QUICK_FAILURE.items():
             os.environ.setdefault(name, value)
         self.say = say  # one line for the user (the sweep's console)
+        self.experiment_name = experiment
         self.behind: str | None = None  # why the server is not being written to, while it is not
         self.client = MlflowClient(tracking_uri=tracking_uri)
         check_reachable(self.client.tracking_uri, connect_timeout_s)

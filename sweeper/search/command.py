@@ -5,6 +5,7 @@ the sweep runs on in sweep.json, and lets SIGINT / SIGTERM stop launches (a seco
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from typing import TYPE_CHECKING, Any
@@ -44,7 +45,8 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
         from sweeper.record.tracking import Tracker
 
         quiet_libraries()  # MLflow's store migration lines are not sweeper's to show
-        tracker = Tracker(cfg.tracking.mlflow_tracking_uri, cfg.experiment_name,  # creates the store first
+        experiment = f"{cfg.experiment_name}-rehearsal" if options.rehearse else cfg.experiment_name
+        tracker = Tracker(cfg.tracking.mlflow_tracking_uri, experiment,  # creates the store first
                           cfg.tracking.connect_timeout_s, say=lambda line: console.print(line, important=True))
         sweep_dir.create()
         if options.space is not None and not options.resume:
@@ -54,37 +56,67 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             return _run(cfg, options, sweep_dir, tracker)
 
 
-def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker: Tracker) -> int:
+def _host(cfg: SweepConfig, options: SearchOptions) -> contextlib.AbstractContextManager[Any]:
+    """The cluster the sweep runs on: the real (or simulated) one, or a rehearsal's modelled one."""
+    if options.rehearse:
+        from sweeper.trial.rehearsal import Faults, RehearsalHost
+
+        return contextlib.nullcontext(RehearsalHost(cfg, Faults.parse(options.rehearse_faults), cfg.search.seed))
     from sweeper.trial.host import open_host
 
+    return open_host(cfg, options.address)
+
+
+def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker: Tracker) -> int:
     meta = sweep_dir.read_meta()
-    with open_host(cfg, options.address) as handle:
+    with _host(cfg, options) as handle:
         doctor = handle.doctor(cfg, sweep_dir.root)
         if not doctor.ok:
             console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems), important=True)
             return EXIT_FAILED
         parent = tracker.start_sweep(
             cfg.name, _sweep_params(cfg), {"estimator": "sweeper.estimate", "backend": handle.backend_name,
-                                           "proxy": str(is_proxy(cfg.model)).lower()},
+                                           "proxy": str(is_proxy(cfg.model)).lower(),
+                                           "rehearsal": str(options.rehearse).lower()},
             resume_run_id=(meta.mlflow or {}).get("parent_run_id") if options.resume else None,
         )
         meta.name, meta.model, meta.cluster = cfg.name, cfg.model.model_dump(), cfg.cluster.model_dump()
         meta.memory_headroom, meta.objective, meta.status = cfg.search.memory_headroom, cfg.search.objective, "running"
         meta.started_at = meta.started_at or now()
         meta.memory_kind = "host" if handle.simulated else "device"
-        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": cfg.experiment_name,
+        meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": tracker.experiment_name,
                        "experiment_id": tracker.experiment_id, "parent_run_id": parent}
         sweep_dir.write_meta(meta)
         sweep = Sweep(cfg, options, handle, tracker)
         previous = _install_signal_handlers(sweep.stop)
         try:
-            return sweep.run()
+            code = sweep.run()
+            if options.rehearse:
+                _rehearsal_summary(cfg, sweep, handle, sweep_dir)
+            return code
         except KeyboardInterrupt:  # a second Ctrl-C (or SIGTERM): no more waiting, but the records say so
             sweep.abandon()
             raise
         finally:
             _restore_signal_handlers(previous)
             sweep.scheduler.shutdown()
+
+
+def _rehearsal_summary(cfg: SweepConfig, sweep: Sweep, host: Any, sweep_dir: SweepDir) -> None:
+    """rehearsal.json beside the sweep's records, and its figures in a few lines."""
+    import json
+
+    from sweeper.search.rehearsal import summary
+
+    figures = summary(host, sweep.records, cfg, [e.layout for e in sweep.frontier.launchable])
+    write_atomic(sweep_dir.root / "rehearsal.json", json.dumps(figures, indent=1) + "\n")
+    reached = figures["trials_to_within_noise_of_best"]
+    console.print(
+        f"[magenta]rehearsal[/] (modelled, not measured) {figures['trials']} trials ({figures['runs']} runs), "
+        f"{figures['wall_time_h']:.1f} h wall, {figures['gpu_hours']:,.0f} GPU-hours, at most "
+        f"{figures['peak_concurrent_trials']} trials at once, peak disk {figures['peak_disk_gib']:,.0f} GiB; "
+        + (f"a layout within the noise of the modelled best after {reached} trials" if reached else
+           "no trial reached the modelled best's noise") + f": {sweep_dir.root / 'rehearsal.json'}", important=True)
 
 
 def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:

@@ -89,6 +89,8 @@ class SearchOptions:
     overrides: list[str] = field(default_factory=list)  # --set items applied over it (named in the copy's header)
     verbosity: Verbosity = "normal"  # -q / -v
     display: Display | None = None  # the live table of running trials (a terminal), None: plain progress lines
+    rehearse: bool = False  # modelled trials on a virtual clock (trial.rehearsal), never measured
+    rehearse_faults: str | None = None  # --rehearse-faults, checked by trial.rehearsal.Faults.parse
 
 
 def now() -> str:
@@ -105,15 +107,16 @@ class Sweep:
         self.records = self.dir.read_trials()
         self.stop = threading.Event()
         self.scheduler = Scheduler(handle, self._parallel_cap())
+        self.t0 = self.scheduler.now()
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
-        self.t0 = time.monotonic()
         search = cfg.search
         confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
-        self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs)
+        self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs, self.scheduler.now)
         # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.refit).
-        self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None)
+        self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None,
+                                     shared=not options.rehearse)
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
         self.backfilled: list[int] = []  # trials started on free GPUs while a larger one waited for its own
         self.stopped_early: str | None = None
@@ -222,7 +225,7 @@ class Sweep:
         if self.stopped_early is not None:
             return False
         wall = self.cfg.search.wall_time_s
-        if wall is not None and time.monotonic() - self.t0 > wall:
+        if wall is not None and self.scheduler.now() - self.t0 > wall:
             return False
         hours = self.cfg.search.gpu_hours
         return hours is None or self.scheduler.busy_gpu_s / 3600 < hours
@@ -436,7 +439,7 @@ class Sweep:
                                      waiting=bool(self.scheduler.waiting))
         running = [{"trial": f"{r.number}.{r.attempt}", "phase": r.phase, "layout": r.layout.short(),
                     "gpus": r.layout.world_size, "nodes": ",".join(r.slot.labels) if r.slot else "",
-                    "elapsed_s": time.monotonic() - r.started} for r in self.scheduler.in_flight]
+                    "elapsed_s": self.scheduler.now() - r.started} for r in self.scheduler.in_flight]
         console.progress(f"[dim]{summary}[/]", running, line=line)
 
     def _record_pruned(self, entry: PlanEntry, reason: tuple[str, str], trial: Any,
@@ -514,7 +517,7 @@ class Sweep:
         if winner is not None:
             self.dir.write_best(best_layout_document(self.cfg, winner, self.tracker.tracking_uri, cands),
                                 export_files(self.cfg, winner.layout, winner.number), EXECUTABLE)
-        elapsed = time.monotonic() - self.t0
+        elapsed = self.scheduler.now() - self.t0
         gpus = self.handle.capacity_total() or 1
         meta = self.dir.read_meta()
         meta.status, meta.ended_at = status, now()

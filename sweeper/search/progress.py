@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -19,6 +20,7 @@ class Progress:
     # The confirmations still to come once the budget is spent, in explorations' worth of time (confirm_top runs of
     # confirm_steps over the exploration's steps).
     confirm_runs: float = 0.0
+    clock: Callable[[], float] = time.monotonic  # a rehearsal's virtual clock (trial.rehearsal)
 
     def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None,
              others: int = 0, waiting: bool = False) -> str:
@@ -27,7 +29,7 @@ class Progress:
         passed = sum(1 for r in explore if r.result.status == "passed")
         failed = sum(1 for r in explore if r.result.status == "failed")
         pruned = sum(1 for r in explore if r.result.status == "pruned")
-        elapsed = time.monotonic() - self.started
+        elapsed = self.clock() - self.started
         best_text = f"best {best[0]} {best[1]:,.1f} {self.objective}" if best else "no stable layout yet"
         held = ""
         if others:

@@ -14,6 +14,7 @@ import concurrent.futures as cf
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +56,8 @@ MAX_TRIAL_THREADS = 8192
 class Scheduler:
     def __init__(self, host: Host, parallel_cap: int) -> None:
         self.host = host
+        # The clock trials are timed by: a rehearsal's virtual one (trial.rehearsal), else the machine's.
+        self.now: Callable[[], float] = getattr(host, "now", time.monotonic)
         self.parallel_cap = min(parallel_cap, MAX_TRIAL_THREADS)
         self.pool = cf.ThreadPoolExecutor(max_workers=self.parallel_cap, thread_name_prefix="trial")
         self.futures: dict[cf.Future[TrialResult], Running] = {}
@@ -110,13 +113,13 @@ class Scheduler:
         if run.layout.world_size > self.host.capacity_total():
             self.deferred.append(run)
             return
-        run.waiting_since = time.monotonic()
+        run.waiting_since = self.now()
         self.retry.insert(0, run)
 
     def retry_later(self, run: Running) -> None:
         """An attempt that failed for reasons not the layout's (or a backfill that lost its GPUs): runs again as
         the next attempt, after those waiting."""
-        run.waiting_since = time.monotonic()
+        run.waiting_since = self.now()
         self.retry.append(run)
 
     def may_backfill(self) -> bool:
@@ -128,7 +131,7 @@ class Scheduler:
             return False
         if not self.durations:
             return True
-        return time.monotonic() - self.retry[0].waiting_since < statistics.median(self.durations)
+        return self.now() - self.retry[0].waiting_since < statistics.median(self.durations)
 
     def drain_waiting(self) -> list[Running]:
         """Empty both queues, returning what was in them."""
@@ -147,6 +150,7 @@ class Scheduler:
                 other.neighbours.add(f"{run.number}.{run.attempt}")
                 run.neighbours.add(f"{other.number}.{other.attempt}")
         run.other_jobs_gpus = self.host.held_by_others(run.slot.node_ids)
+        run.started = self.now()
         cancel = threading.Event()
         future = self.pool.submit(self.host.run_trial, reservation=run.slot, cancel=cancel, **kwargs)
         self.futures[future] = run
@@ -154,6 +158,9 @@ class Scheduler:
 
     def wait_one(self, timeout_s: float = 5.0) -> list[tuple[Running, TrialResult]]:
         """The trials that ended within ``timeout_s`` (at least one unless none did), their GPUs released."""
+        advance = getattr(self.host, "advance", None)
+        if advance is not None:  # a rehearsal: its clock moves to the next trial's end
+            advance()
         done, _ = cf.wait(list(self.futures), timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
         ended = []
         for future in done:
@@ -161,7 +168,7 @@ class Scheduler:
             self.cancels.pop(id(future), None)
             if run.slot is not None:
                 self.host.release(run.slot)
-            held_s = time.monotonic() - run.started
+            held_s = self.now() - run.started
             self.busy_gpu_s += held_s * run.layout.world_size
             self.durations.append(held_s)
             try:

@@ -1,0 +1,304 @@
+"""A rehearsal (issue 46): the real sweep driver against modelled trials on the YAML's cluster, no GPU and no Ray.
+
+``sweeper search SPACE --rehearse`` runs what a sweep runs (the frontier, the scheduler and its GPU ledger, the
+study, the refit, the records, MLflow, the report), but ``RehearsalHost.run_trial`` models each trial instead of
+launching it. Its outcome is the estimator's prediction with the estimator's error drawn: one level for the cluster
+(the uncalibrated step time's error on published runs), a factor per step-time term per layout, a factor on the
+memory per layout (out of memory where the drawn peak exceeds the GPU), and a small noise per run. Its duration is
+the phases of a smoke run (start, build, gate, steps, checkpoint save and reload). Faults come at the rates given
+(``--rehearse-faults node_loss_per_hour=R,hang=P``). A trial takes no real time: a virtual clock moves to the next
+trial's end whenever the driver waits for one (``advance``), so a sweep of hours rehearses in minutes, in the order a
+real sweep would see its trials end.
+
+The draws are the rehearsal's *truth*: ``truth(layout)`` is what a layout would measure without noise, from which
+the summary counts the trials the sweep needed to reach a layout within the noise of the modelled best. Every output
+says it is a rehearsal; nothing of it reaches the calibration cache real sweeps read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sweeper.cluster.connection import NodeInfo
+from sweeper.cluster.doctor import DoctorReport
+from sweeper.config.kernels import Kernels
+from sweeper.config.schema import SweepConfig
+from sweeper.errors import UsageError
+from sweeper.estimate import Estimator
+from sweeper.estimate.disk import checkpoint_bytes
+from sweeper.estimate.step_time import model_flops_per_token
+from sweeper.record.checkpoints import REFERENCE_FILE
+from sweeper.record.files import write_atomic
+from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.space.layout import Layout
+from sweeper.trial.host import TrialHost
+from sweeper.trial.protocol import Reservation
+from sweeper.trial.reference import reference_sequences
+
+BACKEND = "rehearsal (modelled trials)"
+NOTE = "rehearsal: modelled from the estimator, not measured"
+# What a smoke run spends around its steps, modelled: rank processes started and megatron-core imported, the model
+# built, the equivalence gate (the reference loaded, resharded, and one forward/backward: about two step times),
+# and its checkpoint written and read back through the shared filesystem at FS_GB_S per node.
+START_S = 60.0
+BUILD_S = 30.0
+GATE_STEPS = 2.0
+FS_GB_S = 2.0
+# The estimator's error, drawn once per rehearsal (log-normal sigmas): the uncalibrated step time's level on the
+# published groups (35-52% off: benchmarks/step_time_calibration.py), each step-time term per layout (what a term-by-
+# term fit leaves: ~10% median), and a run's noise between repeats (a GPU's few percent). The memory's is the
+# estimator's own band (estimate.memory_over/under_prediction, 20%), as one sigma.
+LEVEL_SIGMA = 0.4
+TERM_SIGMA = 0.10
+RUN_SIGMA = 0.03
+
+
+@dataclass(frozen=True)
+class Faults:
+    """``--rehearse-faults``: node losses per node-hour of a trial, and the chance that a trial hangs."""
+
+    node_loss_per_hour: float = 0.0
+    hang: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str | None) -> Faults:
+        """``node_loss_per_hour=0.01,hang=0.02``; bad input raises UsageError naming the item."""
+        values: dict[str, float] = {}
+        for item in (text or "").split(","):
+            if not item.strip():
+                continue
+            key, sep, value = item.partition("=")
+            key = key.strip()
+            if key not in ("node_loss_per_hour", "hang") or not sep:
+                raise UsageError(f"--rehearse-faults: {item!r} is not node_loss_per_hour=RATE or hang=P")
+            try:
+                number = float(value)
+            except ValueError:
+                raise UsageError(f"--rehearse-faults: {key} must be a number, got {value!r}") from None
+            if number < 0 or (key == "hang" and number > 1) or not math.isfinite(number):
+                raise UsageError(f"--rehearse-faults: {key} must be in [0, 1] for hang, >= 0 for a rate; got {value}")
+            values[key] = number
+        return cls(**values)
+
+
+@dataclass(frozen=True)
+class Truth:
+    """What a layout measures in this rehearsal without a run's noise."""
+
+    peak_memory_gib: float
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+
+
+@dataclass
+class Ledger:
+    """What the rehearsal spent, on the virtual clock."""
+
+    gpu_s: float = 0.0
+    peak_trials: int = 0
+    peak_disk_bytes: int = 0
+    trials: int = 0  # runs modelled, the reference and confirmations included
+    ended: list[tuple[float, str]] = field(default_factory=list)  # (virtual end, "number.attempt phase") in order
+
+
+class _ModelledCluster:
+    """The YAML's nodes for TrialHost's GPU ledger: nothing runs on them and no other job holds their GPUs."""
+
+    is_simulated = False
+    simulated = None
+
+    def __init__(self, cfg: SweepConfig) -> None:
+        c = cfg.cluster
+        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node, 0.0, i == 0)
+                       for i in range(c.nodes)]
+
+    def nodes(self) -> list[NodeInfo]:
+        return list(self._nodes)
+
+    def available_gpus(self) -> dict[str, float]:
+        return {n.node_id: float(n.gpus) for n in self._nodes}
+
+
+class RehearsalHost(TrialHost):
+    """TrialHost's GPU ledger over the YAML's cluster, with modelled trials on a virtual clock (module docstring)."""
+
+    def __init__(self, cfg: SweepConfig, faults: Faults, seed: int = 0) -> None:
+        cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"warm_ranks": False})})
+        super().__init__(cfg, _ModelledCluster(cfg))  # type: ignore[arg-type]
+        self.backend_name = BACKEND
+        self.faults = faults
+        self.seed = seed
+        self.estimator = Estimator.for_config(cfg)
+        self.level = math.exp(random.Random(f"{seed}:level").gauss(0.0, LEVEL_SIGMA))
+        self.ledger = Ledger()
+        self._clock = 0.0
+        self._cond = threading.Condition()
+        self._ends: dict[int, float] = {}  # id(reservation) -> virtual end of the trial running on it
+        self._starting: dict[int, float] = {}  # id(reservation) -> virtual start, until its trial registers
+        self._disk: dict[int, int] = {}  # id(reservation) -> checkpoint bytes it holds while running
+        self._truth: dict[Layout, Truth | None] = {}
+        self._reference_bytes = 0  # the reference's checkpoint stays on disk for the whole sweep
+
+    # -- the virtual clock ---------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The virtual clock's seconds since the rehearsal started."""
+        with self._cond:
+            return self._clock
+
+    def advance(self) -> None:
+        """The driver waits for a trial to end: the clock moves to the earliest end of the trials running. Trials
+        reserved but not yet started by their thread are waited for (briefly, in real time) so none is skipped."""
+        deadline = time.monotonic() + 10.0
+        with self._cond:
+            while self._starting and time.monotonic() < deadline:
+                self._cond.wait(0.01)
+            if self._ends:
+                self._clock = max(self._clock, min(self._ends.values()))
+                self._cond.notify_all()
+
+    def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
+        slot = super().reserve(layout, alone)
+        if slot is not None:
+            with self._cond:
+                self._starting[id(slot)] = self._clock
+        return slot
+
+    def release(self, reservation: Reservation) -> None:
+        super().release(reservation)
+        with self._cond:
+            self._starting.pop(id(reservation), None)
+            self._ends.pop(id(reservation), None)
+            self._disk.pop(id(reservation), None)
+            self._cond.notify_all()
+
+    # -- what the host can run ------------------------------------------------------------------------------------
+    @property
+    def kernels(self) -> Kernels:
+        """A GPU cluster with Transformer Engine and the optional kernels (what a production cluster has)."""
+        return Kernels(transformer_engine=True, mamba_ssm=True, causal_conv1d=True, deep_ep=True)
+
+    def prestart(self, layouts: list[Layout]) -> int:
+        return 0
+
+    def doctor(self, cfg: SweepConfig, trial_root: Path | None = None) -> DoctorReport:
+        return DoctorReport(nodes=[], problems=[], expected_nodes=cfg.cluster.nodes)
+
+    def add_node(self) -> str:
+        raise RuntimeError("a rehearsal models its faults (--rehearse-faults); --inject is for simulated clusters")
+
+    # -- the model ------------------------------------------------------------------------------------------------
+    def _draw(self, *key: object) -> random.Random:
+        digest = hashlib.sha256(repr((self.seed, *key)).encode()).hexdigest()
+        return random.Random(int(digest[:16], 16))
+
+    def truth(self, layout: Layout) -> Truth | None:
+        """The layout's measurement in this rehearsal, without a run's noise (None: the estimator cannot price it)."""
+        if layout in self._truth:
+            return self._truth[layout]
+        est = self.estimator(layout)
+        truth = None
+        if est.step_terms is not None and est.step_time_s and est.tokens_per_s:
+            rng = self._draw("layout", layout.short())
+            factors: dict[str, float] = {}
+
+            def factor(term: str) -> float:
+                if term not in factors:
+                    factors[term] = math.exp(rng.gauss(0.0, TERM_SIGMA))
+                return self.level * factors[term]
+
+            step = est.step_terms.seconds(factor)
+            sigma = math.log1p(self.cfg.estimate.memory_under_prediction)
+            peak = est.memory_gib * math.exp(self._draw("memory", layout.short()).gauss(0.0, sigma))
+            tokens = est.tokens_per_s * est.step_time_s / step
+            flops = tokens * model_flops_per_token(self.cfg.model, self.cfg.training.seq_length) / layout.world_size
+            truth = Truth(peak, step, tokens, flops / 1e12)
+        self._truth[layout] = truth
+        return truth
+
+    def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, *, reservation: Reservation,
+                  inject: str | None = None, cancel: threading.Event | None = None,
+                  steps: int | None = None, reference: str | None = None,
+                  make_reference: bool = False, routing_stress: bool = False) -> TrialResult:
+        steps = cfg.training.steps if steps is None else steps
+        with self._cond:
+            start = self._starting.pop(id(reservation), self._clock)
+            n = self.ledger.trials = self.ledger.trials + 1
+        nodes = len(set(reservation.node_ids))
+        result, duration = self._model(cfg, layout, steps, n, nodes, make_reference)
+        if make_reference and result.passed:
+            self._write_reference(cfg, layout, Path(reference or trial_dir))
+            self._reference_bytes = checkpoint_bytes(cfg, layout.precision)
+        with self._cond:
+            self._ends[id(reservation)] = start + duration
+            running = len(self._ends)
+            self._disk[id(reservation)] = checkpoint_bytes(cfg, layout.precision) if cfg.training.checkpoint else 0
+            self.ledger.peak_trials = max(self.ledger.peak_trials, running)
+            self.ledger.peak_disk_bytes = max(self.ledger.peak_disk_bytes,
+                                              self._reference_bytes + sum(self._disk.values()))
+            if threading.current_thread() is threading.main_thread():
+                # The driver itself waits on this run (the reference, before any trial): its time passes now.
+                self._clock = max(self._clock, start + duration)
+            self._cond.notify_all()
+            while self._clock < start + duration and not (cancel is not None and cancel.is_set()):
+                self._cond.wait(0.05)
+            self.ledger.gpu_s += duration * layout.world_size
+            self.ledger.ended.append((start + duration, layout.short()))
+        result.timings_s["rehearsal_virtual_start_s"] = round(start, 1)
+        result.timings_s["rehearsal_virtual_duration_s"] = round(duration, 1)
+        result.rank_nodes = [label for label in reservation.labels for _ in range(reservation.gpus_per_bundle)]
+        result.notes.append(f"{NOTE} (on {nodes} node(s))")
+        return result
+
+    def _model(self, cfg: SweepConfig, layout: Layout, steps: int, n: int, nodes: int,
+               make_reference: bool) -> tuple[TrialResult, float]:
+        """The trial's result and its virtual duration in seconds (``n``: the run's number, its noise's seed;
+        ``nodes``: how many nodes it holds, each of which may be lost)."""
+        truth = self.truth(layout)
+        rng = self._draw("run", layout.short(), n)
+        if truth is None:
+            return TrialResult(status="failed", failure_kind="unsupported", backend=BACKEND,
+                               error="the estimator cannot price this layout's step"), START_S
+        gpu = cfg.cluster.gpu_memory_gib
+        if truth.peak_memory_gib > gpu:
+            error = f"modelled peak {truth.peak_memory_gib:.1f} GiB > the GPU's {gpu:g} GiB"
+            return TrialResult(status="failed", failure_kind="oom", error=error, backend=BACKEND,
+                               memory_kind="device"), START_S + BUILD_S + truth.step_time_s
+        step = truth.step_time_s * math.exp(rng.gauss(0.0, RUN_SIGMA))
+        ckpt = (2 * checkpoint_bytes(cfg, layout.precision) / max(1, cfg.cluster.nodes) / (FS_GB_S * 1e9)
+                if cfg.training.checkpoint else 0.0)
+        duration = START_S + BUILD_S + GATE_STEPS * step + steps * step + ckpt
+        if rng.random() < 1.0 - math.exp(-self.faults.node_loss_per_hour * nodes * duration / 3600):
+            lost_at = duration * rng.random()
+            return TrialResult(status="failed", failure_kind="infra", backend=BACKEND, notes=["node_lost"],
+                               error="a node of the trial was lost (modelled fault)"), lost_at
+        if not make_reference and rng.random() < self.faults.hang:
+            timeout = cfg.training.trial_timeout_s
+            return TrialResult(status="failed", failure_kind="timeout", backend=BACKEND,
+                               error=f"no step ended within {timeout:g} s (modelled hang)"), timeout
+        rate = truth.step_time_s / step
+        metrics = TrialMetrics(tokens_per_s=truth.tokens_per_s * rate, step_time_s=step,
+                               tflops_per_gpu=truth.tflops_per_gpu * rate, peak_memory_gib=truth.peak_memory_gib,
+                               pre_steps_peak_memory_gib=truth.peak_memory_gib)
+        checks = TrialChecks(process_group=True, model_built=True, forward_backward=True, finite=True,
+                             checkpoint_saved=cfg.training.checkpoint,
+                             checkpoint_reloaded=True if cfg.training.checkpoint else None,
+                             equivalence_rel_err=None if make_reference else 0.0, replicas_consistent=True)
+        result = TrialResult(status="passed", metrics=metrics, checks=checks, backend=BACKEND, memory_kind="device",
+                             step_times_s=[step] * steps, timings_s={"steps": steps * step})
+        return result, duration
+
+    def _write_reference(self, cfg: SweepConfig, layout: Layout, folder: Path) -> None:
+        """The reference's record, as a real reference run writes it last (no weights: nothing loads them)."""
+        folder.mkdir(parents=True, exist_ok=True)
+        record = {"rehearsal": True, "model": cfg.model.model_dump(), "seq_length": cfg.training.seq_length,
+                  "sequences": reference_sequences(cfg), "prefixes": {}, "layout": layout.to_dict(),
+                  "precision": layout.precision}
+        write_atomic(folder / REFERENCE_FILE, json.dumps(record) + "\n")

@@ -1,0 +1,84 @@
+"""`sweeper search SPACE --rehearse` (issue 46): the real driver against modelled trials, no GPU and no Ray.
+
+The trials are modelled (that is the feature: trial.rehearsal); the driver, its scheduler and GPU ledger, the study,
+the records, MLflow and the report are the real ones."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sweeper.config.load import load_config
+from sweeper.errors import UsageError
+from sweeper.space.layout import Layout
+from sweeper.trial.rehearsal import Faults, RehearsalHost
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _search(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "sweeper", "search", str(ROOT / "search_spaces" / "nemotron.yaml"),
+                           "--rehearse", "--out", str(tmp_path / "out"), "-q", *extra], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "SWEEPER_CACHE": str(tmp_path / "cache")})
+
+
+def test_a_rehearsal_runs_the_whole_sweep_on_modelled_trials_and_says_what_it_cost(tmp_path: Path) -> None:
+    proc = _search(tmp_path, "--max-trials", "12")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    figures = json.loads((out / "rehearsal.json").read_text())
+    assert figures["rehearsal"] is True and figures["trials"] == 12 and figures["runs"] >= 13  # + the reference
+    assert figures["wall_time_h"] > 0 and figures["gpu_hours"] >= figures["wall_time_h"] * 8  # trials of >= 8 GPUs
+    assert 1 <= figures["peak_concurrent_trials"] <= 2  # 16 GPUs, trials of 8 and 16
+    assert figures["launchable_layouts"] > 100 and figures["modelled_best_objective"] > 0
+    assert figures["trials_to_within_noise_of_best"] is None or 1 <= figures["trials_to_within_noise_of_best"] <= 12
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    launched = [r for r in records if r["attempt"] >= 1]
+    assert launched and all(any(n.startswith("rehearsal: modelled") for n in r["result"]["notes"]) for r in launched)
+    assert all(r["result"]["backend"].startswith("rehearsal") for r in launched)
+    assert (out / "best_layout.yaml").is_file() and (out / "report.html").is_file()
+    assert "rehearsal (modelled, not measured)" in proc.stderr
+    # Never mixed with measured runs: nothing in the calibration cache real sweeps read, its own MLflow experiment.
+    assert not (tmp_path / "cache" / "calibration.json").exists()
+    assert json.loads((out / "sweep.json").read_text())["mlflow"]["experiment"].endswith("-rehearsal")
+
+
+def test_modelled_faults_are_recorded_as_the_infrastructures_and_retried(tmp_path: Path) -> None:
+    proc = _search(tmp_path, "--max-trials", "6", "--rehearse-faults", "node_loss_per_hour=10,hang=0.5")
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "out" / "trials.jsonl").read_text().splitlines()]
+    kinds = {r["result"]["failure_kind"] for r in records}
+    assert "infra" in kinds and "timeout" in kinds
+    lost = [r for r in records if r["result"]["failure_kind"] == "infra"]
+    assert any(r["attempt"] > 1 for r in records if r["number"] in {x["number"] for x in lost})  # run again
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("hang=2", "hang must be in [0, 1]"),
+    ("node_loss=1", "is not node_loss_per_hour=RATE or hang=P"),
+    ("hang=x", "hang must be a number"),
+])
+def test_bad_fault_rates_are_refused_naming_the_item(spec: str, message: str) -> None:
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        Faults.parse(spec)
+
+
+def test_a_rehearsal_refuses_a_cluster_address_in_one_line(tmp_path: Path) -> None:
+    proc = _search(tmp_path, "--address", "127.0.0.1:6379")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: --address:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_modelled_truth_is_the_same_for_a_layout_every_time_and_oom_above_the_gpu() -> None:
+    cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
+    host = RehearsalHost(cfg, Faults(), seed=3)
+    layout = Layout(world_size=8, ep=8, gbs=cfg.training.global_batch_size * 8 // 16)
+    first = host.truth(layout)
+    assert first is not None and first == host.truth(layout) == RehearsalHost(cfg, Faults(), seed=3).truth(layout)
+    assert RehearsalHost(cfg, Faults(), seed=4).truth(layout) != first  # another rehearsal draws other errors
