@@ -72,6 +72,32 @@ PRESETS: dict[str, ModelSpec] = {
             published_total_params_b=15.7,
             published_active_params_b=2.4,
         ),
+        # deepseek-ai/DeepSeek-V3 config.json: MLA with query compression, 256 routed experts (top 8, 8 groups) and
+        # one shared, the first 3 layers dense (the multi-token-prediction layer is not modelled).
+        ModelSpec(
+            name="deepseek-v3",
+            num_layers=61,
+            hidden_size=7168,
+            ffn_hidden_size=18432,
+            num_attention_heads=128,
+            vocab_size=129280,
+            max_position_embeddings=163840,
+            num_moe_experts=256,
+            moe_router_topk=8,
+            moe_router_num_groups=8,
+            moe_ffn_hidden_size=2048,
+            moe_shared_expert_intermediate_size=2048,
+            moe_first_k_dense=3,
+            multi_latent_attention=True,
+            qk_layernorm=True,
+            q_lora_rank=1536,
+            kv_lora_rank=512,
+            qk_head_dim=128,
+            qk_pos_emb_head_dim=64,
+            v_head_dim=128,
+            published_total_params_b=671,
+            published_active_params_b=37,
+        ),
         # meta-llama/Meta-Llama-3-8B config.json.
         ModelSpec(
             name="llama3-8b",

@@ -29,6 +29,7 @@ TOLERANCE = 0.03
 ACTIVE_INCLUDES_INPUT_EMBEDDING = {
     "nemotron-3-nano-30b-a3b": True,
     "deepseek-v2-lite": False,
+    "deepseek-v3": False,  # "37B activated" (DeepSeek-V3 report): computed 36.6B without, 37.6B with
     "llama3-8b": True,
     "qwen3-30b-a3b": True,
     "mixtral-8x7b": True,
