@@ -23,7 +23,7 @@ import math
 import random
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sweeper.cluster.connection import NodeInfo
@@ -106,7 +106,6 @@ class Ledger:
     peak_trials: int = 0
     peak_disk_bytes: int = 0
     trials: int = 0  # runs modelled, the reference and confirmations included
-    ended: list[tuple[float, str]] = field(default_factory=list)  # (virtual end, "number.attempt phase") in order
 
 
 class _ModelledCluster:
@@ -250,7 +249,6 @@ class RehearsalHost(TrialHost):
             while self._clock < start + duration and not (cancel is not None and cancel.is_set()):
                 self._cond.wait(0.05)
             self.ledger.gpu_s += duration * layout.world_size
-            self.ledger.ended.append((start + duration, layout.short()))
         result.timings_s["rehearsal_virtual_start_s"] = round(start, 1)
         result.timings_s["rehearsal_virtual_duration_s"] = round(duration, 1)
         result.rank_nodes = [label for label in reservation.labels for _ in range(reservation.gpus_per_bundle)]
