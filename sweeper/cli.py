@@ -283,60 +283,53 @@ def cmd_search(args: argparse.Namespace) -> int:
     from sweeper.search.faults import parse_injections
     from sweeper.search.loop import SearchOptions
 
-    if args.rehearse or args.rehearse_faults is not None:
-        return _rehearse(args, cfg)
-    parse_injections(args.inject, simulated=True)  # their syntax first: bad input is refused before any probing
-    from sweeper.cluster import resolve_target
+    rehearse = _rehearsal(args)
+    injections: list[Any] = []
+    if not rehearse:
+        parse_injections(args.inject, simulated=True)  # their syntax first: bad input is refused before any probing
+        from sweeper.cluster import resolve_target
 
-    # Which cluster, decided before the sweep folder and the MLflow store are written: an address that does not
-    # answer ends here, with one line, after at most cluster.connect_timeout_s.
-    target = resolve_target(cfg.cluster, args.address)
-    if target.kind == "simulated" and not args.resume:
-        from sweeper.trial.host import cpu_backend_refusal
+        # Which cluster, decided before the sweep folder and the MLflow store are written: an address that does not
+        # answer ends here, with one line, after at most cluster.connect_timeout_s.
+        target = resolve_target(cfg.cluster, args.address)
+        if target.kind == "simulated" and not args.resume:
+            from sweeper.trial.host import cpu_backend_refusal
 
-        refusal = cpu_backend_refusal(cfg)
-        if refusal is not None:
-            raise SweeperError(f"{args.space}: {refusal}", exit_code=EXIT_FAILED)
+            refusal = cpu_backend_refusal(cfg)
+            if refusal is not None:
+                raise SweeperError(f"{args.space}: {refusal}", exit_code=EXIT_FAILED)
+        injections = parse_injections(args.inject, simulated=target.kind == "simulated")
     options = SearchOptions(
-        out=args.out or Path("sweeps") / cfg.name,
+        out=args.out or Path("sweeps") / (f"{cfg.name}-rehearsal" if rehearse else cfg.name),
         resume=args.resume,
         max_trials=args.max_trials,
         parallel=args.parallel,
         address=args.address,
-        injections=parse_injections(args.inject, simulated=target.kind == "simulated"),
+        injections=injections,
         space=resolve_space_path(args.space),
         overrides=list(args.set),
         verbosity="verbose" if args.verbose else "quiet" if args.quiet else "normal",
         display=_live_display(args.quiet),
+        rehearse=rehearse,
+        rehearse_faults=args.rehearse_faults,
     )
     return run_search(cfg, options)
 
 
-def _rehearse(args: argparse.Namespace, cfg: Any) -> int:
-    """``search --rehearse``: no cluster is asked anything; the sweep runs against modelled trials."""
-    from sweeper.search.command import run_search
-    from sweeper.search.loop import SearchOptions
+def _rehearsal(args: argparse.Namespace) -> bool:
+    """Whether ``search`` rehearses (``--rehearse``: no cluster is asked anything, the sweep runs against modelled
+    trials); its options are checked here, before anything is written."""
+    if not args.rehearse:
+        if args.rehearse_faults is not None:
+            raise UsageError("--rehearse-faults: only with --rehearse")
+        return False
     from sweeper.trial.rehearsal import Faults
 
-    if not args.rehearse:
-        raise UsageError("--rehearse-faults: only with --rehearse")
     for flag, given in (("--address", args.address), ("--inject", args.inject)):
         if given:
             raise UsageError(f"{flag}: a rehearsal runs no cluster (--rehearse-faults models faults)")
     Faults.parse(args.rehearse_faults)  # bad input refused before anything is written
-    options = SearchOptions(
-        out=args.out or Path("sweeps") / f"{cfg.name}-rehearsal",
-        resume=args.resume,
-        max_trials=args.max_trials,
-        parallel=args.parallel,
-        space=resolve_space_path(args.space),
-        overrides=list(args.set),
-        verbosity="verbose" if args.verbose else "quiet" if args.quiet else "normal",
-        display=_live_display(args.quiet),
-        rehearse=True,
-        rehearse_faults=args.rehearse_faults,
-    )
-    return run_search(cfg, options)
+    return True
 
 
 def _live_display(quiet: bool) -> Any:

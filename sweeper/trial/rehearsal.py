@@ -105,7 +105,7 @@ class Ledger:
     gpu_s: float = 0.0
     peak_trials: int = 0
     peak_disk_bytes: int = 0
-    trials: int = 0  # runs modelled, the reference and confirmations included
+    runs: int = 0  # runs modelled, the reference and confirmations included
 
 
 class _ModelledCluster:
@@ -229,7 +229,7 @@ class RehearsalHost(TrialHost):
         steps = cfg.training.steps if steps is None else steps
         with self._cond:
             start = self._starting.pop(id(reservation), self._clock)
-            n = self.ledger.trials = self.ledger.trials + 1
+            n = self.ledger.runs = self.ledger.runs + 1
         nodes = len(set(reservation.node_ids))
         result, duration = self._model(cfg, layout, steps, n, nodes, make_reference)
         if make_reference and result.passed:
