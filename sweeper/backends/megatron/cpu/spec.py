@@ -16,12 +16,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import importlib.util
 from typing import Any
 
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.multi_latent_attention import MLASelfAttentionSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -50,39 +48,28 @@ def adapt_local_block_spec(block_spec: Any, config: TransformerConfig) -> Any:
     if not swaps:
         return block_spec
     # A copy: Megatron's spec builders may hand out shared spec objects (one MoE layer spec for every layer).
-    return _swap(copy.deepcopy(block_spec), swaps, without_q_norm=_q_norm_refused(config))
+    return _swap(copy.deepcopy(block_spec), swaps)
 
 
-def _q_norm_refused(config: TransformerConfig) -> bool:
-    """Whether MLA refuses a query norm the model cannot use: without a query LoRA rank there is no compressed
-    query to normalise. megatron-core 0.16.1 built the unused norm; from 0.19 its QKNormConfigResolver raises,
-    while its own local spec still puts the norm there (TE's spec has none)."""
-    if not config.multi_latent_attention or getattr(config, "q_lora_rank", None) is not None:
-        return False
-    return importlib.util.find_spec("megatron.core.transformer.mla_qk_norm_config") is not None
-
-
-def _swap(node: Any, swaps: dict[type, type], without_q_norm: bool = False) -> Any:
+def _swap(node: Any, swaps: dict[type, type]) -> Any:
     if isinstance(node, type):
         return swaps.get(node, node)
     if isinstance(node, MLASelfAttentionSubmodules):
         # TE's spec: duplicated down projections (a column-parallel one is elsewhere in the spec, so not a swap).
         node.linear_q_down_proj = node.linear_kv_down_proj = DuplicatedLinear
         record(dotted(MLASelfAttentionSubmodules), DuplicatedLinear)
-        if without_q_norm:
-            node.q_layernorm = IdentityOp
     if isinstance(node, list):
-        return [_swap(item, swaps, without_q_norm) for item in node]
+        return [_swap(item, swaps) for item in node]
     if isinstance(node, functools.partial):
         # From megatron-core 0.19 a spec may be functools.partial(<module class>, submodules=...).
-        func = _swap(node.func, swaps, without_q_norm)
-        args = tuple(_swap(arg, swaps, without_q_norm) for arg in node.args)
-        keywords = {key: _swap(value, swaps, without_q_norm) for key, value in node.keywords.items()}
+        func = _swap(node.func, swaps)
+        args = tuple(_swap(arg, swaps) for arg in node.args)
+        keywords = {key: _swap(value, swaps) for key, value in node.keywords.items()}
         return functools.partial(func, *args, **keywords)
     if dataclasses.is_dataclass(node) and not isinstance(node, type):
         for field in dataclasses.fields(node):
             value = getattr(node, field.name)
-            swapped = _swap(value, swaps, without_q_norm)
+            swapped = _swap(value, swaps)
             if swapped is not value:
                 setattr(node, field.name, swapped)
     return node
