@@ -270,7 +270,7 @@ class RehearsalHost(TrialHost):
             return TrialResult(status="failed", failure_kind="oom", error=error, backend=BACKEND,
                                memory_kind="device"), START_S + BUILD_S + truth.step_time_s
         step = truth.step_time_s * math.exp(rng.gauss(0.0, RUN_SIGMA))
-        ckpt = (2 * checkpoint_bytes(cfg, layout.precision) / max(1, cfg.cluster.nodes) / (FS_GB_S * 1e9)
+        ckpt = (2 * checkpoint_bytes(cfg, layout.precision) / max(1, nodes) / (FS_GB_S * 1e9)
                 if cfg.training.checkpoint else 0.0)
         duration = START_S + BUILD_S + GATE_STEPS * step + steps * step + ckpt
         if rng.random() < 1.0 - math.exp(-self.faults.node_loss_per_hour * nodes * duration / 3600):

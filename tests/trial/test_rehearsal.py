@@ -15,8 +15,9 @@ import pytest
 
 from sweeper.config.load import load_config
 from sweeper.errors import UsageError
+from sweeper.estimate.disk import checkpoint_bytes
 from sweeper.space.layout import Layout
-from sweeper.trial.rehearsal import Faults, RehearsalHost
+from sweeper.trial.rehearsal import FS_GB_S, Faults, RehearsalHost
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -82,3 +83,20 @@ def test_the_modelled_truth_is_the_same_for_a_layout_every_time_and_oom_above_th
     first = host.truth(layout)
     assert first is not None and first == host.truth(layout) == RehearsalHost(cfg, Faults(), seed=3).truth(layout)
     assert RehearsalHost(cfg, Faults(), seed=4).truth(layout) != first  # another rehearsal draws other errors
+
+
+def test_a_trials_checkpoint_io_is_spread_over_its_own_nodes_not_the_clusters() -> None:
+    """Each node writes and reads back its share of the checkpoint (FS_GB_S per node): a trial on one node spends
+    what the whole checkpoint costs at one node's bandwidth, however many nodes the cluster has."""
+    cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
+    host = RehearsalHost(cfg, Faults(), seed=3)
+    layout = Layout(world_size=8, ep=8, gbs=cfg.training.global_batch_size * 8 // 16)
+    durations = {}
+    for checkpoint in (True, False):
+        run = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": checkpoint})})
+        for nodes in (1, 2):
+            durations[checkpoint, nodes] = host._model(run, layout, steps=4, n=0, nodes=nodes, make_reference=False)[1]
+    io = 2 * checkpoint_bytes(cfg, layout.precision) / (FS_GB_S * 1e9)
+    assert cfg.cluster.nodes == 2
+    assert durations[True, 1] - durations[False, 1] == pytest.approx(io)
+    assert durations[True, 2] - durations[False, 2] == pytest.approx(io / 2)
