@@ -274,6 +274,20 @@ class _Stages:
             states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability, self.run)
         return shape, _combine_stages(model, lo, params, acts, states, constants, self._factors)
 
+    def recalibrated(self, calibration: Calibration | None) -> _Stages:
+        """The same stages under another calibration, keeping what it does not change: the parameters and model
+        state always (the factors scale them when combined), the activations while the MoE hot-rank factor, which
+        sizes them, is the same."""
+        other = _Stages(self.model, self.seq_length, self.constants, calibration, self.compute_capability, self.run)
+        other._params, other._states = self._params, self._states
+        if _hot_rank(self.calibration) == _hot_rank(calibration):
+            other._activations = self._activations
+        return other
+
+
+def _hot_rank(calibration: Calibration | None) -> float | None:
+    return calibration.moe_hot_rank_factor if calibration else None
+
 
 def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: EstimatorConstants,
                   compute_capability: str | None, run: RunSettings) -> tuple[StateBytes, ...]:
@@ -332,11 +346,13 @@ class Estimator:
         calibration: Calibration | None = None,
         run: RunSettings = RunSettings(),
         host_cores: int | None = None,
+        kept: Estimator | None = None,
     ) -> None:
         """``host_cores``: the layouts run as CPU processes on one host of that many cores (the CPU backend on a
         simulated cluster), whose ranks share them: every step-time term of a layout with more ranks than cores is
-        that many times longer."""
-        self.host_cores = host_cores
+        that many times longer. ``kept``: an estimator of the same space whose memos this one shares
+        (``recalibrated``)."""
+        self.host_cores, self.headroom = host_cores, headroom
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
         self.constants, self.calibration, self.run = constants, calibration, run
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
@@ -345,6 +361,9 @@ class Estimator:
         self._links: dict[tuple, Links] = {}  # by the sizes that set each group's span
         self._blocks: dict[tuple, dict[Block, dict[str, float]]] = {}  # block_seconds, by the fields it reads
         self._slowest: dict[tuple, dict[str, float]] = {}  # slowest_stage, by the fields it reads
+        if kept is not None:  # the same space under another calibration (``recalibrated``)
+            stages, self._links, self._blocks, self._slowest = kept.memos()
+            self._stages = stages.recalibrated(calibration)
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
 
     @classmethod
@@ -354,6 +373,18 @@ class Estimator:
         headroom)."""
         return cls(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
                    headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run, host_cores=host_cores)
+
+    def recalibrated(self, calibration: Calibration | None) -> Estimator:
+        """This estimator under another calibration (a sweep's calibrator learnt from a trial): it keeps the memos
+        no calibration changes (links, each block's and the slowest stage's step-time terms, the stages' parameters
+        and state), so re-assessing a space after each measured trial re-does only the calibrated sums."""
+        return Estimator(self.model, self.cluster, self.seq_length, self.constants, self.headroom, calibration,
+                         self.run, self.host_cores, kept=self)
+
+    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, dict[Block, dict[str, float]]],
+                             dict[tuple, dict[str, float]]]:
+        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms."""
+        return self._stages, self._links, self._blocks, self._slowest
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, model, cluster, constants, calibration = layout, self.model, self.cluster, self.constants, self.calibration

@@ -87,6 +87,12 @@ def assess_each(cfg: SweepConfig, layouts: Iterable[Layout], calibration: Calibr
     return (assess(cfg, lo, calibration, checker, estimator, production) for lo in layouts)
 
 
+def reassess(entries: list[PlanEntry], estimator: Estimator) -> list[PlanEntry]:
+    """``entries`` (assessed before, under any calibration) with the rules' verdicts kept, which no calibration
+    changes, and each valid layout predicted again by ``estimator`` (the space's, under the new calibration)."""
+    return [e if not e.valid else PlanEntry(e.layout, e.reasons, estimator(e.layout)) for e in entries]
+
+
 def _order(entry: PlanEntry) -> tuple[int, float, float]:
     if not entry.valid:
         return (4, 0.0, 0.0)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate import Estimate
+from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibrator import Calibrator
-from sweeper.plan.assess import PlanEntry, assess, assess_all
+from sweeper.plan.assess import PlanEntry, assess, assess_all, reassess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
@@ -51,6 +51,7 @@ class Frontier:
         self._layouts = enumerate_layouts(cfg)
         self._plan: list[PlanEntry] = []
         self._plan_calibration: object = self  # no plan made yet (never a calibration)
+        self._estimator: Estimator | None = None  # the space's, under the plan's calibration
         self.launchable = self._launchable()
 
     @property
@@ -59,12 +60,19 @@ class Frontier:
         return self._plan
 
     def _assessed(self) -> list[PlanEntry]:
-        """Every layout's rules and prediction under the current calibration: made again only when the calibration
-        changed (a new object); a measured trial's memory evidence or dominance changes verdicts, not predictions."""
+        """Every layout's rules and prediction under the current calibration: predicted again only when the
+        calibration changed (a new object), by the same estimator recalibrated (its memos kept), with the rules'
+        verdicts kept; a measured trial's memory evidence or dominance changes verdicts, not predictions."""
         current = self.calibrator.current
-        if current is not self._plan_calibration:
+        if current is self._plan_calibration:
+            return self._plan
+        if self._estimator is None:
             self._plan = assess_all(self.cfg, self._layouts, current)
-            self._plan_calibration = current
+            self._estimator = Estimator.for_config(self.cfg, current)
+        else:
+            self._estimator = self._estimator.recalibrated(current)
+            self._plan = reassess(self._plan, self._estimator)
+        self._plan_calibration = current
         return self._plan
 
     def _launchable(self) -> list[PlanEntry]:

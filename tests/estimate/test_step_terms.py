@@ -18,6 +18,8 @@ from sweeper.estimate import Calibration, Estimator, estimate
 from sweeper.estimate.step_fit import MIN_NOISE, NOISE, StepModel, StepSample, fit_step, repeat_noise
 from sweeper.estimate.step_time import PP_BUBBLE, TP
 from sweeper.models.catalog import PRESETS
+from sweeper.plan.assess import assess_all
+from sweeper.plan.space import enumerate_layouts
 from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -195,3 +197,27 @@ def test_a_simulated_sweeps_cpu_factors_rank_its_layouts_and_never_price_the_gpu
     assert stored(cfg)[0] is None
     cpu, _ = stored(cfg, host_cores=2)
     assert cpu is not None and cpu.samples == 3
+
+
+def test_a_recalibrated_estimator_predicts_what_a_new_one_does() -> None:
+    """A sweep re-assesses its space after each measured trial with its estimator recalibrated (the memos no
+    calibration changes kept, issue 46): every prediction must be the one a fresh estimator under that calibration
+    makes, memory and step time, across step-only, memory and MoE hot-rank changes in a row."""
+    cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
+    layouts = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.valid]
+    assert len(layouts) > 200
+    calibrations = [
+        Calibration(step_time_factor=1.3, step_term_factors={TP: 0.7}),
+        Calibration(activation_factor=1.2, state_factor=0.9, overhead_gib=1.5, step_time_factor=1.1),
+        Calibration(activation_factor=1.2, state_factor=0.9, moe_hot_rank_factor=2.5),
+        None,
+    ]
+    estimator = Estimator.for_config(cfg)
+    for layout in layouts:
+        estimator(layout)  # the memos filled under no calibration
+    for calibration in calibrations:
+        estimator = estimator.recalibrated(calibration)
+        fresh = Estimator.for_config(cfg, calibration)
+        for layout in layouts:
+            kept, made = estimator(layout), fresh(layout)
+            assert kept == made and kept.step_time_terms_s == made.step_time_terms_s, (layout.short(), calibration)
