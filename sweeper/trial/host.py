@@ -81,6 +81,10 @@ class TrialHost:
         self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
         self._others: dict[str, int] = {}  # node id -> GPUs other jobs hold there, as of the snapshot
         self._alone: set[str] = set()  # nodes a trial holds alone (search.confirm_alone): nobody else starts there
+        # fits' answers by placement shape, while the ledger is as it was (``_changes``: reservations, releases and
+        # node-table reads so far): a fill asks it for every launchable layout, a few placement shapes
+        self._changes = 0
+        self._fits: tuple[int, dict[tuple[int, int], bool]] = (-1, {})
         self._lock = threading.Lock()
         # Warm (forked) ranks by default on a simulated cluster only: on an H200, NCCL in a rank forked from a warm
         # Ray actor failed to start NVML ("GPU access blocked by the operating system") where fresh ranks passed.
@@ -96,6 +100,7 @@ class TrialHost:
             nodes = {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()}
             self._others = self._held_by_others(nodes)
             self._snapshot = (now, nodes)
+            self._changes += 1
         sim = self.handle.simulated
         # Ray marks a killed node dead only after its health checks time out; a simulated cluster knows at once
         # (asked on every call: it is the driver's own table, and a lost node must not be reserved again).
@@ -130,6 +135,7 @@ class TrialHost:
         with self._lock:
             slot = self._choose(layout, alone)
             if slot is not None:
+                self._changes += 1
                 for nid in slot.node_ids:
                     self._used[nid] = self._used.get(nid, 0) + slot.gpus_per_bundle
                 if alone:
@@ -137,8 +143,20 @@ class TrialHost:
             return slot
 
     def fits(self, layout: Layout) -> bool:
+        """Answered once per placement shape (GPUs, the group kept on one node) until the ledger changes; on a
+        simulated cluster, whose nodes may be killed between two asks, every time."""
         with self._lock:
-            return self._choose(layout) is not None
+            if self.handle.simulated is not None:
+                return self._choose(layout) is not None
+            self._alive()  # the node table read again when due (a change)
+            changes, answers = self._fits
+            if changes != self._changes:
+                answers = {}
+                self._fits = (self._changes, answers)
+            shape = (layout.world_size, keep_together(layout, self.cfg.cluster.gpus_per_node))
+            if shape not in answers:
+                answers[shape] = self._choose(layout) is not None
+            return answers[shape]
 
     def _choose(self, layout: Layout, alone: bool = False) -> Reservation | None:
         """The nodes ``reserve`` would take now (the caller holds the lock)."""
@@ -186,6 +204,7 @@ class TrialHost:
 
     def release(self, reservation: Reservation) -> None:
         with self._lock:
+            self._changes += 1
             for nid in reservation.node_ids:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
             if reservation.alone:

@@ -100,3 +100,20 @@ def test_a_trials_checkpoint_io_is_spread_over_its_own_nodes_not_the_clusters() 
     assert cfg.cluster.nodes == 2
     assert durations[True, 1] - durations[False, 1] == pytest.approx(io)
     assert durations[True, 2] - durations[False, 2] == pytest.approx(io / 2)
+
+
+def test_fits_is_answered_per_placement_shape_and_follows_every_reservation() -> None:
+    """TrialHost.fits keeps its answers per placement shape while the ledger is unchanged (a fill asks it for every
+    launchable layout: issue 46); every reservation and release is seen at once."""
+    cfg = load_config(ROOT / "search_spaces" / "deepseek_v3_1024.yaml")
+    host = RehearsalHost(cfg, Faults(), seed=0)
+    everything = Layout(world_size=1024, tp=8, pp=16, ep=8, sp=True, gbs=cfg.training.global_batch_size)
+    small = Layout(world_size=8, tp=8, sp=True, gbs=cfg.training.global_batch_size // 128)
+    assert host.fits(everything) and host.fits(small)
+    slot = host.reserve(small)
+    assert slot is not None
+    assert not host.fits(everything) and host.fits(small)
+    host.release(slot)
+    assert host.fits(everything)
+    slots = [host.reserve(small) for _ in range(128)]
+    assert all(slots) and not host.fits(small)
