@@ -18,6 +18,22 @@ from sweeper.record.files import write_atomic
 from sweeper.record.lock import LOCK_FILE
 from sweeper.record.schema import SweepMeta, TrialRecord
 
+# sweep.json's lists of one entry per layout (every layout pruned on memory, dominated or unsupported: 16,576 pruned
+# in DeepSeek-V3's 1,024-GPU space), rewritten whenever the verdicts change: one compact entry per line, through
+# json's C encoder (its indented one is pure Python, 0.5 s a write there).
+PER_LAYOUT = ("memory_pruned", "dominated", "unsupported")
+
+
+def meta_text(data: dict[str, Any]) -> str:
+    """sweep.json's text: indented, each per-layout list one entry per line."""
+    lists = {key: data[key] for key in PER_LAYOUT if data.get(key)}
+    marked = {key: f"\0{key}" if key in lists else value for key, value in data.items()}
+    text = json.dumps(marked, indent=2, default=str)
+    for key, entries in lists.items():
+        rows = ",\n".join("    " + json.dumps(entry, default=str) for entry in entries)
+        text = text.replace(json.dumps(f"\0{key}"), "[\n" + rows + "\n  ]", 1)
+    return text
+
 
 class SweepDir:
     def __init__(self, root: Path) -> None:
@@ -57,7 +73,7 @@ class SweepDir:
         return read_meta(self.meta) or SweepMeta()
 
     def write_meta(self, meta: SweepMeta) -> None:
-        write_atomic(self.meta, json.dumps(meta.to_json(), indent=2, default=str))
+        write_atomic(self.meta, meta_text(meta.to_json()))
 
     def write_best(self, data: dict[str, Any], exports: dict[str, str], executable: set[str]) -> None:
         """best_layout.yaml and the winner's exports beside it (``executable``: the names of scripts)."""
