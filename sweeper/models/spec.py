@@ -93,6 +93,15 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"moe_router_topk ({self.moe_router_topk}) exceeds num_moe_experts ({self.num_moe_experts})"
             )
+        if self.multi_latent_attention and self.num_query_groups not in (None, self.num_attention_heads):
+            # MLA's linear_kv_up_proj gives every head its own key and value, and megatron-core's Attention takes
+            # heads per TP rank from num_query_groups when it is below TP (transformer/attention.py) while its core
+            # attention is told num_gqa_groups=num_query_groups (extensions/transformer_engine.py): both assume
+            # groups == heads. Found by tests/plan/test_rules_vs_megatron.py (issue 45).
+            raise ValueError(
+                f"multi_latent_attention: num_query_groups ({self.num_query_groups}) must be unset or equal "
+                f"num_attention_heads ({self.num_attention_heads}); MLA has one key and value per head"
+            )
         if self.moe_first_k_dense > self.num_layers:
             raise ValueError(f"moe_first_k_dense ({self.moe_first_k_dense}) exceeds num_layers ({self.num_layers})")
         return self

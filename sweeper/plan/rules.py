@@ -194,18 +194,22 @@ def moe_tp_needs_sp(c: RuleContext) -> str | None:
 
 @rule("tp", "sp")
 def mla_tp_needs_sp(c: RuleContext) -> str | None:
-    # Not a Megatron check but a megatron-core <= 0.16.1 defect (measured on the CPU backend with TE's layer, FP32:
-    # 2-layer MLA, TP2, gradient norm 2.0784 vs 2.11566 unsharded). MLA's shared rotary key k_pos_emb comes out of
-    # the duplicated linear_kv_down_proj whole on every TP rank, and each rank feeds it to its own heads only.
-    # Under SP its all-gather's backward sums the ranks' shares; without SP nothing does, so each rank keeps its
-    # heads' share of that gradient (multi_latent_attention.py get_query_key_value_tensors). Open upstream:
-    # NVIDIA/Megatron-LM#1699, fix proposed in NVIDIA/Megatron-LM#6839, in no release.
+    # Not a Megatron check but a megatron-core defect in 0.16.1 and 0.19.2 (measured on the CPU backend
+    # with TE's layer, FP32: 2-layer MLA, TP2, gradient norm 2.0784 vs 2.11566 unsharded). MLA's shared rotary key
+    # k_pos_emb comes out of the duplicated linear_kv_down_proj whole on every TP rank, and each rank feeds it to its
+    # own heads only. Under SP its all-gather's backward sums the ranks' shares; without SP nothing does, so each
+    # rank keeps its heads' share of that gradient (multi_latent_attention.py get_query_key_value_tensors).
+    # Re-checked on 0.19.2: the duplicated branch still gathers k_pos_emb only under SP (multi_latent_attention.py
+    # lines 752-754), TELinear's duplicated weights are marked sequence_parallel = config.sequence_parallel
+    # (extensions/transformer_engine.py lines 1057-1062), and finalize_model_grads sums such grads over TP only
+    # under SP (_allreduce_non_tensor_model_parallel_grads, lines 451-452); test_mla_gradients.py's TP2-without-SP
+    # case still loses the gradient there. Open upstream: NVIDIA/Megatron-LM#1699, fix proposed in #6839.
     if c.model.multi_latent_attention and c.layout.tp > 1 and not c.layout.sp:
         return (
             f"multi-latent attention with tensor_model_parallel_size {c.layout.tp} needs sequence parallelism: "
-            f"without it megatron-core <= 0.16.1 never sums the shared rotary key's (k_pos_emb) gradient over the "
-            f"TP ranks, so each keeps only its own heads' share and the layout trains another model "
-            f"(NVIDIA/Megatron-LM#1699, unfixed in any release); use sp=true"
+            f"without it megatron-core (0.16.1 and 0.19.2, checked) never sums the shared rotary key's (k_pos_emb) "
+            f"gradient over the TP ranks, so each keeps only its own heads' share and the layout trains another "
+            f"model (NVIDIA/Megatron-LM#1699, unfixed in any release); use sp=true"
         )
     return None
 

@@ -191,3 +191,18 @@ def test_a_copy_with_other_fields_derives_its_own_layer_blocks() -> None:
     dense = moe.model_copy(update=dict(num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
                                        moe_shared_expert_intermediate_size=None))
     assert dense.count("moe") == 0 and dense.count("mlp") == dense.num_layers
+
+
+def test_mla_query_groups_are_the_heads() -> None:
+    """MLA has one key and value per head: num_query_groups may be unset or the head count, nothing else (issue 45;
+    heads 2, groups 1 passed the rules at TP2 and Megatron refused the build)."""
+    from pydantic import ValidationError
+
+    from sweeper.models.spec import ModelSpec
+
+    base = dict(num_layers=2, hidden_size=32, ffn_hidden_size=64, num_attention_heads=2, vocab_size=100,
+                multi_latent_attention=True)
+    assert ModelSpec(**base).query_groups == 2
+    assert ModelSpec(**base, num_query_groups=2).query_groups == 2
+    with pytest.raises(ValidationError, match="MLA has one key and value per head"):
+        ModelSpec(**base, num_query_groups=1)
