@@ -2,11 +2,17 @@
 0.19.2; see "Both releases" below for what is asked differently on 0.19).
 
 Hypothesis draws tiny models (heads, query groups, hidden, FFN, layers, experts, top-k, router groups, bias,
-hybrid Mamba patterns) and layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss
-accounting, MBS/GBS, sequence length). For each, Megatron is asked in its own code, under a fake process group of that world size on CPU:
+hybrid Mamba patterns, and multi-latent attention: query/KV LoRA ranks, QK/rotary/V head widths, QK norms) and
+layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss accounting, MBS/GBS, sequence
+length): 1,000 GPT (dense and MoE), 300 MLA (half of them MoE) and 400 hybrid cases per run, ten times as many
+with SWEEPER_XCHECK_SCALE=10. For each, Megatron is asked in its own code, under a fake process group of that world
+size on CPU:
 
 1. ``TransformerConfig(...)`` with the same fields (``__post_init__``: heads/query groups vs TP, SP without TP,
-   EP without experts, uneven-split arithmetic, top-k 1 without pre-softmax, router groups, bias with ETP>1);
+   EP without experts, uneven-split arithmetic, top-k 1 without pre-softmax, router groups, bias with ETP>1) --
+   for MLA models ``MLATransformerConfig`` with the MLA fields the backend passes (architecture.mla_config_kwargs:
+   the LoRA ranks and head widths, DeepSeek's YaRN RoPE), whose own ``__post_init__`` adds only checks on fields a
+   layout does not set (RoPE fusion vs rope type, output gate, latent caching);
 2. ``parallel_state.initialize_model_parallel(...)`` (world size vs TP*PP*CP and ETP*EP*PP, VPP without PP);
 3. ``get_num_layers_to_build`` for every pipeline rank and virtual stage (transformer_block.py: even split,
    layers per rank vs VPP) -- or, for hybrid models, ``MambaStack._select_layers_for_pipeline_parallel`` for
@@ -14,7 +20,12 @@ accounting, MBS/GBS, sequence length). For each, Megatron is asked in its own co
    MLP and MoE blocks of the pattern built standalone from the local spec;
 4. the model itself on rank 0: ``GPTModel`` with ``get_gpt_layer_local_spec`` and ``use_cpu_initialization``
    (linear layers divide FFN by TP, experts by EP, expert FFN by ETP), and for MoE one training-mode forward of
-   the ``MoELayer`` to reach its "MoE and tensor parallelism without sequence parallelism" check;
+   the ``MoELayer`` to reach its "MoE and tensor parallelism without sequence parallelism" check. An MLA model's
+   layers are ``MLASelfAttention`` from the local spec as the CPU backend adapts it (cpu/spec.py
+   adapt_local_block_spec): Megatron's local MLA spec builds on neither release (its DotProductAttention takes no
+   k_channels/v_channels), and its column-parallel down projections are not the TE spec's duplicated linears that
+   every GPU run uses; the adapted spec has the backend's K/V-width-aware core attention and duplicated down
+   projections, so the widths split over TP are the TE spec's (the up projections and output split heads);
 5. the data-side helpers: ``get_batch_on_this_cp_rank`` (sequence into 2*CP chunks), the sequence-parallel
    scatter (sequence per CP rank divided by TP), ``ConstantNumMicroBatchesCalculator`` (GBS % (MBS*DP)).
 
@@ -25,6 +36,18 @@ data-side checks; the token dispatcher is ``allgather`` (``alltoall`` creates a 
 created (the fake backend cannot stand in for gloo); the vocabulary is padded to a multiple of 128*TP as
 Megatron-LM's front end does. An error raised *after* the MoE layer's SP check (the CPU forward hits CUDA-only
 code) means the check passed. No CUDA RNG patch was needed: ``use_cpu_initialization`` never touches it.
+For MLA, while the model is built (``_mla_on_cpu``): ``multi_latent_attention.TELinear`` is the backend's
+DuplicatedLinear, the class MLASelfAttention gives the duplicated mode to (cpu/compat.py registers it the same way;
+0.16.1's ``HAVE_TE``, True there with TE missing, is off); ``torch.cuda.current_device`` answers the CPU, because
+MLA builds its YaRN rotary embedding without ``use_cpu_initialization``; ``get_pos_emb_on_this_cp_rank`` in the
+YaRN module is a transcription without its pinned, ``.cuda()`` index tensor (the rotary cache is sliced for the CP
+rank at construction); YaRN's ``original_max_position_embeddings`` is 256, not 4096 (the cache's length, the
+build's main cost; sliced into 2*CP chunks either way). On 0.19 a model with ``qk_layernorm`` and no
+``q_lora_rank`` is built with the QK norms off: its query norm is fused into ``q_proj``, a TE-only layer
+(transformer/mla_qk_norm_config.py; the backend refuses that model on the CPU, support.py), and no norm splits a
+width over TP, so the config and parallel-state checks are asked with the norms on and the build without them.
+MLA with CP > 1 is asked of the config, parallel_state, the rotary slicing and the data side only (the model is
+built with CP 1 as above; MLA's CP attention is TE's, and the CPU backend refuses MLA with CP).
 
 Both releases: the same questions, each asked of the installed release's own code. Where 0.19 moved or changed the
 code, the 0.19 branch is taken by feature detection (the 0.16.1 path is unchanged):
@@ -42,6 +65,8 @@ code, the 0.19 branch is taken by feature detection (the 0.16.1 path is unchange
   the whole world when given none (utils.py:2615, 2653, 2483), so it is given the layout's CP group (0.16.1 found
   it in parallel_state). ``test_trial_cp_split_is_megatrons`` checks the trials' own call
   (backends/megatron/releases.py) keeps the same chunks.
+- MLA without a query LoRA and with QK norms: built with the norms off on 0.19 (see the MLA patches above); the
+  module ``mla_qk_norm_config`` marks the release (``MLA_Q_NORM_FUSED``).
 - the knob check: the CUDA-graph fields under the installed release's names (Layout.knob_config), and on 0.19 one
   TransformerConfig construction with every field instead of ``dataclasses.replace`` on a built one: 0.19's
   __post_init__ derives inference_cuda_graph_scope from cuda_graph_impl and asserts the pair, so a replace keeps
@@ -57,6 +82,14 @@ Disagreements this test found, fixed in sweeper/plan/rules.py:
 - Hybrid models with an explicit first/last split: megatron-core 0.16.1's MambaStack honours
   num_layers_in_first/last_pipeline_stage, so ``pipeline_split`` no longer refuses it and ``with_pipeline_split``
   fills it in for hybrid models too (only the silently truncating even split stays refused).
+- MLA with num_query_groups other than the head count (issue 45): ``query_groups_vs_tp`` skipped MLA and
+  accepted heads 2, groups 1 at TP2, which the build refuses (DotProductAttention, which the backend's
+  LatentDotProductAttention extends, divides num_query_groups by TP: dot_product_attention.py:81). Behind it,
+  Megatron's Attention takes heads per TP rank from num_query_groups when it is below TP (transformer/attention.py)
+  and its TE core attention is told num_gqa_groups=num_query_groups, while MLA gives every head its own key and
+  value. Fixed in the model, not a rule: ModelSpec refuses num_query_groups
+  other than unset or the head count on an MLA model (models/spec.py), which is what the skip assumed; MLA models
+  are drawn with it unset or equal to the heads.
 
 Documented Megatron gaps / interpretations (the rules are deliberately not "fixed" to match these):
 - Hybrid Mamba models with layers not divisible by PP and no first/last split: megatron-core 0.16.1's
@@ -70,8 +103,12 @@ Documented Megatron gaps / interpretations (the rules are deliberately not "fixe
 - ``moe_router_num_groups`` without ``moe_router_group_topk`` is not checked by Megatron; ModelSpec has no
   group-topk field and means group-limited routing whenever router groups are set, so the test passes
   ``moe_router_group_topk=1`` with them.
-- MLA models are not drawn (the local spec's MLA needs a TE/YaRN setup); ``query_groups_vs_tp`` skips MLA while
-  TransformerConfig would check num_query_groups (which defaults to the head count, so heads % TP covers it).
+- ``mla_tp_needs_sp`` is excluded: MLA at TP > 1 without SP builds and runs in Megatron with a wrong rotary-key
+  gradient (NVIDIA/Megatron-LM#1699). Re-checked on 0.19.2 (source and test_mla_gradients.py): still there, so the
+  rule refuses it on both releases.
+- MLA's LoRA ranks need not divide by TP: they are the widths of the duplicated down projections of the TE spec
+  (Megatron's local spec would split them column-parallel and assert it, but that spec does not build MLA at all,
+  see 4.). No rule: the drawn ranks (6, 12) often do not divide TP 4 or 8, and Megatron builds them.
 - VPP with PP=2: megatron-core 0.16.1 accepts it (PP > 1); Megatron-LM's front end may want PP > 2 unless
   overlap_p2p_comm (docs/LAYOUT_RULES.md). sweeper follows megatron-core.
 - Mamba mixer rules (heads/groups vs TP and CP) are asserted in ``ssm/mamba_mixer.py``, which needs
@@ -99,6 +136,9 @@ from hypothesis import HealthCheck, event, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from sweeper.backends.megatron import releases  # noqa: E402
+from sweeper.backends.megatron.architecture import mla_config_kwargs  # noqa: E402
+from sweeper.backends.megatron.cpu.linear import DuplicatedLinear  # noqa: E402
+from sweeper.backends.megatron.cpu.spec import adapt_local_block_spec  # noqa: E402
 from sweeper.config import megatron_release  # noqa: E402
 from sweeper.config.schema import ClusterConfig  # noqa: E402
 from sweeper.models.spec import ModelSpec  # noqa: E402
@@ -107,6 +147,9 @@ from sweeper.space.layout import Layout  # noqa: E402
 from sweeper.space.pipeline import with_pipeline_split  # noqa: E402
 
 warnings.filterwarnings("ignore")
+import megatron.core.extensions.transformer_engine as te_extensions  # noqa: E402
+import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn_rope  # noqa: E402
+import megatron.core.transformer.multi_latent_attention as mla  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
@@ -116,7 +159,7 @@ from megatron.core.tensor_parallel.mappings import scatter_to_sequence_parallel_
 from megatron.core.transformer.moe.moe_layer import MoELayer  # noqa: E402
 from megatron.core.transformer.spec_utils import build_module  # noqa: E402
 from megatron.core.transformer.transformer_block import get_num_layers_to_build  # noqa: E402
-from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig  # noqa: E402
 from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
@@ -129,6 +172,13 @@ except ImportError:  # 0.16.1: MambaStack._select_layers_for_pipeline_parallel
 # world when none (utils.py get_batch_on_this_cp_rank, _get_batch_on_this_cp_rank_per_sequence_balancing); 0.16.1
 # falls back to parallel_state's CP group.
 CP_SPLIT_NEEDS_GROUP = "is_hybrid_cp" in inspect.signature(get_batch_on_this_cp_rank).parameters
+try:  # 0.19: MLA resolves its query/KV norms in QKNormConfigResolver; without a query LoRA the query norm is fused
+    # into q_proj, a Transformer Engine layer (transformer/mla_qk_norm_config.py); 0.16.1 has no query norm there.
+    from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver  # noqa: F401
+
+    MLA_Q_NORM_FUSED = True
+except ImportError:
+    MLA_Q_NORM_FUSED = False
 
 # Rules that are not Megatron checks, so the cross-check leaves them out (each is unit-tested in test_rules.py).
 EXCLUDED: dict[str, str] = {
@@ -142,8 +192,8 @@ EXCLUDED: dict[str, str] = {
         "tested in test_backend_megatron.py)"
     ),
     "mla_tp_needs_sp": (
-        "a megatron-core <= 0.16.1 defect, not a check: MLA at TP > 1 without SP builds and runs with a wrong "
-        "rotary-key gradient (caught at run time by the FP32 equivalence gate; tested in test_mla_gradients.py)"
+        "a megatron-core defect (0.16.1 and 0.19.2), not a check: MLA at TP > 1 without SP builds and runs with a "
+        "wrong rotary-key gradient (caught at run time by the FP32 equivalence gate; tested in test_mla_gradients.py)"
     ),
     "interleaved_microbatches": (
         "checked inside forward_backward_pipelining_with_interleaving after a CUDA allocation, which cannot be "
@@ -247,6 +297,14 @@ def transformer_config(case: Case, **extra) -> TransformerConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
     )
+    config_class: type[TransformerConfig] = TransformerConfig
+    if m.multi_latent_attention:
+        # The MLA fields the backend passes (DeepSeek's YaRN RoPE included: backends/megatron/architecture.py),
+        # but YaRN's original_max_position_embeddings MAX_SEQ instead of 4096: YarnRotaryEmbedding fills a cos/sin
+        # cache of that length at construction (most of an MLA build's time) and only slices it into 2*CP chunks.
+        config_class = MLATransformerConfig
+        kwargs.update(mla_config_kwargs(m), qk_layernorm=m.qk_layernorm, normalization=m.normalization,
+                      original_max_position_embeddings=MAX_SEQ)
     if m.is_moe:
         kwargs.update(
             num_moe_experts=m.num_moe_experts,
@@ -258,7 +316,7 @@ def transformer_config(case: Case, **extra) -> TransformerConfig:
         if m.moe_router_num_groups:
             kwargs.update(moe_router_num_groups=m.moe_router_num_groups, moe_router_group_topk=1)
     kwargs.update(extra)
-    return _stage("TransformerConfig", TransformerConfig, **kwargs)
+    return _stage(config_class.__name__, config_class, **kwargs)
 
 
 def megatron_verdict(case: Case) -> str | None:
@@ -373,24 +431,70 @@ def _hybrid_segments(config: TransformerConfig, m: ModelSpec) -> None:
 
 
 def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
-    spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=False)
     vocab = math.ceil(m.vocab_size / (128 * lo.tp)) * 128 * lo.tp
     # The local (non-TE) spec cannot do SP (torch LayerNorm) or CP (DotProductAttention): both are Transformer
     # Engine features, so the model is built without them; their layout rules are checked by the config,
     # parallel_state and the data-side helpers.
     config.sequence_parallel, config.context_parallel_size = False, 1
     try:
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=spec,
-            vocab_size=vocab,
-            max_sequence_length=MAX_SEQ,
-            pre_process=True,
-            post_process=lo.pp == 1,
-            vp_stage=0 if lo.vpp > 1 else None,
-        )
+        with _mla_on_cpu(config) if m.multi_latent_attention else contextlib.nullcontext():
+            return GPTModel(
+                config=config,
+                transformer_layer_spec=_gpt_layer_spec(config, m),
+                vocab_size=vocab,
+                max_sequence_length=MAX_SEQ,
+                pre_process=True,
+                post_process=lo.pp == 1,
+                vp_stage=0 if lo.vpp > 1 else None,
+            )
     finally:
         config.sequence_parallel, config.context_parallel_size = lo.sp, lo.cp
+
+
+def _gpt_layer_spec(config: TransformerConfig, m: ModelSpec):
+    if not m.multi_latent_attention:
+        return get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=False)
+    # Megatron's local MLA spec does not build on either release: its DotProductAttention takes no k_channels /
+    # v_channels (MLA's K and V widths differ), and its column-parallel down projections are not the duplicated
+    # linears of the TE spec every GPU run uses. The CPU backend's adaptation (cpu/spec.py) swaps in both, so the
+    # model built is the trials' own, its TP-split widths the TE spec's.
+    spec = get_gpt_layer_local_spec(num_experts=m.num_moe_experts, moe_grouped_gemm=False,
+                                    multi_latent_attention=True, qk_layernorm=config.qk_layernorm,
+                                    normalization=m.normalization)
+    return adapt_local_block_spec(spec, config)
+
+
+@contextlib.contextmanager
+def _mla_on_cpu(config: TransformerConfig):
+    """What building MLASelfAttention needs on a CPU-only torch without TE, none of it about the layout:
+    ``multi_latent_attention.TELinear`` is the class it gives the duplicated mode to (a MagicMock on 0.16.1, None on
+    0.19): the backend's DuplicatedLinear, as cpu/compat.py registers it (and 0.16.1's HAVE_TE, True there with TE
+    missing, off); ``torch.cuda.current_device`` answers the CPU, because MLA builds its Yarn/RotaryEmbedding without
+    use_cpu_initialization (multi_latent_attention.py MultiLatentAttention.__init__: the rotary embeddings then
+    allocate on torch.cuda.current_device()). On 0.19 a model with qk_layernorm and no q_lora_rank is built with
+    qk_layernorm off: its query norm is fused into q_proj, a TE layer (mla_qk_norm_config.py), and the norms split
+    no width over TP (the fused q_proj splits heads x q_head_dim as the plain one does)."""
+    q_norm_te_only = MLA_Q_NORM_FUSED and config.qk_layernorm and config.q_lora_rank is None
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(mla, "TELinear", DuplicatedLinear))
+        if mla.HAVE_TE and not getattr(te_extensions, "HAVE_TE", True):
+            stack.enter_context(mock.patch.object(mla, "HAVE_TE", False))
+        stack.enter_context(mock.patch.object(torch.cuda, "current_device", lambda: "cpu"))
+        stack.enter_context(mock.patch.object(yarn_rope, "get_pos_emb_on_this_cp_rank", _pos_emb_on_this_cp_rank))
+        if q_norm_te_only:
+            config.qk_layernorm = False
+            stack.callback(setattr, config, "qk_layernorm", True)
+        yield
+
+
+def _pos_emb_on_this_cp_rank(pos_emb: torch.Tensor, seq_dim: int, cp_group) -> torch.Tensor:
+    """rope_utils.get_pos_emb_on_this_cp_rank (the same chunks i and 2*CP-1-i of the sequence) without its pinned
+    host index tensor and ``.cuda()``: YarnRotaryEmbedding fills its cos/sin cache at construction and slices it for
+    this CP rank there (yarn_rotary_pos_embedding.py forward)."""
+    cp_size, cp_rank = cp_group.size(), cp_group.rank()
+    pos_emb = pos_emb.view(*pos_emb.shape[:seq_dim], 2 * cp_size, -1, *pos_emb.shape[seq_dim + 1:])
+    pos_emb = pos_emb.index_select(seq_dim, torch.tensor([cp_rank, 2 * cp_size - cp_rank - 1]))
+    return pos_emb.view(*pos_emb.shape[:seq_dim], -1, *pos_emb.shape[seq_dim + 2:])
 
 
 def _build_hybrid_blocks(config: TransformerConfig, m: ModelSpec, lo: Layout) -> MoELayer | None:
@@ -488,6 +592,31 @@ def gpt_models(draw) -> ModelSpec:
 
 
 @st.composite
+def mla_models(draw) -> ModelSpec:
+    """DeepSeek-style models: MLA attention, half of them MoE; widths that TP often does not divide (the down
+    projections are duplicated, the up projections split heads), a query LoRA or none (V2-Lite), sometimes
+    num_query_groups given (ModelSpec accepts only the head count on an MLA model; the backend passes it on)."""
+    heads = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]))
+    return ModelSpec(
+        num_layers=draw(st.integers(1, 9)),
+        hidden_size=draw(st.sampled_from([16, 24, 32, 48])),
+        ffn_hidden_size=draw(st.sampled_from([24, 32, 48, 64])),
+        num_attention_heads=heads,
+        num_query_groups=heads if draw(st.integers(0, 3)) == 0 else None,
+        vocab_size=100,
+        add_bias_linear=draw(st.integers(0, 3)) == 0,
+        qk_layernorm=draw(st.booleans()),
+        multi_latent_attention=True,
+        q_lora_rank=draw(st.none() | st.sampled_from([6, 8, 12, 16])),
+        kv_lora_rank=draw(st.sampled_from([6, 8, 12, 16])),
+        qk_head_dim=draw(st.sampled_from([4, 6, 8])),
+        qk_pos_emb_head_dim=draw(st.sampled_from([2, 4])),  # RoPE rotates pairs
+        v_head_dim=draw(st.sampled_from([4, 6, 8, 12])),
+        **draw(moe_fields()),
+    )
+
+
+@st.composite
 def hybrid_models(draw) -> ModelSpec:
     moe = draw(moe_fields())
     symbols = "M*-E" if moe else "M*-"
@@ -570,6 +699,12 @@ def test_gpt_layouts_agree_with_megatron(case: Case) -> None:
     _agree(case)
 
 
+@settings(max_examples=300 * SCALE, deadline=None, suppress_health_check=list(HealthCheck))
+@given(cases(mla_models()))
+def test_mla_layouts_agree_with_megatron(case: Case) -> None:
+    _agree(case)
+
+
 @settings(max_examples=400 * SCALE, deadline=None, suppress_health_check=list(HealthCheck))
 @given(cases(hybrid_models()))
 def test_hybrid_layouts_agree_with_megatron(case: Case) -> None:
@@ -585,6 +720,12 @@ def _dense(**kw) -> ModelSpec:
 
 def _hybrid(pattern: str) -> ModelSpec:
     return _dense(num_layers=len(pattern), hybrid_layer_pattern=pattern, mamba_num_heads=16, mamba_num_groups=8)
+
+
+def _mla(**kw) -> ModelSpec:
+    base = dict(num_query_groups=None, multi_latent_attention=True, q_lora_rank=6, kv_lora_rank=6, qk_head_dim=8,
+                qk_pos_emb_head_dim=4, v_head_dim=8, qk_layernorm=True)
+    return _dense(**{**base, **kw})
 
 
 def _L(**kw) -> Layout:
@@ -612,6 +753,13 @@ EXAMPLES = [
     (Case(_dense(**{**MOE, "moe_router_topk": 1}), _L(world_size=1), 64), False),
     (Case(_dense(), _L(world_size=2, cp=2), 6), False),
     (Case(_dense(), _L(world_size=2, gbs=3), 64), False),
+    # MLA: the down projections are duplicated (LoRA ranks need not divide by TP), the up projections split heads.
+    (Case(_mla(), _L(world_size=4, tp=4, sp=True), 64), True),
+    (Case(_mla(num_attention_heads=6), _L(world_size=4, tp=4, sp=True), 64), False),
+    (Case(_mla(q_lora_rank=None), _L(world_size=2, tp=2, sp=True), 64), True),  # 0.19: built without qk norms
+    (Case(_mla(**MOE), _L(world_size=4, tp=2, ep=2, sp=True), 64), True),
+    (Case(_mla(), _L(world_size=4, tp=2, cp=2, sp=True), 64), True),  # the rotary embedding sliced for CP rank 0
+    (Case(_mla(), _L(world_size=2, pp=2), 64), True),
     # Hybrid pipeline splits (0.16.1: MambaStack; 0.19: select_pipeline_segment).
     (Case(_hybrid("M*M-"), _L(world_size=2, pp=2), 64), True),
     (Case(_hybrid("M*M-M"), _L(world_size=2, pp=2), 64), False),  # 0.16.1 truncates, 0.19 raises
