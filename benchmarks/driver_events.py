@@ -1,13 +1,16 @@
-"""The driver's own cost per event on a space of over 100,000 layouts (issue 43): what a measured trial costs the
-frontier before and after its incremental re-assessment, in one run.
+"""The driver's own cost per event on a space of over 100,000 layouts (issues 43, 46): what a measured trial costs
+the frontier before and after its incremental re-assessment, in one run.
 
 The space: benchmarks/spaces/nemotron_wide.yaml widened to 128 nodes x 8 GPUs and trials of 8 to 1,024 GPUs. The
 frontier (sweeper/search/frontier.py) is built over it as a sweep builds it, with a stand-in cluster handle (no Ray:
 every layout is supported) and a fresh sweep folder. Then measured trials arrive as a GPU sweep records them: a
 device peak under the limit (memory evidence) or an out-of-memory failure, each one an event that changes verdicts
 but not the calibration. "before" re-assesses the whole space on every such event (rules and estimator for every
-layout, as the frontier did before issue 43); "after" keeps the assessed plan until the calibration changes. One
-proposal (the next launchable layout not yet taken) is timed too. Prints CPU seconds and the ratio.
+layout, as the frontier did before issue 43); "after" keeps the assessed plan until the calibration changes. Then
+the events that do change the calibration (on GPUs, nearly every passed trial: its step time and device peak refit
+both): "fresh" assesses the space again with a new estimator (rules and estimator for every layout, as before issue
+46), "recalibrated" keeps the rules' verdicts and re-predicts the valid layouts with the estimator recalibrated (its
+memos kept). One proposal (the next launchable layout not yet taken) is timed too. Prints CPU seconds and the ratios.
 
     python benchmarks/driver_events.py [--events 5]
 """
@@ -25,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sweeper.config.load import load_config  # noqa: E402
+from sweeper.estimate import Calibration  # noqa: E402
 from sweeper.estimate.calibrator import Calibrator  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
 from sweeper.record.sweepdir import SweepDir  # noqa: E402
@@ -76,13 +80,30 @@ def main() -> None:
             result = TrialResult(status="failed" if oom else "passed", failure_kind="oom" if oom else None,
                                  metrics=TrialMetrics(peak_memory_gib=peak, tokens_per_s=1.0, step_time_s=1.0),
                                  memory_kind="device")
-            frontier._plan_calibration = frontier  # noqa: SLF001 - "before": the plan made again on every event
+            frontier._plan_calibration = frontier  # noqa: SLF001 - "before": the plan made again on every event,
+            frontier._estimator = None  # noqa: SLF001 - from scratch
             started = cpu()
             frontier.learn(100 + i, entry.layout, result, calibration_changed=False)
             before.append(cpu() - started)
             started = cpu()
             frontier.learn(200 + i, entry.layout, result, calibration_changed=False)  # "after": the plan kept
             after.append(cpu() - started)
+        fresh, recalibrated = [], []
+        for i in range(args.events):
+            entry = launchable[(i * 7919) % len(launchable)]
+            result = TrialResult(status="passed", metrics=TrialMetrics(peak_memory_gib=1.0, tokens_per_s=1.0,
+                                                                       step_time_s=1.0), memory_kind="device")
+            for kind, times in (("fresh", fresh), ("recalibrated", recalibrated)):
+                frontier.calibrator.current = Calibration(activation_factor=1.0 + 0.01 * i, state_factor=0.98,
+                                                          step_time_factor=1.1 + 0.01 * i)
+                if kind == "fresh":
+                    frontier._estimator = None  # noqa: SLF001 - "fresh": a new estimator, every layout's rules
+                started = cpu()
+                frontier.learn(300 + i, entry.layout, result, calibration_changed=True)
+                times.append(cpu() - started)
+        f, r = statistics.median(fresh), statistics.median(recalibrated)
+        print(f"per calibration change (median of {args.events}): fresh {f:.2f} s CPU, recalibrated {r:.2f} s CPU: "
+              f"{f / r:.1f}x less")
         started = cpu()
         proposal = next((e.layout for e in frontier.launchable if not frontier.taken(e.layout)), None)
         propose_s = cpu() - started
