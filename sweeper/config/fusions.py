@@ -9,13 +9,13 @@ What each framework does, read in the source of the versions sweeper pins:
   bias_activation_fusion to ``--no-bias-swiglu-fusion``'s value under ``--swiglu``, else ``--no-bias-gelu-fusion``'s;
   ``validate_args`` turns bias-gelu fusion off without linear biases and rope fusion off for position embeddings
   other than rope. cross_entropy_loss_fusion is TransformerConfig's own ``store_true`` flag: off.
-- Megatron-Bridge 0.3.1 (``models/gpt_provider.py`` GPTModelProvider): masked_softmax_fusion and
-  cross_entropy_loss_fusion on, gradient_accumulation_fusion on where apex's ``fused_weight_gradient_mlp_cuda``
-  imports (``utils/fusions.can_enable_gradient_accumulation_fusion``); each model's provider sets the rest (Llama's
-  and DeepSeek's bias-activation, bias-dropout and persistent layer norm on, ...), and ``provide()`` turns rope
-  fusion off for position embeddings other than rope. sweeper takes Megatron-LM's fusions plus the cross-entropy
-  one, and its Bridge export sets each explicitly (``model.<field>``), so the recipe's provider runs what the trial
-  ran; gradient_accumulation_fusion is left to Bridge's own probe, which is the trial's (below).
+- Megatron-Bridge 0.3.1, read the same in 0.4.2, 0.5.1 and 0.6.2 (``models/gpt_provider.py`` GPTModelProvider):
+  masked_softmax_fusion and cross_entropy_loss_fusion on, gradient_accumulation_fusion on where apex's
+  ``fused_weight_gradient_mlp_cuda`` imports (``utils/fusions.can_enable_gradient_accumulation_fusion``); each model's
+  provider sets the rest (Llama's and DeepSeek's bias-activation, bias-dropout and persistent layer norm on, ...), and
+  ``provide()`` turns rope fusion off for position embeddings other than rope. sweeper takes Megatron-LM's fusions
+  plus the cross-entropy one, and its Bridge export sets each explicitly (``model.<field>``), so the recipe's provider
+  runs what the trial ran; gradient_accumulation_fusion is left to Bridge's own probe, which is the trial's (below).
 - megatron-core: TransformerConfig's defaults, every fusion off.
 
 Two fusions need a kernel outside megatron-core: gradient_accumulation_fusion apex's ``fused_weight_gradient_mlp_cuda``

@@ -4,7 +4,8 @@ A layout does not say everything that decides a rank's memory: the grad buffer's
 dtypes and CPU offload, FP8 weights in the parameter buffer. Their defaults differ between the frameworks a user
 trains with, so ``framework`` names the framework and every setting left out (``null``) takes that framework's
 default (read from the source of the versions sweeper pins: megatron-core 0.16.1, Megatron-LM core_v0.16.1,
-Megatron-Bridge 0.3.1):
+Megatron-Bridge 0.3.1; the Bridge defaults below read the same in 0.4.2, 0.5.1 and 0.6.2, where the mxfp8 assertion
+moved from MixedPrecisionConfig.finalize to ConfigContainer.validate in 0.5):
 
 - ``grad_reduce_in_fp32`` (FP32 main grads under BF16): Megatron-LM with ``--bf16`` turns
   ``accumulate_allreduce_grads_in_fp32`` on unless ``--grad-reduce-in-bf16`` (arguments.py validate_args);
@@ -226,10 +227,15 @@ class RunSettings(BaseModel):
         return args
 
     def bridge_overrides(self, precision: str, compute_capability: str | None, *,
-                         distributed_optimizer: bool = True, fsdp: bool = False) -> list[str]:
+                         distributed_optimizer: bool = True, fsdp: bool = False,
+                         fp4_param_field: bool = False) -> list[str]:
         """Megatron-Bridge overrides (``mixed_precision`` wins over ``ddp`` for the grad dtype and FP8 params, so
-        both are set)."""
+        both are set). ``fp4_param_field``: the Bridge release's MixedPrecisionConfig has fp4_param_gather, which its
+        NVFP4 recipe turns on (``bridge_release.fp4_params``); sweeper runs and estimates NVFP4 with BF16 weights, so
+        the file turns it off."""
         out: list[str] = []
+        if precision == "nvfp4" and fp4_param_field:
+            out.append("mixed_precision.fp4_param_gather=false")
         recipe = self.recipe(precision, compute_capability)
         if recipe is not None:
             out.append(f"mixed_precision.fp8_recipe={recipe}")

@@ -9,8 +9,12 @@ The keys are best_layout.yaml's ``megatron_bridge_overrides`` (``Layout.bridge_o
 ``ddp`` and ``optimizer`` when it sets up (``MixedPrecisionConfig.setup``), so a name alone would drop the run
 settings (e.g. gradients reduced in BF16). When a run setting changes a field, the file gives the whole
 MixedPrecisionConfig instead, as a ``_target_`` node Bridge instantiates (``_apply_overrides``): the named
-recipe's fields as Megatron-Bridge 0.3.1 defines them (``megatron/bridge/training/mixed_precision.py``), with the
-run settings applied.
+recipe's fields as the Bridge release the file is for defines them (``megatron/bridge/training/mixed_precision.py``),
+with the run settings applied.
+
+The release is ``sweeper.config.bridge_release.target()``: the installed Bridge, else the one paired with the
+installed megatron-core. Bridge 0.3.1 to 0.6.x take the same keys, recipe paths and recipe names for everything
+sweeper writes, except the two facts bridge_release names (NVFP4 weights from 0.4, local layer graphs from 0.6).
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from typing import Any
 
 import yaml
 from omegaconf import OmegaConf
+from packaging.version import Version
 
-from sweeper.config import fusions, megatron_release
+from sweeper.config import bridge_release, fusions, megatron_release
 from sweeper.config.schema import SweepConfig
 from sweeper.export.production import measured_note
 from sweeper.space.layout import Layout
@@ -28,7 +33,9 @@ from sweeper.space.layout import Layout
 OVERRIDES_FILE = "megatron_bridge_overrides.yaml"
 MIXED_PRECISION_CLASS = "megatron.bridge.training.mixed_precision.MixedPrecisionConfig"
 
-# The pretraining recipe of each preset that Megatron-Bridge 0.3.1 ships one for (megatron/bridge/recipes/).
+# The pretraining recipe of each preset that Megatron-Bridge ships one for (megatron/bridge/recipes/): the same path
+# in 0.3.1 to 0.6.2; from 0.6 each is an alias of the recipe's 8-GPU (Llama 3 8B 2-GPU, 405B 256-GPU, Qwen3 16-GPU)
+# H100 BF16 variant (recipes/<family>/h100/).
 RECIPES: dict[str, str] = {
     "nemotron-3-nano-30b-a3b": "megatron.bridge.recipes.nemotronh.nemotron_3_nano_pretrain_config",
     "deepseek-v2-lite": "megatron.bridge.recipes.deepseek.deepseek_v2_lite_pretrain_config",
@@ -45,6 +52,7 @@ def _dtype(name: str) -> dict[str, Any]:
 _BF16 = {"bf16": True, "params_dtype": _dtype("bfloat16"), "pipeline_dtype": _dtype("bfloat16"),
          "autocast_enabled": False, "grad_reduce_in_fp32": True}
 # The fields each recipe sets (Megatron-Bridge 0.3.1, mixed_precision.py); every other field keeps its default.
+# mixed_precision_recipes() adds what later releases change.
 MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
     "bf16_mixed": _BF16,
     "fp16_mixed": {"fp16": True, "params_dtype": _dtype("float16"), "pipeline_dtype": _dtype("float16"),
@@ -59,12 +67,21 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
 }
 
 
+def mixed_precision_recipes(release: Version) -> dict[str, dict[str, Any]]:
+    """MIXED_PRECISION_RECIPES as Bridge ``release`` defines them."""
+    if not bridge_release.fp4_params(release):
+        return MIXED_PRECISION_RECIPES
+    nvfp4 = {**MIXED_PRECISION_RECIPES["bf16_with_nvfp4_mixed"], "fp4_param_gather": True}
+    return {**MIXED_PRECISION_RECIPES, "bf16_with_nvfp4_mixed": nvfp4}
+
+
 def dotted_overrides(cfg: SweepConfig, layout: Layout) -> list[str]:
-    """The winner's Megatron-Bridge overrides in dotted form (best_layout.yaml ``megatron_bridge_overrides``): the
-    layout's, the run settings' and the framework's kernel fusions (``sweeper.config.fusions``)."""
+    """The winner's Megatron-Bridge overrides in dotted form (best_layout.yaml ``megatron_bridge_overrides``) for
+    the Bridge release of ``bridge_release.target()``: the layout's, the run settings' and the framework's kernel
+    fusions (``sweeper.config.fusions``)."""
     return layout.bridge_overrides(megatron_release.graph_modules()) + cfg.run.bridge_overrides(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
-        fsdp=bool(layout.fsdp),
+        fsdp=bool(layout.fsdp), fp4_param_field=bridge_release.fp4_params(bridge_release.target()),
     ) + fusions.bridge_overrides(fusions.framework_fusions(cfg.run.framework, cfg.model))
 
 
@@ -92,7 +109,7 @@ def _mixed_precision(items: list[str]) -> Any:
     fields = {key.removeprefix("mixed_precision."): yaml.safe_load(value) for key, value in assigned.items()}
     if name is None:
         return None
-    recipe = MIXED_PRECISION_RECIPES[name]
+    recipe = mixed_precision_recipes(bridge_release.target())[name]
     if all(recipe.get(k) == v for k, v in fields.items()):
         return name
     return {"_target_": MIXED_PRECISION_CLASS, **recipe, **fields}
@@ -102,13 +119,26 @@ def overrides_yaml(cfg: SweepConfig, layout: Layout, trial: int, measured: Layou
     """The file: a header naming the recipe (when the model has one) and how to apply it, then the tree.
     ``measured``: the trial's layout ``layout`` is the production shape of (named in the header)."""
     recipe = RECIPES.get(cfg.model.name)
+    release = bridge_release.target()
     header = [
         f"# {cfg.name}: the layout sweeper found best (trial #{trial}, {layout.short()}) for {cfg.model.name}.",
         f"# Megatron-Bridge recipe: {recipe}" if recipe else
         "# No Megatron-Bridge recipe ships for this model: merge onto the ConfigContainer you build for it.",
+        f"# Written for Megatron-Bridge {bridge_release.describe()}.",
+        *_refused_note(layout, release),
         "# Apply: process_config_with_overrides(cfg, config_filepath='megatron_bridge_overrides.yaml')",
         "#   (megatron.bridge.training.utils.omegaconf_utils), then pretrain(cfg, forward_step).",
         *measured_note(layout, measured or layout),
     ]
     body = yaml.safe_dump(overrides(cfg, layout), sort_keys=False, width=120)
     return "\n".join(header) + "\n" + body
+
+
+def _refused_note(layout: Layout, release: Version) -> list[str]:
+    """A header line where the Bridge release refuses what the layout measured (bridge_release)."""
+    if layout.cuda_graph == "local" and bridge_release.refuses_local_layer_graphs(release):
+        return [f"# Megatron-Bridge {release} refuses cuda_graph_impl=local graphs of single layers (from "
+                f"{bridge_release.LOCAL_LAYER_GRAPHS_REFUSED_FROM}), which",
+                "#   this layout measured: set model.cuda_graph_impl to transformer_engine (not what was measured) or "
+                "none before running it."]
+    return []

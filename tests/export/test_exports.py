@@ -5,11 +5,19 @@ against the dataclasses Megatron-Bridge merges it onto.
 (``scripts/megatron_lm_flags.py`` wrote it). The script is run for real, with ``torchrun`` replaced by a stand-in
 on PATH that prints its arguments (stand-in: no GPU here, and Megatron-LM is not installed): that is what bash
 hands to Megatron-LM after expanding the arrays, defaults and quoting.
+
+``tests/data/megatron_bridge_fields.json`` is, per Megatron-Bridge release sweeper supports (0.3.1, 0.4.2, 0.5.1,
+0.6.2), the fields of the dataclasses the override file lands on, its mixed-precision recipe names and the pretraining
+recipes it exports, each entry naming the files it was read from (``scripts/megatron_bridge_fields.py`` wrote it from
+the released wheels' source: Bridge needs Transformer Engine and a GPU, so it is not installed). The override file is
+written for each release in turn and checked against that release's sets; the model, DDP and optimizer sections
+against the installed megatron-core's dataclasses (0.16.1 pairs with Bridge 0.3.1, 0.19.x with 0.6.x).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shlex
 import subprocess
@@ -18,11 +26,13 @@ from pathlib import Path
 import pytest
 import yaml
 from omegaconf import OmegaConf
+from packaging.version import Version
 
+from sweeper.config import bridge_release
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.export import EXECUTABLE, export_files
-from sweeper.export.bridge import MIXED_PRECISION_CLASS, OVERRIDES_FILE
+from sweeper.export.bridge import MIXED_PRECISION_CLASS, OVERRIDES_FILE, RECIPES, mixed_precision_recipes
 from sweeper.export.megatron_lm import LAUNCH_FILE
 from sweeper.space.layout import Layout
 
@@ -42,22 +52,9 @@ CASES = [
     ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1,precision=nvfp4"),
     ("nemotron.yaml", "gpus=16,tp=2,sp=true,ep=8,fsdp=optim_grads_params"),
 ]
-# Megatron-Bridge 0.3.1: ConfigContainer's and MixedPrecisionConfig's fields (megatron/bridge/training/config.py,
-# mixed_precision.py); the recipes' dataset config takes seq_length, the model providers add seq_length to
-# TransformerConfig's fields.
-CONFIG_CONTAINER = {
-    "rng", "rerun_state_machine", "train", "model", "optimizer", "optimizer_config_override_provider", "ddp",
-    "scheduler", "dataset", "logger", "tokenizer", "checkpoint", "dist", "ft", "straggler", "nvrx_straggler",
-    "profiling", "peft", "comm_overlap", "mixed_precision", "tensor_inspect", "inprocess_restart",
-}
-MIXED_PRECISION = {
-    "fp32", "fp16", "bf16", "params_dtype", "pipeline_dtype", "autocast_dtype", "autocast_enabled",
-    "grad_reduce_in_fp32", "fp8", "fp8_recipe", "first_last_layers_bf16", "fp8_margin", "fp8_amax_history_len",
-    "fp8_amax_compute_algo", "fp8_wgrad", "fp8_dot_product_attention", "fp8_multi_head_attention", "fp8_param",
-    "fp8_param_gather", "fp4", "fp4_recipe", "loss_scale", "initial_loss_scale", "min_loss_scale",
-    "loss_scale_window", "hysteresis", "num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16",
-    "reuse_grad_buf_for_mxfp8_param_ag",
-}
+# Per Bridge release: the dataclasses' fields, recipe names and pretraining recipes (module docstring).
+BRIDGE = json.loads((ROOT / "tests" / "data" / "megatron_bridge_fields.json").read_text())
+BRIDGE_RELEASES = sorted(BRIDGE, key=Version)
 
 
 def _case(space: str, text: str) -> tuple[SweepConfig, Layout]:
@@ -150,27 +147,35 @@ def test_tp_before_blackwell_sets_one_device_connection() -> None:
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in export_files(cfg, layout, 1)[LAUNCH_FILE]
 
 
+@pytest.mark.parametrize("release", BRIDGE_RELEASES)
 @pytest.mark.parametrize(("space", "text"), CASES)
-def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(space: str, text: str) -> None:
+def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(
+        monkeypatch: pytest.MonkeyPatch, space: str, text: str, release: str) -> None:
     pytest.importorskip("torch")  # megatron-core imports it
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    monkeypatch.setattr(bridge_release, "target", lambda: Version(release))
+    bridge = {name: set(values) for name, values in BRIDGE[release].items()}
     cfg, measured = _case(space, text)
     text_yaml = export_files(cfg, measured, 2)[OVERRIDES_FILE]
     layout = cfg.production_layout(measured) or measured  # the production run's shape (issue 43)
     tree = OmegaConf.to_container(OmegaConf.create(text_yaml))
-    assert isinstance(tree, dict) and set(tree) <= CONFIG_CONTAINER
+    assert isinstance(tree, dict) and set(tree) <= bridge["ConfigContainer"], set(tree) - bridge["ConfigContainer"]
     fields = {
         "model": {f.name for f in dataclasses.fields(MLATransformerConfig)} | {"seq_length"},
         "ddp": {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
         "optimizer": {f.name for f in dataclasses.fields(OptimizerConfig)},
-        "train": {"micro_batch_size", "global_batch_size"},
+        "train": bridge["TrainingConfig"],
         "dataset": {"seq_length"},
+        "checkpoint": bridge["CheckpointConfig"],
+        "comm_overlap": bridge["CommOverlapConfig"],
     }
+    assert set(tree) <= set(fields) | {"mixed_precision"}, set(tree) - set(fields)
     for section, names in fields.items():
-        assert set(tree[section]) <= names, set(tree[section]) - names
+        assert set(tree.get(section, {})) <= names, set(tree[section]) - names
+    assert set(tree["train"]) == {"micro_batch_size", "global_batch_size"}
     model = tree["model"]
     assert model["tensor_model_parallel_size"] == layout.tp and model["expert_model_parallel_size"] == layout.ep
     assert model["sequence_parallel"] is layout.sp and model["seq_length"] == cfg.training.seq_length
@@ -178,17 +183,35 @@ def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(space: 
     precision = tree["mixed_precision"]
     if isinstance(precision, dict):  # the whole config, as Bridge instantiates it
         assert precision["_target_"] == MIXED_PRECISION_CLASS
-        assert set(precision) - {"_target_"} <= MIXED_PRECISION
-        assert precision["grad_reduce_in_fp32"] == cfg.run.grads_in_fp32 == tree["ddp"]["grad_reduce_in_fp32"]
+        assert set(precision) - {"_target_"} <= bridge["MixedPrecisionConfig"]
+        if layout.precision != "nvfp4":  # NVFP4 keeps its recipe's grad dtype (RunSettings.bridge_overrides)
+            assert precision["grad_reduce_in_fp32"] == cfg.run.grads_in_fp32 == tree["ddp"]["grad_reduce_in_fp32"]
         assert precision["params_dtype"] == {"_target_": "torch.bfloat16", "_call_": False}
     else:
-        assert precision in ("bf16_mixed", "fp16_mixed", "bf16_with_fp8_delayed_scaling_mixed",
-                             "bf16_with_mxfp8_mixed", "bf16_with_nvfp4_mixed", None)
-    assert ("fp8_recipe" in (precision or {})) == (layout.precision in ("fp8", "mxfp8"))
-    header = text_yaml.splitlines()[1]
+        assert precision is None or precision in bridge["mixed_precision_recipes"]
+    assert set(mixed_precision_recipes(Version(release))) <= bridge["mixed_precision_recipes"]
+    fp8_recipe = precision.get("fp8_recipe") if isinstance(precision, dict) else None  # NVFP4's node: None
+    assert (fp8_recipe is not None) == (layout.precision in ("fp8", "mxfp8"))
+    # NVFP4 keeps BF16 weights, as the trial runs and the estimate counts them; from Bridge 0.4 its recipe would
+    # store them in FP4 (fp4_param_gather), a field 0.3.1 does not have.
+    if layout.precision == "nvfp4":
+        node = precision if isinstance(precision, dict) else mixed_precision_recipes(Version(release))[precision]
+        assert node.get("fp4_param_gather", False) is False
+        assert ("fp4_param_gather" in node) == ("fp4_param_gather" in bridge["MixedPrecisionConfig"])
+    lines = text_yaml.splitlines()
     recipe = {"nemotron.yaml": "nemotron_3_nano_pretrain_config", "deepseek_v2_lite.yaml":
               "deepseek_v2_lite_pretrain_config"}.get(space)
-    assert (recipe in header) if recipe else "No Megatron-Bridge recipe" in header
+    assert (recipe in lines[1]) if recipe else "No Megatron-Bridge recipe" in lines[1]
+    written = f"# Written for Megatron-Bridge {release}"
+    assert lines[2] == f"{written}." or lines[2].startswith(f"{written} (")  # "(installed)", "(paired with ...)"
+    refused = "refuses cuda_graph_impl=local" in text_yaml
+    assert refused == (layout.cuda_graph == "local" and Version(release) >= Version("0.6"))
+
+
+@pytest.mark.parametrize("release", BRIDGE_RELEASES)
+def test_every_recipe_sweeper_names_ships_in_each_bridge_release(release: str) -> None:
+    assert set(RECIPES.values()) <= set(BRIDGE[release]["pretrain_recipes"])
+    assert set(mixed_precision_recipes(Version(release))) <= set(BRIDGE[release]["mixed_precision_recipes"])
 
 
 def test_a_run_setting_equal_to_the_recipe_keeps_the_recipe_name(tmp_path: Path) -> None:
