@@ -245,8 +245,9 @@ def _hf_model(value: dict[str, Any], base_dir: Path) -> ModelSpec:
         has_bridge = False
     if not has_bridge:
         raise ModelError(
-            "hf needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs "
-            "megatron-bridge==0.3.1 with Transformer Engine); for planning alone use {hf_config: DIR}", where=".hf"
+            "hf needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs the release "
+            "paired with the installed megatron-core, with Transformer Engine: docs/support-matrix.md); for planning "
+            "alone use {hf_config: DIR}", where=".hf"
         )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     path = Path(str(value["hf"])).expanduser()

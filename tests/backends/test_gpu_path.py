@@ -276,8 +276,9 @@ def test_hf_key_without_bridge_is_a_clear_error(tmp_path):
     with _bridge_installed(False), pytest.raises(ModelError) as info:
         resolve_model({"hf": str(_hf_dir(tmp_path))})
     assert str(info.value) == (
-        "hf needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs megatron-bridge==0.3.1 "
-        "with Transformer Engine); for planning alone use {hf_config: DIR}")
+        "hf needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs the release paired "
+        "with the installed megatron-core, with Transformer Engine: docs/support-matrix.md); for planning alone use "
+        "{hf_config: DIR}")
     assert info.value.where == ".hf"
 
 
@@ -715,3 +716,23 @@ def test_the_forward_step_gives_megatrons_combined_1f1b_schedule_its_schedule_pl
     plan, loss = steps._forward_step(False, iter([batch]), model, return_schedule_plan=True)
     assert plan == "schedule plan" and loss is steps._loss_func
     assert model.call[2] is None and model.call[3] is batch.labels
+
+
+def test_local_layer_graphs_of_an_hf_model_are_refused_where_bridge_refuses_them(tmp_path, monkeypatch):
+    """Bridge 0.6 refuses cuda_graph_impl=local other than full-iteration graphs (utils/cuda_graph.py); up to 0.5
+    its provider builds them. Presets are built by megatron-core alone and keep them."""
+    from packaging.version import Version
+
+    from sweeper.config import bridge_release
+
+    with _bridge_installed(True):
+        spec = resolve_model({"hf": str(_hf_dir(tmp_path))})
+    graphs = lo(cuda_graph="local")
+    kernels = Kernels(transformer_engine=True)
+    monkeypatch.setattr(bridge_release, "target", lambda: Version("0.6.2"))
+    assert gpu.gpu_unsupported_reason(spec, graphs, kernels=kernels) == (
+        "cuda_graph local with Megatron-Bridge 0.6.2 (model: {hf: DIR})",
+        "Bridge's provide() refuses cuda_graph_impl=local other than full-iteration graphs from 0.6")
+    assert gpu.gpu_unsupported_reason(preset("tiny-gpt"), graphs, kernels=kernels) is None
+    monkeypatch.setattr(bridge_release, "target", lambda: Version("0.5.1"))
+    assert gpu.gpu_unsupported_reason(spec, graphs, kernels=kernels) is None

@@ -8,7 +8,10 @@ it (``gpu_model_class`` for build.py, ``bridge_provider`` for a ``model: {hf: DI
 Transformer Engine, mamba_ssm or Megatron-Bridge only when a GPU rank calls them.
 
 Not run on a GPU yet: everything here past ``gpu_plan`` was written against megatron-core 0.16.1's source and
-Megatron-Bridge 0.3.x's documented API, and is exercised only by scripts/gpu_check.sh on a real device.
+Megatron-Bridge 0.3.x's documented API (the import calls read the same in 0.4.2, 0.5.1 and 0.6.2:
+``AutoBridge.from_hf_pretrained(path).to_megatron_provider(load_weights=False)``, ``provide(pre_process=,
+post_process=, vp_stage=)``, ``finalize()`` from 0.4 on Mamba/Hybrid providers and 0.5 on every provider), and is
+exercised only by scripts/gpu_check.sh on a real device.
 
 FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the recipe is chosen here and noted):
 - fp8 on 8.9 (Ada) and 9.x (Hopper): ``delayed`` scaling, Megatron's long-standing default (format hybrid,
@@ -34,6 +37,7 @@ from sweeper.backends.megatron.architecture import mamba_config_kwargs, mamba_mo
 from sweeper.backends.megatron.device import capability_text
 from sweeper.backends.megatron.failures import UnsupportedError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs
+from sweeper.config import bridge_release
 from sweeper.config.fusions import KERNELS, framework_fusions
 from sweeper.config.kernels import Kernels
 from sweeper.config.run_settings import (
@@ -158,6 +162,12 @@ def gpu_unsupported_reason(spec: ModelSpec, layout: Layout, *, kernels: Kernels 
         return (f"cuda_graph {layout.cuda_graph}",
                 "the smoke run does not capture full-iteration or Transformer Engine CUDA graphs yet (Megatron-LM's "
                 "training loop does), so the trial would measure eager layers; cuda_graph: local is measured")
+    release = bridge_release.target()
+    if (layout.cuda_graph == "local" and bridge_source(spec) is not None
+            and bridge_release.refuses_local_layer_graphs(release)):
+        return (f"cuda_graph local with Megatron-Bridge {release} (model: {{hf: DIR}})",
+                "Bridge's provide() refuses cuda_graph_impl=local other than full-iteration graphs from "
+                f"{bridge_release.LOCAL_LAYER_GRAPHS_REFUSED_FROM}")
     if spec.multi_latent_attention and layout.cp > 1 and layout.is_fp8:
         return (f"FP8 multi_latent_attention with context parallel (cp={layout.cp})",
                 "Transformer Engine's MLA context-parallel attention has no FP8 path")
@@ -297,7 +307,7 @@ class BridgeMissingError(UnsupportedError, RuntimeError):
 
 def bridge_missing_message(what: str) -> str:
     return (f"{what} needs Megatron-Bridge, which is not installed (pip install -e '.[bridge]' installs "
-            f"megatron-bridge==0.3.1 with Transformer Engine); for planning alone use model: {{hf_config: DIR}}")
+            f"{bridge_release.install_hint()}); for planning alone use model: {{hf_config: DIR}}")
 
 
 # What Bridge's provider takes from the device plan: the precision recipe, TE's CP exchange, the Mamba path; the
