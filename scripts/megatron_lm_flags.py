@@ -2,9 +2,11 @@
 
     python scripts/megatron_lm_flags.py MEGATRON_LM_CHECKOUT > tests/data/megatron_lm_flags.txt
 
-The checkout is Megatron-LM at the tag matching the installed megatron-core (``core_v0.16.1`` for 0.16.1). Its
-``megatron/training/arguments.py`` adds flags in two ways, and both are read here without importing it (it
-needs the whole training stack):
+The checkout is Megatron-LM at the tag matching the installed megatron-core (``core_v0.16.1`` for 0.16.1); from
+0.17 the megatron-core wheel ships ``megatron/training`` itself, so its site-packages folder serves
+(``tests/data/megatron_lm_flags_0.19.txt``: megatron-core 0.19.2's, whose config dataclasses sit in
+``megatron/training/config/``). Its ``megatron/training/arguments.py`` adds flags in two ways, and both are read
+here without importing it (it needs the whole training stack):
   - ``add_argument('--flag', ...)`` calls: every ``--`` string literal in them;
   - ``ArgumentGroupFactory(SomeConfig, exclude=[...])`` groups: the dataclass's fields turned into flags by
     Megatron-LM's own ``argument_utils.ArgumentGroupFactory`` (loaded from the checkout: it imports the standard
@@ -74,7 +76,8 @@ def flags(checkout: Path) -> list[str]:
     factory = _load(training / "argument_utils.py", "_mlm_argument_utils").ArgumentGroupFactory
     classes = {}
     for name in CONFIG_FILES:
-        module = _load(training / name, f"_mlm_{name[:-3]}")
+        path = training / name if (training / name).exists() else training / "config" / name  # 0.19: config/
+        module = _load(path, f"_mlm_{name[:-3]}")
         classes.update({k: v for k, v in vars(module).items() if isinstance(v, type)})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # megatron-core's notes about missing Transformer Engine / Apex

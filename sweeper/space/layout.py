@@ -329,10 +329,12 @@ class Layout:
             parts = "cuda_graph_modules" if graph_modules else "cuda_graph_scope"
             if graphs[parts]:
                 args += [f"--{parts.replace('_', '-')}", *graphs[parts]]
-            # Megatron-LM's validate_args asserts both (arguments.py, core_v0.16.1).
+            # Megatron-LM's validate_args asserts both (arguments.py, core_v0.16.1). 0.19's (the megatron-core
+            # 0.19.2 wheel's megatron/training/arguments.py) asserts the first only: padding experts became an
+            # inference-only TransformerConfig field the trial does not set, so the 0.19 export leaves it out.
             if self.cuda_graph == "full_iteration":
                 args.append("--no-check-for-nan-in-loss-and-grad")
-            if self.cuda_graph_impl == "local" and self.ep > 1:
+            if self.cuda_graph_impl == "local" and self.ep > 1 and not graph_modules:
                 args.append("--moe-pad-experts-for-cuda-graph-inference")
         if self.fsdp:  # validate_args: "Megatron FSDP only supports fsdp_dtensor checkpoint format"
             args += ["--use-megatron-fsdp", "--ckpt-format=fsdp_dtensor"]

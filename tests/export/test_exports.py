@@ -1,8 +1,9 @@
 """The winner's exports: launch_megatron_lm.sh against Megatron-LM's own flag list, and the Bridge override file
 against the dataclasses Megatron-Bridge merges it onto.
 
-``tests/data/megatron_lm_flags.txt`` is every flag of Megatron-LM core_v0.16.1's ``arguments.py``
-(``scripts/megatron_lm_flags.py`` wrote it). The script is run for real, with ``torchrun`` replaced by a stand-in
+``tests/data/megatron_lm_flags.txt`` is every flag of Megatron-LM core_v0.16.1's ``arguments.py``, and
+``megatron_lm_flags_0.19.txt`` megatron-core 0.19.2's (whose wheel ships ``megatron/training``): the script is checked
+against the installed release's (``scripts/megatron_lm_flags.py`` wrote both). The script is run for real, with ``torchrun`` replaced by a stand-in
 on PATH that prints its arguments (stand-in: no GPU here, and Megatron-LM is not installed): that is what bash
 hands to Megatron-LM after expanding the arrays, defaults and quoting.
 
@@ -28,7 +29,7 @@ import yaml
 from omegaconf import OmegaConf
 from packaging.version import Version
 
-from sweeper.config import bridge_release
+from sweeper.config import bridge_release, megatron_release
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.export import EXECUTABLE, export_files
@@ -37,7 +38,10 @@ from sweeper.export.megatron_lm import LAUNCH_FILE
 from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
-FLAGS = set((ROOT / "tests" / "data" / "megatron_lm_flags.txt").read_text().split())
+# The installed megatron-core release's Megatron-LM flags: the export writes that release's names (issue 45).
+FLAGS_FILE = {"0.16": "megatron_lm_flags.txt", "0.19": "megatron_lm_flags_0.19.txt"}[
+    "{0.major}.{0.minor}".format(megatron_release.installed())]
+FLAGS = set((ROOT / "tests" / "data" / FLAGS_FILE).read_text().split())
 CASES = [
     ("nemotron.yaml", "gpus=8,tp=2,ep=4,sp=true"),
     ("nemotron.yaml", "gpus=16,pp=2,ep=8,recompute=selective"),
@@ -113,7 +117,7 @@ def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_
     assert flags.get("--num-experts") == (str(spec.num_moe_experts) if spec.is_moe else None)
     assert ("--multi-latent-attention" in flags) == spec.multi_latent_attention
     assert flags.get("--hybrid-override-pattern") == spec.hybrid_layer_pattern
-    for item in layout.megatron_args():  # the layout's flags, exactly as best_layout.yaml gives them
+    for item in layout.megatron_args(megatron_release.graph_modules()):  # the layout's flags, exactly as best_layout.yaml gives them
         assert item in argv
     one_connection = "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
     hopper = int(cfg.cluster.compute_capability.partition(".")[0]) < 10
