@@ -40,6 +40,7 @@ from sweeper.estimate.devices import device_for  # noqa: E402
 from sweeper.estimate.step_fit import StepFit, StepSample, fit_step  # noqa: E402
 from sweeper.estimate.step_time import StepTerms, model_flops_per_token  # noqa: E402
 from sweeper.models.catalog import resolve_model  # noqa: E402
+from sweeper.models.spec import ModelSpec  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
 DATA = ROOT / "tests" / "data"
@@ -57,7 +58,21 @@ class Group:
     kind: str
 
 
-def published_groups() -> list[Group]:
+@dataclass
+class PublishedRuns:
+    """One published group: layouts of one model on one cluster, each with its measured step time (seconds)."""
+
+    id: str
+    source: str
+    model: ModelSpec
+    cluster: ClusterConfig
+    seq_length: int
+    runs: list[tuple[Layout, float]]
+
+
+def published_runs() -> list[PublishedRuns]:
+    """Every published group, its layouts that have a step time (MFU or TFLOP/s per GPU turned into one with
+    Megatron's FLOPs formula; a run out of memory has none), however few."""
     out = []
     for path in PUBLISHED:
         if not path.is_file():
@@ -66,8 +81,7 @@ def published_groups() -> list[Group]:
             model, cluster, seq = resolve_model(g["model"]), ClusterConfig(**g["cluster"]), int(g["seq_length"])
             peak = device_for(cluster.gpu_kind, cluster.compute_capability).bf16_tflops * 1e12
             flops = model_flops_per_token(model, seq)
-            estimator = Estimator(model, cluster, seq)
-            points = []
+            runs = []
             for row in g["rows"]:
                 m = row["measured"]
                 layout = Layout.from_dict({"precision": "bf16", "recompute": "none", "distributed_optimizer": True,
@@ -79,11 +93,22 @@ def published_groups() -> list[Group]:
                     step = layout.gbs * seq * flops / (per_gpu * layout.world_size)
                 else:
                     continue  # out of memory: no time
-                terms = estimator(layout).step_terms
-                assert terms is not None
-                points.append((layout.short(), terms, step))
-            if len(points) >= 4:
-                out.append(Group(g["id"], points, 0.0, "published"))
+                runs.append((layout, step))
+            out.append(PublishedRuns(g["id"], g["source"], model, cluster, seq, runs))
+    return out
+
+
+def published_groups() -> list[Group]:
+    out = []
+    for g in published_runs():
+        estimator = Estimator(g.model, g.cluster, g.seq_length)
+        points = []
+        for layout, step in g.runs:
+            terms = estimator(layout).step_terms
+            assert terms is not None
+            points.append((layout.short(), terms, step))
+        if len(points) >= 4:
+            out.append(Group(g.id, points, 0.0, "published"))
     return out
 
 
