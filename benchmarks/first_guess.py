@@ -20,8 +20,8 @@ what the defaults are set from.
 Fitted by default (``--fit``): ``achievable_mfu`` (every compute term: a quarter to nine tenths of each published
 step) and ``comm_efficiency`` (every NCCL term: TP, EP, DP/EDP, pipeline point-to-point). The rest do not move these
 runs or are not seen in them: kernel launches hide behind blocks this large, the runs overlap no DP traffic
-(Megatron-LM's default), no CP, no FP8, no all-to-all overlap; the link latency is seconds' worth of microseconds
-only at its bound (``--fit ...,link_latency_us`` runs there and predicts the held-out families worse).
+(Megatron-LM's default), no CP, no FP8, no all-to-all overlap; the link latency matters only at many times NCCL's
+(``--fit ...,link_latency_us`` runs to its 50 us bound and predicts the held-out families worse).
 
     python benchmarks/first_guess.py [--fit achievable_mfu,comm_efficiency] [--json]
 """
@@ -108,15 +108,17 @@ def fit(groups: Sequence[PublishedRuns], names: Sequence[str], base: EstimatorCo
 
 
 def score(g: PublishedRuns, predicted: Sequence[float]) -> dict[str, Any]:
-    """A group's errors per layout and the pairs (apart by more than the noise) predicted in the measured order."""
-    errors = [abs(p / s - 1) for (_, s), p in zip(g.runs, predicted, strict=True)]
+    """A group's predicted / measured step time and error per layout, and the pairs (apart by more than the noise)
+    predicted in the measured order."""
+    ratios = [p / s for (_, s), p in zip(g.runs, predicted, strict=True)]
+    errors = [abs(r - 1) for r in ratios]
     pairs = ordered = 0
     for (ma, pa), (mb, pb) in itertools.combinations(zip((s for _, s in g.runs), predicted, strict=True), 2):
         if abs(ma / mb - 1) <= NOISE_FLOOR:
             continue
         pairs += 1
         ordered += (pa - pb) * (ma - mb) > 0
-    return {"errors": errors, "pairs": pairs, "ordered": ordered}
+    return {"ratios": ratios, "errors": errors, "pairs": pairs, "ordered": ordered}
 
 
 def leave_one_out(groups: list[PublishedRuns], names: Sequence[str], before: EstimatorConstants,
@@ -135,9 +137,16 @@ def leave_one_out(groups: list[PublishedRuns], names: Sequence[str], before: Est
 
 
 def summary(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """Over all held-out layouts: the median error, the pairs in order, the range of measured / predicted throughput
+    (= predicted / measured step time) and the level's log-normal sigma: the root mean square of each group's median
+    log(predicted / measured), how far a whole sweep's first guess lies off."""
     errors = [e for r in rows for e in r[key]["errors"]]
+    ratios = [x for r in rows for x in r[key]["ratios"]]
+    levels = [statistics.median(math.log(x) for x in r[key]["ratios"]) for r in rows]
     pairs = sum(r[key]["pairs"] for r in rows)
     return {"median_error": statistics.median(errors), "layouts": len(errors),
+            "throughput_measured_over_predicted": (min(ratios), max(ratios)),
+            "level_sigma": math.sqrt(sum(v * v for v in levels) / len(levels)),
             "median_of_group_medians": statistics.median(statistics.median(r[key]["errors"]) for r in rows),
             "worst_group_median": max(statistics.median(r[key]["errors"]) for r in rows),
             "pairs_in_order": sum(r[key]["ordered"] for r in rows) / pairs if pairs else None, "pairs": pairs}
@@ -192,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         pairs = "n/a" if s["pairs_in_order"] is None else f"{100 * s['pairs_in_order']:.1f}% of {s['pairs']}"
         print(f"{key:6}: median error over {s['layouts']} held-out layouts {100 * s['median_error']:.1f}% (median "
               f"of group medians {100 * s['median_of_group_medians']:.1f}%, worst group "
-              f"{100 * s['worst_group_median']:.1f}%); pairs in measured order {pairs}")
+              f"{100 * s['worst_group_median']:.1f}%); pairs in measured order {pairs}\n"
+              f"        measured / predicted throughput {s['throughput_measured_over_predicted'][0]:.2f}-"
+              f"{s['throughput_measured_over_predicted'][1]:.2f}; level (each group's median log(predicted / "
+              f"measured)) sigma {s['level_sigma']:.3f}")
     print(f"fitted on all families: {consts(result['fitted_on_all'])} (median error in sample "
           f"{100 * result['in_sample_median_error']:.1f}%)")
     return 0
