@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from operator import attrgetter
 from typing import Any, Concatenate, ParamSpec
 
-from sweeper.config.estimator import EstimatorConstants
+from sweeper.config.estimator import CPU_RANK_EFFICIENCIES, EstimatorConstants
 from sweeper.config.run_settings import RunSettings
 from sweeper.config.schema import ClusterConfig, SweepConfig, memory_limit_gib
 from sweeper.config.units import GIB
@@ -350,9 +350,12 @@ class Estimator:
     ) -> None:
         """``host_cores``: the layouts run as CPU processes on one host of that many cores (the CPU backend on a
         simulated cluster), whose ranks share them: every step-time term of a layout with more ranks than cores is
-        that many times longer. ``kept``: an estimator of the same space whose memos this one shares
-        (``recalibrated``)."""
+        that many times longer, and priced with ``CPU_RANK_EFFICIENCIES`` where ``constants`` leaves them unset.
+        ``kept``: an estimator of the same space whose memos this one shares (``recalibrated``)."""
         self.host_cores, self.headroom = host_cores, headroom
+        if host_cores:
+            constants = constants.model_copy(update={k: v for k, v in CPU_RANK_EFFICIENCIES.items()
+                                                     if k not in constants.model_fields_set})
         self.model, self.cluster, self.seq_length = model, cluster, seq_length
         self.constants, self.calibration, self.run = constants, calibration, run
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
