@@ -93,13 +93,13 @@ class EstimatorConstants(BaseModel):
     the two fitted on the others lies 9.2% off its measured step time at the median before any trial (42.6% with
     the 0.40 assumed before), 97.8% of its pairs of layouts in the measured order (97.4% before). The CPU backend's
     ranks keep 0.40 (CPU_RANK_EFFICIENCIES)."""
-    throughput_low: float = Field(0.8, gt=0)
+    throughput_low: float = Field(0.65, gt=0)
     """How far a measured throughput may lie from an uncalibrated prediction, as measured / predicted: the band
-    of the decision section's projections when no trial measured the real device (a CPU sweep). The step-time
-    model ranks layouts (benchmarks/step_time_ranking.py: 7 of 7 measured pairs in order) but prices them low:
-    over the 8 published MoE runs there (H100, BF16) the measured throughput was 1.27-1.68 x the predicted. The
-    low end allows for what it has not been checked on (dense models, other devices, FP8)."""
-    throughput_high: float = Field(1.7, gt=0)
+    of the decision section's projections when no trial measured the real device (a CPU sweep). Set from
+    benchmarks/first_guess.py: over the 63 published runs (H100 MoE, A100 GPT; BF16), each source's model predicted
+    with the step-time defaults fitted on the others, the measured throughput was 0.68-1.63 x the predicted (with
+    the defaults fitted on all of them 0.77-1.60), rounded out. Not checked on other devices or on FP8."""
+    throughput_high: float = Field(1.65, gt=0)
     """The band's high end, as measured / predicted (see throughput_low)."""
     achievable_mfu_fp8: float = Field(0.30, gt=0, le=1)
     """Fraction of the FP8 peak reached by FP8 GEMMs (lower than BF16's: casts and amax bookkeeping)."""

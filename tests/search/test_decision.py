@@ -103,7 +103,7 @@ def test_a_cpu_sweep_projects_from_the_prediction_with_its_band(tmp_path: Path) 
     predicted = estimate(cfg.model, winner.layout, cfg.cluster, cfg.training.seq_length, cfg.estimate,  # type: ignore[union-attr]
                          run=cfg.run).tokens_per_s
     assert rate["basis"] == "predicted" and rate["median"] == pytest.approx(predicted)
-    assert (rate["low"], rate["high"]) == pytest.approx((0.8 * predicted, 1.7 * predicted))
+    assert (rate["low"], rate["high"]) == pytest.approx((0.65 * predicted, 1.65 * predicted))
     proj = block["layouts"][0]["projection"]
     assert proj["gpus"] == 4 and proj["copies"] == 1 and "cost_usd" not in proj
     assert "Predicted throughput" in decision_section(SweepMeta(decision=block))
