@@ -13,7 +13,9 @@ ones for a landscape) is fitted as a sweep would (``estimate.step_fit``), and th
     noise are left out: nothing can order them)
   - against one factor: the same with the level alone (the calibration sweeper had before, one median ratio), and
     the distribution of (term-by-term error - one-factor error) per held-out layout
-No group's layouts enter any fit but the draw's own: the estimator's constants are its defaults.
+No group's layouts enter any fit but the draw's own: the estimator's constants are its defaults. Those defaults'
+achievable_mfu and comm_efficiency are fitted on the published groups (benchmarks/first_guess.py, issue 46), so the
+published groups' "uncalibrated" column is in sample; first_guess.py gives it held out.
 
     python benchmarks/step_time_calibration.py [--given 3] [--draws 40]
 """
