@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _TINY = PRESETS["tiny-gpt"].model_dump()
 _MOE = PRESETS["tiny-moe"].model_dump()
 _MLA = dict(
-    _MOE, num_layers=5, multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+    _MOE, num_layers=5, num_query_groups=None, multi_latent_attention=True, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
     v_head_dim=16, qk_layernorm=True, moe_shared_expert_intermediate_size=128, moe_first_k_dense=1,
 )
 
