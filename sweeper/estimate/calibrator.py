@@ -42,11 +42,15 @@ def cache_path() -> Path:
 
 
 def cluster_key(cfg: SweepConfig, host_cores: int | None = None) -> str:
-    """The cluster part of a calibration key: its size and GPU kind, or the host's CPU for a simulated one."""
+    """The cluster part of a calibration key: its size and GPU kind, or the host's CPU for a simulated one, and the
+    estimator's constants (a digest): the factors are corrections to the predictions those constants make, so a
+    calibration learnt under other constants (the YAML's ``estimate:``, or the defaults before they were fitted on
+    published runs, issue 46) would price this sweep's layouts that much off."""
     c = cfg.cluster
+    constants = hashlib.sha256(cfg.estimate.model_dump_json().encode()).hexdigest()[:8]
     if host_cores:
-        return f"cpu-{host_cores}cores-{c.nodes}x{c.gpus_per_node}"
-    return f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}"
+        return f"cpu-{host_cores}cores-{c.nodes}x{c.gpus_per_node}-est{constants}"
+    return f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}-est{constants}"
 
 
 def model_key(cfg: SweepConfig) -> str:

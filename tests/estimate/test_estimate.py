@@ -852,19 +852,21 @@ def test_estimator_memos_are_keyed_by_every_field_they_read() -> None:
 
 def test_a_stored_calibration_is_keyed_by_what_moves_the_measurements(tmp_path):
     """Issue 43: a calibration learnt at another sequence length, with other run settings, attention backend or
-    Megatron release does not price this sweep's layouts."""
+    Megatron release does not price this sweep's layouts; issue 46: nor one learnt under other estimator constants
+    (the factors correct those constants' predictions), which is in the cluster's part of the key too."""
     from sweeper.config.load import load_config
     from sweeper.estimate.calibrator import key
 
     base = (Path(__file__).resolve().parents[2] / "search_spaces" / "quickstart.yaml").read_text()
     keys = []
     for text in (base, base.replace("seq_length: 64", "seq_length: 128"), base + "run: {overlap_grad_reduce: true}\n",
-                 base + "estimate: {attention_backend: local}\n"):
+                 base + "estimate: {attention_backend: local}\n", base + "estimate: {achievable_mfu: 0.4}\n"):
         path = tmp_path / f"s{len(keys)}.yaml"
         path.write_text(text)
         keys.append(key(load_config(path)))
-    assert len(set(keys)) == 4, keys
+    assert len(set(keys)) == 5, keys
     assert all("mcore" in k and "@seq" in k for k in keys)
+    assert keys[4].split("/")[0] != keys[0].split("/")[0]  # the cluster's shared calibration follows the constants
 
 
 def test_concurrent_saves_of_the_calibration_cache_lose_no_key(tmp_path):
