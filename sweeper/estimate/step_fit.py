@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -82,9 +82,52 @@ class StepFit:
     error_level: float | None = None  # the same with the level only (what one factor would give)
     error_after: float | None = None  # with the fitted terms
     noise: float = NOISE  # the measurement spread the fit assumed (log units): NOISE, or the repeats' own
+    spread: Spread | None = field(default=None, compare=False)  # how well the samples pin the factors (None: none)
 
     def factor(self, term: str) -> float:
         return term_factor(term, self.factors, self.level)
+
+    def log_sd(self, terms: StepTerms) -> float:
+        """The standard deviation of the fitted log step time of a layout with these (uncalibrated) terms: what the
+        samples leave unknown of its factors (``Spread``); 0.0 without a fit."""
+        return 0.0 if self.spread is None else self.spread.log_sd(terms)
+
+
+@dataclass(frozen=True, eq=False)
+class Spread:
+    """The fit's uncertainty, linearised at its optimum (a Laplace approximation of the module docstring's model).
+
+    Every term, freed or not, has its theta with the prior N(0, PRIOR^2); the level has none. The posterior
+    precision of (level, theta) is ``J^T J / s^2 + diag(0, 1/PRIOR^2, ...)`` with J the log step time's Jacobian
+    over the samples and s^2 the larger of the assumed noise and the residuals' own variance (a fit that cannot
+    explain its samples is less sure of what it predicts, not more). A layout's log step time then has the variance
+    ``g^T C g``, g its own Jacobian row (each term's share of its step, 1 for the level), C the posterior
+    covariance; a term that no sample has keeps its whole prior: its share squared times PRIOR^2."""
+
+    names: tuple[str, ...]
+    log_level: float
+    theta: tuple[float, ...]
+    covariance: np.ndarray  # over (level, theta of each name)
+
+    def log_sd(self, terms: StepTerms) -> float:
+        unseen = [t for t in terms.names() if t not in self.names]
+        names = [*self.names, *unseen]
+        problem = _Problem([StepSample(terms, 1.0)], names)
+        _, jac = problem.predict(self.log_level, np.concatenate([self.theta, np.zeros(len(unseen))]))
+        known, new = jac[0, : 1 + len(self.names)], jac[0, 1 + len(self.names):]
+        return math.sqrt(max(0.0, float(known @ self.covariance @ known)) + PRIOR ** 2 * float(new @ new))
+
+
+def _spread(problem: _Problem, level: float, theta: np.ndarray, noise: float, free: int) -> Spread:
+    """``Spread`` at the fit's optimum (``free``: the thetas it freed, which the residuals' degrees of freedom
+    lose)."""
+    log_pred, jac = problem.predict(level, theta)
+    residual = log_pred - problem.log_measured
+    dof = len(residual) - 1 - free
+    variance = max(noise ** 2, float(residual @ residual) / dof if dof > 0 else 0.0)
+    precision = jac.T @ jac / variance
+    precision[1:, 1:] += np.eye(len(theta)) / PRIOR ** 2
+    return Spread(tuple(problem.names), level, tuple(float(t) for t in theta), np.linalg.pinv(precision))
 
 
 class _Problem:
@@ -256,6 +299,7 @@ def fit_step(samples: Sequence[StepSample], noise: float = NOISE) -> StepFit:
         error_before=_median_error(raw_log, problem.log_measured),
         error_level=_median_error(raw_log + level0, problem.log_measured),
         error_after=_median_error(problem.predict(level, theta)[0], problem.log_measured), noise=noise,
+        spread=_spread(problem, level, theta, noise, len(free)),
     )
 
 
@@ -313,6 +357,13 @@ class StepModel:
     def raw_seconds(self, sample: StepSample) -> float:
         """A sample's uncalibrated step time (the stored shape taken out again)."""
         return sample.terms.weighted(lambda t: 1.0 / self._base(t)).seconds()
+
+    def log_sd(self, layout: Layout) -> float:
+        """The standard deviation of the layout's predicted log step time: what the measured trials leave unknown
+        of its terms' factors (``Spread``); 0.0 before a trial is measured."""
+        if not self.samples:
+            return 0.0
+        return self.fit.log_sd(self.terms(layout).weighted(self._base))
 
     def calibrated_seconds(self, sample: StepSample) -> float:
         return sample.terms.seconds(self.fit.factor)

@@ -88,6 +88,20 @@ def test_no_more_free_factors_than_trials_support() -> None:
         assert len(fit_step(samples[:: len(samples) // n][:n]).factors or {}) <= n - 1
 
 
+def test_the_fit_knows_what_its_samples_leave_unknown() -> None:
+    """Issue 46: a layout's predicted log step time has the spread the fit leaves (``step_fit.Spread``): within the
+    noise for a layout like the measured ones, several times it for one whose pipeline terms no sample has (each
+    with its whole prior), and smaller once samples have those terms."""
+    samples = _synthetic({TP: 3.0}, 1.7)
+    flat = [s for s, lo in zip(samples, LAYOUTS, strict=True) if lo.pp == 1 and lo.tp == 1]
+    piped = next(s for s, lo in zip(samples, LAYOUTS, strict=True) if lo.pp == 4 and lo.tp == 4)
+    fit = fit_step(flat[:2])
+    seen, unseen = fit.log_sd(flat[2].terms), fit.log_sd(piped.terms)
+    assert 0 < seen < NOISE and unseen > 4 * NOISE
+    assert fit_step(samples).log_sd(piped.terms) < seen
+    assert fit_step([]).log_sd(piped.terms) == 0.0  # no fit, no spread: the refit does not propose yet
+
+
 def test_the_fits_noise_is_the_spread_of_a_layouts_repeats_once_there_are_enough() -> None:
     """Issue 46: the noise the fit assumes (what a term must explain before it is freed) is measured between runs
     of the same layout, not a constant, once the repeats give two degrees of freedom."""
