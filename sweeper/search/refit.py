@@ -12,6 +12,9 @@ more trials on all three.
 
 from __future__ import annotations
 
+import math
+from typing import Literal
+
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.step_fit import StepModel
 from sweeper.search.objective import production_layout
@@ -19,6 +22,10 @@ from sweeper.space.layout import Layout
 
 # Measured trials before the model proposes: one fixes its level only, two let it free a term.
 FIRST_TURN = 2
+# How the model chooses: "greedy", its best predicted untried layout; "ei", the largest expected improvement over
+# the best measured layout given what the fit leaves unknown (``expected_improvement``).
+Acquisition = Literal["greedy", "ei"]
+ACQUISITION: Acquisition = "greedy"
 
 
 def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> float:
@@ -32,8 +39,31 @@ def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> f
     return rate / production.world_size if cfg.search.objective == "tflops_per_gpu" else rate
 
 
-def turn(model: StepModel, cfg: SweepConfig, untried: list[Layout]) -> Layout | None:
+def expected_improvement(model: StepModel, layout: Layout, cfg: SweepConfig, incumbent: float) -> float:
+    """The expected gain in log objective over ``incumbent`` (the best measured layout's, as the model predicts it)
+    if ``layout`` ran: its log objective is normal, the model's prediction as mean and the fit's standard deviation
+    of the production layout's log step time (``StepModel.log_sd``) as spread; ``s (z Phi(z) + phi(z))`` with
+    ``z = (mean - incumbent) / s``. A layout the model knows well is worth its predicted gain; one it knows little
+    about is worth a chance of a large one."""
+    production = production_layout(cfg, layout)
+    objective = predicted_objective(model, layout, cfg)
+    if production is None or objective <= 0:
+        return 0.0
+    gain = math.log(objective) - incumbent
+    sd = model.log_sd(production)
+    if sd <= 0:
+        return max(0.0, gain)
+    z = gain / sd
+    return sd * (z * 0.5 * (1 + math.erf(z / math.sqrt(2))) + math.exp(-z * z / 2) / math.sqrt(2 * math.pi))
+
+
+def turn(model: StepModel, cfg: SweepConfig, untried: list[Layout],
+         acquisition: Acquisition = ACQUISITION) -> Layout | None:
     """The refit model's proposal among ``untried`` launchable layouts, or None while it has too few samples."""
     if len(model.samples) < FIRST_TURN or not untried:
         return None
-    return max(untried, key=lambda lo: predicted_objective(model, lo, cfg))
+    if acquisition == "greedy":
+        return max(untried, key=lambda lo: predicted_objective(model, lo, cfg))
+    measured = [predicted_objective(model, lo, cfg) for lo in set(model.layouts)]
+    incumbent = math.log(max(measured)) if max(measured) > 0 else -math.inf
+    return max(untried, key=lambda lo: expected_improvement(model, lo, cfg, incumbent))
