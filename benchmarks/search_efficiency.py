@@ -53,7 +53,7 @@ from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
 from sweeper.search.dominance import Dominance  # noqa: E402
 from sweeper.search.loop import prior_proposals  # noqa: E402
-from sweeper.search.refit import turn  # noqa: E402
+from sweeper.search.refit import ACQUISITION, Acquisition, turn  # noqa: E402
 from sweeper.search.selection import is_stable  # noqa: E402
 from sweeper.search.study import LayoutStudy  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
@@ -129,9 +129,10 @@ class Outcome:
 
 
 def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode: str,
-              host_cores: int | None = None) -> Outcome:
+              host_cores: int | None = None, acquisition: Acquisition = ACQUISITION) -> Outcome:
     """sweeper's LayoutStudy proposing among the launchable layouts (in enumeration order), as a sweep does.
-    ``tpe+refit``: TPE with the sweep's refit step-time model (``search.refit``) choosing its turns."""
+    ``tpe+refit``: TPE with the sweep's refit step-time model (``search.refit``) choosing its turns by
+    ``acquisition``."""
     rng = random.Random(seed)
     refit = None
     if mode == "tpe+refit":
@@ -165,7 +166,7 @@ def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode:
             if refit is not None:
                 if land.trials and passed and result.metrics.step_time_s:
                     refit.add(layout, result.metrics.step_time_s)
-                choice = turn(refit, cfg, [lo for lo in land.samples if not taken(lo)])
+                choice = turn(refit, cfg, [lo for lo in land.samples if not taken(lo)], acquisition)
                 if choice is not None:
                     study.enqueue(choice)
             if land.value(layout) >= target:
