@@ -12,7 +12,8 @@ Landscapes:
              rehearsal's RUN_SIGMA noise, and a trial is told one of those. The sweep opens with the estimator's two
              favourites, as on GPUs. Replay s of a rehearsed landscape draws truth s: the comparison is over the
              estimator's errors as well as the samplers' seeds.
-Target: the best layout's value less max(3%, the measured noise) (rehearsed: the truth's best less 3%). Prints, per
+Layouts are judged by the sweep's objective (the production run's throughput, ``search.objective``). Target: the
+best layout's value less max(3%, the measured noise) (rehearsed: the truth's best less 3%). Prints, per
 landscape and strategy, the median and p90 over seeds of trials launched until one reached the target, and the
 ei / greedy ratio of the medians.
 
@@ -46,6 +47,7 @@ from sweeper.config.schema import SweepConfig  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
+from sweeper.search.objective import objective_value  # noqa: E402
 from sweeper.trial.rehearsal import RUN_SIGMA, Faults, RehearsalHost  # noqa: E402
 
 MEASURED = ["tests/data/landscape_quickstart.json", "tests/data/landscape_dense.json",
@@ -81,7 +83,10 @@ def rehearsed_landscape(cfg: SweepConfig, seed: int) -> Landscape:
                 tokens_per_s=truth.tokens_per_s * truth.step_time_s / step, step_time_s=step,
                 peak_memory_gib=truth.peak_memory_gib)))
         # Over the memory limit but not the GPU: it runs, and is not stable (search.selection.is_stable).
-        samples[entry.layout] = [truth.tokens_per_s] if truth.peak_memory_gib <= cfg.memory_limit_gib else []
+        noiseless = TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=truth.tokens_per_s,
+                                                                      step_time_s=truth.step_time_s))
+        stable = truth.peak_memory_gib <= cfg.memory_limit_gib
+        samples[entry.layout] = [objective_value(noiseless, cfg, entry.layout)] if stable else []
         trials[entry.layout] = runs
     return Landscape(samples, f"rehearsed truth, seed {seed}", trials, RUN_SIGMA)
 

@@ -8,7 +8,10 @@ Landscape, one of:
                     the quickstart again on a CPU with AVX512-BF16). Each replayed trial is told one of its
                     layout's measured repeats (drawn with the seed), a layout that failed is told infeasible, and
                     the target is the best layout's median less max(3%, the measured noise).
-  SPACE             STAND-IN: the estimator's predicted tokens/s plays the measured throughput of every layout.
+  SPACE             STAND-IN: the estimator's predicted objective plays the measured one of every layout.
+Layouts are judged, and Optuna told, by the sweep's objective (``search.objective``: the production run's
+throughput, a layout of W GPUs counted as its N // W copies), as the sweep itself ranks them; a landscape's best is
+the best by that objective.
 As in a sweep, the study proposes only launchable layouts, each at most once, never one a measured trial dominates
 (``search.dominance``: a larger micro-batch of a layout that ran out of memory, a recompute variant of a layout
 that ran stable without recompute), and TPE starts from the estimator's two fastest predicted layouts on GPUs (the
@@ -53,6 +56,7 @@ from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
 from sweeper.search.dominance import Dominance  # noqa: E402
 from sweeper.search.loop import prior_proposals  # noqa: E402
+from sweeper.search.objective import objective_name, objective_value, predicted_objective  # noqa: E402
 from sweeper.search.refit import ACQUISITION, Acquisition, turn  # noqa: E402
 from sweeper.search.selection import is_stable  # noqa: E402
 from sweeper.search.study import LayoutStudy  # noqa: E402
@@ -61,7 +65,7 @@ from sweeper.space.layout import Layout  # noqa: E402
 
 @dataclass
 class Landscape:
-    samples: dict[Layout, list[float]]  # per launchable layout: its measured tokens/s (empty: it failed)
+    samples: dict[Layout, list[float]]  # per launchable layout: its measured objective values (empty: it failed)
     kind: str
     trials: dict[Layout, list[TrialResult]] = field(default_factory=dict)  # each measured repeat (measured only)
     noise: float = 0.0  # median coefficient of variation over repeats (measured landscapes)
@@ -79,8 +83,9 @@ class Landscape:
 def estimator_landscape(cfg: SweepConfig) -> Landscape:
     samples = {}
     for entry in assess_all(cfg, enumerate_layouts(cfg)):
-        if entry.launchable and entry.predicted and entry.predicted.tokens_per_s:
-            samples[entry.layout] = [entry.predicted.tokens_per_s]
+        value = predicted_objective(cfg, entry.layout, entry.predicted) if entry.launchable else None
+        if value:
+            samples[entry.layout] = [value]
     return Landscape(samples, "stand-in: estimator predictions")
 
 
@@ -98,11 +103,11 @@ def measured_landscape(table: dict, cfg: SweepConfig) -> Landscape:
         layout = replace(measured, gbs=cfg.trial_global_batch(measured.world_size))
         if layout not in valid:
             continue
-        passed = [t["tokens_per_s"] for t in entry["trials"] if t["status"] == "passed" and t["tokens_per_s"]]
-        samples[layout] = passed if len(passed) == len(entry["trials"]) else []
         trials[layout] = [TrialResult(status=t["status"], failure_kind=t["failure_kind"], metrics=TrialMetrics(
             tokens_per_s=t["tokens_per_s"], peak_memory_gib=t["peak_memory_gib"], step_time_s=t["step_time_s"]))
             for t in entry["trials"]]
+        passed = [objective_value(t, cfg, layout) for t in trials[layout] if t.passed and t.metrics.tokens_per_s]
+        samples[layout] = passed if len(passed) == len(entry["trials"]) else []
     machine = table["machine"]
     spreads = [statistics.pstdev(v) / statistics.mean(v) for v in samples.values() if len(v) > 1]
     repeats = max(len(e["trials"]) for e in table["layouts"].values())
@@ -116,7 +121,7 @@ def prior(cfg: SweepConfig, land: Landscape) -> list[Layout]:
     if not count:
         return []
     predicted = {entry.layout: entry.predicted for entry in assess_all(cfg, list(land.samples))}
-    ranked = sorted(land.samples, key=lambda lo: -((predicted[lo].tokens_per_s or 0.0) if predicted[lo] else 0.0))
+    ranked = sorted(land.samples, key=lambda lo: -(predicted_objective(cfg, lo, predicted[lo]) or 0.0))
     return ranked[:count]
 
 
@@ -158,7 +163,7 @@ def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode:
                 result = rng.choice(land.trials[layout])
                 passed = is_stable(result, cfg) and bool(land.samples[layout])
                 dominance.add(len(seen), layout, result, passed)
-                value = result.metrics.tokens_per_s or 0.0
+                value = objective_value(result, cfg, layout)
             else:
                 passed, value = True, land.samples[layout][0]
             study.tell(proposal.trial, value if passed else 0.0, infeasible=not passed)
@@ -200,8 +205,8 @@ def main() -> None:
     n = len(land.samples)
     failed = sum(1 for v in land.samples.values() if not v)
     print(f"{source}: {n} launchable layouts ({failed} failed when measured), landscape {land.kind}; best "
-          f"{best:,.0f} tokens/s, target {target:,.0f} (within {100 * tolerance:.1f}%: max(3%, measured noise "
-          f"{100 * land.noise:.1f}%)) ({time.perf_counter() - t0:.1f} s to build)")
+          f"{best:,.0f} ({objective_name(cfg)}), target {target:,.0f} (within {100 * tolerance:.1f}%: max(3%, "
+          f"measured noise {100 * land.noise:.1f}%)) ({time.perf_counter() - t0:.1f} s to build)")
 
     grid = run_study(cfg, land, target, 0, "ordered")
     cores = table["machine"]["cores"] if args.landscape else None
