@@ -64,6 +64,7 @@ def turn(model: StepModel, cfg: SweepConfig, untried: list[Layout],
         return None
     if acquisition == "greedy":
         return max(untried, key=lambda lo: predicted_objective(model, lo, cfg))
-    measured = [predicted_objective(model, lo, cfg) for lo in set(model.layouts)]
-    incumbent = math.log(max(measured)) if max(measured) > 0 else -math.inf
-    return max(untried, key=lambda lo: expected_improvement(model, lo, cfg, incumbent))
+    measured = max(predicted_objective(model, lo, cfg) for lo in set(model.layouts))
+    if measured <= 0:  # no measured layout has a production run to improve on: the best prediction is the gain
+        return max(untried, key=lambda lo: predicted_objective(model, lo, cfg))
+    return max(untried, key=lambda lo: expected_improvement(model, lo, cfg, math.log(measured)))
