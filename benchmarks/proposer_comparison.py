@@ -119,8 +119,11 @@ def compare(name: str, cfg: SweepConfig, landscape: Callable[[int], Landscape], 
           f"{100 * max(0.03, land.noise):.1f}% ({time.perf_counter() - t0:.0f} s)")
     for k, v in counts.items():
         print(f"  {k:6s} median {statistics.median(v):5.1f}  p90 {p90(v):5.1f}  per seed {v}")
+    pairs = list(zip(counts["ei"], counts["greedy"], strict=True))
+    row["ei_vs_greedy"] = [sum(e < g for e, g in pairs), sum(e == g for e, g in pairs), sum(e > g for e, g in pairs)]
     print(f"  ei / greedy: median {row['ei']['median'] / row['greedy']['median']:.2f}, "
-          f"p90 {row['ei']['p90'] / row['greedy']['p90']:.2f}", flush=True)
+          f"p90 {row['ei']['p90'] / row['greedy']['p90']:.2f}; seeds where ei took fewer / as many / more trials: "
+          f"{'/'.join(map(str, row['ei_vs_greedy']))}", flush=True)
     return row
 
 
@@ -147,11 +150,11 @@ def main() -> None:
             rows.append(compare(f"{label} rehearsed", cfg, functools.partial(rehearsed_landscape, cfg), args.seeds,
                                 None))
     print("\n| landscape | layouts | TPE median / p90 | greedy refit median / p90 | EI refit median / p90 | "
-          "EI / greedy (median) |\n|---|---|---|---|---|---|")
+          "EI / greedy (median) | seeds EI fewer / same / more |\n|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['landscape']} | {r['layouts']} | {r['tpe']['median']:g} / {r['tpe']['p90']:g} | "
               f"{r['greedy']['median']:g} / {r['greedy']['p90']:g} | {r['ei']['median']:g} / {r['ei']['p90']:g} | "
-              f"{r['ei']['median'] / r['greedy']['median']:.2f} |")
+              f"{r['ei']['median'] / r['greedy']['median']:.2f} | {' / '.join(map(str, r['ei_vs_greedy']))} |")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
 
