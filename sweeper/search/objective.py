@@ -88,11 +88,18 @@ def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: 
 def predicted_objective(cfg: SweepConfig, layout: Layout, predicted: Estimate | None) -> float | None:
     """The estimator's objective for ``layout`` on the production run (None without a prediction): what ``plan``
     shows and the frontier orders its launchable layouts by."""
-    if predicted is None or not predicted.tokens_per_s:
+    if predicted is None or not predicted.tokens_per_s or not predicted.step_time_s:
         return None
+    return projected(cfg, layout, predicted.tokens_per_s, predicted.step_time_s)
+
+
+def projected(cfg: SweepConfig, layout: Layout, tokens_per_s: float, step_time_s: float) -> float:
+    """The objective of a trial of ``layout`` predicted to run at ``tokens_per_s`` and ``step_time_s``, projected to
+    the production run as a measured one is (``objective_value``): the estimator's prediction, or the refit model's
+    (``search.refit``)."""
     per_gpu = cfg.search.objective == "tflops_per_gpu"  # in proportion: a space's FLOPs per token are one number
-    rate = predicted.tokens_per_s / layout.world_size if per_gpu else predicted.tokens_per_s
-    return production_rate(cfg, layout, rate, predicted.step_time_s, per_gpu=per_gpu)
+    rate = tokens_per_s / layout.world_size if per_gpu else tokens_per_s
+    return production_rate(cfg, layout, rate, step_time_s, per_gpu=per_gpu)
 
 
 def objective_value(result: TrialResult, cfg: SweepConfig, layout: Layout) -> float:
@@ -108,4 +115,4 @@ def objective_name(cfg: SweepConfig) -> str:
 
 
 __all__ = ["copies", "extra_step_s", "objective_name", "objective_value", "predicted_objective", "production_gpus",
-           "production_layout", "production_rate"]
+           "production_layout", "production_rate", "projected"]
