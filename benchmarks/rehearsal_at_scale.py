@@ -42,7 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sweeper-rehearsal-"))
     out = work / "sweep"
-    cmd = [sys.executable, "-m", "sweeper", "search", str(args.space), "--rehearse", "--rehearse-faults", args.faults,
+    cmd = [sys.executable, "-m", "sweeper", "search", str(args.space.resolve()), "--rehearse", "--rehearse-faults", args.faults,
            "--out", str(out), "-q"] + (["--max-trials", str(args.max_trials)] if args.max_trials else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SWEEPER_CACHE": str(work / "cache")}
     started = time.monotonic()
@@ -77,7 +77,7 @@ def main() -> None:
     render_s = time.monotonic() - started
     figures = {
         "command": "python " + " ".join([Path(sys.argv[0]).as_posix(), *sys.argv[1:]]),
-        "space": str(args.space.relative_to(ROOT)) if args.space.is_relative_to(ROOT) else str(args.space),
+        "space": str(args.space.relative_to(ROOT)) if args.space.is_relative_to(ROOT) else str(args.space.resolve()),
         "machine": {"cores": os.cpu_count(), "python": sys.version.split()[0]},
         "driver_wall_s": samples[-1][0] if samples else None, "trials_ended": ended,
         "first_quarter": window(0, quarter), "last_quarter": window(ended - quarter, ended),
