@@ -148,24 +148,25 @@ class TrialHost:
         with self._lock:
             if self.handle.simulated is not None:
                 return self._choose(layout) is not None
-            self._alive()  # the node table read again when due (a change)
+            alive = self._alive()  # the node table read again when due (a change)
             changes, answers = self._fits
             if changes != self._changes:
                 answers = {}
                 self._fits = (self._changes, answers)
             shape = (layout.world_size, keep_together(layout, self.cfg.cluster.gpus_per_node))
             if shape not in answers:
-                answers[shape] = self._choose(layout) is not None
+                answers[shape] = self._choose(layout, alive=alive) is not None
             return answers[shape]
 
-    def _choose(self, layout: Layout, alone: bool = False) -> Reservation | None:
-        """The nodes ``reserve`` would take now (the caller holds the lock)."""
+    def _choose(self, layout: Layout, alone: bool = False,
+                alive: dict[str, tuple[str, int]] | None = None) -> Reservation | None:
+        """The nodes ``reserve`` would take now (the caller holds the lock; ``alive``: the nodes it just read)."""
         try:
             plan = plan_placement(layout.world_size, self.cfg.cluster.gpus_per_node,
                                   keep_together=keep_together(layout, self.cfg.cluster.gpus_per_node))
         except PlacementError:
             return None
-        alive = self._alive()
+        alive = self._alive() if alive is None else alive
         if self.pool is not None:
             self.pool.keep_nodes(set(alive))
         free = {nid: gpus - self._used.get(nid, 0) - self._others.get(nid, 0) for nid, (_, gpus) in alive.items()
