@@ -42,8 +42,8 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sweeper-rehearsal-"))
     out = work / "sweep"
-    cmd = [sys.executable, "-m", "sweeper", "search", str(args.space.resolve()), "--rehearse", "--rehearse-faults", args.faults,
-           "--out", str(out), "-q"] + (["--max-trials", str(args.max_trials)] if args.max_trials else [])
+    cmd = [sys.executable, "-m", "sweeper", "search", str(args.space.resolve()), "--rehearse", "--rehearse-faults",
+           args.faults, "--out", str(out), "-q"] + (["--max-trials", str(args.max_trials)] if args.max_trials else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SWEEPER_CACHE": str(work / "cache")}
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
