@@ -7,10 +7,10 @@ the study ahead of TPE's next draw; the trials before it are TPE's opening (on G
 Each layout the model got wrong is measured and corrects it, so the walk down its ranking re-ranks as it goes.
 ``benchmarks/search_efficiency.py`` measures this (``tpe+refit``) against TPE alone and random on the recorded
 landscapes; giving TPE every third or fourth proposal instead, or the model's first turn after three trials, took
-more trials on all three. Choosing by expected improvement with the fit's uncertainty instead (``"ei"``) took as many
-or more trials in the median (20 seeds each: 11 vs 10, 7 vs 6.5, 10.5 vs 10 on the measured landscapes; 7.5 vs 6 and
-6 vs 6 on rehearsed Nemotron and DeepSeek-V3 ones; ``benchmarks/proposer_comparison.py``, docs/benchmarks.md): the
-turn stays greedy.
+more trials on all three. Choosing by expected improvement with the fit's uncertainty instead (``"ei"``) tied with
+greedy (20 seeds each, the same median on all five landscapes: 5, 6, 5 on the measured ones, 2 and 2 on rehearsed
+Nemotron and DeepSeek-V3 ones; EI fewer trials on 20 seeds of 100, more on 8; ``benchmarks/proposer_comparison.py``,
+docs/benchmarks.md): the turn stays greedy.
 """
 
 from __future__ import annotations
