@@ -16,9 +16,9 @@ def installed() -> Version:
     return Version(version("megatron-core"))
 
 
-# From 0.19 (checked on 0.19.2) a layer's graphed parts are cuda_graph_modules, full-iteration graphs
-# cuda_graph_impl="full_iteration"; cuda_graph_scope is deprecated (migrated with a warning).
-GRAPH_MODULES_FROM = Version("0.19")
+# From 0.18 (checked on 0.18.2 and 0.19.2; 0.17 not checked) a layer's graphed parts are cuda_graph_modules,
+# full-iteration graphs cuda_graph_impl="full_iteration"; cuda_graph_scope is deprecated (migrated with a warning).
+GRAPH_MODULES_FROM = Version("0.18")
 
 
 def graph_modules() -> bool:

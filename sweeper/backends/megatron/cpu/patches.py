@@ -26,7 +26,7 @@ from packaging.specifiers import SpecifierSet
 
 # The megatron-core releases the CPU stand-ins run on (pyproject's range), and those every row was checked against.
 SUPPORTED = ">=0.16.1,<0.20"
-CHECKED = ("0.16.1", "0.19.2")
+CHECKED = ("0.16.1", "0.18.2", "0.19.2")
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,14 @@ PATCHES: tuple[Patch, ...] = (
                  "sync_model_each_microbatch=False, keep_fp8_transpose_cache=False, nccl_ub=False, "
                  "fsdp_double_buffer=False, disable_symmetric_registration=False, "
                  "enable_fine_grained_param_gather_hook=False)",
+        "==0.18.*": "(self, module, dist_index, ddp_config=None, mixed_precision_policy=MixedPrecisionPolicy("
+                    "main_params_dtype=torch.float32, main_grads_dtype=None, grad_comm_dtype=None), "
+                    "fsdp_unit_modules=None, disable_bucketing=False, device=None, calculate_per_token_loss=False, "
+                    "init_model_with_meta_device=False, sync_model_each_microbatch=False, "
+                    "keep_fp8_transpose_cache=False, nccl_ub=False, fsdp_double_buffer=False, "
+                    "fsdp_db_use_persist_buf_on_alloc_fail=False, disable_symmetric_registration=False, "
+                    "enable_fine_grained_param_gather_hook=False, "
+                    "enable_fine_grained_param_gather_backward_hook=False, report_nan_in_param_grad=False)",
         ">=0.19": "(self, module, dist_index, ddp_config=None, mixed_precision_policy=MixedPrecisionPolicy("
                   "main_params_dtype=torch.float32, main_grads_dtype=None, grad_comm_dtype=None), "
                   "fsdp_unit_modules=None, disable_bucketing=False, device=None, calculate_per_token_loss=False, "
@@ -120,7 +128,7 @@ PATCHES: tuple[Patch, ...] = (
     # spec.py's substitutions in the local layer spec, and the modules substituted
     Patch(_MCORE + "transformer.moe.experts.SequentialMLP", "spec.adapt_local_block_spec", {
         "<0.17": "(num_local_experts, config, submodules, pg_collection=None)",
-        ">=0.19": "(num_local_experts, config, submodules, pg_collection=None, name=None)"}),
+        ">=0.18": "(num_local_experts, config, submodules, pg_collection=None, name=None)"}),
     Patch(_MCORE + "transformer.moe.experts.SequentialMLP.forward", "experts.GroupedSequentialMLP",
           "(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)"),
     Patch(_MCORE + "transformer.dot_product_attention.DotProductAttention", "spec.adapt_local_block_spec",
@@ -141,7 +149,7 @@ PATCHES: tuple[Patch, ...] = (
         "<0.17": "(linear_q_proj=None, linear_q_down_proj=None, linear_q_up_proj=None, linear_kv_down_proj=None, "
                  "linear_kv_up_proj=None, core_attention=None, linear_proj=None, q_layernorm=None, "
                  "kv_layernorm=None)",
-        ">=0.19": "(linear_proj, q_layernorm, kv_layernorm, linear_q_proj=None, linear_q_down_proj=None, "
+        ">=0.18": "(linear_proj, q_layernorm, kv_layernorm, linear_q_proj=None, linear_q_down_proj=None, "
                   "linear_q_up_proj=None, linear_kv_down_proj=None, linear_kv_up_proj=None, "
                   "linear_qkv_down_proj=None, core_attention=None)"}),
     Patch(_MCORE + "transformer.module.MegatronModule.__init__",
@@ -159,7 +167,7 @@ PATCHES: tuple[Patch, ...] = (
     # then only re-exports hybrid_block's names)
     Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)", "==0.16.1"),
     Patch(_MCORE + "models.hybrid.hybrid_block.TENorm", "mamba.MambaTorchNorm",
-          "(config, hidden_size, eps=1e-05, has_residual=False)", ">=0.19"),
+          "(config, hidden_size, eps=1e-05, has_residual=False)", ">=0.18"),
     # Never from 0.19: megatron.core itself then imports triton (transformer/moe/ops/paged_stash.py)
     Patch(_MCORE + "inference.contexts.attention_context.triton.tensor_ops",
           "mamba._provide_tensor_ops_without_triton", None, "==0.16.1"),
@@ -168,6 +176,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_MCORE + "ssm.mamba_block.MambaStackSubmodules", "mamba.local_mamba_stack_spec", {
         "<0.17": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "attention_layer", "mlp_layer",
                                                                       "moe_layer")) + ")",
+        "==0.18.*": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "gdn_layer",
+                                                                        "attention_layer", "dsa_layer", "mlp_layer",
+                                                                        "moe_layer")) + ", mtp_block_spec=None)",
         ">=0.19": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "gdn_layer", "attention_layer",
                                                                       "dsa_layer", "mla_layer", "mlp_layer",
                                                                       "moe_layer")) + ", mtp_block_spec=None)"}),
