@@ -329,9 +329,10 @@ class Layout:
             parts = "cuda_graph_modules" if graph_modules else "cuda_graph_scope"
             if graphs[parts]:
                 args += [f"--{parts.replace('_', '-')}", *graphs[parts]]
-            # Megatron-LM's validate_args asserts both (arguments.py, core_v0.16.1). 0.19's (the megatron-core
-            # 0.19.2 wheel's megatron/training/arguments.py) asserts the first only: padding experts became an
-            # inference-only TransformerConfig field the trial does not set, so the 0.19 export leaves it out.
+            # Megatron-LM's validate_args asserts both (arguments.py, core_v0.16.1 and 0.17.1). From 0.18 (the
+            # megatron-core wheels' megatron/training/arguments.py, 0.18.2 and 0.19.2) it asserts the first only:
+            # padding experts is an inference-only TransformerConfig field the trial does not set, so the export
+            # leaves it out there (0.18 is also where CUDA graphs' parts became cuda_graph_modules).
             if self.cuda_graph == "full_iteration":
                 args.append("--no-check-for-nan-in-loss-and-grad")
             if self.cuda_graph_impl == "local" and self.ep > 1 and not graph_modules:

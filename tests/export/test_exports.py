@@ -2,8 +2,8 @@
 against the dataclasses Megatron-Bridge merges it onto.
 
 ``tests/data/megatron_lm_flags.txt`` is every flag of Megatron-LM core_v0.16.1's ``arguments.py``, and
-``megatron_lm_flags_0.18.txt`` / ``_0.19.txt`` megatron-core 0.18.2's and 0.19.2's (whose wheels ship
-``megatron/training``): the script is checked against the installed release's (``scripts/megatron_lm_flags.py``
+``megatron_lm_flags_0.17.txt`` / ``_0.18.txt`` / ``_0.19.txt`` megatron-core 0.17.1's, 0.18.2's and 0.19.2's (whose
+wheels ship ``megatron/training``): the script is checked against the installed release's (``scripts/megatron_lm_flags.py``
 wrote them). The script is run for real, with ``torchrun`` replaced by a stand-in
 on PATH that prints its arguments (stand-in: no GPU here, and Megatron-LM is not installed): that is what bash
 hands to Megatron-LM after expanding the arrays, defaults and quoting.
@@ -40,7 +40,7 @@ from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 # The installed megatron-core release's Megatron-LM flags: the export writes that release's names (issue 45).
-FLAGS_FILE = {"0.16": "megatron_lm_flags.txt", "0.18": "megatron_lm_flags_0.18.txt",
+FLAGS_FILE = {"0.16": "megatron_lm_flags.txt", "0.17": "megatron_lm_flags_0.17.txt", "0.18": "megatron_lm_flags_0.18.txt",
               "0.19": "megatron_lm_flags_0.19.txt"}[
     "{0.major}.{0.minor}".format(megatron_release.installed())]
 FLAGS = set((ROOT / "tests" / "data" / FLAGS_FILE).read_text().split())

@@ -164,10 +164,13 @@ from megatron.core.utils import get_batch_on_this_cp_rank  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 # What the installed release asks differently (see the module docstring, "Both releases"); each feature-detected.
-try:  # 0.19: HybridModel selects each pipeline segment (models/hybrid/hybrid_layer_allocation.py)
+try:  # 0.18, 0.19: HybridModel selects each pipeline segment (models/hybrid/hybrid_layer_allocation.py)
     from megatron.core.models.hybrid.hybrid_layer_allocation import select_pipeline_segment
-except ImportError:  # 0.16.1: MambaStack._select_layers_for_pipeline_parallel
-    select_pipeline_segment = None
+except ImportError:
+    try:  # 0.17: MambaModel does, the same function in ssm/mamba_hybrid_layer_allocation.py (mamba_model.py:184)
+        from megatron.core.ssm.mamba_hybrid_layer_allocation import select_pipeline_segment
+    except ImportError:  # 0.16.1: MambaStack._select_layers_for_pipeline_parallel
+        select_pipeline_segment = None
 # 0.19: get_batch_on_this_cp_rank(batch, is_hybrid_cp, cp_group=None) splits over the group it is given, the whole
 # world when none (utils.py get_batch_on_this_cp_rank, _get_batch_on_this_cp_rank_per_sequence_balancing); 0.16.1
 # falls back to parallel_state's CP group.

@@ -26,7 +26,7 @@ from packaging.specifiers import SpecifierSet
 
 # The megatron-core releases the CPU stand-ins run on (pyproject's range), and those every row was checked against.
 SUPPORTED = ">=0.16.1,<0.20"
-CHECKED = ("0.16.1", "0.18.2", "0.19.2")
+CHECKED = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,7 @@ PATCHES: tuple[Patch, ...] = (
     # The duplicated down projections' class where MLASelfAttention looks for TE's (a MagicMock, later None)
     Patch(_MCORE + "transformer.multi_latent_attention.TELinear", "linear.DuplicatedLinear", None),
     Patch(_MCORE + "distributed.fsdp.mcore_fsdp_adapter.TELinear", "compat._patch_megatron_without_te", None,
-          "==0.16.1"),
+          "<0.18"),
     # compat.py: the CPU's
     Patch(_MCORE + "tensor_parallel.random._get_cuda_rng_state", "compat._patch_megatron",
           "(device='cuda', clone=False, graph_safe=False)"),
@@ -101,6 +101,13 @@ PATCHES: tuple[Patch, ...] = (
                  "sync_model_each_microbatch=False, keep_fp8_transpose_cache=False, nccl_ub=False, "
                  "fsdp_double_buffer=False, disable_symmetric_registration=False, "
                  "enable_fine_grained_param_gather_hook=False)",
+        "==0.17.*": "(self, module, dist_index, ddp_config=None, mixed_precision_policy=MixedPrecisionPolicy("
+                    "main_params_dtype=torch.float32, main_grads_dtype=None, grad_comm_dtype=None), "
+                    "fsdp_unit_modules=None, disable_bucketing=False, device=None, calculate_per_token_loss=False, "
+                    "init_model_with_meta_device=False, sync_model_each_microbatch=False, "
+                    "keep_fp8_transpose_cache=False, nccl_ub=False, fsdp_double_buffer=False, "
+                    "fsdp_db_use_persist_buf_on_alloc_fail=False, disable_symmetric_registration=False, "
+                    "enable_fine_grained_param_gather_hook=False, report_nan_in_param_grad=False)",
         "==0.18.*": "(self, module, dist_index, ddp_config=None, mixed_precision_policy=MixedPrecisionPolicy("
                     "main_params_dtype=torch.float32, main_grads_dtype=None, grad_comm_dtype=None), "
                     "fsdp_unit_modules=None, disable_bucketing=False, device=None, calculate_per_token_loss=False, "
@@ -127,7 +134,7 @@ PATCHES: tuple[Patch, ...] = (
           "(ctx, grad_output)"),
     # spec.py's substitutions in the local layer spec, and the modules substituted
     Patch(_MCORE + "transformer.moe.experts.SequentialMLP", "spec.adapt_local_block_spec", {
-        "<0.17": "(num_local_experts, config, submodules, pg_collection=None)",
+        "<0.18": "(num_local_experts, config, submodules, pg_collection=None)",
         ">=0.18": "(num_local_experts, config, submodules, pg_collection=None, name=None)"}),
     Patch(_MCORE + "transformer.moe.experts.SequentialMLP.forward", "experts.GroupedSequentialMLP",
           "(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs)"),
@@ -149,6 +156,9 @@ PATCHES: tuple[Patch, ...] = (
         "<0.17": "(linear_q_proj=None, linear_q_down_proj=None, linear_q_up_proj=None, linear_kv_down_proj=None, "
                  "linear_kv_up_proj=None, core_attention=None, linear_proj=None, q_layernorm=None, "
                  "kv_layernorm=None)",
+        "==0.17.*": "(q_layernorm, kv_layernorm, linear_q_proj=None, linear_q_down_proj=None, "
+                    "linear_q_up_proj=None, linear_kv_down_proj=None, linear_kv_up_proj=None, "
+                    "linear_qkv_down_proj=None, core_attention=None, linear_proj=None)",
         ">=0.18": "(linear_proj, q_layernorm, kv_layernorm, linear_q_proj=None, linear_q_down_proj=None, "
                   "linear_q_up_proj=None, linear_kv_down_proj=None, linear_kv_up_proj=None, "
                   "linear_qkv_down_proj=None, core_attention=None)"}),
@@ -165,7 +175,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_MCORE + "ssm.mamba_mixer.HAVE_MAMBA_SSM", "mamba.install", None),
     # The stack's final norm, where the stack is defined: MambaStack up to 0.16, HybridStack from 0.19 (mamba_block
     # then only re-exports hybrid_block's names)
-    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", "(config, hidden_size, eps=1e-05)", "==0.16.1"),
+    Patch(_MCORE + "ssm.mamba_block.TENorm", "mamba.MambaTorchNorm", {
+        "==0.16.1": "(config, hidden_size, eps=1e-05)",
+        "==0.17.*": "(config, hidden_size, eps=1e-05, has_residual=False)"}, "<0.18"),
     Patch(_MCORE + "models.hybrid.hybrid_block.TENorm", "mamba.MambaTorchNorm",
           "(config, hidden_size, eps=1e-05, has_residual=False)", ">=0.18"),
     # Never from 0.19: megatron.core itself then imports triton (transformer/moe/ops/paged_stash.py)
@@ -176,6 +188,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(_MCORE + "ssm.mamba_block.MambaStackSubmodules", "mamba.local_mamba_stack_spec", {
         "<0.17": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "attention_layer", "mlp_layer",
                                                                       "moe_layer")) + ")",
+        "==0.17.*": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "gdn_layer",
+                                                                        "attention_layer", "mlp_layer",
+                                                                        "moe_layer")) + ", mtp_block_spec=None)",
         "==0.18.*": "(" + ", ".join(f"{name}={_IDENTITY}" for name in ("mamba_layer", "gdn_layer",
                                                                         "attention_layer", "dsa_layer", "mlp_layer",
                                                                         "moe_layer")) + ", mtp_block_spec=None)",
