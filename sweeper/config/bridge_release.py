@@ -55,8 +55,11 @@ def target() -> Version:
     """The Bridge release the export and the import follow: the installed one, else the installed megatron-core's
     pair (the newest pairing past the last one sweeper knows)."""
     found = installed()
-    if found is not None:
-        return found
+    return found if found is not None else _for_installed_core()
+
+
+def _for_installed_core() -> Version:
+    """The Bridge release paired with the installed megatron-core, or the newest pairing past the last one known."""
     return paired(megatron_release.installed()) or max(PAIRED.values())
 
 
@@ -72,7 +75,7 @@ def describe() -> str:
 
 def install_hint() -> str:
     """What ``pip install -e '.[bridge]'`` brings for the installed megatron-core (pyproject's bridge extra)."""
-    return f"megatron-bridge {paired(megatron_release.installed()) or max(PAIRED.values())} with Transformer Engine"
+    return f"megatron-bridge {_for_installed_core()} with Transformer Engine"
 
 
 def fp4_params(release: Version) -> bool:

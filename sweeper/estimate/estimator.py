@@ -360,11 +360,13 @@ class Estimator:
         self.constants, self.calibration, self.run = constants, calibration, run
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
-        self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
-        self._links: dict[tuple, Links] = {}  # by the sizes that set each group's span
-        self._blocks: dict[tuple, dict[Block, dict[str, float]]] = {}  # block_seconds, by the fields it reads
-        self._slowest: dict[tuple, dict[str, float]] = {}  # slowest_stage, by the fields it reads
-        if kept is not None:  # the same space under another calibration (``recalibrated``)
+        self._links: dict[tuple, Links]  # by the sizes that set each group's span
+        self._blocks: dict[tuple, dict[Block, dict[str, float]]]  # block_seconds, by the fields it reads
+        self._slowest: dict[tuple, dict[str, float]]  # slowest_stage, by the fields it reads
+        if kept is None:
+            self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
+            self._links, self._blocks, self._slowest = {}, {}, {}
+        else:  # the same space under another calibration (``recalibrated``)
             stages, self._links, self._blocks, self._slowest = kept.memos()
             self._stages = stages.recalibrated(calibration)
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor

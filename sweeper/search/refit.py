@@ -20,7 +20,7 @@ from typing import Literal
 
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.step_fit import StepModel
-from sweeper.search.objective import production_layout, projected
+from sweeper.search.objective import projected
 from sweeper.space.layout import Layout
 
 # Measured trials before the model proposes: one fixes its level only, two let it free a term.
@@ -37,9 +37,7 @@ def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> f
     that a proposal is ranked on the same scale as the measured layouts it must beat. (Predicting the production
     layout's step instead priced it on a simulated cluster as N ranks sharing the host's cores: every layout smaller
     than N looked that many times slower than its measured projection, and the quickstart's refit took 10 trials to
-    the best instead of 5.)"""
-    if production_layout(cfg, layout) is None:
-        return 0.0
+    the best instead of 5.) 0.0 where the production run holds no copy of the layout (``production_rate``)."""
     step = model.step_time_s(layout)
     if step <= 0:
         return 0.0
@@ -52,9 +50,8 @@ def expected_improvement(model: StepModel, layout: Layout, cfg: SweepConfig, inc
     of the layout's log step time (``StepModel.log_sd``) as spread; ``s (z Phi(z) + phi(z))`` with
     ``z = (mean - incumbent) / s``. A layout the model knows well is worth its predicted gain; one it knows little
     about is worth a chance of a large one."""
-    production = production_layout(cfg, layout)
     objective = predicted_objective(model, layout, cfg)
-    if production is None or objective <= 0:
+    if objective <= 0:  # no production run holds the layout
         return 0.0
     gain = math.log(objective) - incumbent
     sd = model.log_sd(layout)
