@@ -280,8 +280,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     from sweeper.search.command import run_search
-    from sweeper.search.faults import parse_injections
-    from sweeper.search.loop import SearchOptions
+    from sweeper.search.run.faults import parse_injections
+    from sweeper.search.run.sweep import SearchOptions
 
     rehearse = _rehearsal(args)
     injections: list[Any] = []

@@ -40,7 +40,7 @@ class TrialMetrics:
     # Max over ranks, through the training steps; device reserved on GPU, host RSS on CPU (see memory_kind).
     peak_memory_gib: float | None = None
     # GPU only: the most device memory outside torch's allocator on one rank (CUDA context, NCCL buffers; measured
-    # after the steps): peak_memory_gib + this is what the GPU must hold (search.selection.is_stable).
+    # after the steps): peak_memory_gib + this is what the GPU must hold (search.decide.candidates.is_stable).
     non_torch_memory_gib: float | None = None
     # The checkpoint phase's peak (saves and reloads), measured as peak_memory_gib is; kept apart from it.
     checkpoint_peak_memory_gib: float | None = None
@@ -226,11 +226,11 @@ class SweepMeta(BaseModel):
     # after, and per measured trial its step time next to the uncalibrated and the calibrated prediction
     step_time_fit: dict[str, Any] | None = None
     # The winner and runners-up: throughput basis and band, the budget's projected time and cost, and why
-    # (sweeper/search/decision.py; issue 18)
+    # (sweeper/search/decide/decision.py; issue 18)
     decision: dict[str, Any] | None = None
     # The trials' checkpoints at the sweep's end (issue 43, training.keep_checkpoints): {"keep", "kept": the
     # folders left, "deleted": the folders deleted then, "freed_bytes", "failed": one line per folder that stayed}
-    # (sweeper/search/checkpoints.py)
+    # (sweeper/search/decide/checkpoints.py)
     checkpoints: dict[str, Any] | None = None
 
     @property

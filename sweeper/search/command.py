@@ -1,7 +1,7 @@
 """`sweeper search`: the command around the sweep loop. It refuses bad input before anything is written, holds the
 sweep folder's driver lock for the whole sweep (issue 43), opens the cluster and the MLflow parent run, records what
 the sweep runs on in sweep.json, and lets SIGINT / SIGTERM stop launches (a second one stops waiting) while the loop
-(``search.loop.Sweep``) winds down and exports."""
+(``search.run.sweep.Sweep``) winds down and exports."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from sweeper.record.files import write_atomic
 from sweeper.record.lock import DriverLock
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import console, quiet_libraries, sweep_log
-from sweeper.search.loop import SearchOptions, Sweep, now
-from sweeper.search.summary import space_params
+from sweeper.search.run.sweep import SearchOptions, Sweep, now
+from sweeper.search.decide.summary import space_params
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
@@ -106,7 +106,7 @@ def _rehearsal_summary(cfg: SweepConfig, sweep: Sweep, host: Any, sweep_dir: Swe
     """rehearsal.json beside the sweep's records, and its figures in a few lines."""
     import json
 
-    from sweeper.search.rehearsal import summary
+    from sweeper.search.decide.rehearsal import summary
 
     figures = summary(host, sweep.records, cfg, [e.layout for e in sweep.frontier.launchable])
     write_atomic(sweep_dir.root / "rehearsal.json", json.dumps(figures, indent=1) + "\n")

@@ -11,7 +11,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.estimate.disk import disk_plan
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
-from sweeper.search.objective import predicted_objective, production_gpus
+from sweeper.search.decide.objective import predicted_objective, production_gpus
 from sweeper.space.layout import Layout
 
 console = Console()

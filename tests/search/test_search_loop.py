@@ -21,8 +21,8 @@ from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
-from sweeper.search.loop import SearchOptions, Sweep
-from sweeper.search.study import PARAMS
+from sweeper.search.run.sweep import SearchOptions, Sweep
+from sweeper.search.propose.study import PARAMS
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import REFERENCE_FILE
@@ -350,7 +350,7 @@ def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_runn
         cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     """A driver killed while trial #5 ran (#3 and #4 not yet recorded): on --resume #5 runs again under its number,
     and the new trials are numbered past it (scripts/kill_resume.py found two layouts sharing #4 and #5)."""
-    from sweeper.search.study import LayoutStudy
+    from sweeper.search.propose.study import LayoutStudy
 
     first = make_sweep(cfg, StandInHost(delay=0.05), max_trials=2, parallel=1)
     first.run()
@@ -380,7 +380,7 @@ def test_a_trial_recorded_just_before_the_crash_is_told_to_optuna_on_resume_not_
     kill_resume.py hit that moment): on --resume Optuna is told #3's recorded outcome and #3 does not run again."""
     import optuna
 
-    from sweeper.search.study import LayoutStudy
+    from sweeper.search.propose.study import LayoutStudy
 
     first = make_sweep(cfg, StandInHost(delay=0.05), max_trials=2, parallel=1)
     first.run()
@@ -403,7 +403,7 @@ def test_a_trial_recorded_just_before_the_crash_is_told_to_optuna_on_resume_not_
     told = [t for t in optuna.load_study(study_name=study.study.study_name, storage=study.study._storage).get_trials()
             if t.user_attrs.get("sweeper_number") == 3 and t.state == optuna.trial.TrialState.COMPLETE]
     # Told as every outcome is: its objective on the production run (issue 43).
-    from sweeper.search.objective import objective_value
+    from sweeper.search.decide.objective import objective_value
 
     assert len(told) == 1 and told[0].value == pytest.approx(objective_value(result, cfg, layout))
 
@@ -580,7 +580,7 @@ def test_the_stand_in_host_has_the_hosts_surface() -> None:
 def test_free_gpus_take_a_smaller_trial_while_a_large_one_waits_and_the_large_one_is_not_starved(
         tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
     from sweeper.config.schema import layout_from_string
-    from sweeper.search import loop
+    from sweeper.search.run import sweep as loop
 
     monkeypatch.setattr(loop, "PRIOR_PROPOSALS", 0)  # the queue holds the two seeds only
     long_small, large = "gpus=2,pp=2,ep=1,mbs=1", "gpus=4,pp=2,ep=2,mbs=1"
@@ -629,7 +629,7 @@ def test_a_trial_that_contradicts_the_estimators_ranking_changes_what_the_sweep_
     from sweeper.estimate import Estimator
     from sweeper.plan.assess import assess_all
     from sweeper.plan.space import enumerate_layouts
-    from sweeper.search.objective import production_layout
+    from sweeper.search.decide.objective import production_layout
 
     monkeypatch.setattr("os.cpu_count", lambda: 64)  # a simulated cluster whose ranks each have a core of their own
 

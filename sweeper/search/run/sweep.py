@@ -1,9 +1,9 @@
-"""The sweep loop (``Sweep.run``). Optuna proposes (``search.study``), the scheduler launches trials on free GPUs
-(``search.scheduler``), MLflow records.
+"""The sweep loop (``Sweep.run``). Optuna proposes (``search.propose.study``), the scheduler launches trials on free GPUs
+(``search.run.scheduler``), MLflow records.
 
 The driver thread owns every decision and every write (trials.jsonl, Optuna, MLflow); trials run in worker
 threads that only block on Ray. One loop: fill free capacity with proposals (the study proposes only layouts
-the frontier, ``search.frontier``, holds launchable: the rules accept them, memory does not rule them out, no
+the frontier, ``search.propose.frontier``, holds launchable: the rules accept them, memory does not rule them out, no
 measured trial dominates them and the backend can run them; a queued seed that is not launchable is refused and
 recorded once, without launching), wait for a trial to end, record it, repeat until the budget or
 the launchable layouts are spent; then confirm the top candidates and export the winner. Infrastructure
@@ -30,17 +30,17 @@ from sweeper.plan.assess import PlanEntry, assess, invalid_reasons
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report, report_figures
-from sweeper.search.checkpoints import prune_checkpoints
+from sweeper.search.decide.checkpoints import prune_checkpoints
 from sweeper.search.console import Display, Verbosity, console
-from sweeper.search.decision import decision, summary_line
-from sweeper.search.faults import Injection, injection_for
-from sweeper.search.frontier import Frontier, layout_key
-from sweeper.search.objective import objective_value
+from sweeper.search.decide.decision import decision, summary_line
+from sweeper.search.run.faults import Injection, injection_for
+from sweeper.search.propose.frontier import Frontier, layout_key
+from sweeper.search.decide.objective import objective_value
 from sweeper.search.progress import Progress
-from sweeper.search.refit import turn as refit_turn
-from sweeper.search.repeated import RepeatedFailure
-from sweeper.search.scheduler import HOLD, Running, Scheduler
-from sweeper.search.selection import (
+from sweeper.search.propose.refit import turn as refit_turn
+from sweeper.search.run.repeated import RepeatedFailure
+from sweeper.search.run.scheduler import HOLD, Running, Scheduler
+from sweeper.search.decide.candidates import (
     GATE_OFF,
     NOT_THE_LAYOUTS,
     best_layout_document,
@@ -52,8 +52,8 @@ from sweeper.search.selection import (
     step_time_drift,
     trials_without_improvement,
 )
-from sweeper.search.study import LayoutStudy, Mode
-from sweeper.search.summary import folder_artifacts, sweep_metrics, trials_table
+from sweeper.search.propose.study import LayoutStudy, Mode
+from sweeper.search.decide.summary import folder_artifacts, sweep_metrics, trials_table
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import ensure_reference
@@ -114,7 +114,7 @@ class Sweep:
         search = cfg.search
         confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
         self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs, self.scheduler.now)
-        # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.refit).
+        # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.propose.refit).
         self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None,
                                      shared=not options.rehearse)
         self.probe: Layout | None = None  # the calibration probe in flight (TPE mode)
@@ -280,7 +280,7 @@ class Sweep:
             self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
 
     def _refit_turn(self, refused: Callable[[Layout], bool]) -> None:
-        """TPE mode: queue the refit step-time model's best untried launchable layout (``search.refit``), once it
+        """TPE mode: queue the refit step-time model's best untried launchable layout (``search.propose.refit``), once it
         has the samples for a turn and nothing else is queued (seeds, the estimator's favourites, the probe)."""
         if self.study.mode != "tpe" or self.study.has_queued():
             return

@@ -16,7 +16,7 @@ from sweeper.export.bridge import dotted_overrides
 from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.schema import TrialRecord, TrialResult
-from sweeper.search.objective import copies, objective_name, objective_value, production_gpus
+from sweeper.search.decide.objective import copies, objective_name, objective_value, production_gpus
 from sweeper.space.layout import Layout
 
 
