@@ -19,8 +19,8 @@ from sweeper.record.files import write_atomic
 from sweeper.record.lock import DriverLock
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import console, quiet_libraries, sweep_log
-from sweeper.search.run.sweep import SearchOptions, Sweep, now
 from sweeper.search.decide.summary import space_params
+from sweeper.search.run.sweep import SearchOptions, Sweep, now
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker

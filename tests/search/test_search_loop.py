@@ -21,8 +21,8 @@ from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
-from sweeper.search.run.sweep import SearchOptions, Sweep
 from sweeper.search.propose.study import PARAMS
+from sweeper.search.run.sweep import SearchOptions, Sweep
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import REFERENCE_FILE

@@ -1,5 +1,5 @@
-"""The sweep loop (``Sweep.run``). Optuna proposes (``search.propose.study``), the scheduler launches trials on free GPUs
-(``search.run.scheduler``), MLflow records.
+"""The sweep loop (``Sweep.run``). Optuna proposes (``search.propose.study``), the scheduler launches trials on free
+GPUs (``search.run.scheduler``), MLflow records.
 
 The driver thread owns every decision and every write (trials.jsonl, Optuna, MLflow); trials run in worker
 threads that only block on Ray. One loop: fill free capacity with proposals (the study proposes only layouts
@@ -30,16 +30,7 @@ from sweeper.plan.assess import PlanEntry, assess, invalid_reasons
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report, report_figures
-from sweeper.search.decide.checkpoints import prune_checkpoints
 from sweeper.search.console import Display, Verbosity, console
-from sweeper.search.decide.decision import decision, summary_line
-from sweeper.search.run.faults import Injection, injection_for
-from sweeper.search.propose.frontier import Frontier, layout_key
-from sweeper.search.decide.objective import objective_value
-from sweeper.search.progress import Progress
-from sweeper.search.propose.refit import turn as refit_turn
-from sweeper.search.run.repeated import RepeatedFailure
-from sweeper.search.run.scheduler import HOLD, Running, Scheduler
 from sweeper.search.decide.candidates import (
     GATE_OFF,
     NOT_THE_LAYOUTS,
@@ -52,8 +43,17 @@ from sweeper.search.decide.candidates import (
     step_time_drift,
     trials_without_improvement,
 )
-from sweeper.search.propose.study import LayoutStudy, Mode
+from sweeper.search.decide.checkpoints import prune_checkpoints
+from sweeper.search.decide.decision import decision, summary_line
+from sweeper.search.decide.objective import objective_value
 from sweeper.search.decide.summary import folder_artifacts, sweep_metrics, trials_table
+from sweeper.search.progress import Progress
+from sweeper.search.propose.frontier import Frontier, layout_key
+from sweeper.search.propose.refit import turn as refit_turn
+from sweeper.search.propose.study import LayoutStudy, Mode
+from sweeper.search.run.faults import Injection, injection_for
+from sweeper.search.run.repeated import RepeatedFailure
+from sweeper.search.run.scheduler import HOLD, Running, Scheduler
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import ensure_reference
@@ -280,8 +280,8 @@ class Sweep:
             self._launch(layout, number, attempt + 1, "explore", proposal.trial, _predicted(entry), slot)
 
     def _refit_turn(self, refused: Callable[[Layout], bool]) -> None:
-        """TPE mode: queue the refit step-time model's best untried launchable layout (``search.propose.refit``), once it
-        has the samples for a turn and nothing else is queued (seeds, the estimator's favourites, the probe)."""
+        """TPE mode: queue the refit step-time model's best untried launchable layout (``search.propose.refit``),
+        once it has the samples for a turn and nothing else is queued (seeds, the estimator's favourites, the probe)."""
         if self.study.mode != "tpe" or self.study.has_queued():
             return
         untried = [e.layout for e in self.frontier.launchable if not refused(e.layout)]
