@@ -15,8 +15,8 @@ the best by that objective.
 As in a sweep, the study proposes only launchable layouts, each at most once, never one a measured trial dominates
 (``search.propose.dominance``: a larger micro-batch of a layout that ran out of memory, a recompute variant of a layout
 that ran stable without recompute), and TPE starts from the estimator's two fastest predicted layouts on GPUs (the
-sweep's prior, search.run.sweep.PRIOR_PROPOSALS; a sweep on a simulated cluster, as the measured landscapes were, opens
-without it). Strategies, each sweeper's LayoutStudy:
+sweep's prior, search.run.explore.PRIOR_PROPOSALS; a sweep on a simulated cluster, as the measured landscapes were,
+opens without it). Strategies, each sweeper's LayoutStudy:
   tpe     - multivariate TPE with constraints and constant liar (define-by-run over the axes); a draw that is not
             a remaining launchable layout is declined (told to Optuna, not launched) and the nearest one proposed
   random  - uniformly random launchable layouts, without repetition
@@ -59,7 +59,7 @@ from sweeper.search.decide.objective import objective_name, objective_value, pre
 from sweeper.search.propose.dominance import Dominance  # noqa: E402
 from sweeper.search.propose.refit import ACQUISITION, Acquisition, turn  # noqa: E402
 from sweeper.search.propose.study import LayoutStudy  # noqa: E402
-from sweeper.search.run.sweep import prior_proposals  # noqa: E402
+from sweeper.search.run.explore import prior_proposals  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
 

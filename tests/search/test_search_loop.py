@@ -361,7 +361,7 @@ def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_runn
     study.enqueue(running)
     proposal = study.propose(lambda lo: False)
     assert proposal is not None and proposal.layout == running
-    proposal.trial.set_user_attr("sweeper_number", 5)  # as Sweep._launch sets it; the crash leaves it RUNNING
+    proposal.trial.set_user_attr("sweeper_number", 5)  # as SweepState.launch sets it; the crash leaves it RUNNING
     proposal.trial.set_user_attr("attempt", 1)
 
     second = make_sweep(cfg, StandInHost(delay=0.05), resume=True, max_trials=6, parallel=1)
@@ -580,7 +580,7 @@ def test_the_stand_in_host_has_the_hosts_surface() -> None:
 def test_free_gpus_take_a_smaller_trial_while_a_large_one_waits_and_the_large_one_is_not_starved(
         tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
     from sweeper.config.schema import layout_from_string
-    from sweeper.search.run import sweep as loop
+    from sweeper.search.run import explore as loop
 
     monkeypatch.setattr(loop, "PRIOR_PROPOSALS", 0)  # the queue holds the two seeds only
     long_small, large = "gpus=2,pp=2,ep=1,mbs=1", "gpus=4,pp=2,ep=2,mbs=1"

@@ -4,7 +4,7 @@ A layout may be proposed when the rules accept it, memory does not rule it out (
 measured trials, ``search.propose.memory_evidence``), no measured trial dominates it
 (``search.propose.dominance``), the cluster's backend can run it, and it is neither decided (recorded, not as a
 failure that is not the layout's) nor running.
-``Frontier`` holds all of that; the loop (``search.run.sweep.Sweep``) only moves layouts: next from the frontier,
+``Frontier`` holds all of that; the loop (``search.run``) only moves layouts: next from the frontier,
 reserve, launch, record, tell the frontier what the trial measured.
 """
 

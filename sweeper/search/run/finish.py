@@ -1,0 +1,70 @@
+"""The sweep's end: the winner chosen and exported, sweep.json, the report and the MLflow parent run written, the exit
+code and the last lines on the console."""
+
+from __future__ import annotations
+
+from sweeper.errors import EXIT_FAILED, EXIT_OK
+from sweeper.export import EXECUTABLE, export_files
+from sweeper.report.render import render_report, report_figures
+from sweeper.search.console import console
+from sweeper.search.decide.candidates import best_layout_document, candidates, choose
+from sweeper.search.decide.checkpoints import prune_checkpoints
+from sweeper.search.decide.decision import decision, summary_line
+from sweeper.search.decide.summary import folder_artifacts, sweep_metrics, trials_table
+from sweeper.search.run.state import SweepState, now
+
+
+def finish(sweep: SweepState, status: str) -> int:
+    cands = candidates(sweep.records, sweep.cfg)
+    winner = choose(cands, sweep.cfg, confirmed_only=sweep.cfg.search.confirm_top > 0)
+    if winner is not None:
+        sweep.dir.write_best(best_layout_document(sweep.cfg, winner, sweep.tracker.tracking_uri, cands),
+                            export_files(sweep.cfg, winner.layout, winner.number), EXECUTABLE)
+    elapsed = sweep.scheduler.now() - sweep.t0
+    gpus = sweep.handle.capacity_total() or 1
+    meta = sweep.dir.read_meta()
+    meta.status, meta.ended_at = status, now()
+    meta.best = None if winner is None else {
+        "number": winner.number, "layout": winner.layout.short(),
+        sweep.cfg.search.objective: winner.median(sweep.cfg)}
+    meta.scheduling_efficiency = sweep.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
+    meta.stopped_early = sweep.halted or sweep.stopped_early
+    meta.decision = decision(sweep.cfg, cands, winner, sweep.records, sweep.calibrator.current)
+    meta.calibration = sweep.calibrator.report.lines() if sweep.calibrator.report else [
+        "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
+    meta.step_time_fit = sweep.calibrator.step_time_fit()
+    if status == "finished":  # an interrupted sweep may resume and choose another winner (issue 43)
+        pruned = prune_checkpoints(sweep.records, sweep.cfg.training.keep_checkpoints,
+                                   winner.number if winner is not None else None)
+        meta.checkpoints = pruned.to_json()
+        if (line := pruned.line()) is not None:
+            console.print(line)
+    sweep.dir.write_meta(meta)
+    report = render_report(sweep.dir.root)
+    if sweep.tracker.behind:
+        sweep.tracker.catch_up(sweep.records)
+    sweep.tracker.finish_sweep(
+        {"interrupted": "KILLED", "failed": "FAILED"}.get(status, "FINISHED"),
+        {"status": status, "best": winner.layout.short() if winner else "none"},
+        metrics=sweep_metrics(sweep.records, winner, sweep.cfg, meta.scheduling_efficiency),
+        table=trials_table(sweep.records),
+        artifacts=folder_artifacts(sweep.dir),
+        figures=report_figures(sweep.dir.root),
+    )
+    console.print(f"report: {report}", important=True)
+    if (view := sweep.tracker.view_hint()) is not None:
+        console.print(f"trials in MLflow: {view}", important=True)
+    if sweep.halted is not None:
+        console.print(f"[red]{sweep.halted}[/]", important=True)
+        return EXIT_FAILED
+    if winner is None and status == "interrupted" and any(not c.confirmations for c in cands):
+        console.print(f"[yellow]not confirmed yet[/]: {len(cands)} stable layout(s) await their confirmation; "
+                      "`sweeper search --resume` confirms them", important=True)
+        return EXIT_FAILED
+    if winner is None:
+        console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
+        return EXIT_FAILED
+    console.print(f"[green]best stable layout[/]: {winner.layout.short()} -> {sweep.dir.best}", important=True)
+    if (projected := summary_line(meta.decision)) is not None:
+        console.print(projected, important=True)
+    return EXIT_FAILED if status == "interrupted" else EXIT_OK
