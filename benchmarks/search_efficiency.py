@@ -54,8 +54,8 @@ from sweeper.estimate.step_fit import StepModel  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
-from sweeper.search.decide.candidates import is_stable  # noqa: E402
 from sweeper.search.decide.objective import objective_name, objective_value, predicted_objective  # noqa: E402
+from sweeper.search.decide.verdicts import is_stable  # noqa: E402
 from sweeper.search.propose.dominance import Dominance  # noqa: E402
 from sweeper.search.propose.refit import ACQUISITION, Acquisition, turn  # noqa: E402
 from sweeper.search.propose.study import LayoutStudy  # noqa: E402

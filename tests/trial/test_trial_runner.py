@@ -472,7 +472,7 @@ def test_kernels_on_some_nodes_only_or_not_importing_are_problems() -> None:
 
 def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() -> None:
     # Aggregation test data (not a trial): two ranks of one TP group reporting different nodes.
-    from sweeper.search.decide.candidates import is_stable
+    from sweeper.search.decide.verdicts import is_stable
 
     groups = {"tp": [0, 1], "pp": [0], "dp": [0, 1]}
     reports = [_ok(r, [1.0, 1.0], groups={**groups, "pp": [r]}, gpu=str(r)) for r in (0, 1)]

@@ -25,8 +25,9 @@ from sweeper.config.units import readable
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialRecord
-from sweeper.search.decide.candidates import Candidate, is_stable
+from sweeper.search.decide.candidates import Candidate
 from sweeper.search.decide.objective import copies, production_gpus, production_rate
+from sweeper.search.decide.verdicts import is_stable
 from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
 

@@ -19,8 +19,8 @@ from sweeper.plan.assess import PlanEntry, assess, assess_all, reassess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
-from sweeper.search.decide.candidates import NOT_THE_LAYOUTS, is_stable
 from sweeper.search.decide.objective import predicted_objective
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, is_stable
 from sweeper.search.propose.dominance import Dominance
 from sweeper.search.propose.memory_evidence import MemoryEvidence
 from sweeper.space.layout import Layout

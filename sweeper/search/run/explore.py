@@ -16,7 +16,8 @@ from sweeper.config.schema import layout_from_string
 from sweeper.plan.assess import PlanEntry, assess
 from sweeper.record.schema import TrialResult
 from sweeper.search.console import console
-from sweeper.search.decide.candidates import NOT_THE_LAYOUTS, trials_without_improvement
+from sweeper.search.decide.candidates import trials_without_improvement
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS
 from sweeper.search.propose.frontier import layout_key
 from sweeper.search.propose.refit import turn as refit_proposal
 from sweeper.search.run.scheduler import HOLD, Running

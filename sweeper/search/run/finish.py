@@ -7,7 +7,8 @@ from sweeper.errors import EXIT_FAILED, EXIT_OK
 from sweeper.export import EXECUTABLE, export_files
 from sweeper.report.render import render_report, report_figures
 from sweeper.search.console import console
-from sweeper.search.decide.candidates import best_layout_document, candidates, choose
+from sweeper.search.decide.best_layout import best_layout_document
+from sweeper.search.decide.candidates import candidates, choose
 from sweeper.search.decide.checkpoints import prune_checkpoints
 from sweeper.search.decide.decision import decision, summary_line
 from sweeper.search.decide.summary import folder_artifacts, sweep_metrics, trials_table

@@ -23,15 +23,9 @@ from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
-from sweeper.search.decide.candidates import (
-    GATE_OFF,
-    NOT_THE_LAYOUTS,
-    candidates,
-    is_stable,
-    steady,
-    step_time_drift,
-)
+from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import objective_value
+from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, is_stable, steady, step_time_drift
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
 from sweeper.search.propose.study import LayoutStudy, Mode
