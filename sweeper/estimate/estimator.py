@@ -141,7 +141,6 @@ def _links(layout: Layout, cluster: ClusterConfig, efficiency: float, latency_us
         dp=bw(tp * cp * dp),
         pp=bw(layout.world_size),
         etp=bw(layout.etp),
-        ep=bw(layout.etp * layout.ep),
         edp=bw(layout.etp * layout.ep * layout.edp),
         host=cluster.host_link_gbs * 1e9,
         latency=latency_us * 1e-6,

@@ -109,7 +109,6 @@ class Links:
     cp: float
     dp: float
     pp: float
-    ep: float
     etp: float
     edp: float
     host: float  # device <-> host copies (activation offload; cluster.host_link_gbs)
