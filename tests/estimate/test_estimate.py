@@ -281,7 +281,7 @@ def test_nvfp4_on_blackwell_keeps_two_fp4_weight_copies_and_runs_its_gemms_at_th
 
 
 def test_the_knobs_move_memory_and_step_time_the_way_their_mechanisms_do() -> None:
-    """Issue 18 (memory.dispatch_buffer_bytes, graph_static_bytes, step_time._token_exchange, _exposed_launches):
+    """Issue 18 (memory.dispatch_buffer_bytes, graph_static_bytes, step_time.expert_dispatch, _exposed_launches):
     at EP 8 and top-6, allgather moves and holds every token of the group where alltoall moves the routed copies;
     flex's kernels use more of the link; the A2A overlap hides exchange time and keeps one more layer alive;
     CUDA graphs keep static buffers and remove launch waits where kernels are short; offloaded layers leave the
