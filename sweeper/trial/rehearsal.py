@@ -30,6 +30,7 @@ from pathlib import Path
 
 from sweeper.cluster.connection import NodeInfo
 from sweeper.cluster.doctor import DoctorReport
+from sweeper.config.files import write_atomic
 from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import UsageError
@@ -37,7 +38,6 @@ from sweeper.estimate import Estimator
 from sweeper.estimate.disk import checkpoint_bytes
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.record.checkpoints import REFERENCE_FILE
-from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.host import TrialHost

@@ -52,9 +52,9 @@ import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import Phase, SmokeFailure
+from sweeper.config.files import write_atomic
 from sweeper.models.spec import ModelSpec
 from sweeper.record.checkpoints import REFERENCE_FILE  # written last: its presence means the reference is complete
-from sweeper.record.files import write_atomic
 from sweeper.record.schema import GATE_SKIPPED
 from sweeper.space.layout import Layout
 

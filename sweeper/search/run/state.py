@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate.calibrator import Calibrator
+from sweeper.estimate.calibrator import Calibrator, Measured
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
@@ -212,9 +212,13 @@ class SweepState:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
                              " (not stable: search.allow_cross_node_tp is false)"), important=True)
-        update = self.calibrator.add(run.layout, result, run.number)
+        update = self.calibrator.add(run.layout, Measured(
+            passed=result.passed, step_time_s=m.step_time_s, peak_memory_gib=m.peak_memory_gib,
+            peak_on_device=result.memory_kind == "device", moe_hot_rank_factor=m.moe_hot_rank_factor), run.number)
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")
+        if update.warning:
+            console.print(f"[yellow]estimator[/] {update.warning}", important=True)
         if self.frontier.learn(run.number, run.layout, result, update.changed):
             self.study.set_candidates(self.frontier.order())
         self.print_progress()
