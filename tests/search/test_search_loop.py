@@ -894,3 +894,23 @@ def test_an_interrupted_sweep_writes_no_best_layout(
     stopper.join()
     assert not (tmp_path / "sweep" / "best_layout.yaml").exists()
     assert SweepDir(tmp_path / "sweep").read_meta().status == "interrupted"
+
+
+def test_a_confirmation_after_a_driver_death_does_not_reuse_the_dead_runs_folder(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """issue 51: the attempt number came from the records alone, and the dead run left a folder but no record."""
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 3, "confirm_top": 0, "sampler": "grid"}})
+    first = make_sweep(cfg, StandInHost(delay=0.1))
+    first.run()
+    from sweeper.search.decide.candidates import candidates
+
+    best = candidates(first.records, cfg)[0]  # the first to be confirmed
+    dead = SweepDir(tmp_path / "sweep").trial_dir(best.number, 1, "confirm")
+    dead.mkdir(parents=True)  # what a confirmation running when the driver died leaves
+    (dead / "rank0.log").write_text("the dead run's log\n")
+    confirming = _load(tmp_path, {**SPACE, "search": {"max_trials": 3, "confirm_top": 1, "sampler": "grid"}})
+    second = make_sweep(confirming, StandInHost(delay=0.1), resume=True)
+    assert second.run() == 0
+    confirms = [r for r in second.records if r.phase == "confirm"]
+    assert [(r.number, r.attempt) for r in confirms] == [(best.number, 2)]
+    assert (dead / "rank0.log").read_text() == "the dead run's log\n"

@@ -39,6 +39,8 @@ def confirm(sweep: SweepState) -> None:
             if slot is not None:
                 budget -= 0 if retry else 1
                 attempt = confirm_attempts(sweep.records, head.number)[0] + 1
+                while sweep.dir.trial_dir(head.number, attempt, "confirm").exists():
+                    attempt += 1  # a confirmation running when a driver died left its folder, and no record
                 sweep.launch(head.layout, head.number, attempt, "confirm", None, head.explore.predicted, slot)
                 continue
             if not sweep.scheduler.in_flight:

@@ -162,7 +162,7 @@ class SweepState:
         self.scheduler.submit(run, cfg=self.cfg, layout=layout, trial_dir=self.dir.trial_dir(number, attempt, phase),
                               inject=inject, steps=steps, reference=self.reference,
                               routing_stress=phase == "confirm")  # finalists only (issue 17)
-        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"
+        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {nodes_text(slot.labels)}"
                       + (f" [magenta](inject {inject})[/]" if inject else ""))
         self.print_progress(line=False)
 
@@ -294,6 +294,13 @@ class SweepState:
         meta.status, meta.ended_at = "interrupted", now()
         self.dir.write_meta(meta)
         self.tracker.kill_sweep()
+
+
+def nodes_text(labels: list[str]) -> str:
+    """The nodes a trial runs on, for one console line: named up to four, else counted (a 1,024-GPU trial's 128
+    names are in its record and the live table)."""
+    names = list(dict.fromkeys(labels))
+    return ",".join(names) if len(names) <= 4 else f"{len(names)} nodes ({names[0]} ... {names[-1]})"
 
 
 def predicted(entry: PlanEntry) -> dict[str, Any] | None:
