@@ -37,7 +37,13 @@ GATE_SKIPPED = "equivalence gate skipped"
 @dataclass
 class TrialMetrics:
     tokens_per_s: float | None = None
+    # The mean of the timed steps (warm-up excluded): a production run's time is the sum of its steps, stalls
+    # included, so throughput is tokens over the mean step (issue 53); the median, the 90th percentile and the slowest
+    # step beside it say how the steps spread.
     step_time_s: float | None = None
+    step_time_median_s: float | None = None
+    step_time_p90_s: float | None = None
+    step_time_max_s: float | None = None
     tflops_per_gpu: float | None = None
     # Max over ranks, through the training steps; device reserved on GPU, host RSS on CPU (see memory_kind).
     peak_memory_gib: float | None = None

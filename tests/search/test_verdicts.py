@@ -46,3 +46,33 @@ def test_a_gate_skipped_for_the_layout_proves_nothing() -> None:
     passed.notes.append(f"{GATE_SKIPPED}: the reference's padded vocabulary 50304 is not divisible by tp=3")
     assert not proven(passed)
     assert not proven(TrialResult(status="passed", notes=[GATE_OFF]))
+
+
+def test_steps_that_stall_one_in_four_measure_slower_than_steady_ones_of_the_same_median_and_do_not_confirm(
+        tmp_path) -> None:
+    """issue 53: the step time was the median of the timed steps, blind to a layout that stalls one step in four."""
+    import yaml
+
+    from sweeper.backends.base import RankReport
+    from sweeper.config.load import load_config
+    from sweeper.search.decide.verdicts import good_confirmation, stall_ratio
+    from sweeper.trial.aggregate import RankOutcome, aggregate
+
+    def measured(times: list[float]) -> TrialResult:
+        report = RankReport(rank=0, node_id="n", backend="b", ok=True, step_times_s=times, tokens_per_step=1000,
+                            peak_memory_bytes=2**30, memory_kind="device")
+        return aggregate([RankOutcome(0, "a", report)], world_size=1, warmup_steps=1, trial_dir=None)
+
+    steady_run = measured([9.0] + [1.0] * 12)
+    stalling = measured([9.0] + [1.0, 1.0, 1.0, 2.0] * 3)  # one step in four stalls at 2x
+    assert steady_run.metrics.step_time_median_s == stalling.metrics.step_time_median_s == 1.0
+    assert stalling.metrics.tokens_per_s < steady_run.metrics.tokens_per_s  # 800 vs 1,000 tokens/s
+    assert stalling.metrics.step_time_max_s == 2.0 and stall_ratio(stalling) > 1.25 >= stall_ratio(steady_run)
+    path = tmp_path / "space.yaml"
+    path.write_text(yaml.safe_dump({"name": "v", "model": "tiny-gpt", "cluster": {
+        "nodes": 1, "gpus_per_node": 1, "gpu_memory_gib": 80, "compute_capability": "9.0"},
+        "training": {"seq_length": 64, "global_batch_size": 8, "steps": 4}}))
+    cfg = load_config(path)
+    stalling.checks = steady_run.checks = TrialChecks(True, True, True, True, True, True)
+    stalling.status = steady_run.status = "passed"
+    assert good_confirmation(steady_run, cfg) and not good_confirmation(stalling, cfg)

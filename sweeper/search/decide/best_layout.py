@@ -11,7 +11,7 @@ from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.search.decide.candidates import Candidate
 from sweeper.search.decide.objective import copies, objective_name, production_gpus
-from sweeper.search.decide.verdicts import step_time_drift
+from sweeper.search.decide.verdicts import stall_ratio, step_time_drift
 
 
 def checkpoint_moves(cands: list[Candidate]) -> dict[str, Any]:
@@ -71,6 +71,8 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
             "steps": [len(r.result.step_times_s) for r in winner.confirmations],
             "step_time_drift": [step_time_drift(r.result, cfg.training.warmup_steps) for r in winner.confirmations],
             "max_step_time_drift": cfg.search.confirm_max_step_time_drift,
+            "step_time_p90_over_median": [stall_ratio(r.result) for r in winner.confirmations],
+            "max_step_time_p90": cfg.search.confirm_max_step_time_p90,
         },
         "memory": {
             "predicted_gib": winner.explore.predicted_memory_gib,

@@ -16,23 +16,48 @@ MIN_STEPS_FOR_DRIFT = 8  # fewer timed steps than this: too few for two quarters
 
 
 def step_time_drift(result: TrialResult, warmup_steps: int) -> float | None:
-    """The median step time of the last quarter of the steps over that of the first quarter (warm-up steps left
-    out); None when too few steps were timed."""
+    """The mean step time of the last quarter of the steps over that of the first quarter (warm-up steps left out;
+    the mean, so a quarter's stalls count); None when too few steps were timed."""
     times = result.step_times_s[warmup_steps:]
     if len(times) < MIN_STEPS_FOR_DRIFT:
         return None
     quarter = len(times) // 4
-    first = statistics.median(times[:quarter])
-    return statistics.median(times[-quarter:]) / first if first > 0 else None
+    first = statistics.fmean(times[:quarter])
+    return statistics.fmean(times[-quarter:]) / first if first > 0 else None
+
+
+def stall_ratio(result: TrialResult) -> float | None:
+    """The timed steps' 90th percentile over their median (1.0: every step alike); None when not recorded."""
+    m = result.metrics
+    if not m.step_time_p90_s or not m.step_time_median_s:
+        return None
+    return m.step_time_p90_s / m.step_time_median_s
+
+
+def unsteady_text(result: TrialResult, cfg: SweepConfig) -> str:
+    """What made a run unsteady, in words (the drift, the stalls, or both)."""
+    parts = []
+    drift = step_time_drift(result, cfg.training.warmup_steps)
+    if drift is not None and drift > cfg.search.confirm_max_step_time_drift:
+        parts.append(f"the last quarter of its steps took {drift:.2f}x the first "
+                     f"(search.confirm_max_step_time_drift {cfg.search.confirm_max_step_time_drift:g})")
+    stall = stall_ratio(result)
+    if stall is not None and stall > cfg.search.confirm_max_step_time_p90:
+        parts.append(f"its steps' 90th percentile is {stall:.2f}x their median: it stalls "
+                     f"(search.confirm_max_step_time_p90 {cfg.search.confirm_max_step_time_p90:g})")
+    return "; ".join(parts) or "steady"
 
 
 def steady(result: TrialResult, cfg: SweepConfig) -> bool:
-    """The step time did not drift past the limit. On the CPU backend (host memory) trials share the machine's
-    cores, so another trial starting slows this one: the drift is recorded there, not held against the layout."""
+    """The step time neither drifted nor stalled past the limits (``search.confirm_max_step_time_drift``,
+    ``search.confirm_max_step_time_p90``). On the CPU backend (host memory) trials share the machine's cores, so
+    another trial starting slows this one: both are recorded there, not held against the layout."""
     if result.memory_kind == "host":
         return True
     drift = step_time_drift(result, cfg.training.warmup_steps)
-    return drift is None or drift <= cfg.search.confirm_max_step_time_drift
+    stall = stall_ratio(result)
+    return (drift is None or drift <= cfg.search.confirm_max_step_time_drift) and (
+        stall is None or stall <= cfg.search.confirm_max_step_time_p90)
 
 
 # Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself

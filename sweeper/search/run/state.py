@@ -25,7 +25,7 @@ from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import objective_value
-from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, attribute, is_stable, steady, step_time_drift
+from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, attribute, is_stable, steady, unsteady_text
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
 from sweeper.search.propose.study import LayoutStudy, Mode
@@ -203,11 +203,9 @@ class SweepState:
                    f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
-        if run.phase == "confirm" and not steady(result, self.cfg):  # unsteady: the drift exceeded the limit
-            drift = step_time_drift(result, self.cfg.training.warmup_steps)
-            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: the last quarter of its steps "
-                          f"took {drift:.2f}x the first (search.confirm_max_step_time_drift "
-                          f"{self.cfg.search.confirm_max_step_time_drift:g}): not confirmed", important=True)
+        if run.phase == "confirm" and result.passed and not steady(result, self.cfg):
+            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: {unsteady_text(result, self.cfg)}"
+                          ": not confirmed", important=True)
         for warning in result.placement_warnings:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
