@@ -375,7 +375,10 @@ class SweepConfig(_Strict):
     def production_batch_reason(self, world_size: int) -> str | None:
         """Why layouts of ``world_size`` GPUs cannot run the production batch in equal shares, or None."""
         gbs, k = self.training.global_batch_size, self.copies(world_size)
-        if k and gbs % k:
+        if not k:  # issue 53: it was launched (first, in exhaustive order) though nothing of it could be chosen
+            return (f"the layout needs {world_size} GPUs, more than the production run's {self.production_gpus} "
+                    "(budget.gpus): no copy of it runs in production")
+        if gbs % k:
             return (f"global_batch_size ({gbs}) on the production run's {self.production_gpus} GPUs does not split "
                     f"over the {k} copies of a {world_size}-GPU layout: its trial would not run the production "
                     f"run's micro-batches")
