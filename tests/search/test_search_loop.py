@@ -70,9 +70,9 @@ class StandInHost:
         self.confirm_kinds: dict[str, list[str]] = {}  # per layout: what its confirmation attempts do, in order
         self.reference_kinds: list[str] = []  # what the reference's attempts do first ("infra"), then it is made
 
-    def hold_others(self, gpus_per_node: int, seconds: float) -> None:
+    def hold_others(self, gpus_per_node: int, seconds: float, nodes: list[str] | None = None) -> None:
         with self.lock:
-            self.others = {n: gpus_per_node for n in self.free}
+            self.others = {n: gpus_per_node for n in (nodes or self.free)}
             self.others_until = time.monotonic() + seconds
 
     def _held(self, node: str) -> int:
@@ -914,3 +914,25 @@ def test_a_confirmation_after_a_driver_death_does_not_reuse_the_dead_runs_folder
     confirms = [r for r in second.records if r.phase == "confirm"]
     assert [(r.number, r.attempt) for r in confirms] == [(best.number, 2)]
     assert (dead / "rank0.log").read_text() == "the dead run's log\n"
+
+
+def test_smaller_trials_run_on_the_gpus_other_jobs_leave_while_a_larger_one_waits_for_theirs(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 51: on a shared cluster a whole-cluster trial whose GPUs another job holds for hours blocked every
+    smaller one after one typical trial's time (the rule that keeps the sweep's own small trials from starving it)."""
+    from sweeper.config.schema import layout_from_string
+    from sweeper.search.run import explore
+
+    _fast_polls(monkeypatch)
+    monkeypatch.setattr(explore, "PRIOR_PROPOSALS", 0)
+    large = "gpus=4,pp=2,ep=2,mbs=1"
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 6, "confirm_top": 0, "seeds": [large]}})
+    host = StandInHost(delay=0.2)
+    host.hold_others(2, 3.0, nodes=["n1"])  # another job holds node n1 for the sweep's first 3 s
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    big = layout_from_string(cfg, large)
+    started = {lo: t0 for lo, t0, _ in host.spans}
+    assert big in started and started[big] >= host.others_until  # it ran once the other job was gone
+    meanwhile = [lo for lo, t0, _ in host.spans if t0 < started[big] and lo != big]
+    assert len(meanwhile) >= 3 and all(lo.world_size == 2 for lo in meanwhile)  # more than one trial's time

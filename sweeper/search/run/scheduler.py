@@ -128,9 +128,15 @@ class Scheduler:
         """Whether a smaller trial may start on the free GPUs while the head of the retry queue waits for its own:
         until the head has waited one typical trial (the median wall time of the trials ended so far; any time
         before one has ended). A backfill started then ends about one trial later, so the head is delayed by
-        about one trial at most, and never starved by a stream of small ones."""
+        about one trial at most, and never starved by a stream of small ones. While other jobs hold GPUs the head
+        needs (it would not fit even on every GPU they leave), smaller trials may always start: the sweep's budget
+        is not spent waiting on a shared cluster, and once the other jobs free up, the rule above applies."""
         if not self.retry or self.retry[0].waiting_since is None:
             return False
+        head = self.retry[0].layout
+        if head.world_size > self.host.capacity_total() - self.host.held_by_others():
+            # Other jobs hold GPUs it needs: the sweep's own trials on the free GPUs do not delay it (issue 51).
+            return True
         if not self.durations:
             return True
         return self.now() - self.retry[0].waiting_since < statistics.median(self.durations)
