@@ -197,6 +197,13 @@ class TrialRecord:
         return (self.predicted or {}).get("memory_gib")
 
 
+# What every output of a rehearsal (``search --rehearse``, trial/rehearsal.py) says of its figures: the decision's
+# throughput basis, the report's banner, best_layout.yaml and the exports' headers (issue 54).
+MODELLED = "modelled"
+REHEARSAL_NOTE = ("a rehearsal (sweeper search --rehearse): every trial was modelled from the estimator with its "
+                  "error drawn, on a virtual clock; nothing was measured")
+
+
 class SweepMeta(BaseModel):
     """``sweep.json``: what the sweep was run on, how it ended, and what it decided without a trial. Keys this
     version does not know are kept as they are (``extra="allow"``)."""
@@ -209,6 +216,9 @@ class SweepMeta(BaseModel):
     memory_headroom: float | None = None
     objective: str | None = None
     status: str | None = None  # running | finished | interrupted | budget | ...
+    # True: a rehearsal's folder (every record modelled, REHEARSAL_NOTE); False: trials that ran. Written when the
+    # folder is made; a resume of the other kind is refused, so its records are never a mix (issue 54).
+    rehearsal: bool | None = None
     started_at: str | None = None
     ended_at: str | None = None
     memory_kind: Literal["device", "host"] | None = None

@@ -401,6 +401,7 @@ table.attempts td:nth-child(n+8){text-align:right;white-space:nowrap}
 .err{font-family:ui-monospace,monospace;font-size:.8rem;word-break:break-word}
 .cat{color:#fff;padding:0 .4rem;border-radius:3px;white-space:nowrap}
 .caveat{background:#fff6e0;border-left:4px solid #e9a23b;padding:.5rem .75rem}
+.rehearsal{background:#f3e8ff;border:2px solid #8b3fd9;padding:.75rem 1rem;font-size:1.05rem}
 .good{font-size:1.1rem}.bad{color:#a0202f;font-weight:600}.note,.dim{color:#666}
 pre{background:#f6f6f6;padding:.5rem;white-space:pre-wrap}
 """
