@@ -2,8 +2,9 @@
 
 The trial records here are test data (not trial results): the decision's, best_layout.yaml's and the exports' marks
 are functions of the records and of ``rehearsal``; the report is rendered from a hand-made sweep folder (the report
-tests' fixture). The refusal runs the real command line, in-process: a resume of the other kind exits 2 before
-anything is written (``SimulatedCluster.start`` is replaced by a failure here only to prove it is never called)."""
+tests' fixture). The refusals run the real command line, in-process: a resume of the other kind exits 2 before
+anything is written, and a resumed sweep on a simulated cluster larger than this machine exits 1 before a cluster
+starts (``SimulatedCluster.start`` is replaced by a failure here only to prove it is never called)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates, choose
 from sweeper.search.decide.decision import decision, summary_line
 from sweeper.search.run.sweep import SearchOptions
+from sweeper.trial.host import simulated_capacity_refusal
 from sweeper.trial.rehearsal import BACKEND
 from tests.report.test_report import write_fixture_sweep
 
@@ -143,6 +145,39 @@ def test_a_resume_of_the_other_kind_is_refused_in_one_line_before_anything_is_wr
 
 def _no_cluster(self: SimulatedCluster) -> SimulatedCluster:
     raise AssertionError("a simulated cluster was started")
+
+
+def test_a_resumed_sweep_on_a_simulated_cluster_larger_than_the_machine_is_refused_before_it_starts(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(SimulatedCluster, "start", _no_cluster)
+    out = _folder(tmp_path, False)
+    # 4,096 simulated nodes: over 1 TB of Ray processes, more than any machine running this test holds.
+    assert _search(out, "--set", "cluster.nodes=4096") == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("error: quickstart: cluster.nodes: a simulated cluster of 4096 nodes x 2 GPUs needs about")
+
+
+def test_a_resumed_sweep_makes_the_fresh_runs_cpu_backend_check(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The issue's case: DeepSeek-V3 on 128 x 8 resumed in a rehearsal's folder without --rehearse. Before issue 54
+    it skipped the checks a fresh run makes and started 128 simulated nodes on a 2-core machine."""
+    monkeypatch.setattr(SimulatedCluster, "start", _no_cluster)
+    out = _folder(tmp_path, True)
+    assert _search(out, space=str(ROOT / "search_spaces" / "deepseek_v3_1024.yaml")) == 1
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert ("a simulated cluster of 128 nodes x 8 GPUs needs about" in line
+            or "no layout of this space can run on the CPU backend of a simulated cluster" in line), line
+
+
+def test_the_capacity_check_sums_rays_head_its_nodes_and_one_rank() -> None:
+    cfg = load_config(ROOT / "search_spaces" / "deepseek_v3_1024.yaml")
+    refusal = simulated_capacity_refusal(cfg, memory_gib=23.0)  # 1.7 + 127 x 0.25 + 1.0 = 34.45 GiB
+    assert refusal is not None and "needs about 34.5 GiB" in refusal and "has 23.0 GiB" in refusal
+    assert "--rehearse" in refusal and "--address ADDR" in refusal
+    assert simulated_capacity_refusal(cfg, memory_gib=34.5) is None
+    quickstart = load_config(ROOT / "search_spaces" / "quickstart.yaml")  # 2 x 2: 1.95 GiB of Ray, 1 rank
+    assert simulated_capacity_refusal(quickstart, memory_gib=2.95) is None
+    assert simulated_capacity_refusal(quickstart, memory_gib=2.9) is not None
 
 
 @pytest.mark.parametrize(("rehearsal", "backend", "kind"), [
