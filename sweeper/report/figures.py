@@ -319,13 +319,13 @@ def memory_pruned_table(pruned: Sequence[dict[str, Any]]) -> str:
             f"</summary>{table}</details>")
 
 
-def dominated_table(dominated: Sequence[dict[str, Any]], stopped_early: str | None) -> str:
+def dominated_table(dominated: Sequence[dict[str, Any]], stopped_early: str | None, measured: str = "measured") -> str:
     """The layouts a measured trial made not worth running (sweep.json ``dominated``), and why exploring stopped
-    early (``stopped_early``), when it did."""
+    early (``stopped_early``), when it did. ``measured``: what the trials' figures were ("modelled" in a rehearsal)."""
     parts = [f'<p class="caveat">{esc(stopped_early)}</p>'] if stopped_early else []
     if dominated:
         body = [[esc(str(d.get("layout"))), esc(str(d.get("reason", "")))] for d in dominated]
-        parts.append(f"<details><summary>{len(dominated)} layouts dominated by a measured trial (never run)"
+        parts.append(f"<details><summary>{len(dominated)} layouts dominated by a {measured} trial (never run)"
                      f"</summary>{html_table(['layout', 'reason'], body)}</details>")
     return "".join(parts)
 

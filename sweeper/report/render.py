@@ -376,7 +376,7 @@ def build_html(sweep_dir: Path) -> str:
         fig_html.div(drawn["failures"], "No attempt failed and no layout was pruned."),
         figures.pruned_reasons_table(rows),
         figures.memory_pruned_table(info.memory_pruned or []),
-        figures.dominated_table(info.dominated or [], info.stopped_early),
+        figures.dominated_table(info.dominated or [], info.stopped_early, measured),
         figures.unsupported_table(info.unsupported or []),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
         fig_html.div(drawn["axis_effects"], "No axis took more than one value among passed trials."),

@@ -26,6 +26,7 @@ from sweeper.search.command import refuse_other_kind, was_rehearsed
 from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates, choose
 from sweeper.search.decide.decision import decision, summary_line
+from sweeper.search.progress import Progress
 from sweeper.search.run.sweep import SearchOptions
 from sweeper.trial.host import simulated_capacity_refusal
 from sweeper.trial.rehearsal import BACKEND
@@ -93,7 +94,8 @@ def test_a_rehearsals_report_opens_with_a_banner_and_draws_no_self_comparison(tm
     (tmp_path / "real").mkdir()
     rehearsed = write_fixture_sweep(tmp_path / "rehearsed")
     meta = json.loads((rehearsed / "sweep.json").read_text())
-    (rehearsed / "sweep.json").write_text(json.dumps({**meta, "rehearsal": True}))
+    dominated = [{"layout": "TP8-PP1", "reason": "slower than trial 0 on every term"}]
+    (rehearsed / "sweep.json").write_text(json.dumps({**meta, "rehearsal": True, "dominated": dominated}))
     page = render_report(rehearsed).read_text()
     banner = page.index("class='rehearsal'")
     assert banner < page.index("<dl>") and MARK in page[banner:banner + 200]
@@ -101,10 +103,19 @@ def test_a_rehearsals_report_opens_with_a_banner_and_draws_no_self_comparison(tm
     assert "would compare the estimator with itself" in page
     assert "Median absolute error of the memory prediction" not in page
     assert "(modelled, a rehearsal)" in page  # the best layout's figures
+    assert "1 layouts dominated by a modelled trial" in page
 
     real = write_fixture_sweep(tmp_path / "real")
     page = render_report(real).read_text()
     assert "class='rehearsal'" not in page and MARK not in page and "Predicted vs measured peak memory" in page
+
+
+@pytest.mark.parametrize("modelled", [True, False])
+def test_the_progress_lines_best_says_modelled_in_a_rehearsal(modelled: bool) -> None:
+    progress = Progress(max_trials=4, objective="tokens_per_s", started=0.0, clock=lambda: 60.0, modelled=modelled)
+    line = progress.line([], running=0, launched=1, best=("TP1-PP2", 1234.5))
+    assert ("best TP1-PP2 1,234.5 tokens_per_s (modelled) |" in line) is modelled
+    assert "best TP1-PP2 1,234.5 tokens_per_s |" in line or modelled
 
 
 def _folder(tmp_path: Path, rehearsal: bool | None, backend: str | None = None) -> Path:
