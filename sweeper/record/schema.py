@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -200,6 +201,7 @@ class TrialRecord:
 # What every output of a rehearsal (``search --rehearse``, trial/rehearsal.py) says of its figures: the decision's
 # throughput basis, the report's banner, best_layout.yaml and the exports' headers (issue 54).
 MODELLED = "modelled"
+REHEARSAL_BACKEND = "rehearsal (modelled trials)"  # a rehearsal's trials' TrialResult.backend
 REHEARSAL_NOTE = ("a rehearsal (sweeper search --rehearse): every trial was modelled from the estimator with its "
                   "error drawn, on a virtual clock; nothing was measured")
 
@@ -274,6 +276,15 @@ class SweepMeta(BaseModel):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_unset=True)  # what was written, nulls included
+
+
+def is_rehearsal(meta: SweepMeta, records: Iterable[TrialRecord]) -> bool | None:
+    """Whether a sweep folder holds a rehearsal: sweep.json says so; a folder written before sweep.json recorded it
+    (issue 54) is one when its launched trials were modelled (their backend). None: nothing says yet."""
+    if meta.rehearsal is not None:
+        return meta.rehearsal
+    launched = {record.result.backend for record in records if record.result.status != "pruned"}
+    return (REHEARSAL_BACKEND in launched) if launched else None
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:

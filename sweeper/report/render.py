@@ -21,7 +21,7 @@ from sweeper.config.units import GIB, readable
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.files import write_atomic
-from sweeper.record.schema import MODELLED, REHEARSAL_NOTE, SweepMeta
+from sweeper.record.schema import MODELLED, REHEARSAL_NOTE, SweepMeta, is_rehearsal
 from sweeper.record.sweepdir import read_meta
 from sweeper.report import figures
 from sweeper.report.figures import esc, kind_counts, num
@@ -319,6 +319,7 @@ def _page(sweep_dir: Path) -> _Page:
     meta = read_meta(sweep_dir / SWEEP_FILE)
     info = meta or SweepMeta()
     rows, skipped = load_trials(sweep_dir / TRIALS_FILE)
+    info.rehearsal = is_rehearsal(info, rows)  # a rehearsal's folder from before sweep.json said so: its trials do
     limit = info.memory_limit_gib
     _classify(rows, limit)
     memory_kind = _memory_kind(info, rows)

@@ -17,6 +17,7 @@ from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
 from sweeper.models.proxy import is_proxy
 from sweeper.record.files import write_atomic
 from sweeper.record.lock import DriverLock
+from sweeper.record.schema import is_rehearsal
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import console, quiet_libraries, sweep_log
 from sweeper.search.decide.summary import space_params
@@ -61,7 +62,7 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
 def refuse_other_kind(sweep_dir: SweepDir, options: SearchOptions) -> None:
     """A rehearsal resumes only a rehearsal's folder and a sweep only a sweep's: their modelled and measured records
     would otherwise mix in trials.jsonl, the Optuna journal and the winner's checkpoints (issue 54)."""
-    folder_rehearsed = was_rehearsed(sweep_dir)
+    folder_rehearsed = is_rehearsal(sweep_dir.read_meta(), sweep_dir.read_trials())
     if folder_rehearsed is None or folder_rehearsed == options.rehearse:
         return
     if options.rehearse:
@@ -69,18 +70,6 @@ def refuse_other_kind(sweep_dir: SweepDir, options: SearchOptions) -> None:
                          "only a rehearsal's folder: choose another --out")
     raise UsageError(f"--resume: {options.out} holds a rehearsal (modelled trials); resume it with --rehearse, or "
                      "run the sweep in another --out")
-
-
-def was_rehearsed(sweep_dir: SweepDir) -> bool | None:
-    """Whether the folder holds a rehearsal: sweep.json says so; a folder written before sweep.json recorded it is
-    one when its trials were modelled (the rehearsal's backend). None: nothing recorded yet."""
-    from sweeper.trial.rehearsal import BACKEND
-
-    meta = sweep_dir.read_meta()
-    if meta.rehearsal is not None:
-        return meta.rehearsal
-    launched = {record.result.backend for record in sweep_dir.read_trials() if record.result.status != "pruned"}
-    return (BACKEND in launched) if launched else None
 
 
 def _host(cfg: SweepConfig, options: SearchOptions) -> contextlib.AbstractContextManager[Any]:

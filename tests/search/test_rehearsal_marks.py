@@ -19,10 +19,18 @@ from sweeper.cluster.simulated import SimulatedCluster
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.export import EXECUTABLE, export_files
-from sweeper.record.schema import MODELLED, SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
+from sweeper.record.schema import (
+    MODELLED,
+    SweepMeta,
+    TrialChecks,
+    TrialMetrics,
+    TrialRecord,
+    TrialResult,
+    is_rehearsal,
+)
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import render_report
-from sweeper.search.command import refuse_other_kind, was_rehearsed
+from sweeper.search.command import refuse_other_kind
 from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates, choose
 from sweeper.search.decide.decision import decision, summary_line
@@ -118,6 +126,14 @@ def test_the_progress_lines_best_says_modelled_in_a_rehearsal(modelled: bool) ->
     assert "best TP1-PP2 1,234.5 tokens_per_s |" in line or modelled
 
 
+def test_a_rehearsals_folder_from_before_sweep_json_said_so_is_known_by_its_trials(tmp_path: Path) -> None:
+    folder = write_fixture_sweep(tmp_path)
+    trials = folder / "trials.jsonl"
+    trials.write_text(trials.read_text().replace('"megatron-core-gpu"', json.dumps(BACKEND)))
+    assert "rehearsal" not in json.loads((folder / "sweep.json").read_text())
+    assert "class='rehearsal'" in render_report(folder).read_text()
+
+
 def _folder(tmp_path: Path, rehearsal: bool | None, backend: str | None = None) -> Path:
     out = tmp_path / "sweep"
     out.mkdir()
@@ -198,6 +214,7 @@ def test_the_capacity_check_sums_rays_head_its_nodes_and_one_rank() -> None:
 def test_a_folder_of_the_same_kind_resumes(tmp_path: Path, rehearsal: bool | None, backend: str | None,
                                            kind: bool | None) -> None:
     out = _folder(tmp_path, rehearsal, backend)
-    assert was_rehearsed(SweepDir(out)) is kind
+    folder = SweepDir(out)
+    assert is_rehearsal(folder.read_meta(), folder.read_trials()) is kind
     for rehearse in (True, False) if kind is None else (kind,):  # a folder with nothing recorded takes either
         refuse_other_kind(SweepDir(out), SearchOptions(out=out, resume=True, rehearse=rehearse))
