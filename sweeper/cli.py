@@ -148,8 +148,9 @@ def _parser() -> argparse.ArgumentParser:
                         "YAML's cluster, on a virtual clock, no GPU and no Ray; writes rehearsal.json (default --out "
                         "sweeps/<name>-rehearsal/)")
     search.add_argument("--rehearse-faults", metavar="SPEC",
-                        help="with --rehearse: node_loss_per_hour=RATE,hang=P (node losses per node-hour of a "
-                        "trial, the chance a trial hangs)")
+                        help="with --rehearse: node_loss_per_hour=RATE,hang=P,others=SHARE (node losses per "
+                        "node-hour of a trial, the chance a trial hangs, the largest share of the nodes other jobs "
+                        "hold, drawn anew every hour)")
     loudness = search.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true",
                           help="also show the libraries' log lines (Optuna, MLflow, Ray) on the terminal")

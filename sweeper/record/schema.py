@@ -28,9 +28,11 @@ Status = Literal["passed", "failed", "pruned"]
 # checkpoint save held more host memory on a node (its ranks' resident sets, summed) than the node has (issue 17).
 FailureKind = Literal[
     "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
-    "infra", "internal", "unsupported", "checkpoint_host_oom",
+    "infra", "internal", "unsupported", "checkpoint_host_oom", "crash",
 ]
 FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)
+# A trial's note (the backend's) when the equivalence gate could not run on its layout; the reason follows.
+GATE_SKIPPED = "equivalence gate skipped"
 
 
 @dataclass
@@ -244,6 +246,9 @@ class SweepMeta(BaseModel):
     # folders left, "deleted": the folders deleted then, "freed_bytes", "failed": one line per folder that stayed}
     # (sweeper/search/decide/checkpoints.py)
     checkpoints: dict[str, Any] | None = None
+    # What the sweep's earlier driver runs spent of its budget (issue 51): {"wall_s", "gpu_s", "waited_s"}, written
+    # with every recorded attempt, so a --resume (a preempted or requeued driver) continues the budget, not restarts it.
+    spent: dict[str, float] | None = None
 
     @property
     def memory_limit_gib(self) -> float | None:

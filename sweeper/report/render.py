@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config import megatron_release
+from sweeper.config.files import write_atomic
 from sweeper.config.units import GIB, readable
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.record.files import write_atomic
 from sweeper.record.schema import MODELLED, REHEARSAL_NOTE, SweepMeta, is_rehearsal
 from sweeper.record.sweepdir import read_meta
 from sweeper.report import figures

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
+from sweeper.config.files import write_atomic
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
 from sweeper.models.proxy import is_proxy
-from sweeper.record.files import write_atomic
 from sweeper.record.lock import DriverLock
 from sweeper.record.schema import is_rehearsal
 from sweeper.record.sweepdir import SweepDir

@@ -24,6 +24,13 @@ from sweeper.config.units import GIB
 from sweeper.record.schema import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
 from sweeper.space.layout import Layout
 
+# A trial's note when its root cause is one of its own ranks failing as ``infra``: the rank's process died (a
+# segfault in a kernel, a CUDA illegal memory access, the host's memory monitor) or raised an error that is neither
+# Megatron's nor a known environment fault. Not the note of a trial stopped before its ranks ran (placement, ranks
+# that could not start, cancellation). Whether the layout caused it is decided over attempts
+# (``search.decide.verdicts.attribute``): once its node is known alive, the second time is the layout's.
+RANK_FAULT = "rank_fault"
+
 # Lower explains more. Kinds not listed (a rank's own failure) rank 0.
 _COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}
 
@@ -105,6 +112,8 @@ def aggregate(
     # A hung trial's peers may report comm errors; the hang (timeout) explains them, a dead rank does not.
     if cause is not None and not (timeout_error and cause.failure_kind in ("comm_error", "timeout")):
         status, kind, error = "failed", cause.failure_kind, describe(cause)
+        if kind == "infra" and RANK_FAULT not in all_notes:
+            all_notes.append(RANK_FAULT)
     elif timeout_error:
         status, kind, error = "failed", "timeout", timeout_error
     elif abort_error is not None:

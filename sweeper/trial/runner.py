@@ -45,9 +45,9 @@ from sweeper.cluster import (
     trial_placement,
 )
 from sweeper.cluster.ray_errors import cause_line
+from sweeper.config.files import write_atomic
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
-from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
 from sweeper.space.environment import EnvVar, megatron_environment
 from sweeper.space.layout import Layout

@@ -157,6 +157,18 @@ def test_timeout_explains_collateral_comm_errors_but_not_a_dead_rank() -> None:
     assert dead.failure_kind == "infra"
 
 
+def test_a_trial_whose_own_rank_failed_as_infra_says_so_and_an_aborted_one_does_not() -> None:
+    """issue 51: whether a rank's death is the layout's is decided over attempts (verdicts.attribute), on this note."""
+    from sweeper.trial.aggregate import RANK_FAULT
+
+    dead = aggregate([RankOutcome(0, "a", died="rank process died: SIGSEGV", arrived=1.0), RankOutcome(1, "a")],
+                     world_size=2, warmup_steps=0, trial_dir=None)
+    assert dead.failure_kind == "infra" and RANK_FAULT in dead.notes
+    aborted = aggregate([RankOutcome(0, "a"), RankOutcome(1, "a")], world_size=2, warmup_steps=0, trial_dir=None,
+                        abort_error=("infra", "rank actor failed to start: ImportError"))
+    assert aborted.failure_kind == "infra" and RANK_FAULT not in aborted.notes
+
+
 # -- e2e: run_trial on a simulated 2 x 2 cluster --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory):

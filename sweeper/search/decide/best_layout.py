@@ -69,6 +69,9 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         },
         "confirmation": {
             "runs": len(winner.confirmations),
+            # every confirmation attempt, those lost to faults that were not the layout's included (issue 51)
+            "attempts": [{"attempt": r.attempt, "status": r.result.status, "failure_kind": r.result.failure_kind,
+                          "error": r.result.error} for r in winner.attempts],
             "steps": [len(r.result.step_times_s) for r in winner.confirmations],
             "step_time_drift": [step_time_drift(r.result, cfg.training.warmup_steps) for r in winner.confirmations],
             "max_step_time_drift": cfg.search.confirm_max_step_time_drift,

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import TrialRecord
 from sweeper.search.decide.objective import objective_value
-from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, is_stable, steady
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, good_confirmation, is_stable
 from sweeper.space.layout import Layout
 
 
@@ -18,7 +18,10 @@ class Candidate:
     number: int
     layout: Layout
     explore: TrialRecord  # the exploration record
+    # Its confirmation runs that say something about the layout (a run lost to a node says nothing: it is made again)
     confirmations: list[TrialRecord] = field(default_factory=list)
+    # Every confirmation attempt, the ones lost to faults that were not the layout's included (best_layout.yaml)
+    attempts: list[TrialRecord] = field(default_factory=list)
 
     @property
     def runs(self) -> list[TrialRecord]:
@@ -43,8 +46,8 @@ class Candidate:
         return self.runs[ranked[(len(ranked) - 1) // 2][1]]
 
     def confirmed(self, cfg: SweepConfig) -> bool:
-        """Every confirmation run passed and its step time stayed steady (``search.confirm_max_step_time_drift``)."""
-        return all(r.result.passed and steady(r.result, cfg) for r in self.confirmations)
+        """It has confirmation runs and every one confirms (``verdicts.good_confirmation``)."""
+        return bool(self.confirmations) and all(good_confirmation(r.result, cfg) for r in self.confirmations)
 
 
 def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> int:
@@ -69,13 +72,14 @@ def candidates(records: list[TrialRecord], cfg: SweepConfig) -> list[Candidate]:
     confirms: dict[int, list[TrialRecord]] = {}
     for rec in records:
         if rec.phase == "confirm":
-            if rec.result.failure_kind not in NOT_THE_LAYOUTS:  # a lost node says nothing: the run is made again
-                confirms.setdefault(rec.number, []).append(rec)
+            confirms.setdefault(rec.number, []).append(rec)
         elif is_stable(rec.result, cfg):
             explore[rec.number] = Candidate(rec.number, Layout.from_dict(rec.layout), rec)
     for number, recs in confirms.items():
         if number in explore:
-            explore[number].confirmations = recs
+            explore[number].attempts = recs
+            # a lost node says nothing: the run is made again
+            explore[number].confirmations = [r for r in recs if r.result.failure_kind not in NOT_THE_LAYOUTS]
     return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg, c.layout))
 
 
@@ -86,11 +90,7 @@ def confirm_attempts(records: list[TrialRecord], number: int) -> tuple[int, int]
 
 
 def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True) -> Candidate | None:
-    """The winner: among candidates whose confirmation runs all passed and stayed stable (or, with
-    ``confirmed_only`` off, every stable candidate), the best median objective."""
-    ok = [
-        c for c in cands
-        if (c.confirmations or not confirmed_only) and c.confirmed(cfg)
-        and all(is_stable(r.result, cfg) for r in c.confirmations)
-    ]
+    """The winner: among confirmed candidates (``Candidate.confirmed``; with ``confirmed_only`` off, every stable
+    candidate whose confirmations, if any, confirm), the best median objective."""
+    ok = [c for c in cands if c.confirmed(cfg) or (not confirmed_only and not c.confirmations)]
     return max(ok, key=lambda c: c.median(cfg), default=None)

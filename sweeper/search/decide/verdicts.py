@@ -5,9 +5,12 @@ the winner all ask here."""
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from sweeper.config.schema import SweepConfig
-from sweeper.record.schema import TrialResult
+from sweeper.record.schema import GATE_SKIPPED, TrialResult
+from sweeper.trial.aggregate import RANK_FAULT
+from sweeper.trial.runner import NODE_LOST
 
 MIN_STEPS_FOR_DRIFT = 8  # fewer timed steps than this: too few for two quarters to mean anything
 
@@ -37,17 +40,44 @@ def steady(result: TrialResult, cfg: SweepConfig) -> bool:
 NOT_THE_LAYOUTS = ("infra", "internal")
 
 
+def attribute(result: TrialResult, earlier: list[TrialResult]) -> TrialResult:
+    """Whose fault an ended attempt is, given the earlier attempts of the same trial and phase (``earlier``). A rank
+    that died (or failed with an error that is neither Megatron's nor a known environment fault) while Ray says its
+    node stayed alive is retried once as ``infra``; the second time it is the layout's (``crash``): a kernel that
+    segfaults or reads out of bounds in this layout does it again. The other way round, a hang while one of the
+    trial's nodes was lost is the node's (``infra``), not the layout's ``timeout``."""
+    node_lost = NODE_LOST in result.notes
+    if result.failure_kind == "timeout" and node_lost:
+        return replace(result, failure_kind="infra", notes=[*result.notes, HANG_WITH_NODE_LOST])
+    if result.failure_kind != "infra" or RANK_FAULT not in result.notes or node_lost:
+        return result
+    before = sum(1 for r in earlier if RANK_FAULT in r.notes and NODE_LOST not in r.notes)
+    if before < 1:
+        return result
+    return replace(result, failure_kind="crash", notes=[*result.notes, CRASHED_AGAIN.format(n=before + 1)])
+
+
+HANG_WITH_NODE_LOST = "a hang while one of its nodes was lost: the node's, not the layout's"
+CRASHED_AGAIN = "a rank failed on a live node on {n} attempts: the layout's"
+
+
 # The note a sweep adds to a trial it ran without its equivalence reference (the reference could not be made).
 GATE_OFF = "equivalence gate off: the sweep has no reference"
 
 
+def proven(result: TrialResult) -> bool:
+    """The equivalence gate ran on this trial: the sweep had its reference and the layout could take its batch (a
+    gate skipped for the layout, e.g. a padded vocabulary TP does not divide, proves nothing either)."""
+    return GATE_OFF not in result.notes and not any(n.startswith(GATE_SKIPPED) for n in result.notes)
+
+
 def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
-    """Passed, ran against the equivalence reference (unless ``search.require_equivalence`` is false), within the
+    """Passed, proven by the equivalence gate (unless ``search.require_equivalence`` is false), within the
     memory headroom (under routing stress too, when the trial ran it), and (unless ``search.allow_cross_node_tp``)
     no TP or ETP group ran across nodes."""
     if not result.passed:
         return False
-    if GATE_OFF in result.notes and cfg.search.require_equivalence:
+    if cfg.search.require_equivalence and not proven(result):
         return False
     if result.placement_warnings and not cfg.search.allow_cross_node_tp:
         return False
@@ -60,3 +90,10 @@ def is_stable(result: TrialResult, cfg: SweepConfig) -> bool:
     return peak is not None and peak + outside <= cfg.memory_limit_gib
 
 
+
+
+def good_confirmation(result: TrialResult, cfg: SweepConfig) -> bool:
+    """A confirmation run that confirms: stable (``is_stable``: passed, proven, within the memory headroom under
+    routing stress, no TP across nodes) and steady. The confirmation phase and the choice of the winner both ask
+    this, so a run that passed but is not stable neither fills a confirmation slot nor wins."""
+    return is_stable(result, cfg) and steady(result, cfg)

@@ -38,16 +38,29 @@ def prior_proposals(simulated: bool) -> int:
 
 
 def explore(sweep: SweepState) -> None:
-    """The exploration loop: ends when the sweep is stopped, or nothing is in flight and nothing more launches."""
+    """The exploration loop: ends when the sweep is stopped, or nothing is in flight, nothing waits for GPUs the
+    capacity alive can hold (``run.capacity``) and nothing more launches."""
     sweep.ended_handlers["explore"] = lambda run, result: ended(sweep, run, result)
     seed_queue(sweep)
     while not sweep.stop.is_set():
         fill(sweep)
-        if not sweep.scheduler.in_flight:
+        if sweep.scheduler.in_flight:
+            sweep.wait_one()
+            continue
+        # Nothing of the sweep's own runs: a proposal held for GPUs that other jobs hold waits for them (the wall-time
+        # budget ends the wait); one the capacity alive can never hold was deferred and ends with the sweep.
+        if not sweep.scheduler.retry or wall_time_spent(sweep):
             break
-        sweep.wait_one()
+        head = sweep.scheduler.retry[0]
+        sweep.capacity.idle(f"trial #{head.number}", head.layout)
     if not sweep.stop.is_set():
         defer_waiting(sweep)
+
+
+def wall_time_spent(sweep: SweepState) -> bool:
+    """``search.wall_time_s`` is spent (over every run of the sweep: ``--resume`` continues its clock)."""
+    wall = sweep.cfg.search.wall_time_s
+    return wall is not None and sweep.wall_s() > wall
 
 
 def seed_queue(sweep: SweepState) -> None:
@@ -99,11 +112,10 @@ def budget_left(sweep: SweepState) -> bool:
             console.print(f"[yellow]{sweep.stopped_early}[/]", important=True)
     if sweep.stopped_early is not None:
         return False
-    wall = sweep.cfg.search.wall_time_s
-    if wall is not None and sweep.scheduler.now() - sweep.t0 > wall:
+    if wall_time_spent(sweep):
         return False
     hours = sweep.cfg.search.gpu_hours
-    return hours is None or sweep.scheduler.busy_gpu_s / 3600 < hours
+    return hours is None or sweep.gpu_s() / 3600 < hours
 
 
 def fill(sweep: SweepState) -> None:
@@ -193,10 +205,12 @@ def admitted(sweep: SweepState, layout: Layout, trial: Any, number: int | None =
 
 
 def defer_waiting(sweep: SweepState) -> None:
-    """Layouts still waiting for GPUs when nothing else runs (e.g. nodes were lost): recorded, not dropped."""
+    """Layouts still waiting for GPUs when exploring ended (nodes were lost, so the capacity alive can never hold
+    them; or the wall-time budget ended the wait): recorded, not dropped."""
     for run in sweep.scheduler.drain_waiting():
-        alive = sweep.handle.capacity_total()
-        text = f"deferred: needs {run.layout.world_size} GPUs, {alive} alive when the sweep ended"
+        alive, others = sweep.handle.capacity_total(), sweep.handle.held_by_others()
+        text = (f"deferred: needs {run.layout.world_size} GPUs, {alive} alive"
+                + (f" ({others} held by other jobs)" if others else "") + " when exploring ended")
         entry = assess(sweep.cfg, run.layout)
         sweep.record_pruned(entry, (text, "infra"), run.proposal, number=run.number)
 

@@ -17,7 +17,9 @@ from sweeper.search.run.state import SweepState, now
 
 def finish(sweep: SweepState, status: str) -> int:
     cands = candidates(sweep.records, sweep.cfg)
-    winner = choose(cands, sweep.cfg, confirmed_only=sweep.cfg.search.confirm_top > 0)
+    # Only a sweep that ran to its end has a winner: an interrupted or failed one has confirmed whatever happened to
+    # run before it stopped (``--resume`` finishes it), so nothing is exported under the winner's name.
+    winner = choose(cands, sweep.cfg, confirmed_only=sweep.cfg.search.confirm_top > 0) if status == "finished" else None
     meta = sweep.dir.read_meta()
     rehearsal = bool(meta.rehearsal)  # every output of a rehearsal says its figures were modelled (issue 54)
     if winner is not None:
@@ -30,6 +32,7 @@ def finish(sweep: SweepState, status: str) -> int:
         "number": winner.number, "layout": winner.layout.short(),
         sweep.cfg.search.objective: winner.median(sweep.cfg)}
     meta.scheduling_efficiency = sweep.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
+    meta.spent = sweep.spent()
     meta.stopped_early = sweep.halted or sweep.stopped_early
     meta.decision = decision(sweep.cfg, cands, winner, sweep.records, sweep.calibrator.current, rehearsal=rehearsal)
     meta.calibration = sweep.calibrator.report.lines() if sweep.calibrator.report else [
@@ -59,9 +62,11 @@ def finish(sweep: SweepState, status: str) -> int:
     if sweep.halted is not None:
         console.print(f"[red]{sweep.halted}[/]", important=True)
         return EXIT_FAILED
-    if winner is None and status == "interrupted" and any(not c.confirmations for c in cands):
-        console.print(f"[yellow]not confirmed yet[/]: {len(cands)} stable layout(s) await their confirmation; "
-                      "`sweeper search --resume` confirms them", important=True)
+    if status == "interrupted":
+        waiting = sum(1 for c in cands if not c.confirmations)
+        console.print("[yellow]interrupted[/]: no best_layout.yaml until the sweep ends"
+                      + (f" ({waiting} stable layout(s) await their confirmation)" if waiting else "")
+                      + "; `sweeper search --resume` continues it", important=True)
         return EXIT_FAILED
     if winner is None:
         console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
@@ -70,4 +75,4 @@ def finish(sweep: SweepState, status: str) -> int:
     console.print(f"[green]best stable layout[/]{kind}: {winner.layout.short()} -> {sweep.dir.best}", important=True)
     if (projected := summary_line(meta.decision)) is not None:
         console.print(projected, important=True)
-    return EXIT_FAILED if status == "interrupted" else EXIT_OK
+    return EXIT_OK

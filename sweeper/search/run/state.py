@@ -18,17 +18,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sweeper.config.schema import SweepConfig
-from sweeper.estimate.calibrator import Calibrator
+from sweeper.estimate.calibrator import Calibrator, Measured
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import Phase, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import objective_value
-from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, is_stable, steady, step_time_drift
+from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, attribute, is_stable, steady, step_time_drift
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
 from sweeper.search.propose.study import LayoutStudy, Mode
+from sweeper.search.run.capacity import CapacityWait
 from sweeper.search.run.faults import Injection, injection_for
 from sweeper.search.run.repeated import RepeatedFailure
 from sweeper.search.run.scheduler import Running, Scheduler
@@ -72,8 +73,13 @@ class SweepState:
         self.max_trials = options.max_trials or cfg.search.max_trials
         self.records = self.dir.read_trials()
         self.stop = threading.Event()
-        self.scheduler = Scheduler(handle, self.parallel_cap())
+        # How every phase waits for GPUs (the clock: a rehearsal's virtual one, else the machine's).
+        self.capacity = CapacityWait(handle, self.stop, getattr(handle, "now", time.monotonic))
+        self.scheduler = Scheduler(handle, self.parallel_cap(), self.capacity.never)
         self.t0 = self.scheduler.now()
+        # The budget spent by the driver runs before this one (--resume): wall time, busy GPU-seconds, waits.
+        before = self.dir.read_meta().spent or {}
+        self.spent_before = {key: float(before.get(key, 0.0)) for key in ("wall_s", "gpu_s", "waited_s")}
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
@@ -107,6 +113,24 @@ class SweepState:
         # What a phase does with an ended attempt of its own, after it is recorded (``wait_one``).
         self.ended_handlers: dict[Phase, Callable[[Running, TrialResult], None]] = {}
 
+    def wall_s(self) -> float:
+        """The sweep's wall time over all its driver runs (``search.wall_time_s``)."""
+        return self.spent_before["wall_s"] + self.scheduler.now() - self.t0
+
+    def gpu_s(self) -> float:
+        """GPU-seconds the sweep's trials held over all its driver runs (``search.gpu_hours``)."""
+        return self.spent_before["gpu_s"] + self.scheduler.busy_gpu_s
+
+    def spent(self) -> dict[str, float]:
+        """sweep.json's ``spent``: what the sweep has spent of its budget so far."""
+        return {"wall_s": self.wall_s(), "gpu_s": self.gpu_s(),
+                "waited_s": self.spent_before["waited_s"] + self.capacity.waited_s}
+
+    def save_spent(self) -> None:
+        meta = self.dir.read_meta()
+        meta.spent = self.spent()
+        self.dir.write_meta(meta)
+
     @property
     def launched(self) -> int:
         """Distinct explored trials launched so far (retries of a trial count once)."""
@@ -139,7 +163,7 @@ class SweepState:
         self.scheduler.submit(run, cfg=self.cfg, layout=layout, trial_dir=self.dir.trial_dir(number, attempt, phase),
                               inject=inject, steps=steps, reference=self.reference,
                               routing_stress=phase == "confirm")  # finalists only (issue 17)
-        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {','.join(slot.labels)}"
+        console.print(f"[cyan]launch[/] #{number}.{attempt} {phase} {layout.short()} on {nodes_text(slot.labels)}"
                       + (f" [magenta](inject {inject})[/]" if inject else ""))
         self.print_progress(line=False)
 
@@ -157,6 +181,11 @@ class SweepState:
         sweep halts on it (a cause that is not transient: the phase leaves the layout open)."""
         if self.reference is None and result.passed and GATE_OFF not in result.notes:
             result.notes.append(GATE_OFF)  # nothing proved it computes the model: stable only if the YAML says so
+        as_run = result  # the fault as the trial saw it: a cause repeated across layouts is not theirs (repeated)
+        result = attribute(result, [r.result for r in self.records if r.number == run.number
+                                    and r.phase == run.phase and r.attempt >= 1])
+        if result is not as_run:
+            console.print(f"[yellow]fault[/] #{run.number}.{run.attempt}: {result.notes[-1]}", important=True)
         killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
         self.tracker.finish_trial(run.run_id, result, killed=killed)  # no run id: started while MLflow was behind
         record = TrialRecord(
@@ -166,6 +195,7 @@ class SweepState:
         )
         self.dir.append_trial(record)
         self.records.append(record)
+        self.save_spent()
         if self.tracker.behind:  # the tracking server went away: logged from the records once it answers
             self.tracker.catch_up(self.records)
         colour = "green" if result.passed else "red"
@@ -183,13 +213,18 @@ class SweepState:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
                              " (not stable: search.allow_cross_node_tp is false)"), important=True)
-        update = self.calibrator.add(run.layout, result, run.number)
+        update = self.calibrator.add(run.layout, Measured(
+            passed=result.passed, step_time_s=m.step_time_s, peak_memory_gib=m.peak_memory_gib,
+            peak_on_device=result.memory_kind == "device", moe_hot_rank_factor=m.moe_hot_rank_factor), run.number)
         for line in update.fit.lines() if update.fit else []:
             console.print(f"[blue]estimator[/] {line}")
+        if update.warning:
+            console.print(f"[yellow]estimator[/] {update.warning}", important=True)
         if self.frontier.learn(run.number, run.layout, result, update.changed):
             self.study.set_candidates(self.frontier.order())
         self.print_progress()
-        halt = None if self.stop.is_set() else self.repeated.add(layout_key(run.layout.to_dict()), run.attempt, result)
+        halt = None if self.stop.is_set() else self.repeated.add(layout_key(run.layout.to_dict()), run.attempt,
+                                                                  as_run)
         if halt is not None:
             self.halted = halt
             console.print(f"[red]{halt}[/]", important=True)
@@ -260,6 +295,13 @@ class SweepState:
         meta.status, meta.ended_at = "interrupted", now()
         self.dir.write_meta(meta)
         self.tracker.kill_sweep()
+
+
+def nodes_text(labels: list[str]) -> str:
+    """The nodes a trial runs on, for one console line: named up to four, else counted (a 1,024-GPU trial's 128
+    names are in its record and the live table)."""
+    names = list(dict.fromkeys(labels))
+    return ",".join(names) if len(names) <= 4 else f"{len(names)} nodes ({names[0]} ... {names[-1]})"
 
 
 def predicted(entry: PlanEntry) -> dict[str, Any] | None:

@@ -1,0 +1,48 @@
+"""Whose fault an ended attempt is (``search.decide.verdicts.attribute``) and what proves a trial
+(``verdicts.proven``): pure functions over TrialResults (no Ray, no Megatron)."""
+
+from __future__ import annotations
+
+from sweeper.record.schema import GATE_SKIPPED, TrialChecks, TrialMetrics, TrialResult
+from sweeper.search.decide.verdicts import GATE_OFF, attribute, proven
+from sweeper.trial.aggregate import RANK_FAULT
+from sweeper.trial.runner import NODE_LOST, PLACEMENT_TIMEOUT
+
+
+def _failed(kind: str, *notes: str) -> TrialResult:
+    return TrialResult(status="failed", failure_kind=kind, error="rank 1 (n0): rank process died", notes=list(notes))
+
+
+def test_a_rank_that_dies_on_a_live_node_is_retried_once_then_is_the_layouts() -> None:
+    first = _failed("infra", RANK_FAULT)
+    assert attribute(first, []) is first  # once: it may have been the node's
+    second = attribute(_failed("infra", RANK_FAULT), [first])
+    assert second.failure_kind == "crash" and "on 2 attempts" in second.notes[-1]
+
+
+def test_a_rank_lost_with_its_node_stays_infra_however_often() -> None:
+    lost = _failed("infra", RANK_FAULT, NODE_LOST)
+    assert attribute(lost, [lost, lost]).failure_kind == "infra"
+    # an earlier node loss is no evidence against the layout either
+    assert attribute(_failed("infra", RANK_FAULT), [lost]).failure_kind == "infra"
+
+
+def test_a_trial_stopped_before_its_ranks_ran_is_never_the_layouts() -> None:
+    placement = _failed("infra", PLACEMENT_TIMEOUT)
+    assert attribute(placement, [placement, placement]).failure_kind == "infra"
+
+
+def test_a_hang_while_its_node_was_lost_is_the_nodes_not_the_layouts() -> None:
+    hang = TrialResult(status="failed", failure_kind="timeout", error="timeout: ...", notes=[NODE_LOST])
+    assert attribute(hang, []).failure_kind == "infra"
+    alone = TrialResult(status="failed", failure_kind="timeout", error="timeout: ...")
+    assert attribute(alone, []).failure_kind == "timeout"  # a hang on live nodes stays the layout's
+
+
+def test_a_gate_skipped_for_the_layout_proves_nothing() -> None:
+    passed = TrialResult(status="passed", metrics=TrialMetrics(peak_memory_gib=1.0),
+                         checks=TrialChecks(True, True, True, True, True, True))
+    assert proven(passed)
+    passed.notes.append(f"{GATE_SKIPPED}: the reference's padded vocabulary 50304 is not divisible by tp=3")
+    assert not proven(passed)
+    assert not proven(TrialResult(status="passed", notes=[GATE_OFF]))
