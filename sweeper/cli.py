@@ -293,10 +293,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         # Which cluster, decided before the sweep folder and the MLflow store are written: an address that does not
         # answer ends here, with one line, after at most cluster.connect_timeout_s.
         target = resolve_target(cfg.cluster, args.address)
-        if target.kind == "simulated" and not args.resume:
-            from sweeper.trial.host import cpu_backend_refusal
+        if target.kind == "simulated":  # a resumed sweep too: it starts the same cluster (issue 54)
+            from sweeper.trial.host import cpu_backend_refusal, simulated_capacity_refusal
 
-            refusal = cpu_backend_refusal(cfg)
+            refusal = simulated_capacity_refusal(cfg) or cpu_backend_refusal(cfg)
             if refusal is not None:
                 raise SweeperError(f"{args.space}: {refusal}", exit_code=EXIT_FAILED)
         injections = parse_injections(args.inject, simulated=target.kind == "simulated")

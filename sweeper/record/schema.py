@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -205,6 +206,14 @@ class TrialRecord:
         return (self.predicted or {}).get("memory_gib")
 
 
+# What every output of a rehearsal (``search --rehearse``, trial/rehearsal.py) says of its figures: the decision's
+# throughput basis, the report's banner, best_layout.yaml and the exports' headers (issue 54).
+MODELLED = "modelled"
+REHEARSAL_BACKEND = "rehearsal (modelled trials)"  # a rehearsal's trials' TrialResult.backend
+REHEARSAL_NOTE = ("a rehearsal (sweeper search --rehearse): every trial was modelled from the estimator with its "
+                  "error drawn, on a virtual clock; nothing was measured")
+
+
 class SweepMeta(BaseModel):
     """``sweep.json``: what the sweep was run on, how it ended, and what it decided without a trial. Keys this
     version does not know are kept as they are (``extra="allow"``)."""
@@ -217,6 +226,9 @@ class SweepMeta(BaseModel):
     memory_headroom: float | None = None
     objective: str | None = None
     status: str | None = None  # running | finished | interrupted | budget | ...
+    # True: a rehearsal's folder (every record modelled, REHEARSAL_NOTE); False: trials that ran. Written when the
+    # folder is made; a resume of the other kind is refused, so its records are never a mix (issue 54).
+    rehearsal: bool | None = None
     started_at: str | None = None
     ended_at: str | None = None
     memory_kind: Literal["device", "host"] | None = None
@@ -275,6 +287,15 @@ class SweepMeta(BaseModel):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_unset=True)  # what was written, nulls included
+
+
+def is_rehearsal(meta: SweepMeta, records: Iterable[TrialRecord]) -> bool | None:
+    """Whether a sweep folder holds a rehearsal: sweep.json says so; a folder written before sweep.json recorded it
+    (issue 54) is one when its launched trials were modelled (their backend). None: nothing says yet."""
+    if meta.rehearsal is not None:
+        return meta.rehearsal
+    launched = {record.result.backend for record in records if record.result.status != "pruned"}
+    return (REHEARSAL_BACKEND in launched) if launched else None
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:

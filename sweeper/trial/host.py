@@ -42,6 +42,30 @@ from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, 
 
 CAPACITY_SNAPSHOT_S = 1.0  # how long one read of Ray's node table answers the sweep's capacity questions
 PRESTART_GIB_PER_RANK = 1.0  # an idle warm rank holds ~0.45 GiB (torch and megatron-core imported), a proxy rank ~0.9
+# What a simulated cluster holds of this machine's memory before any rank starts (issue 54): the resident sets of
+# SimulatedCluster.pids() and their children, summed 5 s after start (Ray 2.60, 2 cores): 1 node x 8 GPUs 1,916 MiB
+# in 21 processes, 4 nodes 2,672 MiB in 30, so Ray's head and the first raylet ~1.7 GiB and each further node
+# ~0.25 GiB (shared pages counted in each process: on the high side, as a refusal should be).
+SIMULATED_HEAD_GIB = 1.7
+SIMULATED_NODE_GIB = 0.25
+
+
+def simulated_capacity_refusal(cfg: SweepConfig, memory_gib: float | None = None) -> str | None:
+    """A simulated cluster's Ray processes and its trials' ranks all live on this machine: when the cluster and one
+    rank (the least a trial runs) need more than its memory (``memory_gib``, default this machine's total), the
+    one-line reason, before anything starts; a 128 x 8 cluster on a laptop would otherwise start hundreds of Ray
+    processes and hang. None when it fits: whether a trial's ranks fit is the warm pool's and the trial's own
+    question, asked as they start."""
+    c = cfg.cluster
+    have = memory_gib if memory_gib is not None else psutil.virtual_memory().total / GIB
+    need = SIMULATED_HEAD_GIB + SIMULATED_NODE_GIB * (c.nodes - 1) + PRESTART_GIB_PER_RANK
+    if need <= have:
+        return None
+    return (f"cluster.nodes: a simulated cluster of {c.nodes} nodes x {c.gpus_per_node} GPUs needs about "
+            f"{need:.1f} GiB of this machine's memory before its trials run (Ray's head and first node "
+            f"{SIMULATED_HEAD_GIB:g} GiB, {SIMULATED_NODE_GIB:g} GiB per further node, {PRESTART_GIB_PER_RANK:g} GiB "
+            f"for one rank) and this machine has {have:.1f} GiB. To run it: --address ADDR (a Ray cluster with "
+            f"GPUs), --rehearse (modelled trials, no Ray), or fewer nodes (--set cluster.nodes=N)")
 
 
 def cpu_backend_refusal(cfg: SweepConfig) -> str | None:

@@ -38,13 +38,13 @@ from sweeper.estimate import Estimator
 from sweeper.estimate.disk import checkpoint_bytes
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.record.checkpoints import REFERENCE_FILE
-from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.record.schema import REHEARSAL_BACKEND, TrialChecks, TrialMetrics, TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.host import TrialHost
 from sweeper.trial.protocol import Reservation
 from sweeper.trial.reference import reference_sequences
 
-BACKEND = "rehearsal (modelled trials)"
+BACKEND = REHEARSAL_BACKEND
 NOTE = "rehearsal: modelled from the estimator, not measured"
 # What a smoke run spends around its steps, modelled: rank processes started and megatron-core imported, the model
 # built, the equivalence gate (the reference loaded, resharded, and one forward/backward: about two step times),

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sweeper.config.load import load_config
 from sweeper.errors import UsageError
@@ -47,7 +48,18 @@ def test_a_rehearsal_runs_the_whole_sweep_on_modelled_trials_and_says_what_it_co
     assert "rehearsal (modelled, not measured)" in proc.stderr
     # Never mixed with measured runs: nothing in the calibration cache real sweeps read, its own MLflow experiment.
     assert not (tmp_path / "cache" / "calibration.json").exists()
-    assert json.loads((out / "sweep.json").read_text())["mlflow"]["experiment"].endswith("-rehearsal")
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["mlflow"]["experiment"].endswith("-rehearsal")
+    # Every output says it was modelled (issue 54): sweep.json, the decision, the report, best_layout.yaml, the
+    # exports and the console's last lines.
+    assert meta["rehearsal"] is True
+    assert {e["tokens_per_s"]["basis"] for e in meta["decision"]["layouts"]} == {"modelled"}
+    assert "class='rehearsal'" in (out / "report.html").read_text()
+    assert yaml.safe_load((out / "best_layout.yaml").read_text())["rehearsal"].startswith("modelled: a rehearsal")
+    for name in ("launch_megatron_lm.sh", "megatron_bridge_overrides.yaml"):
+        assert "MODELLED, NOT MEASURED" in "".join((out / name).read_text().splitlines()[:2]), name
+    last = proc.stderr.strip().splitlines()[-2:]
+    assert "best stable layout (modelled: a rehearsal, not measured)" in last[0] and "(modelled, not measured)" in last[1]
 
 
 def test_modelled_faults_are_recorded_as_the_infrastructures_and_retried(tmp_path: Path) -> None:

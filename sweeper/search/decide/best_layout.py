@@ -9,6 +9,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.export.bridge import dotted_overrides
 from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
+from sweeper.record.schema import MODELLED, REHEARSAL_NOTE
 from sweeper.search.decide.candidates import Candidate
 from sweeper.search.decide.objective import copies, objective_name, production_gpus
 from sweeper.search.decide.verdicts import stall_ratio, step_time_drift
@@ -31,12 +32,15 @@ def checkpoint_moves(cands: list[Candidate]) -> dict[str, Any]:
 
 
 def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | None,
-                         cands: list[Candidate] | None = None) -> dict[str, Any]:
+                         cands: list[Candidate] | None = None, rehearsal: bool = False) -> dict[str, Any]:
+    """``rehearsal``: the runs were modelled (a rehearsal): the document says so at its top, and its "measured"
+    figures are the modelled runs' (issue 54)."""
     chosen_by = winner.median_run(cfg)  # the run whose objective is the median that chose the winner
     result = chosen_by.result
     layout = winner.layout
     production = cfg.production_layout(layout) or layout  # what the exports launch (issue 43)
     return {
+        "rehearsal": f"{MODELLED}: {REHEARSAL_NOTE}" if rehearsal else False,
         "name": cfg.name,
         "model": cfg.model.name,
         "proxy": PROXY_NOTE if is_proxy(cfg.model) else False,

@@ -20,12 +20,13 @@ def finish(sweep: SweepState, status: str) -> int:
     # Only a sweep that ran to its end has a winner: an interrupted or failed one has confirmed whatever happened to
     # run before it stopped (``--resume`` finishes it), so nothing is exported under the winner's name.
     winner = choose(cands, sweep.cfg, confirmed_only=sweep.cfg.search.confirm_top > 0) if status == "finished" else None
+    meta = sweep.dir.read_meta()
+    rehearsal = bool(meta.rehearsal)  # every output of a rehearsal says its figures were modelled (issue 54)
     if winner is not None:
-        sweep.dir.write_best(best_layout_document(sweep.cfg, winner, sweep.tracker.tracking_uri, cands),
-                            export_files(sweep.cfg, winner.layout, winner.number), EXECUTABLE)
+        sweep.dir.write_best(best_layout_document(sweep.cfg, winner, sweep.tracker.tracking_uri, cands, rehearsal),
+                            export_files(sweep.cfg, winner.layout, winner.number, rehearsal=rehearsal), EXECUTABLE)
     elapsed = sweep.scheduler.now() - sweep.t0
     gpus = sweep.handle.capacity_total() or 1
-    meta = sweep.dir.read_meta()
     meta.status, meta.ended_at = status, now()
     meta.best = None if winner is None else {
         "number": winner.number, "layout": winner.layout.short(),
@@ -33,7 +34,7 @@ def finish(sweep: SweepState, status: str) -> int:
     meta.scheduling_efficiency = sweep.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
     meta.spent = sweep.spent()
     meta.stopped_early = sweep.halted or sweep.stopped_early
-    meta.decision = decision(sweep.cfg, cands, winner, sweep.records, sweep.calibrator.current)
+    meta.decision = decision(sweep.cfg, cands, winner, sweep.records, sweep.calibrator.current, rehearsal=rehearsal)
     meta.calibration = sweep.calibrator.report.lines() if sweep.calibrator.report else [
         "not calibrated: no trial measured device memory (the CPU backend measures host RSS)"]
     meta.step_time_fit = sweep.calibrator.step_time_fit()
@@ -70,7 +71,8 @@ def finish(sweep: SweepState, status: str) -> int:
     if winner is None:
         console.print("[red]no stable layout passed[/] (see the report for why)", important=True)
         return EXIT_FAILED
-    console.print(f"[green]best stable layout[/]: {winner.layout.short()} -> {sweep.dir.best}", important=True)
+    kind = " [magenta](modelled: a rehearsal, not measured)[/]" if rehearsal else ""
+    console.print(f"[green]best stable layout[/]{kind}: {winner.layout.short()} -> {sweep.dir.best}", important=True)
     if (projected := summary_line(meta.decision)) is not None:
         console.print(projected, important=True)
     return EXIT_OK

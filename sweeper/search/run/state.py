@@ -85,7 +85,8 @@ class SweepState:
         self.next_number = 1 + max((r.number for r in self.records), default=0)
         search = cfg.search
         confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
-        self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs, self.scheduler.now)
+        self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs, self.scheduler.now,
+                                 modelled=options.rehearse)
         # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.propose.refit).
         self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None,
                                      shared=not options.rehearse)
