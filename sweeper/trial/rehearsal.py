@@ -28,6 +28,7 @@ from pathlib import Path
 
 from sweeper.cluster.connection import NodeInfo
 from sweeper.cluster.doctor import DoctorReport
+from sweeper.cluster.placement import CPUS_PER_RANK
 from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import UsageError
@@ -118,14 +119,15 @@ class _ModelledCluster:
 
     def __init__(self, cfg: SweepConfig) -> None:
         c = cfg.cluster
-        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node, 0.0, i == 0)
-                       for i in range(c.nodes)]
+        # A CPU per rank, as the ranks of a real run reserve: the CPUs never limit a modelled node.
+        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node,
+                                c.gpus_per_node * CPUS_PER_RANK, i == 0) for i in range(c.nodes)]
 
     def nodes(self) -> list[NodeInfo]:
         return list(self._nodes)
 
-    def available_gpus(self) -> dict[str, float]:
-        return {n.node_id: float(n.gpus) for n in self._nodes}
+    def available(self) -> dict[str, tuple[float, float]]:
+        return {n.node_id: (float(n.gpus), n.cpus) for n in self._nodes}
 
 
 class RehearsalHost(TrialHost):

@@ -36,6 +36,7 @@ from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, Ray
 
 from sweeper.backends.base import SmokeRequest
 from sweeper.cluster import (
+    CPUS_PER_RANK,
     ClusterHandle,
     PlacementError,
     PlacementPlan,
@@ -69,7 +70,6 @@ HOST_OUT_OF_MEMORY = "host out of memory"
 PLACEMENT_TIMEOUT = "placement_timeout"
 CANCELLED = "cancelled"
 NODE_LOST = "node_lost"
-CPUS_PER_RANK = 1.0
 CHECKS_PROBE_S = 5.0  # how long unreported ranks get to say what they had proven before they are stopped
 
 
