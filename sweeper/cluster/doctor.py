@@ -5,7 +5,10 @@ another torch, a dataset copied to one node only, a full disk) are found before 
 each alive GPU node reports its Python / torch / megatron-core / Transformer Engine versions, GPUs (and their
 compute capability, against the declared ``cluster.compute_capability``), which optional GPU kernel packages it
 has (Transformer Engine, mamba_ssm, causal-conv1d, DeepEP) and whether each present one imports, free disk where
-trials write, and whether the configured data and tokenizer paths exist there. Versions come from package metadata;
+trials write, and whether the configured data and tokenizer paths exist there. On a real cluster (issue 51) it also
+asks torch on each node how many CUDA devices it sees: a node that advertises GPUs to Ray while its torch is a CPU
+build, or sees fewer devices than Ray schedules there, would run its ranks on the CPU or not at all; and a node with
+fewer CPUs for Ray than GPUs holds only as many ranks as CPUs (each reserves one). Versions come from package metadata;
 the kernel packages are imported in a new interpreter, so nothing heavy stays in the node's Ray worker.
 """
 
@@ -22,7 +25,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from sweeper.cluster.connection import ClusterHandle
-from sweeper.cluster.node_kernels import import_failure
+from sweeper.cluster.node_kernels import import_failure, torch_cuda
+from sweeper.cluster.placement import CPUS_PER_RANK, rank_slots
 from sweeper.config.capability import capability_mismatch
 from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
@@ -41,10 +45,14 @@ class NodeCheck:
     megatron_core: str = ABSENT
     transformer_engine: str = ABSENT
     gpu_kind: str = "unknown"
-    gpu_count: int = 0
+    gpu_count: int = 0  # GPUs Ray schedules on this node
+    cpus: float | None = None  # CPUs Ray schedules on this node (None: not known)
     gpu_memory_gib: float = 0.0
     compute_capability: str | None = None  # what the node's GPUs report (None: could not tell)
     gpu_source: str = "unknown"  # simulated | nvidia-smi | torch | unknown
+    torch_cuda: str | None = None  # the CUDA version the node's torch was built for; None: a CPU build, or not asked
+    cuda_devices: int | None = None  # CUDA devices the node's torch sees (None: not asked: a simulated cluster)
+    cuda_error: str | None = None  # torch could not say
     kernels: Kernels | None = None  # the optional GPU kernel packages this node has (None: not probed)
     import_failures: dict[str, str] = field(default_factory=dict)  # a kernel package present but not importing
     free_disk_gib: float | None = None
@@ -74,9 +82,11 @@ class DoctorReport:
             for key in _VERSION_KEYS + ("gpu_kind",):
                 value = str(getattr(node, key))
                 row[key] = value if value == majority[key] else f"{value} !"
-            row["gpus"] = f"{node.gpu_count} x {node.gpu_memory_gib:g} GiB" + (
+            memory = "?" if node.gpu_source == "unknown" else f"{node.gpu_memory_gib:g}"  # no nvidia-smi, no CUDA
+            row["gpus"] = f"{node.gpu_count} x {memory} GiB" + (
                 " (simulated)" if node.gpu_source == "simulated" else "")
             row["compute_capability"] = node.compute_capability or "?"
+            row["cuda"] = _cuda_cell(node)
             row["kernels"] = "?" if node.kernels is None else (", ".join(node.kernels.present()) or "none")
             row["free_disk"] = "?" if node.free_disk_gib is None else f"{node.free_disk_gib:.0f} GiB"
             row["shared_trial_folder"] = {True: "yes", False: "NO", None: "?"}[node.shared]
@@ -109,12 +119,12 @@ def doctor(
         refs = [
             _probe_node.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n.node_id, soft=False)
-            ).remote(root, paths, str(driver_file), n.node_id)
+            ).remote(root, paths, str(driver_file), n.node_id, not handle.is_simulated)
             for n in nodes
         ]
         checks: list[NodeCheck] = []
         for node, ref in zip(nodes, refs):
-            check = NodeCheck(label=node.label, node_id=node.node_id, gpu_count=node.gpus)
+            check = NodeCheck(label=node.label, node_id=node.node_id, gpu_count=node.gpus, cpus=node.cpus)
             try:
                 facts = ray.get(ref, timeout=timeout_s)
                 for key, value in facts.items():
@@ -141,9 +151,9 @@ def _existing(path: Path) -> Path:
 
 
 @ray.remote(num_cpus=0, max_retries=0)
-def _probe_node(disk_path: str, paths: list[str], driver_file: str, node_id: str) -> dict:
-    """Runs on one node: versions from package metadata, free disk, which configured paths exist, and whether the
-    driver's file is visible here (then it leaves one of its own beside it)."""
+def _probe_node(disk_path: str, paths: list[str], driver_file: str, node_id: str, cuda: bool) -> dict:
+    """Runs on one node: versions from package metadata, free disk, which configured paths exist, whether the
+    driver's file is visible here (then it leaves one of its own beside it), and with ``cuda`` what torch sees."""
     facts: dict = {"python": platform.python_version()}
     for key, dists in (
         ("torch", ("torch",)),
@@ -162,6 +172,8 @@ def _probe_node(disk_path: str, paths: list[str], driver_file: str, node_id: str
     facts["kernels"] = Kernels.here()
     facts["import_failures"] = {name: error for name in facts["kernels"].present()
                                 if (error := import_failure(name)) is not None}
+    if cuda:
+        facts["torch_cuda"], facts["cuda_devices"], facts["cuda_error"] = torch_cuda()
     facts["disk_path"] = disk_path
     facts["free_disk_gib"] = round(shutil.disk_usage(_existing(Path(disk_path))).free / GIB, 1)
     facts["paths"] = {p: Path(p).exists() for p in paths}
@@ -207,6 +219,11 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> lis
                                        f"{node.label}'s GPUs ({node.gpu_kind})")
         if mismatch:
             problems.append(f"{node.label}: {mismatch}")
+        problems.extend(_cuda_problems(node))
+        if node.cpus is not None and rank_slots(node.gpu_count, node.cpus) < node.gpu_count:
+            problems.append(f"{node.label}: {node.gpu_count} GPUs but {node.cpus:g} CPUs for Ray: a rank reserves "
+                            f"{CPUS_PER_RANK:g} CPU, so at most {rank_slots(node.gpu_count, node.cpus)} ranks run "
+                            f"here (start Ray there with --num-cpus {node.gpu_count * CPUS_PER_RANK:g} or more)")
         if node.megatron_core == ABSENT:
             problems.append(f"{node.label}: megatron-core is not installed")
         if node.shared is False:
@@ -216,6 +233,40 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> lis
     if len(checks) < cfg.cluster.nodes:
         problems.append(f"{len(checks)} GPU node(s) alive, cluster.nodes says {cfg.cluster.nodes}")
     return problems
+
+
+def _cuda_problems(node: NodeCheck) -> list[str]:
+    """A node Ray schedules GPUs on whose torch cannot use them (not asked on a simulated cluster, whose GPUs are
+    logical by design)."""
+    if node.gpu_count <= 0 or (node.cuda_devices is None and node.cuda_error is None):
+        return []
+    schedules = f"{node.label}: Ray schedules {node.gpu_count} GPUs here but"
+
+    def fix(gpus: int) -> str:
+        return f"or start Ray there with --num-gpus {gpus} (docs/gpu-cluster.md)"
+
+    if node.cuda_error is not None:
+        return [f"{schedules} torch could not say how many CUDA devices it sees: {node.cuda_error}"]
+    if node.torch_cuda is None:
+        return [f"{schedules} its torch {node.torch} is a CPU build: its ranks would run on the CPU. Install a CUDA "
+                f"build of torch there, " + fix(0)]
+    if node.cuda_devices == 0:
+        return [f"{schedules} torch {node.torch} (CUDA {node.torch_cuda}) sees no CUDA device: check the driver "
+                f"(nvidia-smi) and CUDA_VISIBLE_DEVICES there, " + fix(0)]
+    if node.cuda_devices is not None and node.cuda_devices < node.gpu_count:
+        return [f"{schedules} torch sees {node.cuda_devices} CUDA devices: ranks beyond them would fail. Check "
+                f"CUDA_VISIBLE_DEVICES there, " + fix(node.cuda_devices)]
+    return []
+
+
+def _cuda_cell(node: NodeCheck) -> str:
+    if node.cuda_error is not None:
+        return "?"
+    if node.cuda_devices is None:
+        return "simulated" if node.gpu_source == "simulated" else "?"
+    if node.torch_cuda is None:
+        return "CPU build"
+    return f"{node.cuda_devices} devices (CUDA {node.torch_cuda})"
 
 
 def _majority(values: list) -> object:
