@@ -68,6 +68,8 @@ class DoctorReport:
     nodes: list[NodeCheck]
     problems: list[str]  # each one line; empty means every node agrees and every path exists everywhere
     expected_nodes: int
+    # Each one line: what runs, but not as a user may think (a node's logical GPUs run its ranks on the CPU).
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -140,7 +142,8 @@ def doctor(
     finally:
         for leftover in probe_dir.glob(f"{token}*"):
             leftover.unlink(missing_ok=True)
-    return DoctorReport(nodes=checks, problems=_problems(checks, cfg, root), expected_nodes=cfg.cluster.nodes)
+    return DoctorReport(nodes=checks, problems=_problems(checks, cfg, root), expected_nodes=cfg.cluster.nodes,
+                        warnings=[line for node in checks if not node.error for line in _logical_gpus(node)])
 
 
 def _existing(path: Path) -> Path:
@@ -235,10 +238,30 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> lis
     return problems
 
 
+def _torch_asked(node: NodeCheck) -> bool:
+    """Whether the node's torch was asked (not on a simulated cluster, whose GPUs are logical by design)."""
+    return node.gpu_count > 0 and (node.cuda_devices is not None or node.cuda_error is not None)
+
+
+def _logical(node: NodeCheck) -> bool:
+    """Ray schedules GPUs on a node where neither nvidia-smi nor torch finds one: ``ray start --num-gpus N`` on a
+    machine without GPUs (a test cluster on one machine), whose ranks run on the CPU as on a simulated cluster."""
+    return node.gpu_source == "unknown" and node.cuda_error is None and not node.cuda_devices
+
+
+def _logical_gpus(node: NodeCheck) -> list[str]:
+    if not _torch_asked(node) or not _logical(node):
+        return []
+    torch = "is a CPU build" if node.torch_cuda is None else f"(CUDA {node.torch_cuda}) sees no CUDA device"
+    return [f"{node.label}: Ray schedules {node.gpu_count} GPUs here but the node shows none (no GPU from "
+            f"nvidia-smi; its torch {node.torch} {torch}): logical GPUs, whose ranks run on the CPU and measure it, "
+            "as on a simulated cluster. On a GPU node: install the NVIDIA driver and a CUDA build of torch; "
+            "otherwise start Ray there with --num-gpus 0"]
+
+
 def _cuda_problems(node: NodeCheck) -> list[str]:
-    """A node Ray schedules GPUs on whose torch cannot use them (not asked on a simulated cluster, whose GPUs are
-    logical by design)."""
-    if node.gpu_count <= 0 or (node.cuda_devices is None and node.cuda_error is None):
+    """A node with GPUs (nvidia-smi lists them) that Ray schedules but its torch cannot use."""
+    if not _torch_asked(node) or _logical(node):
         return []
     schedules = f"{node.label}: Ray schedules {node.gpu_count} GPUs here but"
 

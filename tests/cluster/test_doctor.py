@@ -1,7 +1,8 @@
 """doctor's findings from what each node reported (issue 51): on a cluster whose nodes advertise GPUs to Ray, a
-node whose torch cannot use them (a CPU build, no CUDA device seen, fewer devices than Ray schedules) and a node with
-fewer CPUs for Ray than GPUs are problems named with their fix; a simulated cluster's logical GPUs are not. The
-probe itself runs on a real ``ray start`` node in tests/cluster/test_ray_start_e2e.py."""
+node with GPUs (nvidia-smi lists them) whose torch cannot use them (a CPU build, no CUDA device seen, fewer devices
+than Ray schedules) and a node with fewer CPUs for Ray than GPUs are problems named with their fix; a node with no
+GPU at all behind Ray's (logical GPUs: its ranks run on the CPU) is a warning; a simulated cluster's logical GPUs
+are neither. The probe itself runs on a real ``ray start`` node in tests/cluster/test_ray_start_e2e.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.cluster.doctor import DoctorReport, NodeCheck, _problems
+from sweeper.cluster.doctor import DoctorReport, NodeCheck, _logical_gpus, _problems
 from sweeper.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,7 +44,7 @@ def _node(**facts) -> NodeCheck:
      "ModuleNotFoundError: No module named 'torch'", "?"),
 ])
 def test_a_node_advertising_gpus_its_torch_cannot_use_is_a_problem_with_its_fix(facts, problem, cell) -> None:
-    node = _node(**facts)
+    node = _node(gpu_source="nvidia-smi", gpu_kind="NVIDIA H100 80GB HBM3", **facts)
     assert _problems([node], _cfg(), "/scratch") == [problem]
     assert DoctorReport([node], [problem], 1).rows()[0]["cuda"] == cell
 
@@ -65,3 +66,15 @@ def test_a_node_with_fewer_cpus_than_gpus_is_a_problem_naming_how_many_ranks_run
     assert _problems([node], _cfg(), "/scratch") == [
         "127.0.0.1: 4 GPUs but 2 CPUs for Ray: a rank reserves 1 CPU, so at most 2 ranks run here (start Ray there "
         "with --num-cpus 4 or more)"]
+
+
+def test_a_node_whose_gpus_are_logical_is_a_warning_not_a_problem() -> None:
+    """``ray start --num-gpus 4`` on a machine without GPUs: the sweep runs (on the CPU), and doctor says what that
+    means and the fix for a GPU node where this was a mistake."""
+    node = _node(torch_cuda=None, cuda_devices=0)  # no nvidia-smi GPU, torch a CPU build
+    assert _problems([node], _cfg(), "/scratch") == []
+    assert _logical_gpus(node) == [
+        "127.0.0.1: Ray schedules 4 GPUs here but the node shows none (no GPU from nvidia-smi; its torch 2.13.0+cpu is "
+        "a CPU build): logical GPUs, whose ranks run on the CPU and measure it, as on a simulated cluster. On a GPU "
+        "node: install the NVIDIA driver and a CUDA build of torch; otherwise start Ray there with --num-gpus 0"]
+    assert _logical_gpus(_node(gpu_source="simulated")) == []
