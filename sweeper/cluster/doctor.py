@@ -6,10 +6,12 @@ each alive GPU node reports its Python / torch / megatron-core / Transformer Eng
 compute capability, against the declared ``cluster.compute_capability``), which optional GPU kernel packages it
 has (Transformer Engine, mamba_ssm, causal-conv1d, DeepEP) and whether each present one imports, free disk where
 trials write, and whether the configured data and tokenizer paths exist there. On a real cluster (issue 51) it also
-asks torch on each node how many CUDA devices it sees: a node that advertises GPUs to Ray while its torch is a CPU
-build, or sees fewer devices than Ray schedules there, would run its ranks on the CPU or not at all; and a node with
-fewer CPUs for Ray than GPUs holds only as many ranks as CPUs (each reserves one). Versions come from package metadata;
-the kernel packages are imported in a new interpreter, so nothing heavy stays in the node's Ray worker.
+asks torch on each node how many CUDA devices it sees: a node with GPUs that Ray schedules while its torch is a CPU
+build, or sees fewer devices than Ray schedules there, would run its ranks on the CPU or not at all (a problem); a
+node with no GPU behind Ray's (logical GPUs) runs them on the CPU, and one with fewer CPUs for Ray than GPUs holds
+only as many ranks as CPUs, each reserving one (warnings: what runs, but not as a user may think). Versions come
+from package metadata; the kernel packages and torch are asked in a new interpreter, so nothing heavy stays in the
+node's Ray worker.
 """
 
 from __future__ import annotations
@@ -143,7 +145,8 @@ def doctor(
         for leftover in probe_dir.glob(f"{token}*"):
             leftover.unlink(missing_ok=True)
     return DoctorReport(nodes=checks, problems=_problems(checks, cfg, root), expected_nodes=cfg.cluster.nodes,
-                        warnings=[line for node in checks if not node.error for line in _logical_gpus(node)])
+                        warnings=[line for node in checks if not node.error
+                                  for line in _logical_gpus(node) + _short_of_cpus(node)])
 
 
 def _existing(path: Path) -> Path:
@@ -223,10 +226,6 @@ def _problems(checks: list[NodeCheck], cfg: SweepConfig, trial_root: str) -> lis
         if mismatch:
             problems.append(f"{node.label}: {mismatch}")
         problems.extend(_cuda_problems(node))
-        if node.cpus is not None and rank_slots(node.gpu_count, node.cpus) < node.gpu_count:
-            problems.append(f"{node.label}: {node.gpu_count} GPUs but {node.cpus:g} CPUs for Ray: a rank reserves "
-                            f"{CPUS_PER_RANK:g} CPU, so at most {rank_slots(node.gpu_count, node.cpus)} ranks run "
-                            f"here (start Ray there with --num-cpus {node.gpu_count * CPUS_PER_RANK:g} or more)")
         if node.megatron_core == ABSENT:
             problems.append(f"{node.label}: megatron-core is not installed")
         if node.shared is False:
@@ -257,6 +256,16 @@ def _logical_gpus(node: NodeCheck) -> list[str]:
             f"nvidia-smi; its torch {node.torch} {torch}): logical GPUs, whose ranks run on the CPU and measure it, "
             "as on a simulated cluster. On a GPU node: install the NVIDIA driver and a CUDA build of torch; "
             "otherwise start Ray there with --num-gpus 0"]
+
+
+def _short_of_cpus(node: NodeCheck) -> list[str]:
+    """A node with fewer CPUs for Ray than GPUs (a container's CPU limit): the sweep runs there only as many ranks as
+    it has CPUs, and a layout needing more per node waits for a node that has them."""
+    if node.cpus is None or rank_slots(node.gpu_count, node.cpus) >= node.gpu_count:
+        return []
+    return [f"{node.label}: {node.gpu_count} GPUs but {node.cpus:g} CPUs for Ray: a rank reserves {CPUS_PER_RANK:g} "
+            f"CPU, so at most {rank_slots(node.gpu_count, node.cpus)} ranks run here and layouts needing more per "
+            f"node do not (start Ray there with --num-cpus {node.gpu_count * CPUS_PER_RANK:g} or more)"]
 
 
 def _cuda_problems(node: NodeCheck) -> list[str]:

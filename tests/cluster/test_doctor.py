@@ -1,8 +1,8 @@
 """doctor's findings from what each node reported (issue 51): on a cluster whose nodes advertise GPUs to Ray, a
 node with GPUs (nvidia-smi lists them) whose torch cannot use them (a CPU build, no CUDA device seen, fewer devices
-than Ray schedules) and a node with fewer CPUs for Ray than GPUs are problems named with their fix; a node with no
-GPU at all behind Ray's (logical GPUs: its ranks run on the CPU) is a warning; a simulated cluster's logical GPUs
-are neither. The probe itself runs on a real ``ray start`` node in tests/cluster/test_ray_start_e2e.py."""
+than Ray schedules) is a problem named with its fix; a node with no GPU at all behind Ray's (logical GPUs: its ranks
+run on the CPU) and a node with fewer CPUs for Ray than GPUs (it runs fewer ranks) are warnings with theirs; a
+simulated cluster's logical GPUs are neither. The probe itself runs on a real ``ray start`` node in tests/cluster/test_ray_start_e2e.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sweeper.cluster.doctor import DoctorReport, NodeCheck, _logical_gpus, _problems
+from sweeper.cluster.doctor import DoctorReport, NodeCheck, _logical_gpus, _problems, _short_of_cpus
 from sweeper.config.load import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,11 +61,13 @@ def test_a_simulated_clusters_logical_gpus_are_fine() -> None:
     assert DoctorReport([node], [], 1).rows()[0]["cuda"] == "simulated"
 
 
-def test_a_node_with_fewer_cpus_than_gpus_is_a_problem_naming_how_many_ranks_run_there() -> None:
+def test_a_node_with_fewer_cpus_than_gpus_is_a_warning_naming_how_many_ranks_run_there() -> None:
     node = _node(torch="2.13.0+cu128", torch_cuda="12.8", cuda_devices=4, cpus=2.0)
-    assert _problems([node], _cfg(), "/scratch") == [
-        "127.0.0.1: 4 GPUs but 2 CPUs for Ray: a rank reserves 1 CPU, so at most 2 ranks run here (start Ray there "
-        "with --num-cpus 4 or more)"]
+    assert _problems([node], _cfg(), "/scratch") == []
+    assert _short_of_cpus(node) == [
+        "127.0.0.1: 4 GPUs but 2 CPUs for Ray: a rank reserves 1 CPU, so at most 2 ranks run here and layouts needing "
+        "more per node do not (start Ray there with --num-cpus 4 or more)"]
+    assert _short_of_cpus(_node(cpus=4.0)) == []
 
 
 def test_a_node_whose_gpus_are_logical_is_a_warning_not_a_problem() -> None:
