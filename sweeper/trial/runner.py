@@ -125,6 +125,10 @@ def run_trial(
     trial_id = f"{trial_dir.name}-{uuid.uuid4().hex[:6]}"
     backend_inject = inject if inject in BACKEND_INJECTS else None
     request = _request(cfg, layout, handle, trial_dir, limit, backend_inject, inject_rank)
+    if reference_checkpoint is not None:
+        # The ranks' working folder is their Ray worker's, not the driver's, on a cluster started by `ray start`
+        # (issue 51: a relative --out put the reference there, and the driver found none).
+        reference_checkpoint = str(Path(reference_checkpoint).resolve())
     request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference,
                       stack_dump_at=stacks.dump_time(limit),
                       routing_stress_steps=cfg.search.routing_stress_steps if routing_stress else 0)
