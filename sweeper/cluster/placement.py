@@ -131,7 +131,7 @@ def trial_placement(
     capacity) has already chosen where the trial goes; each bundle is pinned with Ray's node-id label.
 
     Raises PlacementError (no bundle shape fits) or PlacementTimeout (not reserved within ``timeout_s``;
-    the message names the bundles asked for and the free GPUs per node).
+    the message names the bundles asked for and the free GPUs and CPUs per node).
     """
     plan = plan_placement(world_size, gpus_per_node, keep_together=keep_together, cpus_per_rank=cpus_per_rank)
     name = name or f"sweeper-{uuid.uuid4().hex[:8]}"
@@ -161,4 +161,5 @@ def _free(handle: ClusterHandle) -> str:
         free = handle.free_per_node()
     except Exception as exc:  # noqa: BLE001 - diagnostics must not mask the timeout itself
         return f"unknown ({exc})"
-    return ", ".join(f"{label}={gpus} GPUs, {cpus:g} CPUs" for label, (gpus, cpus) in free.items()) or "no GPU nodes"
+    nodes = [f"{label}: {gpus} GPUs and {cpus:g} CPUs" for label, (gpus, cpus) in free.items()]
+    return "; ".join(nodes) or "no GPU nodes"
