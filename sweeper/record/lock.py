@@ -197,7 +197,7 @@ class DriverLock:
         if flock is Flock.BUSY:
             return f"{where}, holding its lock); wait for it to end"
         return (f"{where}, heartbeat {age:.0f} s ago); wait for it, or pass --break-lock if that driver is gone "
-                f"(its lock is taken over by itself once its heartbeat is {STALE_S:.0f} s old)")
+                f"(a later start takes its lock over once its heartbeat is {STALE_S:.0f} s old)")
 
     def _remove_made_folders(self) -> None:
         for folder in self._made:

@@ -60,8 +60,9 @@ class RayStartNode:
             "--metrics-export-port", str(free_port()),
         ]
         log = (self.temp_dir / "ray-start.log").open("wb")
+        # Its own folder as the working folder of every Ray process: a relative path a rank writes lands there.
         self.proc = subprocess.Popen(command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+                                     start_new_session=True, cwd=self.temp_dir)
         log.close()
         self._wait_ready()
 

@@ -79,7 +79,7 @@ def test_a_lock_naming_another_host_with_a_fresh_heartbeat_is_refused_and_left_a
     text = _write_holder(path, 1234, "host-a.invalid")
     with pytest.raises(UsageError, match=r"in use by another sweeper driver \(pid 1234 on host-a.invalid, started "
                        r"2026-12-06T01:00:00Z, heartbeat \d+ s ago\); wait for it, or pass --break-lock if that "
-                       r"driver is gone \(its lock is taken over by itself once its heartbeat is 120 s old\)"):
+                       r"driver is gone \(a later start takes its lock over once its heartbeat is 120 s old\)"):
         DriverLock(path).acquire()
     assert path.read_text() == text
 
@@ -169,13 +169,14 @@ def _slow_pwrite(fd, data, offset):  # a network filesystem's write: the window 
 os.pwrite = _slow_pwrite
 from sweeper.errors import UsageError
 from sweeper.record.lock import DriverLock
-start = float(sys.argv[2])
-while time.time() < start:
-    pass
+lock, ready, drivers = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[4])
+(ready / str(os.getpid())).touch()
+while len(list(ready.iterdir())) < drivers:  # every driver imported: all start at once
+    time.sleep(0.001)
 try:
-    with DriverLock(Path(sys.argv[1])):
+    with DriverLock(lock):
         print("held", flush=True)
-        time.sleep(3)
+        sys.stdin.read()  # held until the test has every driver's answer
 except UsageError as exc:
     print("refused", exc, flush=True)
 """
@@ -186,11 +187,17 @@ def test_of_drivers_starting_together_one_holds_the_folder(tmp_path: Path, flock
     """The file is created exclusively: two drivers cannot both write it and both go on, with or without flock."""
     path = tmp_path / "sweep" / LOCK_FILE
     path.parent.mkdir()
-    start = time.time() + 2.0  # every process imported and spinning by then
-    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(path), str(start), flock], stdout=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}) for _ in range(4)]
-    outs = [p.communicate(timeout=60)[0] for p in procs]
-    assert sorted(out.split()[0] for out in outs) == ["held", "refused", "refused", "refused"], outs
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _RACE, str(path), str(ready), flock, "4"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+             for _ in range(4)]
+    try:
+        answers = [p.stdout.readline() for p in procs if p.stdout is not None]
+    finally:
+        for p in procs:
+            p.communicate(timeout=60)
+    assert sorted(answer.split()[0] for answer in answers) == ["held", "refused", "refused", "refused"], answers
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
