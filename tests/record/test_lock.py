@@ -247,3 +247,19 @@ def test_a_second_search_driver_on_a_folder_in_use_exits_2_and_writes_nothing(tm
         assert lines[0].endswith("holding its lock); wait for it to end")
         assert _snapshot(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep"]  # no MLflow store, no other folder
+
+
+def test_search_break_lock_takes_over_a_dead_drivers_lock_before_anything_else(tmp_path: Path) -> None:
+    """`sweeper search --break-lock`: the lock of a driver gone on another host is taken over with one line; the
+    command then goes on as without it (here: refused, the folder holds no sweep to resume)."""
+    out = tmp_path / "sweep"
+    lock = out / LOCK_FILE
+    _write_holder(lock, 1234, "host-a.invalid")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sweeper", "search", str(ROOT / "search_spaces" / "quickstart.yaml"), "--out", str(out),
+         "--resume", "--break-lock"], capture_output=True, text=True, cwd=tmp_path, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert f"{lock}: taking over the lock of a sweeper driver that is gone (pid 1234 on host-a.invalid, started " \
+           "2026-12-06T01:00:00Z; --break-lock)" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(f"--resume: {out} holds no sweep to resume")
+    assert not lock.exists()
