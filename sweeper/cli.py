@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     search = sub.add_parser("search", help="run the sweep and export the best stable layout")
     search.add_argument("space", type=Path, help=SPACE_HELP)
     search.add_argument("--resume", action="store_true", help="continue the sweep recorded in --out")
+    search.add_argument("--break-lock", action="store_true",
+                        help="take over --out's driver.lock from a driver that is gone (e.g. killed on another host) "
+                        "before its heartbeat is stale; refused while a driver still holds it")
     search.add_argument("--out", type=Path, help="sweep folder (default sweeps/<name>/); on a real cluster on a "
                         "filesystem every node mounts at the same path (ranks write their logs and checkpoints there)")
     search.add_argument("--max-trials", type=int, help="override search.max_trials")
@@ -314,6 +317,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         rehearse=rehearse,
         rehearse_faults=args.rehearse_faults,
     )
+    if args.break_lock:
+        from sweeper.record.lock import LOCK_FILE, break_lock
+
+        break_lock(options.out / LOCK_FILE, say=lambda line: print(line, file=sys.stderr, flush=True))
     return run_search(cfg, options)
 
 

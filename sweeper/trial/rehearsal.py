@@ -30,6 +30,7 @@ from pathlib import Path
 
 from sweeper.cluster.connection import NodeInfo
 from sweeper.cluster.doctor import DoctorReport
+from sweeper.cluster.placement import CPUS_PER_RANK
 from sweeper.config.files import write_atomic
 from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
@@ -132,17 +133,18 @@ class _ModelledCluster:
 
     def __init__(self, cfg: SweepConfig) -> None:
         c = cfg.cluster
-        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node, 0.0, i == 0)
-                       for i in range(c.nodes)]
+        # A CPU per rank, as the ranks of a real run reserve: the CPUs never limit a modelled node.
+        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node,
+                                c.gpus_per_node * CPUS_PER_RANK, i == 0) for i in range(c.nodes)]
         self.held: Callable[[], dict[str, int]] = dict
         self.used: Callable[[], dict[str, int]] = dict
 
     def nodes(self) -> list[NodeInfo]:
         return list(self._nodes)
 
-    def available_gpus(self) -> dict[str, float]:
+    def available(self) -> dict[str, tuple[float, float]]:
         held, used = self.held(), self.used()
-        return {n.node_id: float(max(0, n.gpus - held.get(n.node_id, 0) - used.get(n.node_id, 0)))
+        return {n.node_id: (float(max(0, n.gpus - held.get(n.node_id, 0) - used.get(n.node_id, 0))), n.cpus)
                 for n in self._nodes}
 
 
@@ -217,6 +219,7 @@ class RehearsalHost(TrialHost):
 
     def release(self, reservation: Reservation) -> None:
         super().release(reservation)
+        self._released.clear()  # the modelled nodes free a trial's GPUs at once: no grace for Ray's lag (issue 51)
         with self._cond:
             self._starting.pop(id(reservation), None)
             self._ends.pop(id(reservation), None)

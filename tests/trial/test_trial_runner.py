@@ -327,12 +327,15 @@ def test_doctor_on_the_simulated_cluster(sim, tmp_path: Path) -> None:
     present.write_bytes(b"x")
     report = doctor(_cfg(data_paths=[str(present)]), sim, trial_root=tmp_path / "sweeps")
     assert report.ok, report.problems
+    # Its GPUs are logical by design (issue 51): torch is not asked, nothing is warned.
+    assert report.warnings == [] and [n.cuda_devices for n in report.nodes] == [None, None]
     assert [n.label for n in report.nodes] == ["sim-0", "sim-1"]
     node = report.nodes[0]
     assert node.megatron_core.startswith("0.16") and node.python.startswith("3.11")
     assert node.gpu_count == 2 and node.gpu_source == "simulated" and node.free_disk_gib > 0
     rows = report.rows()
     assert rows[0]["node"] == "sim-0" and rows[0]["gpus"] == "2 x 4 GiB (simulated)" and rows[0]["paths"] == "ok"
+    assert rows[0]["cuda"] == "simulated"
     # Every node read the driver's token file where trials will write, and left its own; none is left behind.
     assert all(n.shared for n in report.nodes) and rows[1]["shared_trial_folder"] == "yes"
     assert not list(tmp_path.glob(".sweeper-doctor-*")) and not (tmp_path / "sweeps").exists()
