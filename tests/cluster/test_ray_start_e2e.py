@@ -84,7 +84,6 @@ remove_placement_group(group)
 """
 
 
-@pytest.mark.xfail(strict=False, reason="needs the search loop's wait for held capacity (issue 51)")
 def test_a_sweep_waits_for_gpus_another_ray_job_holds_and_confirms_a_winner(ray_start_node, tmp_path: Path) -> None:
     other = subprocess.Popen([sys.executable, "-c", _OTHER_JOB, ray_start_node.address, str(HOLD_S), str(HELD)],
                              stdout=subprocess.PIPE, text=True, env=ray_start_node.env)
