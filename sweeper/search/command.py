@@ -87,6 +87,8 @@ def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker:
     meta = sweep_dir.read_meta()
     with _host(cfg, options) as handle:
         doctor = handle.doctor(cfg, sweep_dir.root)
+        for warning in doctor.warnings:
+            console.print(f"[yellow]doctor[/] {warning}", important=True)
         if not doctor.ok:
             console.print("[red]doctor: nodes disagree[/]: " + "; ".join(doctor.problems), important=True)
             return EXIT_FAILED

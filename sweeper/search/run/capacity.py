@@ -19,6 +19,7 @@ from sweeper.trial.protocol import Host
 
 POLL_S = 5.0  # a phase with nothing of its own running looks for free GPUs this often
 SAY_EVERY_S = 60.0  # the waiting line at most this often (the first one at once)
+LACKS_S = 5.0  # what the alive nodes lack for a layout is asked again after this long (nodes join and leave)
 
 
 class CapacityWait:
@@ -28,13 +29,23 @@ class CapacityWait:
         self.host, self.stop, self.clock = host, stop, clock
         self._said: dict[str, float] = {}  # what was said -> when (the clock's seconds)
         self.waited_s = 0.0  # how long phases waited with nothing of their own running (sweep.json)
+        self._lacks: dict[Layout, tuple[float, str | None]] = {}  # layout -> (when asked, what the nodes lack)
 
     def never(self, layout: Layout) -> str | None:
-        """Why the capacity alive can never hold ``layout`` (None: it can, once its GPUs free up)."""
+        """Why the capacity alive can never hold ``layout`` (None: it can, once its GPUs free up): fewer GPUs alive
+        than it needs, or no placement of it on the alive nodes (``lacks``: what a node lacks, GPUs or the CPUs its
+        ranks reserve; asked at most every LACKS_S per layout, as it reads the cluster's node table)."""
         alive = self.host.capacity_total()
         if layout.world_size > alive:
             return f"needs {layout.world_size} GPUs, {alive} alive"
-        return None
+        lacks = getattr(self.host, "lacks", None)
+        if lacks is None:
+            return None
+        now = self.clock()
+        cached = self._lacks.get(layout)
+        if cached is None or now - cached[0] >= LACKS_S:
+            cached = self._lacks[layout] = (now, lacks(layout))
+        return cached[1]
 
     def idle(self, what: str, layout: Layout) -> None:
         """Nothing of the sweep's own runs and ``what`` (e.g. "trial #3") waits for ``layout``'s GPUs: say so (at

@@ -208,9 +208,10 @@ def defer_waiting(sweep: SweepState) -> None:
     """Layouts still waiting for GPUs when exploring ended (nodes were lost, so the capacity alive can never hold
     them; or the wall-time budget ended the wait): recorded, not dropped."""
     for run in sweep.scheduler.drain_waiting():
+        never = sweep.capacity.never(run.layout)
         alive, others = sweep.handle.capacity_total(), sweep.handle.held_by_others()
-        text = (f"deferred: needs {run.layout.world_size} GPUs, {alive} alive"
-                + (f" ({others} held by other jobs)" if others else "") + " when exploring ended")
+        text = ("deferred: " + (never or f"needs {run.layout.world_size} GPUs, {alive} alive"
+                                + (f" ({others} held by other jobs)" if others else "")) + " when exploring ended")
         entry = assess(sweep.cfg, run.layout)
         sweep.record_pruned(entry, (text, "infra"), run.proposal, number=run.number)
 
