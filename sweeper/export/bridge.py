@@ -60,6 +60,13 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
     "bf16_with_fp8_delayed_scaling_mixed": {
         **_BF16, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
         "fp8_amax_compute_algo": "max", "fp8_param_gather": True},
+    # Current scaling's recipe keeps the first and last decoder layer in BF16; sweeper measures every layer in FP8,
+    # so the run settings turn that off (RunSettings.bridge_overrides) and the file then gives the whole config.
+    "bf16_with_fp8_current_scaling_mixed": {
+        **_BF16, "fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1, "fp8_param_gather": True},
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, "fp8": "hybrid", "fp8_recipe": "blockwise",
+                                               "fp8_param_gather": False},
     "bf16_with_mxfp8_mixed": {**_BF16, "fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True,
                               "reuse_grad_buf_for_mxfp8_param_ag": True},
     "bf16_with_nvfp4_mixed": {**_BF16, "fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4", "fp8_param_gather": False,

@@ -371,10 +371,12 @@ def test_bf16_grads_cost_fp32_copies_in_the_optimizer_step_not_with_activations(
     pao = stage_memory(NEMOTRON, lo, 4096, run=aware)[0]
     assert pao.parts["grad_copies"] == 0.0
     assert pao.parts["optimizer"] == pytest.approx(bf16.parts["optimizer"] * (4 + 2 + 2) / 12)
-    offload = RunSettings(grad_reduce_in_fp32=False, optimizer_cpu_offload=True, optimizer_offload_fraction=0.75)
+    # Offload needs the precision-aware optimizer (Megatron-LM's validate_args), which copies no grads.
+    offload = RunSettings(grad_reduce_in_fp32=False, precision_aware_optimizer=True, optimizer_cpu_offload=True,
+                          optimizer_offload_fraction=0.75)
     half = stage_memory(NEMOTRON, lo, 4096, run=offload)[0]
     assert half.parts["optimizer"] == pytest.approx(0.25 * bf16.parts["optimizer"])
-    assert half.parts["grad_copies"] == pytest.approx(0.25 * bf16.parts["grad_copies"])
+    assert half.parts["grad_copies"] == 0.0
     assert short.dynamic_gib == pytest.approx(short.parts["grad_copies"])
 
 

@@ -57,6 +57,9 @@ CASES = [
     ("deepseek_v2_lite.yaml", "gpus=16,tp=2,sp=true,ep=8,moe_a2a_overlap=true"),
     ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1,precision=nvfp4"),
     ("nemotron.yaml", "gpus=16,tp=2,sp=true,ep=8,fsdp=optim_grads_params"),
+    # issue 52: FP8 recipes as precision values (Nemotron-3-Nano's FP8 layout; DeepSeek's blockwise)
+    ("nemotron.yaml", "gpus=16,ep=16,precision=fp8:tensorwise,recompute=selective:layernorm"),
+    ("deepseek_v2_lite.yaml", "gpus=8,tp=2,sp=true,ep=4,precision=fp8:blockwise"),
 ]
 # Per Bridge release: the dataclasses' fields, recipe names and pretraining recipes (module docstring).
 BRIDGE = json.loads((ROOT / "tests" / "data" / "megatron_bridge_fields.json").read_text())
@@ -197,7 +200,9 @@ def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(
         assert precision is None or precision in bridge["mixed_precision_recipes"]
     assert set(mixed_precision_recipes(Version(release))) <= bridge["mixed_precision_recipes"]
     fp8_recipe = precision.get("fp8_recipe") if isinstance(precision, dict) else None  # NVFP4's node: None
-    assert (fp8_recipe is not None) == (layout.precision in ("fp8", "mxfp8"))
+    assert (fp8_recipe is not None) == layout.is_fp8
+    if layout.precision.startswith("fp8:"):  # a named recipe is exported as itself (issue 52)
+        assert fp8_recipe == layout.precision.partition(":")[2]
     # NVFP4 keeps BF16 weights, as the trial runs and the estimate counts them; from Bridge 0.4 its recipe would
     # store them in FP4 (fp4_param_gather), a field 0.3.1 does not have.
     if layout.precision == "nvfp4":
