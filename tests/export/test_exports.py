@@ -40,9 +40,9 @@ from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 # The installed megatron-core release's Megatron-LM flags: the export writes that release's names (issue 45).
-FLAGS_FILE = {"0.16": "megatron_lm_flags.txt", "0.17": "megatron_lm_flags_0.17.txt", "0.18": "megatron_lm_flags_0.18.txt",
-              "0.19": "megatron_lm_flags_0.19.txt"}[
-    "{0.major}.{0.minor}".format(megatron_release.installed())]
+FLAGS_FILES = {"0.16": "megatron_lm_flags.txt", "0.17": "megatron_lm_flags_0.17.txt",
+               "0.18": "megatron_lm_flags_0.18.txt", "0.19": "megatron_lm_flags_0.19.txt"}
+FLAGS_FILE = FLAGS_FILES["{0.major}.{0.minor}".format(megatron_release.installed())]
 FLAGS = set((ROOT / "tests" / "data" / FLAGS_FILE).read_text().split())
 CASES = [
     ("nemotron.yaml", "gpus=8,tp=2,ep=4,sp=true"),
@@ -121,7 +121,7 @@ def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_
     assert flags["--seq-length"] == str(cfg.training.seq_length)
     assert flags.get("--num-experts") == (str(spec.num_moe_experts) if spec.is_moe else None)
     assert ("--multi-latent-attention" in flags) == spec.multi_latent_attention
-    assert flags.get("--hybrid-override-pattern") == spec.hybrid_layer_pattern
+    assert flags.get(megatron_release.hybrid_pattern_flag()) == spec.hybrid_layer_pattern
     for item in layout.megatron_args(megatron_release.graph_modules()):  # the layout's flags, exactly as best_layout.yaml gives them
         assert item in argv
     one_connection = "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
@@ -154,6 +154,15 @@ def test_tp_before_blackwell_sets_one_device_connection() -> None:
     cfg, layout = _case("deepseek_v2_lite.yaml", "gpus=8,tp=2,ep=4")
     assert cfg.cluster.compute_capability.startswith("9")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in export_files(cfg, layout, 1)[LAUNCH_FILE]
+
+
+def test_hybrid_exports_write_the_pattern_flag_of_the_release() -> None:
+    """Issue 52: 0.19 deprecates --hybrid-override-pattern for --hybrid-layer-pattern; each release's flag list
+    (tests/data) has the flag written for it."""
+    for release, flags_file in FLAGS_FILES.items():
+        flag = megatron_release.hybrid_pattern_flag(Version(release))
+        assert flag in (ROOT / "tests" / "data" / flags_file).read_text().split()
+        assert (flag == "--hybrid-layer-pattern") == (Version(release) >= Version("0.19"))
 
 
 @pytest.mark.parametrize("release", BRIDGE_RELEASES)
