@@ -245,9 +245,11 @@ def test_support_matrix_gpu_vs_cpu():
         "Transformer Engine on a GPU")
     assert "mamba_stack_spec needs Transformer Engine" in unsupported_reason(hybrid, lo(), cuda=True, te=False)
     assert unsupported_reason(preset("tiny-gpt"), lo(precision="fp8"), cuda=True, te=True) is None
-    for precision in ("fp8", "nvfp4"):  # NVFP4 without TE would train in BF16: never a CPU pass
-        assert "FP8 and FP4 GEMMs need Transformer Engine" in unsupported_reason(
-            preset("tiny-gpt"), lo(precision=precision), cuda=False, te=False)
+    # NVFP4 without TE would train in BF16: never a CPU pass; every FP8 recipe as a precision value (issue 52) too.
+    for precision in ("fp8", "fp8:delayed", "fp8:tensorwise", "fp8:blockwise", "mxfp8", "nvfp4"):
+        reason = unsupported_reason(preset("tiny-gpt"), lo(precision=precision), cuda=False, te=False)
+        assert reason is not None and f"precision {precision} unsupported on this backend" in reason
+        assert "FP8 and FP4 GEMMs need Transformer Engine" in reason
 
 
 def test_gpu_refuses_hybrid_without_mamba_ssm_and_fp8_mla_with_cp():
