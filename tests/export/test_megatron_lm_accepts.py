@@ -7,8 +7,8 @@ through Megatron-LM's own ``parse_args`` and ``validate_args`` and its config bu
 tests/export); on 0.16.1 (Python 3.11) it is absent and the test is skipped. The sample: every shipped search space,
 its valid layouts (rules and run settings, as ``sweeper plan`` keeps them) drawn with a fixed seed, each under
 several run settings (the three frameworks' defaults, BF16 grads, the precision-aware optimizer with BF16 moments,
-CPU offload, FP8 weights on and off, each FP8 recipe of a bare fp8, the overlaps), plus every precision value and
-knob on a MoE space. The script runs for real with test_exports' stand-in ``torchrun``; its environment
+CPU offload, FP8 weights on and off, each FP8 recipe of a bare fp8, the overlaps), each space searching every
+precision value (each fp8:<recipe> among them), the knobs where its space searches them (moe_knobs.yaml). The script runs for real with test_exports' stand-in ``torchrun``; its environment
 (``sweeper.space.environment``, which the script exports) is set as the script sets it.
 
 Stubs, each because a CPU-only process cannot answer it, none about the arguments:
@@ -50,6 +50,7 @@ from sweeper.config.schema import SweepConfig  # noqa: E402
 from sweeper.export.megatron_lm import launch_script  # noqa: E402
 from sweeper.plan.rules import Checker  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
+from sweeper.space.axes import PRECISIONS  # noqa: E402
 from sweeper.space.environment import megatron_environment  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
@@ -75,14 +76,20 @@ SEED = 52
 def _sample() -> list[tuple[str, SweepConfig, Layout]]:
     rng = random.Random(SEED)
     out = []
-    for path in sorted(SHIPPED_SPACES.glob("*.yaml")):
-        base = load_config(path)
+    spaces = [(path.stem, load_config(path)) for path in sorted(SHIPPED_SPACES.glob("*.yaml"))]
+    # MXFP8 and NVFP4 need compute capability 10.x, which no shipped space's cluster has: one on B200 nodes.
+    v2 = load_config(SHIPPED_SPACES / "deepseek_v2_lite.yaml")
+    spaces.append(("deepseek_v2_lite_b200", v2.model_copy(update={"cluster": v2.cluster.model_copy(
+        update={"compute_capability": "10.0", "gpu_kind": "b200"})})))
+    for stem, base in spaces:
+        # Every precision value (each FP8 recipe among them): the rules keep those the cluster runs.
+        space = base.space.model_copy(update={"precision": list(PRECISIONS)})
         for i, run in enumerate(RUNS):
-            cfg = base.model_copy(update={"run": run})
+            cfg = base.model_copy(update={"run": run, "space": space})
             checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, run)
             valid = [lo for lo in enumerate_layouts(cfg) if not checker(lo)]
             for layout in rng.sample(valid, min(PER_SPACE, len(valid))):
-                out.append((f"{path.stem}-run{i}-{layout.to_string()}", cfg, layout))
+                out.append((f"{stem}-run{i}-{layout.to_string()}", cfg, layout))
     return out
 
 
