@@ -19,6 +19,7 @@ sweeper writes, except the two facts bridge_release names (NVFP4 weights from 0.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -85,7 +86,11 @@ def mixed_precision_recipes(release: Version) -> dict[str, dict[str, Any]]:
 def dotted_overrides(cfg: SweepConfig, layout: Layout) -> list[str]:
     """The winner's Megatron-Bridge overrides in dotted form (best_layout.yaml ``megatron_bridge_overrides``) for
     the Bridge release of ``bridge_release.target()``: the layout's, the run settings' and the framework's kernel
-    fusions (``sweeper.config.fusions``)."""
+    fusions (``sweeper.config.fusions``). A bare fp8 is written as the recipe the run settings give it on the
+    cluster (``fp8:<recipe>``'s Bridge recipe name), not as delayed scaling's recipe overridden field by field."""
+    recipe = cfg.run.recipe(layout.precision, cfg.cluster.compute_capability)
+    if layout.precision == "fp8" and recipe:
+        layout = replace(layout, precision=f"fp8:{recipe}")
     return layout.bridge_overrides(megatron_release.graph_modules()) + cfg.run.bridge_overrides(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
         fsdp=bool(layout.fsdp), fp4_param_field=bridge_release.fp4_params(bridge_release.target()),

@@ -34,7 +34,13 @@ from sweeper.config import bridge_release, megatron_release
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.export import EXECUTABLE, export_files
-from sweeper.export.bridge import MIXED_PRECISION_CLASS, OVERRIDES_FILE, RECIPES, mixed_precision_recipes
+from sweeper.export.bridge import (
+    MIXED_PRECISION_CLASS,
+    OVERRIDES_FILE,
+    RECIPES,
+    dotted_overrides,
+    mixed_precision_recipes,
+)
 from sweeper.export.megatron_lm import LAUNCH_FILE
 from sweeper.space.layout import Layout
 
@@ -154,6 +160,18 @@ def test_tp_before_blackwell_sets_one_device_connection() -> None:
     cfg, layout = _case("deepseek_v2_lite.yaml", "gpus=8,tp=2,ep=4")
     assert cfg.cluster.compute_capability.startswith("9")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in export_files(cfg, layout, 1)[LAUNCH_FILE]
+
+
+@pytest.mark.parametrize(("recipe", "name"), [("delayed", "bf16_with_fp8_delayed_scaling_mixed"),
+                                              ("tensorwise", "bf16_with_fp8_current_scaling_mixed"),
+                                              ("blockwise", "bf16_with_fp8_subchannel_scaling_mixed")])
+def test_a_bare_fp8_is_exported_to_bridge_as_the_recipe_the_run_gives_it(recipe: str, name: str) -> None:
+    """Issue 52: precision fp8 under run.fp8_recipe writes what fp8:<recipe> writes (that recipe's Bridge name)."""
+    cfg, _ = _case("quickstart.yaml", "gpus=2")
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"fp8_recipe": recipe})})
+    bare, named = (layout_from_string(cfg, f"gpus=2,precision={p}") for p in ("fp8", f"fp8:{recipe}"))
+    assert dotted_overrides(cfg, bare) == dotted_overrides(cfg, named)
+    assert f"mixed_precision={name}" in dotted_overrides(cfg, bare)
 
 
 def test_hybrid_exports_write_the_pattern_flag_of_the_release() -> None:
