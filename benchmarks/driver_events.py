@@ -2,7 +2,8 @@
 the frontier before and after its incremental re-assessment, in one run.
 
 The space: benchmarks/spaces/nemotron_wide.yaml widened to 128 nodes x 8 GPUs and trials of 8 to 1,024 GPUs. The
-frontier (sweeper/search/frontier.py) is built over it as a sweep builds it, with a stand-in cluster handle (no Ray:
+frontier (sweeper/search/propose/frontier.py) is built over it as a sweep builds it, with a stand-in cluster handle
+(no Ray:
 every layout is supported) and a fresh sweep folder. Then measured trials arrive as a GPU sweep records them: a
 device peak under the limit (memory evidence) or an out-of-memory failure, each one an event that changes verdicts
 but not the calibration. "before" re-assesses the whole space on every such event (rules and estimator for every
@@ -32,7 +33,7 @@ from sweeper.estimate import Calibration  # noqa: E402
 from sweeper.estimate.calibrator import Calibrator  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
 from sweeper.record.sweepdir import SweepDir  # noqa: E402
-from sweeper.search.frontier import Frontier  # noqa: E402
+from sweeper.search.propose.frontier import Frontier  # noqa: E402
 
 WIDE = {"cluster": {"nodes": 128}, "space": {"gpus": [8, 16, 32, 64, 128, 256, 512, 1024],
                                               "ep": [1, 2, 4, 8, 16, 32, 64], "pp": [1, 2, 4, 8],

@@ -17,6 +17,14 @@ measured) step time, bounded to physical ranges) and checked leave-one-family-ou
 "Before" is the same with the estimator's defaults (or ``--before``). Last, the constants fitted on all families:
 what the defaults are set from.
 
+Expert dispatch (issue 52): tests/data/measured_throughput_dispatch.json holds published runs that name their token
+dispatcher (NVIDIA's Megatron-MoE-ModelZoo, DeepEP and alltoall on 256 H100; sources in the file). They enter no fit:
+they are predicted with the defaults and with the constants fitted on all the families above. The errors are then
+given per dispatcher over the layouts whose expert-parallel group spans nodes (in Megatron's expert rank order, ETP
+fastest then EP: ETP x EP above a node's GPUs), where the ``ep`` term's inter-node bytes decide: the families' held-out
+rows (Parallel Folding's name no dispatcher and ran Megatron's default, alltoall) and the dispatch runs. Last, the
+figure the issue starts from: Qwen3-30B-A3B on 2 x 8 H100 at EP16, predicted step and ``ep`` term per dispatcher.
+
 Fitted by default (``--fit``): ``achievable_mfu`` (every compute term: a quarter to nine tenths of each published
 step) and ``comm_efficiency`` (every NCCL term: TP, EP, DP/EDP, pipeline point-to-point). The rest do not move these
 runs or are not seen in them: kernel launches hide behind blocks this large, the runs overlap no DP traffic
@@ -45,10 +53,17 @@ from scipy.optimize import least_squares
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from step_time_calibration import NOISE_FLOOR, PublishedRuns, published_runs
+from step_time_calibration import DATA, NOISE_FLOOR, PublishedRuns, published_runs
 
 from sweeper.config.estimator import EstimatorConstants
+from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import Estimator
+from sweeper.estimate.step_time import EP
+from sweeper.models.catalog import resolve_model
+from sweeper.space.layout import Layout
+
+# Published runs that name their MoE token dispatcher (issue 52): a check only, in no fit.
+DISPATCH_RUNS = DATA / "measured_throughput_dispatch.json"
 
 # The physical range of each constant the fit may move: the fraction of the dense BF16 peak a block's GEMMs and
 # attention run at (cuBLAS reaches 70-80% on large Hopper GEMMs, no Megatron run reaches less than a fifth), the
@@ -121,6 +136,14 @@ def score(g: PublishedRuns, predicted: Sequence[float]) -> dict[str, Any]:
     return {"ratios": ratios, "errors": errors, "pairs": pairs, "ordered": ordered}
 
 
+def cross_node_dispatcher(g: PublishedRuns, layout: Layout) -> str | None:
+    """The token dispatcher of a layout whose expert-parallel group spans nodes (ETP x EP ranks, consecutive in
+    Megatron's expert rank order, more than a node holds); None for a dense model or EP within one node."""
+    if not g.model.is_moe or layout.ep * layout.etp <= g.cluster.gpus_per_node:
+        return None
+    return layout.moe_token_dispatcher or "alltoall"
+
+
 def leave_one_out(groups: list[PublishedRuns], names: Sequence[str], before: EstimatorConstants,
                   by: Callable[[PublishedRuns], str] = family) -> list[dict[str, Any]]:
     """Each family (or whatever ``by`` names) predicted with ``names`` fitted on the others."""
@@ -132,6 +155,7 @@ def leave_one_out(groups: list[PublishedRuns], names: Sequence[str], before: Est
         for g, p_before, p_after in zip(out, predict(out, before), predict(out, constants), strict=True):
             rows.append({"held_out": held, "group": g.id, "layouts": len(g.runs),
                          "fitted": {n: getattr(constants, n) for n in names},
+                         "cross_node_dispatchers": [cross_node_dispatcher(g, layout) for layout, _ in g.runs],
                          "before": score(g, p_before), "after": score(g, p_after)})
     return rows
 
@@ -150,6 +174,37 @@ def summary(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
             "median_of_group_medians": statistics.median(statistics.median(r[key]["errors"]) for r in rows),
             "worst_group_median": max(statistics.median(r[key]["errors"]) for r in rows),
             "pairs_in_order": sum(r[key]["ordered"] for r in rows) / pairs if pairs else None, "pairs": pairs}
+
+
+def by_dispatcher(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
+    """Per token dispatcher, the median held-out error over the layouts whose expert-parallel group spans nodes."""
+    errors: dict[str, list[float]] = {}
+    for r in rows:
+        for dispatcher, error in zip(r["cross_node_dispatchers"], r[key]["errors"], strict=True):
+            if dispatcher is not None:
+                errors.setdefault(dispatcher, []).append(error)
+    return {d: {"median_error": statistics.median(e), "layouts": len(e)} for d, e in sorted(errors.items())}
+
+
+# The issue-52 example: Qwen3-30B-A3B on 2 x 8 H100 (NVLink 450, one 400 Gb/s NIC per GPU), TP1 PP1 EP16, GBS 1024.
+QWEN3_EP16 = {"gpus": 16, "tp": 1, "pp": 1, "ep": 16, "etp": 1, "mbs": 1, "gbs": 1024, "precision": "bf16",
+              "recompute": "none", "distributed_optimizer": True}
+QWEN3_CLUSTER = ClusterConfig(nodes=2, gpus_per_node=8, gpu_kind="h100", compute_capability="9.0",
+                              intra_node_bandwidth_gbs=450, inter_node_bandwidth_gbs=50)
+
+
+def qwen3_ep16(constants: EstimatorConstants) -> dict[str, dict[str, float]]:
+    """Predicted step time and ``ep`` term (seconds) of QWEN3_EP16 per dispatcher, with and without A2A overlap."""
+    estimator = Estimator(resolve_model("qwen3-30b-a3b"), QWEN3_CLUSTER, 4096, constants=constants)
+    out = {}
+    for dispatcher in ("alltoall", "allgather", "flex:deepep", "flex:hybridep"):
+        for overlap in (False, True) if dispatcher != "allgather" else (False,):
+            e = estimator(Layout.from_dict({**QWEN3_EP16, "moe_token_dispatcher": dispatcher,
+                                            "moe_a2a_overlap": overlap}))
+            assert e.step_time_s is not None
+            out[dispatcher + (" +a2a_overlap" if overlap else "")] = {"step_s": e.step_time_s,
+                                                                     "ep_s": e.step_time_terms_s.get(EP, 0.0)}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,11 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = leave_one_out(groups, names, before, family if args.hold_out == "family" else paper)
     everything = fit(groups, names, before)
     in_sample = [score(g, p) for g, p in zip(groups, predict(groups, everything), strict=True)]
+    checks = [g for g in published_runs((DISPATCH_RUNS,)) if g.runs]
+    check_rows: list[dict[str, Any]] = [{"held_out": "in no fit", "group": g.id, "layouts": len(g.runs),
+                   "fitted": {n: getattr(everything, n) for n in names},
+                   "cross_node_dispatchers": [cross_node_dispatcher(g, layout) for layout, _ in g.runs],
+                   "before": score(g, p_before), "after": score(g, p_after)}
+                  for g, p_before, p_after in zip(checks, predict(checks, before), predict(checks, everything),
+                                                  strict=True)]
     result = {
         "fitted_constants": names, "before_constants": {n: getattr(before, n) for n in names},
         "held_out": rows, "before": summary(rows, "before"), "after": summary(rows, "after"),
         "fitted_on_all": {n: getattr(everything, n) for n in names},
         "in_sample_median_error": statistics.median(e for s in in_sample for e in s["errors"]),
+        "dispatch_checks": check_rows,
+        "cross_node_by_dispatcher": {k: by_dispatcher(rows + check_rows, k) for k in ("before", "after")},
+        "qwen3_30b_a3b_ep16": qwen3_ep16(before),
     }
     if args.json:
         print(json.dumps(result, indent=1))
@@ -207,6 +272,24 @@ def main(argv: list[str] | None = None) -> int:
               f"measured)) sigma {s['level_sigma']:.3f}")
     print(f"fitted on all families: {consts(result['fitted_on_all'])} (median error in sample "
           f"{100 * result['in_sample_median_error']:.1f}%)")
+    for r in check_rows:
+        b, a = r["before"], r["after"]
+        print(f"  {r['group']} ({r['layouts']} layouts, in no fit; with the defaults -> fitted on all families)\n"
+              f"      median error {100 * statistics.median(b['errors']):.1f}% -> "
+              f"{100 * statistics.median(a['errors']):.1f}%, pairs in measured order {order(b)} -> {order(a)}; "
+              f"measured / predicted throughput {', '.join(f'{1 / x:.2f}' for x in b['ratios'])} -> "
+              f"{', '.join(f'{1 / x:.2f}' for x in a['ratios'])}")
+    print("held-out layouts whose expert-parallel group spans nodes, per dispatcher (median error with the 'before' "
+          "constants -> fitted on the others):")
+    crossing = result["cross_node_by_dispatcher"]
+    for dispatcher, b in crossing["before"].items():
+        a = crossing["after"][dispatcher]
+        print(f"  {dispatcher}: {b['layouts']} layouts, {100 * b['median_error']:.1f}% -> "
+              f"{100 * a['median_error']:.1f}%")
+    print("predicted (uncalibrated, the 'before' constants) Qwen3-30B-A3B on 2 x 8 H100, TP1 PP1 EP16, GBS 1024, seq "
+          "4096:")
+    for name, v in result["qwen3_30b_a3b_ep16"].items():
+        print(f"  {name}: step {v['step_s']:.1f} s, ep term {v['ep_s']:.1f} s")
     return 0
 
 

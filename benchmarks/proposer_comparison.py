@@ -1,5 +1,5 @@
 """How the refit model's turns should choose (issue 46): greedy (its best predicted untried layout) against expected
-improvement over the best measured layout given what the fit leaves unknown (``search.refit``), TPE alone as the
+improvement over the best measured layout given what the fit leaves unknown (``search.propose.refit``), TPE alone as the
 reference, on measured and rehearsed landscapes.
 
 Landscapes:
@@ -47,7 +47,7 @@ from sweeper.config.schema import SweepConfig  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
-from sweeper.search.objective import objective_value  # noqa: E402
+from sweeper.search.decide.objective import objective_value  # noqa: E402
 from sweeper.trial.rehearsal import RUN_SIGMA, Faults, RehearsalHost  # noqa: E402
 
 MEASURED = ["tests/data/landscape_quickstart.json", "tests/data/landscape_dense.json",
@@ -82,7 +82,7 @@ def rehearsed_landscape(cfg: SweepConfig, seed: int) -> Landscape:
             runs.append(TrialResult(status="passed", metrics=TrialMetrics(
                 tokens_per_s=truth.tokens_per_s * truth.step_time_s / step, step_time_s=step,
                 peak_memory_gib=truth.peak_memory_gib)))
-        # Over the memory limit but not the GPU: it runs, and is not stable (search.selection.is_stable).
+        # Over the memory limit but not the GPU: it runs, and is not stable (search.decide.candidates.is_stable).
         noiseless = TrialResult(status="passed", metrics=TrialMetrics(tokens_per_s=truth.tokens_per_s,
                                                                       step_time_s=truth.step_time_s))
         stable = truth.peak_memory_gib <= cfg.memory_limit_gib

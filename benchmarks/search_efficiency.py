@@ -13,10 +13,10 @@ Layouts are judged, and Optuna told, by the sweep's objective (``search.objectiv
 throughput, a layout of W GPUs counted as its N // W copies), as the sweep itself ranks them; a landscape's best is
 the best by that objective.
 As in a sweep, the study proposes only launchable layouts, each at most once, never one a measured trial dominates
-(``search.dominance``: a larger micro-batch of a layout that ran out of memory, a recompute variant of a layout
+(``search.propose.dominance``: a larger micro-batch of a layout that ran out of memory, a recompute variant of a layout
 that ran stable without recompute), and TPE starts from the estimator's two fastest predicted layouts on GPUs (the
-sweep's prior, search.loop.PRIOR_PROPOSALS; a sweep on a simulated cluster, as the measured landscapes were, opens
-without it). Strategies, each sweeper's LayoutStudy:
+sweep's prior, search.run.explore.PRIOR_PROPOSALS; a sweep on a simulated cluster, as the measured landscapes were,
+opens without it). Strategies, each sweeper's LayoutStudy:
   tpe     - multivariate TPE with constraints and constant liar (define-by-run over the axes); a draw that is not
             a remaining launchable layout is declined (told to Optuna, not launched) and the nearest one proposed
   random  - uniformly random launchable layouts, without repetition
@@ -54,12 +54,12 @@ from sweeper.estimate.step_fit import StepModel  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
-from sweeper.search.dominance import Dominance  # noqa: E402
-from sweeper.search.loop import prior_proposals  # noqa: E402
-from sweeper.search.objective import objective_name, objective_value, predicted_objective  # noqa: E402
-from sweeper.search.refit import ACQUISITION, Acquisition, turn  # noqa: E402
-from sweeper.search.selection import is_stable  # noqa: E402
-from sweeper.search.study import LayoutStudy  # noqa: E402
+from sweeper.search.decide.objective import objective_name, objective_value, predicted_objective  # noqa: E402
+from sweeper.search.decide.verdicts import is_stable  # noqa: E402
+from sweeper.search.propose.dominance import Dominance  # noqa: E402
+from sweeper.search.propose.refit import ACQUISITION, Acquisition, turn  # noqa: E402
+from sweeper.search.propose.study import LayoutStudy  # noqa: E402
+from sweeper.search.run.explore import prior_proposals  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
 
@@ -140,7 +140,7 @@ class Outcome:
 def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode: str,
               host_cores: int | None = None, acquisition: Acquisition = ACQUISITION) -> Outcome:
     """sweeper's LayoutStudy proposing among the launchable layouts (in enumeration order), as a sweep does.
-    ``tpe+refit``: TPE with the sweep's refit step-time model (``search.refit``) choosing its turns by
+    ``tpe+refit``: TPE with the sweep's refit step-time model (``search.propose.refit``) choosing its turns by
     ``acquisition``."""
     rng = random.Random(seed)
     refit = None

@@ -72,11 +72,11 @@ class PublishedRuns:
     runs: list[tuple[Layout, float]]
 
 
-def published_runs() -> list[PublishedRuns]:
-    """Every published group, its layouts that have a step time (MFU or TFLOP/s per GPU turned into one with
-    Megatron's FLOPs formula; a run out of memory has none), however few."""
+def published_runs(paths: tuple[Path, ...] = PUBLISHED) -> list[PublishedRuns]:
+    """Every published group of ``paths``, its layouts that have a step time (MFU or TFLOP/s per GPU turned into one
+    with Megatron's FLOPs formula; a run out of memory has none), however few."""
     out = []
-    for path in PUBLISHED:
+    for path in paths:
         if not path.is_file():
             continue
         for g in json.loads(path.read_text())["groups"]:

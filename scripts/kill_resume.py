@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from sweeper.config.load import load_config  # noqa: E402
 from sweeper.record.sweepdir import SweepDir  # noqa: E402
-from sweeper.search.selection import NOT_THE_LAYOUTS, candidates, choose  # noqa: E402
+from sweeper.search.decide.candidates import candidates, choose  # noqa: E402
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS  # noqa: E402
 
 RECORDS = Path("/tmp/sweeper-clusters")  # where each driver lists the processes of its simulated cluster
 LAUNCH = re.compile(r"^launch #(\d+\.\d+) (explore|confirm) ")

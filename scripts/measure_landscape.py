@@ -28,10 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from sweeper.config.files import write_atomic  # noqa: E402
 from sweeper.config.load import load_config  # noqa: E402
 from sweeper.plan.assess import assess_all  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
-from sweeper.record.files import write_atomic  # noqa: E402
 from sweeper.trial.host import open_host  # noqa: E402
 from sweeper.trial.protocol import reserved  # noqa: E402
 

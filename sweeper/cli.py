@@ -134,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
     search = sub.add_parser("search", help="run the sweep and export the best stable layout")
     search.add_argument("space", type=Path, help=SPACE_HELP)
     search.add_argument("--resume", action="store_true", help="continue the sweep recorded in --out")
+    search.add_argument("--break-lock", action="store_true",
+                        help="take over --out's driver.lock from a driver that is gone (e.g. killed on another host) "
+                        "before its heartbeat is stale; refused while a driver still holds it")
     search.add_argument("--out", type=Path, help="sweep folder (default sweeps/<name>/); on a real cluster on a "
                         "filesystem every node mounts at the same path (ranks write their logs and checkpoints there)")
     search.add_argument("--max-trials", type=int, help="override search.max_trials")
@@ -148,8 +151,9 @@ def _parser() -> argparse.ArgumentParser:
                         "YAML's cluster, on a virtual clock, no GPU and no Ray; writes rehearsal.json (default --out "
                         "sweeps/<name>-rehearsal/)")
     search.add_argument("--rehearse-faults", metavar="SPEC",
-                        help="with --rehearse: node_loss_per_hour=RATE,hang=P (node losses per node-hour of a "
-                        "trial, the chance a trial hangs)")
+                        help="with --rehearse: node_loss_per_hour=RATE,hang=P,others=SHARE (node losses per "
+                        "node-hour of a trial, the chance a trial hangs, the largest share of the nodes other jobs "
+                        "hold, drawn anew every hour)")
     loudness = search.add_mutually_exclusive_group()
     loudness.add_argument("-v", "--verbose", action="store_true",
                           help="also show the libraries' log lines (Optuna, MLflow, Ray) on the terminal")
@@ -280,8 +284,8 @@ def cmd_search(args: argparse.Namespace) -> int:
     cfg = _load(args)
     check_address_override(cfg.cluster, args.address)
     from sweeper.search.command import run_search
-    from sweeper.search.faults import parse_injections
-    from sweeper.search.loop import SearchOptions
+    from sweeper.search.run.faults import parse_injections
+    from sweeper.search.run.sweep import SearchOptions
 
     rehearse = _rehearsal(args)
     injections: list[Any] = []
@@ -292,10 +296,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         # Which cluster, decided before the sweep folder and the MLflow store are written: an address that does not
         # answer ends here, with one line, after at most cluster.connect_timeout_s.
         target = resolve_target(cfg.cluster, args.address)
-        if target.kind == "simulated" and not args.resume:
-            from sweeper.trial.host import cpu_backend_refusal
+        if target.kind == "simulated":  # a resumed sweep too: it starts the same cluster (issue 54)
+            from sweeper.trial.host import cpu_backend_refusal, simulated_capacity_refusal
 
-            refusal = cpu_backend_refusal(cfg)
+            refusal = simulated_capacity_refusal(cfg) or cpu_backend_refusal(cfg)
             if refusal is not None:
                 raise SweeperError(f"{args.space}: {refusal}", exit_code=EXIT_FAILED)
         injections = parse_injections(args.inject, simulated=target.kind == "simulated")
@@ -313,6 +317,10 @@ def cmd_search(args: argparse.Namespace) -> int:
         rehearse=rehearse,
         rehearse_faults=args.rehearse_faults,
     )
+    if args.break_lock:
+        from sweeper.record.lock import LOCK_FILE, break_lock
+
+        break_lock(options.out / LOCK_FILE, say=lambda line: print(line, file=sys.stderr, flush=True))
     return run_search(cfg, options)
 
 

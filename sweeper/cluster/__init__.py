@@ -6,17 +6,20 @@ Only ``sweeper.cluster`` and ``sweeper.trial`` import Ray; everything else works
 from sweeper.cluster.connection import ClusterHandle, GpuInfo, NodeInfo, connect
 from sweeper.cluster.discovery import Probe, Target, choose_mode, probe, resolve_target
 from sweeper.cluster.placement import (
+    CPUS_PER_RANK,
     PlacementError,
     PlacementPlan,
     PlacementTimeout,
     TrialPlacement,
     plan_placement,
+    rank_slots,
     trial_placement,
 )
 from sweeper.cluster.simulated import SimNode, SimulatedCluster, cleanup_stale_clusters
 from sweeper.errors import ClusterError
 
 __all__ = [
+    "CPUS_PER_RANK",
     "ClusterError",
     "ClusterHandle",
     "GpuInfo",
@@ -34,6 +37,7 @@ __all__ = [
     "connect",
     "plan_placement",
     "probe",
+    "rank_slots",
     "resolve_target",
     "trial_placement",
 ]

@@ -114,16 +114,22 @@ class ClusterHandle:
     def gpus_per_node(self) -> dict[str, int]:
         return {node.label: node.gpus for node in self.nodes()}
 
-    def free_gpus_per_node(self) -> dict[str, int]:
-        """GPUs not reserved by any placement group or actor right now, per node label."""
-        available = self.available_gpus()
-        return {node.label: int(available.get(node.node_id, 0)) for node in self.nodes()}
+    def free_per_node(self) -> dict[str, tuple[int, float]]:
+        """GPUs and CPUs not reserved by any placement group or actor right now, per node label."""
+        available = self.available()
+        free = {node.label: available.get(node.node_id, (0.0, 0.0)) for node in self.nodes()}
+        return {label: (int(gpus), cpus) for label, (gpus, cpus) in free.items()}
 
-    def available_gpus(self) -> dict[str, float]:
-        """GPUs no placement group or actor of any job holds right now, per node id (this sweep's own included)."""
+    def free_gpus_per_node(self) -> dict[str, int]:
+        return {label: gpus for label, (gpus, _) in self.free_per_node().items()}
+
+    def available(self) -> dict[str, tuple[float, float]]:
+        """(GPUs, CPUs) no placement group or actor of any job holds right now, per node id (this sweep's own
+        included): a rank needs both."""
         # Ray has no public per-node "available" view; the GCS accessor behind ray.available_resources() does.
         available = ray._private.state.available_resources_per_node()  # noqa: SLF001
-        return {node_id: float(resources.get("GPU", 0.0)) for node_id, resources in available.items()}
+        return {node_id: (float(resources.get("GPU", 0.0)), float(resources.get("CPU", 0.0)))
+                for node_id, resources in available.items()}
 
     def gpu_info(self) -> dict[str, GpuInfo]:
         """GPU kind and memory per node label: from the config on a simulated cluster, from the node otherwise."""
@@ -168,14 +174,14 @@ def connect(
         if target.kind == "simulated":
             simulated = SimulatedCluster(cluster_cfg.nodes, cluster_cfg.gpus_per_node, record_dir=record_dir).start()
             address = simulated.address
-            ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+            _join(address)
         elif target.kind == "local":
             address = "local"
-            ray.init(address="local", logging_level=logging.WARNING)
+            _join("local")
         else:
             address = str(target.address)
             try:
-                ray.init(address=address, logging_level=logging.WARNING)
+                _join(address)
             except (ConnectionError, RuntimeError, ValueError) as exc:  # e.g. a Ray version mismatch
                 raise ClusterError(f"cannot join the Ray cluster at {address}: {_first_line(exc)}") from None
         yield ClusterHandle(mode=target.kind, address=address, cluster_cfg=cluster_cfg, simulated=simulated,
@@ -185,6 +191,15 @@ def connect(
             ray.shutdown()
         if simulated is not None:
             simulated.shutdown()
+
+
+# The console is sweeper's own, on every kind of cluster: what rank actors, warm ranks and probe tasks print stays in
+# the trial's rank_<r>.log (their logging) and in Ray's worker logs on their node, and Ray's autoscaler events
+# ("No available node types can fulfill resource request", every ~35 s while a placement group waits) go with them,
+# since Ray forwards both over the one log channel that log_to_driver switches. A failure reaches the console as
+# sweeper's own line, from the trial's result.
+def _join(address: str) -> None:
+    ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
 
 
 def _no_auto_init() -> None:

@@ -26,6 +26,14 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from sweeper.cluster.connection import ClusterHandle
 from sweeper.errors import ClusterError
 
+# What one rank reserves besides its GPU: a logical CPU, so a node runs at most as many ranks as it has CPUs for Ray.
+CPUS_PER_RANK = 1.0
+
+
+def rank_slots(gpus: float, cpus: float, cpus_per_rank: float = CPUS_PER_RANK) -> int:
+    """How many ranks a node's ``gpus`` and ``cpus`` hold: a rank needs one of each kind it reserves."""
+    return int(min(gpus, cpus // cpus_per_rank if cpus_per_rank > 0 else gpus))
+
 
 class PlacementError(ClusterError):
     """No bundle shape can place this trial on nodes of this size."""
@@ -64,7 +72,7 @@ class PlacementPlan:
 
 
 def plan_placement(
-    world_size: int, gpus_per_node: int, *, keep_together: int = 1, cpus_per_rank: float = 1.0
+    world_size: int, gpus_per_node: int, *, keep_together: int = 1, cpus_per_rank: float = CPUS_PER_RANK
 ) -> PlacementPlan:
     """Bundle shape for ``world_size`` ranks on nodes of ``gpus_per_node`` GPUs.
 
@@ -113,7 +121,7 @@ def trial_placement(
     timeout_s: float,
     *,
     keep_together: int = 1,
-    cpus_per_rank: float = 1.0,
+    cpus_per_rank: float = CPUS_PER_RANK,
     name: str | None = None,
     nodes: list[str] | None = None,
 ) -> Iterator[TrialPlacement]:
@@ -123,7 +131,7 @@ def trial_placement(
     capacity) has already chosen where the trial goes; each bundle is pinned with Ray's node-id label.
 
     Raises PlacementError (no bundle shape fits) or PlacementTimeout (not reserved within ``timeout_s``;
-    the message names the bundles asked for and the free GPUs per node).
+    the message names the bundles asked for and the free GPUs and CPUs per node).
     """
     plan = plan_placement(world_size, gpus_per_node, keep_together=keep_together, cpus_per_rank=cpus_per_rank)
     name = name or f"sweeper-{uuid.uuid4().hex[:8]}"
@@ -138,7 +146,7 @@ def trial_placement(
         if not done:
             raise PlacementTimeout(
                 f"placement: {plan.num_bundles} x {plan.bundles[0]} ({plan.strategy}) not reserved within "
-                f"{timeout_s:.0f}s; free GPUs per node: {_free_gpus(handle)}"
+                f"{timeout_s:.0f}s; free per node: {_free(handle)}"
             )
         ray.get(ready_ref)
         yield TrialPlacement(group=group, plan=plan, name=name, wait_s=time.monotonic() - started)
@@ -146,8 +154,12 @@ def trial_placement(
         remove_placement_group(group)
 
 
-def _free_gpus(handle: ClusterHandle) -> str:
+def _free(handle: ClusterHandle) -> str:
+    """What each node has free now, GPUs and CPUs: a bundle needs both, and a node short of CPUs (a container's
+    CPU limit under many GPUs) is as full as one short of GPUs."""
     try:
-        return ", ".join(f"{label}={free}" for label, free in handle.free_gpus_per_node().items()) or "no GPU nodes"
+        free = handle.free_per_node()
     except Exception as exc:  # noqa: BLE001 - diagnostics must not mask the timeout itself
         return f"unknown ({exc})"
+    nodes = [f"{label}: {gpus} GPUs and {cpus:g} CPUs" for label, (gpus, cpus) in free.items()]
+    return "; ".join(nodes) or "no GPU nodes"

@@ -46,7 +46,7 @@ import ray
 import ray._private.ray_constants as ray_constants  # private: the one-machine switch ray.init consults
 from ray.cluster_utils import Cluster
 
-from sweeper.record.files import write_atomic
+from sweeper.config.files import write_atomic
 
 NODE_LABEL_KEY = "sweeper.node"  # Ray node label carrying the stable simulated node name
 LOOPBACK = "127.0.0.1"

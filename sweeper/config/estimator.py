@@ -113,7 +113,11 @@ class EstimatorConstants(BaseModel):
     comm_efficiency: float = Field(0.77, gt=0, le=1)
     """Fraction of the link bandwidth a NCCL collective actually achieves (bus bandwidth / link bandwidth). Fitted
     with achievable_mfu on the published runs (benchmarks/first_guess.py: 0.774 on all of them, 0.75-0.93 with one
-    source's model left out; 0.70 assumed before). The CPU backend's ranks keep 0.70 (CPU_RANK_EFFICIENCIES)."""
+    source's model left out; 0.70 assumed before). Kept when issue 52 priced expert dispatch by what each dispatcher
+    moves over NVLink and the NIC: with it the 63 runs lie 8.6% off at the median (8.8% before), while a refit on all
+    six families would give 0.655 (achievable_mfu 0.609), pulled by the 64-expert Mixtral G8T8 runs whose cost the
+    exchange's bytes no longer explain, and predicts each family left out 11.3% off (9.2% before). The CPU backend's
+    ranks keep 0.70 (CPU_RANK_EFFICIENCIES)."""
     cp_comm_overlap: float = Field(0.5, ge=0, le=1)
     """Fraction of context-parallel KV exchange hidden behind attention compute (TE overlaps the ring steps)."""
     dp_comm_overlap: float = Field(0.8, ge=0, le=1)
@@ -125,9 +129,11 @@ class EstimatorConstants(BaseModel):
     normal kernels, against comm_efficiency for NCCL's all-to-all."""
     moe_a2a_overlap_efficiency: float = Field(0.8, ge=0, le=1)
     """Fraction of the expert all-to-all hidden behind another micro-batch's compute with moe_a2a_overlap
-    (Megatron's combined 1F1B), at most that compute's length. An assumption (not measured by sweeper): the
-    dispatch and combine of one micro-batch overlap the attention and expert GEMMs of the other, less the
-    synchronisation between them."""
+    (Megatron's combined 1F1B), at most that compute's length: the dispatch and combine of one micro-batch overlap
+    the other's layer (attention and expert GEMMs), less the synchronisation between them. An assumption, not
+    fitted: the one published pair (Megatron-MoE-ModelZoo's Qwen3-235B-A22B on 256 H100, DeepEP at EP32, 19.7 s
+    without and 17.6 s with the overlap; tests/data/measured_throughput_dispatch.json) saved 11% where 0.8 predicts
+    31%, as about 0.27 would; DeepEP's SMs, taken from the overlapped GEMMs, are not modelled either."""
     kernel_launch_us: float = Field(6.0, ge=0)
     """Host time to launch one kernel in eager PyTorch with Transformer Engine (Python dispatch + CUDA launch);
     what a block whose kernels are short waits for without CUDA graphs (step_time.KERNELS_PER_SCOPE)."""

@@ -247,6 +247,11 @@ class SearchConfig(_Strict):
     """A confirmation whose last quarter of steps took more than this many times its first quarter (after warm-up)
     does not confirm the layout: time that grows with the steps (fragmentation, a leak, throttling) is what a long
     run would hit."""
+    confirm_max_step_time_p90: float = Field(1.25, gt=1.0)
+    """A confirmation whose timed steps' 90th percentile is more than this many times their median does not confirm
+    the layout: it stalls (allocator retries near the memory limit, MoE imbalance spikes), and a production run pays
+    every stall. A GPU's steps spread by a few percent; one step in four taking 1.25x or more is a stall, not noise.
+    Explored trials record it (``step_time_p90_s``) without failing on it."""
     routing_stress_steps: int = Field(2, ge=0)
     """A confirmation of a MoE layout with EP > 1 ends with this many steps routing every token to one expert, then
     this many to one EP rank's experts; its peak memory under stress must keep the headroom too (0: none)."""
@@ -370,7 +375,10 @@ class SweepConfig(_Strict):
     def production_batch_reason(self, world_size: int) -> str | None:
         """Why layouts of ``world_size`` GPUs cannot run the production batch in equal shares, or None."""
         gbs, k = self.training.global_batch_size, self.copies(world_size)
-        if k and gbs % k:
+        if not k:  # issue 53: it was launched (first, in exhaustive order) though nothing of it could be chosen
+            return (f"the layout needs {world_size} GPUs, more than the production run's {self.production_gpus} "
+                    "(budget.gpus): no copy of it runs in production")
+        if gbs % k:
             return (f"global_batch_size ({gbs}) on the production run's {self.production_gpus} GPUs does not split "
                     f"over the {k} copies of a {world_size}-GPU layout: its trial would not run the production "
                     f"run's micro-batches")

@@ -23,6 +23,7 @@ same cluster starts calibrated.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import statistics
@@ -32,8 +33,8 @@ from pathlib import Path
 
 import numpy as np
 
+from sweeper.config.files import write_atomic
 from sweeper.estimate.step_time import term_factor
-from sweeper.record.files import write_atomic
 
 # A fitted activation factor outside this range means the samples disagree with the model's structure (wrong
 # recompute setting, a different optimizer); clamping keeps one bad sample from wrecking every prediction.
@@ -195,17 +196,39 @@ def calibration_key(cluster_name: str, model_name: str) -> str:
     return f"{cluster_name}/{model_name}"
 
 
-def save(path: Path, key: str, calibration: Calibration) -> None:
-    """Store (or replace) one cluster+model's factors in the JSON file at ``path``. The read-modify-write holds an
-    exclusive lock on ``<path>.lock``: two sweeps finishing at once (the cache is per user, shared by every sweep)
-    would otherwise each write the file it read, and the first one's factors would be lost."""
+# What ``flock`` raises where the filesystem has no locks, as opposed to a lock someone holds: ENOLCK on an NFS mount
+# without a lock daemon, EOPNOTSUPP / ENOSYS where the filesystem does not implement flock.
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+
+
+def save(path: Path, key: str, calibration: Calibration, shared: bool = True) -> bool:
+    """Store (or replace) one cluster+model's factors in the JSON file at ``path``; True when stored.
+
+    ``shared``: other sweeps write this file too (the user's cache): the read-modify-write holds an exclusive lock
+    on ``<path>.lock``, since two sweeps finishing at once would otherwise each write the file it read and the first
+    one's factors would be lost. Where the filesystem has no locks (``NO_LOCKS``) nothing is written and False is
+    returned: without the lock a write may drop another sweep's factors. A file only this driver writes (the sweep
+    folder's copy, held by the driver lock) is written without one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if not shared:
+        _store(path, key, calibration)
+        return True
     with open(path.with_name(path.name + ".lock"), "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        data = json.loads(path.read_text()) if path.is_file() else {}
-        data[key] = asdict(calibration)
-        write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        except OSError as exc:
+            if exc.errno in NO_LOCKS:
+                return False
+            raise
+        _store(path, key, calibration)
+    return True
+
+
+def _store(path: Path, key: str, calibration: Calibration) -> None:
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data[key] = asdict(calibration)
+    write_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def load(path: Path, key: str) -> Calibration | None:

@@ -9,11 +9,15 @@ with the host's cores shared among them) and a GPU sweep its GPUs. A GPU sweep's
 calibrated step time (``Calibration.step_term_factors``); a simulated sweep's rank its own layouts only, never
 stand in for GPU predictions.
 
+The estimator learns from plain figures the search hands it (``Measured``), never from the trial record: the
+record's schema is the search's, and ``sweeper.estimate`` does not import ``sweeper.record`` (import-linter).
+
 Fitted factors are stored in the user's cache (``$SWEEPER_CACHE`` or ``~/.cache/sweeper/calibration.json``) under
 ``"<cluster>/<model>"`` (a simulated sweep's cluster key names the host's CPU instead), and copied into the sweep
 folder, so the next sweep on the same cluster starts calibrated. The cluster's part of the step-time factors (its
 links and kernel-launch overhead, ``step_time.CLUSTER_TERMS``) is also stored under ``"<cluster>/*"``: a sweep or
-``plan`` of another model on the same cluster starts with those (``stored``).
+``plan`` of another model on the same cluster starts with those (``stored``). Where the cache's filesystem has no
+locks (an NFS home without a lock daemon) the sweep keeps its factors in its own folder only and says so once.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimator
 from sweeper.estimate.calibration import Calibration, FitReport, Sample, calibration_key, fit, load, save
 from sweeper.estimate.step_fit import StepFit, StepModel, repeat_noise
 from sweeper.estimate.step_time import CLUSTER_TERMS
-from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 
 
@@ -41,30 +46,48 @@ def cache_path() -> Path:
     return Path(root) / "calibration.json"
 
 
+# Cluster fields that say how to reach and run the cluster, not what it computes with: no prediction reads them
+# (tests/estimate/test_calibration_cache.py checks), so they stay out of the calibration key.
+CLUSTER_FIELDS_NOT_PRICED = frozenset({"address", "simulate", "connect_timeout_s", "warm_ranks", "host_memory_gib"})
+# Model fields kept for the catalog's self-check, never in the arithmetic (models/spec.py).
+MODEL_FIELDS_NOT_PRICED = frozenset({"published_total_params_b", "published_active_params_b"})
+
+# The keys below are digests of what the predictions read (issue 54). Entries stored under the keys of before (the
+# model's name and the cluster's shape only) are simply not found: a sweep or plan starts uncalibrated once and
+# stores its factors under the new key, and no entry is read as another model's or another fabric's.
+
+
+def _digest(value: BaseModel, exclude: frozenset[str] = frozenset()) -> str:
+    return hashlib.sha256(value.model_dump_json(exclude=set(exclude)).encode()).hexdigest()[:8]
+
+
 def cluster_key(cfg: SweepConfig, host_cores: int | None = None) -> str:
-    """The cluster part of a calibration key: its size and GPU kind, or the host's CPU for a simulated one, and the
-    estimator's constants (a digest): the factors are corrections to the predictions those constants make, so a
-    calibration learnt under other constants (the YAML's ``estimate:``, or the defaults before they were fitted on
-    published runs, issue 46) would price this sweep's layouts that much off."""
+    """The cluster part of a calibration key: its size and GPU kind, or the host's CPU for a simulated one, a digest
+    of its figures (GPU memory, capability and kind, the NVLink, NIC and host-link bandwidths: two clusters of one
+    shape on different fabrics price communication differently) and one of the estimator's constants: the factors
+    are corrections to the predictions those constants make, so a calibration learnt under other constants (the
+    YAML's ``estimate:``, or the defaults before they were fitted on published runs, issue 46) would price this
+    sweep's layouts that much off."""
     c = cfg.cluster
-    constants = hashlib.sha256(cfg.estimate.model_dump_json().encode()).hexdigest()[:8]
+    figures, constants = _digest(c, CLUSTER_FIELDS_NOT_PRICED), _digest(cfg.estimate)
     if host_cores:
-        return f"cpu-{host_cores}cores-{c.nodes}x{c.gpus_per_node}-est{constants}"
-    return f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}-est{constants}"
+        return f"cpu-{host_cores}cores-{c.nodes}x{c.gpus_per_node}-fig{figures}-est{constants}"
+    return f"{c.nodes}x{c.gpus_per_node}-{c.gpu_kind or 'cc' + c.compute_capability}-fig{figures}-est{constants}"
 
 
 def model_key(cfg: SweepConfig) -> str:
-    """The model part of a calibration key: the model and everything else that moves what a trial measures on the
-    same cluster (issue 43): the sequence length, the attention backend and whether Transformer Engine is installed,
-    the megatron-core release, and the run settings (a digest: grad dtype, optimizer, FP8 recipe, overlaps)."""
+    """The model part of a calibration key: the model's name and a digest of its whole spec (a preset with a field
+    overridden is another model), and everything else that moves what a trial measures on the same cluster (issue
+    43): the sequence length, the attention backend and whether Transformer Engine is installed, the megatron-core
+    release, and the run settings (a digest: grad dtype, optimizer, FP8 recipe, overlaps)."""
     try:
         mcore = importlib.metadata.version("megatron-core")
     except importlib.metadata.PackageNotFoundError:
         mcore = "none"
     te = "te" if importlib.util.find_spec("transformer_engine") is not None else "local"
-    run = hashlib.sha256(cfg.run.model_dump_json().encode()).hexdigest()[:8]
-    return (f"{cfg.model.name}@seq{cfg.training.seq_length}-{cfg.estimate.attention_backend}-{te}-mcore{mcore}"
-            f"-run{run}")
+    spec, run = _digest(cfg.model, MODEL_FIELDS_NOT_PRICED), _digest(cfg.run)
+    return (f"{cfg.model.name}-spec{spec}@seq{cfg.training.seq_length}-{cfg.estimate.attention_backend}-{te}"
+            f"-mcore{mcore}-run{run}")
 
 
 def key(cfg: SweepConfig, host_cores: int | None = None) -> str:
@@ -94,14 +117,26 @@ def _terms(calibration: Calibration) -> str:
 
 
 @dataclass(frozen=True)
+class Measured:
+    """What one trial measured, as the search hands it to the estimator: plain figures, not the trial record."""
+
+    passed: bool  # only a passed trial's step time and peak calibrate
+    step_time_s: float | None = None  # seconds per training step
+    peak_memory_gib: float | None = None  # max over ranks of the peak memory
+    peak_on_device: bool = False  # the peak is GPU memory; False: a CPU rank's host RSS, which says nothing of a GPU's
+    moe_hot_rank_factor: float | None = None  # the MoE router's measured imbalance, whatever the trial's outcome
+
+
+@dataclass(frozen=True)
 class CalibrationUpdate:
     """What one trial changed: the refit memory/step factors (None: not a device measurement), the refit step-time
-    terms (None: no step time measured), and whether the estimator's predictions moved at all (a refit, or a
-    measured routing imbalance raising the hot-rank factor)."""
+    terms (None: no step time measured), whether the estimator's predictions moved at all (a refit, or a measured
+    routing imbalance raising the hot-rank factor), and a warning for the console (the shared cache not written)."""
 
     fit: FitReport | None = None
     step: StepFit | None = None
     changed: bool = False
+    warning: str | None = None
 
 
 class Calibrator:
@@ -120,30 +155,30 @@ class Calibrator:
         self._raw = Estimator.for_config(cfg)  # the uncalibrated predictions the samples are fitted against
         self.step = StepModel(Estimator.for_config(cfg, host_cores=host_cores), _step_fit(start))
         self.step_trials: list[tuple[int, str]] = []  # (trial number, layout) of each step-time sample
+        self._unlocked_cache: Path | None = None  # the cache whose filesystem refused a lock: not written again
 
-    def add(self, layout: Layout, result: TrialResult, number: int = 0) -> CalibrationUpdate:
+    def add(self, layout: Layout, measured: Measured, number: int = 0) -> CalibrationUpdate:
         """Refit with one more measured trial (only a passed trial's device memory calibrates memory; any passed
         trial's step time the step-time terms). A MoE trial's measured routing imbalance raises the hot-rank factor
         on any backend (the router is the same megatron-core code on CPU and GPU)."""
-        factor = result.metrics.moe_hot_rank_factor
+        factor = measured.moe_hot_rank_factor
         raised = factor is not None and factor > ((self.current and self.current.moe_hot_rank_factor) or 1.0)
         if raised:
             self.current = replace(self.current or Calibration(), moe_hot_rank_factor=factor)
-        step = None
-        if result.passed and result.metrics.step_time_s:
-            step = self.step.add(layout, result.metrics.step_time_s)
+        step, warning = None, None
+        if measured.passed and measured.step_time_s:
+            step = self.step.add(layout, measured.step_time_s)
             self.step_trials.append((number, layout.short()))
             if self.host_cores:  # the CPU's factors: kept apart from the GPU cluster's calibration
-                self._save(Calibration(step_time_factor=self.step.level, step_term_factors=self.step.factors(),
-                                       samples=step.samples))
-        device_memory = (result.passed and result.memory_kind == "device"
-                         and result.metrics.peak_memory_gib is not None)
+                warning = self._save(Calibration(step_time_factor=self.step.level,
+                                                 step_term_factors=self.step.factors(), samples=step.samples))
+        device_memory = measured.passed and measured.peak_on_device and measured.peak_memory_gib is not None
         if device_memory:
             raw = self._raw(layout)
             self.samples.append(Sample(
                 breakdown=raw.breakdown, fragmentation=self.cfg.estimate.allocator_fragmentation,
-                predicted_step_s=raw.step_time_s, measured_peak_gib=result.metrics.peak_memory_gib,
-                measured_step_s=result.metrics.step_time_s,
+                predicted_step_s=raw.step_time_s, measured_peak_gib=measured.peak_memory_gib,
+                measured_step_s=measured.step_time_s,
             ))
             self.report = fit(self.samples)
             hot = self.current.moe_hot_rank_factor if self.current else None
@@ -154,9 +189,10 @@ class Calibrator:
                                        step_term_factors=self.step.factors(),
                                        samples=max(len(self.step.samples), len(self.samples)))
             assert self.current is not None
-            self._save(self.current)
-            return CalibrationUpdate(fit=self.report if device_memory else None, step=step, changed=True)
-        return CalibrationUpdate(step=step, changed=raised)
+            warning = self._save(self.current)
+            return CalibrationUpdate(fit=self.report if device_memory else None, step=step, changed=True,
+                                     warning=warning)
+        return CalibrationUpdate(step=step, changed=raised, warning=warning)
 
     def step_time_fit(self) -> dict[str, Any] | None:
         """sweep.json's ``step_time_fit``: what the measured step times taught the step-time model (None before the
@@ -184,16 +220,28 @@ class Calibrator:
             "error_calibrated": error("calibrated_s"), "trials": rows,
         }
 
-    def _save(self, calibration: Calibration) -> None:
-        """Store the factors for this cluster and model, and the cluster's own step-time part for any model."""
-        for path in (cache_path(), self.sweep_file) if self.shared else (self.sweep_file,):
-            save(path, key(self.cfg, self.host_cores), calibration)
-            # Relative to this model's level (its compute's efficiency): another model's level is its own.
-            level = calibration.step_time_factor
-            shared = {t: f / level for t, f in calibration.step_term_factors.items() if t in CLUSTER_TERMS}
-            if shared:
-                save(path, calibration_key(cluster_key(self.cfg, self.host_cores), "*"),
-                     Calibration(step_term_factors=shared, samples=calibration.samples))
+    def _save(self, calibration: Calibration) -> str | None:
+        """Store the factors for this cluster and model, and the cluster's own step-time part for any model, in the
+        sweep folder and (``shared``) the cache other sweeps read. A warning the first time the cache's filesystem
+        refuses its lock (``calibration.NO_LOCKS``): the sweep then keeps its factors in its own folder only."""
+        # Relative to this model's level (its compute's efficiency): another model's level is its own.
+        level = calibration.step_time_factor
+        links = {t: f / level for t, f in calibration.step_term_factors.items() if t in CLUSTER_TERMS}
+        entries = [(key(self.cfg, self.host_cores), calibration)]
+        if links:
+            entries.append((calibration_key(cluster_key(self.cfg, self.host_cores), "*"),
+                            Calibration(step_term_factors=links, samples=calibration.samples)))
+        for name, entry in entries:  # one driver per sweep folder (record.lock): its own copy needs no lock
+            save(self.sweep_file, name, entry, shared=False)
+        cache = cache_path()
+        if not self.shared or cache == self._unlocked_cache:
+            return None
+        if all(save(cache, name, entry) for name, entry in entries):
+            return None
+        self._unlocked_cache = cache
+        return (f"{cache}: its filesystem refuses a file lock (an NFS home without a lock daemon?): this sweep's "
+                f"calibration stays in {self.sweep_file} and is not shared with later sweeps (set SWEEPER_CACHE to "
+                "a local folder to share it)")
 
 
 def _step_fit(calibration: Calibration | None) -> StepFit | None:

@@ -52,6 +52,7 @@ from sweeper.estimate.step_time import (
     StepTerms,
     TimeInputs,
     block_seconds,
+    ep_ranks_per_node,
     group_bandwidth,
     slowest_stage,
     step_time,
@@ -140,10 +141,12 @@ def _links(layout: Layout, cluster: ClusterConfig, efficiency: float, latency_us
         dp=bw(tp * cp * dp),
         pp=bw(layout.world_size),
         etp=bw(layout.etp),
-        ep=bw(layout.etp * layout.ep),
         edp=bw(layout.etp * layout.ep * layout.edp),
         host=cluster.host_link_gbs * 1e9,
         latency=latency_us * 1e-6,
+        intra=intra,
+        inter=inter,
+        ep_ranks_per_node=ep_ranks_per_node(layout.ep, layout.etp, cluster.gpus_per_node),
     )
 
 

@@ -4,11 +4,14 @@ Good enough to *rank* layouts (the sweep measures the real numbers): compute per
 pipeline stage, plus the tensor/context/expert-parallel traffic on the critical path, times the pipeline
 schedule's length (M + (PP-1)/VPP micro-batch slots), plus pipeline point-to-point and the once-per-step
 data-parallel gradient reduce / parameter gather. A process group counts as intra-node when its ranks fit
-inside one node in Megatron's rank order (tp -> cp -> ep/dp -> pp; expert side etp -> ep -> edp -> pp).
+inside one node in Megatron's rank order (tp -> cp -> ep/dp -> pp; expert side etp -> ep -> edp -> pp). The MoE
+token exchange is priced by what its dispatcher moves inside a node (NVLink) and across nodes (the NIC) from the
+expert-parallel group's placement (``expert_dispatch``).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -106,16 +109,26 @@ class Links:
     cp: float
     dp: float
     pp: float
-    ep: float
     etp: float
     edp: float
     host: float  # device <-> host copies (activation offload; cluster.host_link_gbs)
     latency: float = 0.0  # seconds per hop of a ring collective or a point-to-point send (link_latency_us)
+    # What the expert dispatch reads (``expert_dispatch``): one GPU's NVLink and NIC bandwidth (bytes/s, at the
+    # collective's efficiency), and how many ranks of one expert-parallel group share a node (an NVLink domain).
+    intra: float = 0.0
+    inter: float = 0.0
+    ep_ranks_per_node: int = 1
 
 
 def group_bandwidth(span: int, gpus_per_node: int, intra: float, inter: float) -> float:
     """A group whose consecutive-rank span fits in a node talks over the intra-node link."""
     return intra if span <= gpus_per_node else inter
+
+
+def ep_ranks_per_node(ep: int, etp: int, gpus_per_node: int) -> int:
+    """Ranks of one expert-parallel group on one node. Megatron's expert rank order puts ETP fastest, then EP: an
+    EP group's ranks are ETP apart, so a node holds gpus_per_node / ETP of them (all EP of them when they fit)."""
+    return max(1, min(ep, gpus_per_node // etp))
 
 
 def ring(size_bytes: float, group: int, bandwidth: float, latency: float = 0.0) -> float:
@@ -285,7 +298,6 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     bf16_rate, gemm_rate = _rates(x.precision, device, constants)
     act_bytes = 4 if x.precision == "fp32" else 2
     tp_bytes = tokens * spec.hidden_size * act_bytes  # one block's hidden state, gathered/scattered over TP
-    routed = tokens / (x.tp if x.sp else 1) * spec.moe_router_topk * spec.hidden_size * act_bytes
 
     # Recomputation repeats forward work: the whole layer (full), or what the selective modules name: the
     # attention core (core_attn), the dense MLP (mlp), the MoE layer with its dispatch (moe), the shared experts.
@@ -295,7 +307,11 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     core_recomputed = full or "core_attn" in modules
 
     per_block: dict[Block, dict[str, float]] = {}
-    for b in spec.block_counts:
+    # Megatron's combined 1F1B (moe_a2a_overlap) runs one micro-batch's dispatch and combine while another computes:
+    # the exchange hides behind that micro-batch's whole layer, its attention too where a layer pairs it with the MoE.
+    overlapped = ("attention", "moe") if ("attention", "moe") in spec.layer_blocks else ("moe",)
+    layer_work = 0.0
+    for b in sorted(spec.block_counts, key=lambda b: b == "moe"):  # the MoE block last: it reads the layer's work
         f = block_flops(spec, b, x.seq_length, constants.mamba_chunk_size)
         # The mlp and moe modules recompute exactly the block of that name.
         recomputed = full or (b in ("mlp", "moe") and b in modules)
@@ -325,11 +341,13 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
             # Ring attention passes every KV block around the CP group; backward also returns dKV.
             parts[CP] = 3 * (x.cp - 1) * (kv / links.cp + links.latency) * (1 - constants.cp_comm_overlap)
         work = (compute + recompute) / x.tp
+        if b in overlapped:
+            layer_work += work
         if b == "moe":
-            exchange = _token_exchange(x, links, routed, tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1),
+            exchange = expert_dispatch(spec, x, links, tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1),
                                        recomputed, constants)
-            if x.a2a_overlap:  # the exchange runs behind another micro-batch's compute, as far as that lasts
-                exchange -= min(exchange, work) * constants.moe_a2a_overlap_efficiency
+            if x.a2a_overlap:  # the exchange runs behind another micro-batch's layer, as far as that lasts
+                exchange -= min(exchange, layer_work) * constants.moe_a2a_overlap_efficiency
             parts[EP] = exchange
         # Recomputing a block launches its forward kernels again (about a third of its forward + backward ones).
         relaunch = 1 + (1 / FWD_BWD_FACTOR if recomputed else 0.0)
@@ -440,22 +458,64 @@ def step_time(
     return StepTerms(stage, x.num_microbatches, (x.pp - 1) / x.vpp, step)
 
 
-def _token_exchange(x: TimeInputs, links: Links, routed: float, local: float, recomputed: bool,
+def expert_dispatch(spec: ModelSpec, x: TimeInputs, links: Links, local: float, recomputed: bool,
                     constants: EstimatorConstants) -> float:
-    """Seconds per micro-batch one MoE block spends exchanging tokens (recomputing the layer exchanges them once
-    more). alltoall and flex send each token's top-k routed copies across EP, then gather them over ETP; flex's
-    DeepEP/HybridEP kernels reach ``flex_comm_efficiency`` of the link instead of NCCL's ``comm_efficiency``.
-    allgather gathers every token of the ETP x EP group to every rank of it and reduce-scatters the result back:
-    EP x ETP times the local tokens where alltoall moves top-k times them (ahead when EP is small against top-k)."""
+    """Seconds per micro-batch one MoE block spends exchanging tokens: dispatch and combine, forward and backward
+    (recomputing the layer exchanges them once more), ``local`` bytes of hidden states entering the dispatcher on
+    each rank. What crosses a node goes at the NIC's bandwidth while what stays in it goes over NVLink at the same
+    time; routing is taken as uniform over the experts (what the load-balancing loss aims at).
+
+    - alltoall (megatron/core/transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher): permutes one copy of
+      a token per selected expert (num_out_tokens = tokens x top-k, no merging of experts on one rank) and sends each
+      copy to its expert's EP rank; the ETP ranks then all-gather what arrived and reduce-scatter it back.
+    - flex (MoEFlexTokenDispatcher over the ETP x EP group; fused_a2a.py, DeepEP / HybridEP): sends a token once to
+      each rank holding one of its experts (DeepEP's is_token_in_rank) and, across nodes, once to each node (its
+      num_tokens_per_rdma_rank), where the receiving GPU forwards it over NVLink; the kernels reach
+      ``flex_comm_efficiency`` of the link instead of NCCL's ``comm_efficiency``.
+    - allgather (MoEAllGatherTokenDispatcher): every token of the ETP x EP group to every rank of it (NCCL's
+      all-gather) and a reduce-scatter back."""
     passes = EP_ALL_TO_ALLS_PER_BLOCK + (2 if recomputed else 0)
+    intra, inter = dispatch_copies(x.dispatcher, spec.num_moe_experts or 1, spec.moe_router_topk, x.ep, x.etp,
+                                   links.ep_ranks_per_node)
+    group = x.ep * x.etp if x.dispatcher == "allgather" else x.ep
+    one_pass = (max(intra * local / links.intra if intra else 0.0, inter * local / links.inter if inter else 0.0)
+                + (group - 1) * links.latency)
     if x.dispatcher == "allgather":
-        group = x.ep * x.etp
-        return passes * ring(local * group, group, links.ep, links.latency)
-    exchange = (passes * ring(routed, x.ep, links.ep, links.latency)
-                + TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp, links.latency))
+        return passes * one_pass
     if x.dispatcher == "flex":
-        exchange *= constants.comm_efficiency / constants.flex_comm_efficiency
-    return exchange
+        return passes * one_pass * constants.comm_efficiency / constants.flex_comm_efficiency
+    routed = spec.moe_router_topk * local  # what the ETP ranks gather: the routed copies this rank's EP rank received
+    return passes * one_pass + TP_RING_PASSES_PER_BLOCK * ring(routed * x.etp, x.etp, links.etp, links.latency)
+
+
+def dispatch_copies(dispatcher: str, experts: int, topk: int, ep: int, etp: int, per_node: int,
+                    ) -> tuple[float, float]:
+    """Copies of one token a rank moves per dispatch (or combine) pass, as (over NVLink, over its NIC).
+    ``per_node``: ranks of the EP group on one node (``ep_ranks_per_node``); the group spans EP / per_node nodes, each
+    holding experts / nodes of the experts."""
+    nodes = max(1, math.ceil(ep / per_node))
+    group_per_node = min(per_node * etp, ep * etp)  # ranks of the ETP x EP group on one node
+    if dispatcher == "allgather":
+        # A ring all-gather brings each other rank's tokens once. NCCL runs one ring per NIC, each entering a node
+        # through its own NIC, so every token from another node crosses into this one once, spread over its NICs;
+        # the rest of the ring's traffic is NVLink.
+        group = ep * etp
+        across = (group - group_per_node) / group_per_node
+        return group - 1 - across, across
+    if dispatcher != "flex":  # one copy per selected expert, to the rank holding it
+        return topk * (per_node - 1) / ep, topk * (ep - per_node) / ep
+    # One copy per rank holding a selected expert (each of its ETP ranks), one per other node holding any.
+    ranks_hit = ep * etp * (1 - _unselected(experts, topk, experts // ep))
+    nodes_hit = (nodes - 1) * (1 - _unselected(experts, topk, experts // nodes))
+    # By symmetry a rank forwards over NVLink as many copies as it receives from other nodes: its NVLink traffic is
+    # every selected rank's share that is on its node and not itself.
+    return ranks_hit * (group_per_node - 1) / group_per_node, nodes_hit
+
+
+@lru_cache(maxsize=256)
+def _unselected(experts: int, topk: int, held: int) -> float:
+    """Probability that none of a token's top-k experts (distinct, uniform) is among ``held`` given ones."""
+    return math.comb(experts - held, topk) / math.comb(experts, topk)
 
 
 def _exposed_launches(block: str, gpu_s: float, cuda_graph: str, constants: EstimatorConstants,

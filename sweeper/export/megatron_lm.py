@@ -105,11 +105,19 @@ def layout_args(cfg: SweepConfig, layout: Layout) -> list[str]:
     ) + fusions.megatron_lm_args(fusions.framework_fusions(cfg.run.framework, cfg.model), cfg.model)
 
 
+def node_shape(world_size: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of a torchrun launch of ``world_size`` ranks: the fewest nodes that hold them with the
+    same number on each (torchrun's --nproc-per-node is one number): 12 GPUs on 8-GPU nodes run as 2 x 6."""
+    least = -(-world_size // gpus_per_node)
+    nodes = next(n for n in range(least, world_size + 1) if world_size % n == 0)
+    return nodes, world_size // nodes
+
+
 def launch_script(cfg: SweepConfig, layout: Layout, trial: int, measured: Layout | None = None) -> str:
     """The bash script (see the module docstring) for ``layout``; ``measured``: the trial's layout it is the
     production shape of (named in the header)."""
-    per_node = min(layout.world_size, cfg.cluster.gpus_per_node)
-    nodes = max(1, layout.world_size // per_node)
+    nodes, per_node = node_shape(layout.world_size, cfg.cluster.gpus_per_node)
+    release = megatron_release.installed()
     entry = "pretrain_mamba.py" if cfg.model.is_hybrid else "pretrain_gpt.py"
     # The trial's ranks ran with the same variables (sweeper.space.environment, trial/runner.py).
     variables = megatron_environment(layout, cfg.cluster.compute_capability)
@@ -132,7 +140,8 @@ def launch_script(cfg: SweepConfig, layout: Layout, trial: int, measured: Layout
         "# Set what the sweep did not decide: DATA_ARGS (default: Megatron-LM's mock data and NullTokenizer),",
         "# TRAIN_ITERS, LR, MIN_LR, WARMUP_ITERS, CHECKPOINT_DIR.",
         "set -euo pipefail",
-        ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout matching megatron-core 0.16}"',
+        f': "${{MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout matching megatron-core {release}, as the '
+        'sweep ran}}"',
         "",
         *env,
         "",

@@ -1,17 +1,31 @@
 """One driver per sweep folder (issue 43): ``driver.lock`` in the folder, held by ``sweeper search`` for the whole
 sweep, so that a second driver (a ``--resume`` while the first still runs, a Slurm requeue) cannot interleave
-trials.jsonl and the Optuna journal. The lock is an ``fcntl.flock`` on a descriptor kept open, which the kernel drops
-with the process, and the file's JSON (host, pid, start time) names the holder. On a shared filesystem where flock
-may not reach across hosts, the JSON is authoritative: a holder on this host whose pid is gone is stale and taken
-over; a holder on another host is refused until someone deletes the file. The file is removed on release.
+trials.jsonl and the Optuna journal.
+
+The file is created exclusively (``O_EXCL``: of two drivers starting together, one creates it), names its holder in
+JSON (host, pid, start time), and carries a heartbeat: the holder touches its mtime every ``HEARTBEAT_S`` while it
+runs. The holder also keeps an ``fcntl.flock`` on it, which the kernel drops with the process. A driver finding the
+file already there takes it over (issue 51) when the holder provably is not running, and is refused with the holder
+named otherwise:
+
+- a flock another process holds: that driver runs (on any host the filesystem's locks reach), never taken over;
+- a holder on this host whose pid is gone: stale at once;
+- a heartbeat older than ``STALE_S`` (a driver killed on another host, a Slurm job requeued elsewhere), on a
+  filesystem where the flock is free or unsupported: stale;
+- ``--break-lock`` (``break_lock``): taken over whatever it names, unless a flock is held.
+
+A lock taken over is deleted and created again exclusively, so two drivers taking over one stale lock are still
+one holder. The file is removed on release.
 """
 
 from __future__ import annotations
 
+import enum
 import fcntl
 import json
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -22,7 +36,18 @@ from types import TracebackType
 from sweeper.errors import UsageError
 
 LOCK_FILE = "driver.lock"
+HEARTBEAT_S = 15.0  # how often a holder touches its lock file
+# A heartbeat this old means its driver is gone: eight missed beats, and room for the clocks of two hosts (the file's
+# mtime is the file server's) to differ by a minute.
+STALE_S = 120.0
+FLOCK_RETRY_S = 5.0  # a driver that just created the file waits this long for a flock another one inspects it with
 _held: set[Path] = set()  # lock files this process holds (a pid recorded in a file may be our own, reused)
+
+
+class Flock(enum.Enum):
+    OURS = "ours"
+    BUSY = "busy"  # another open file description holds it: a running driver
+    UNSUPPORTED = "unsupported"  # e.g. an NFS mount without a lock daemon: the file's JSON and heartbeat decide
 
 
 @dataclass(frozen=True)
@@ -52,13 +77,17 @@ class Holder:
 
 class DriverLock:
     """``with DriverLock(folder / LOCK_FILE):`` holds the folder for this driver, or raises UsageError naming the
-    holder without writing anything. ``say`` gets the one line about a stale lock taken over."""
+    holder without writing anything. ``say`` gets the one line about a lock taken over; ``force``: take over a lock
+    whatever its holder and heartbeat say, unless its flock is held (``--break-lock``)."""
 
-    def __init__(self, path: Path, say: Callable[[str], None] = lambda _line: None) -> None:
+    def __init__(self, path: Path, say: Callable[[str], None] = lambda _line: None, *, force: bool = False) -> None:
         self.path = path.absolute()
         self.say = say
+        self.force = force
         self._fd: int | None = None
         self._made: list[Path] = []  # folders this lock created, deepest first: removed again if left empty
+        self._stop = threading.Event()
+        self._beat: threading.Thread | None = None
 
     def __enter__(self) -> DriverLock:
         self.acquire()
@@ -77,44 +106,98 @@ class DriverLock:
             self._remove_made_folders()
             raise
         _held.add(self.path)
+        self._stop.clear()
+        self._beat = threading.Thread(target=self._heartbeat, args=(self._fd,), name="sweeper-lock-heartbeat",
+                                      daemon=True)
+        self._beat.start()
 
     def release(self) -> None:
         fd, self._fd = self._fd, None
         if fd is None:
             return
+        self._stop.set()
+        if self._beat is not None:
+            self._beat.join()
+            self._beat = None
         _held.discard(self.path)
         try:
-            if _same_file(fd, self.path):  # not a newer driver's file (someone deleted ours meanwhile)
+            if _same_file(fd, self.path):  # not a newer driver's file (someone broke ours meanwhile)
                 self.path.unlink(missing_ok=True)
         finally:
             os.close(fd)  # after the unlink: a driver waiting on this file then sees it is gone and retries
         self._remove_made_folders()
 
+    def _heartbeat(self, fd: int) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(fd)  # the file server's "now" on a network filesystem
+            except OSError:  # a filesystem hiccup: the next beat tries again, STALE_S allows for several
+                pass
+
     def _take(self) -> int:
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # an existing file is left as it is
             try:
-                locked = _flock(fd)
-                if not _same_file(fd, self.path):  # released (unlinked) between our open and flock: again
-                    os.close(fd)
-                    continue
-                holder = _read_holder(fd, wait_s=0.0 if locked else 1.0)  # a new holder writes just after flock
-                if not locked or (holder is not None and not holder.gone(self.path)):
-                    raise UsageError(
-                        f"--out: {self.path.parent} is in use by another sweeper driver "
-                        f"({holder or 'holder not recorded'}); wait for it, or delete {self.path} if that driver "
-                        "is gone")
-                if holder is not None:
-                    self.say(f"{self.path}: taking over the lock of a sweeper driver that is gone "
-                             f"({holder})")
-                data = json.dumps(asdict(Holder.me())).encode()
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, data, 0)
-                os.fsync(fd)
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                self._take_over()
+                continue  # the stale file is gone: create ours exclusively
+            try:
+                _write_holder(fd)
+                # A driver inspecting our new file holds its flock for a moment; nothing else can.
+                deadline = time.monotonic() + FLOCK_RETRY_S
+                while _flock(fd) is Flock.BUSY:
+                    if time.monotonic() >= deadline:
+                        raise UsageError(f"--out: {self.path} was created by this driver but another process holds "
+                                         "its lock; is another sweeper driver starting on this folder?")
+                    time.sleep(0.05)
                 return fd
             except BaseException:
+                if _same_file(fd, self.path):
+                    self.path.unlink(missing_ok=True)
                 os.close(fd)
                 raise
+
+    def _take_over(self) -> None:
+        """Remove the existing lock file when its holder provably is not running (the caller then creates its own),
+        else raise UsageError naming the holder. Returns also when the file vanished meanwhile (released)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except FileNotFoundError:
+            return
+        try:
+            flock = _flock(fd)
+            if not _same_file(fd, self.path):
+                return  # released (unlinked) between our open and flock
+            holder = _read_holder(fd, wait_s=1.0)  # a new holder writes just after it creates the file
+            age = time.time() - os.fstat(fd).st_mtime
+            why = self._stale(holder, age, flock)
+            if why is None:
+                raise UsageError(self._refusal(holder, age, flock))
+            if _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)
+            self.say(f"{self.path}: taking over the lock of a sweeper driver that is gone "
+                     f"({holder or 'holder not recorded'}; {why})")
+        finally:
+            os.close(fd)
+
+    def _stale(self, holder: Holder | None, age: float, flock: Flock) -> str | None:
+        """Why the lock's holder is not running, or None when it may be."""
+        if flock is Flock.BUSY:
+            return None  # a flock is held: that driver runs, whatever its heartbeat says
+        if self.force:
+            return "--break-lock"
+        if holder is not None and holder.gone(self.path):
+            return "its pid is gone"
+        if age > STALE_S:
+            return f"no heartbeat for {age:.0f} s"
+        return None
+
+    def _refusal(self, holder: Holder | None, age: float, flock: Flock) -> str:
+        where = f"--out: {self.path.parent} is in use by another sweeper driver ({holder or 'holder not recorded'}"
+        if flock is Flock.BUSY:
+            return f"{where}, holding its lock); wait for it to end"
+        return (f"{where}, heartbeat {age:.0f} s ago); wait for it, or pass --break-lock if that driver is gone "
+                f"(a later start takes its lock over once its heartbeat is {STALE_S:.0f} s old)")
 
     def _remove_made_folders(self) -> None:
         for folder in self._made:
@@ -125,15 +208,27 @@ class DriverLock:
         self._made = []
 
 
-def _flock(fd: int) -> bool:
-    """True when this process now holds the flock, or the filesystem has none (the JSON then decides)."""
+def break_lock(path: Path, say: Callable[[str], None]) -> None:
+    """``--break-lock``: remove the lock of a sweep folder whose driver is gone, however recent its heartbeat (a
+    driver that still holds its flock is refused with UsageError). No lock file: nothing to do."""
+    if path.exists():
+        with DriverLock(path, say, force=True):
+            pass
+
+
+def _write_holder(fd: int) -> None:
+    os.pwrite(fd, json.dumps(asdict(Holder.me())).encode(), 0)
+    os.fsync(fd)
+
+
+def _flock(fd: int) -> Flock:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        return False
+        return Flock.BUSY
     except OSError:  # ENOLCK, EOPNOTSUPP, ENOSYS: e.g. an NFS mount without a lock daemon
-        return True
-    return True
+        return Flock.UNSUPPORTED
+    return Flock.OURS
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -27,20 +28,28 @@ Status = Literal["passed", "failed", "pruned"]
 # checkpoint save held more host memory on a node (its ranks' resident sets, summed) than the node has (issue 17).
 FailureKind = Literal[
     "invalid_layout", "oom", "nan", "timeout", "comm_error", "checkpoint_error", "equivalence", "replica_divergence",
-    "infra", "internal", "unsupported", "checkpoint_host_oom",
+    "infra", "internal", "unsupported", "checkpoint_host_oom", "crash",
 ]
 FAILURE_KINDS: tuple[str, ...] = get_args(FailureKind)
+# A trial's note (the backend's) when the equivalence gate could not run on its layout; the reason follows.
+GATE_SKIPPED = "equivalence gate skipped"
 
 
 @dataclass
 class TrialMetrics:
     tokens_per_s: float | None = None
+    # The mean of the timed steps (warm-up excluded): a production run's time is the sum of its steps, stalls
+    # included, so throughput is tokens over the mean step (issue 53); the median, the 90th percentile and the slowest
+    # step beside it say how the steps spread.
     step_time_s: float | None = None
+    step_time_median_s: float | None = None
+    step_time_p90_s: float | None = None
+    step_time_max_s: float | None = None
     tflops_per_gpu: float | None = None
     # Max over ranks, through the training steps; device reserved on GPU, host RSS on CPU (see memory_kind).
     peak_memory_gib: float | None = None
     # GPU only: the most device memory outside torch's allocator on one rank (CUDA context, NCCL buffers; measured
-    # after the steps): peak_memory_gib + this is what the GPU must hold (search.selection.is_stable).
+    # after the steps): peak_memory_gib + this is what the GPU must hold (search.decide.candidates.is_stable).
     non_torch_memory_gib: float | None = None
     # The checkpoint phase's peak (saves and reloads), measured as peak_memory_gib is; kept apart from it.
     checkpoint_peak_memory_gib: float | None = None
@@ -197,6 +206,14 @@ class TrialRecord:
         return (self.predicted or {}).get("memory_gib")
 
 
+# What every output of a rehearsal (``search --rehearse``, trial/rehearsal.py) says of its figures: the decision's
+# throughput basis, the report's banner, best_layout.yaml and the exports' headers (issue 54).
+MODELLED = "modelled"
+REHEARSAL_BACKEND = "rehearsal (modelled trials)"  # a rehearsal's trials' TrialResult.backend
+REHEARSAL_NOTE = ("a rehearsal (sweeper search --rehearse): every trial was modelled from the estimator with its "
+                  "error drawn, on a virtual clock; nothing was measured")
+
+
 class SweepMeta(BaseModel):
     """``sweep.json``: what the sweep was run on, how it ended, and what it decided without a trial. Keys this
     version does not know are kept as they are (``extra="allow"``)."""
@@ -209,6 +226,9 @@ class SweepMeta(BaseModel):
     memory_headroom: float | None = None
     objective: str | None = None
     status: str | None = None  # running | finished | interrupted | budget | ...
+    # True: a rehearsal's folder (every record modelled, REHEARSAL_NOTE); False: trials that ran. Written when the
+    # folder is made; a resume of the other kind is refused, so its records are never a mix (issue 54).
+    rehearsal: bool | None = None
     started_at: str | None = None
     ended_at: str | None = None
     memory_kind: Literal["device", "host"] | None = None
@@ -226,12 +246,15 @@ class SweepMeta(BaseModel):
     # after, and per measured trial its step time next to the uncalibrated and the calibrated prediction
     step_time_fit: dict[str, Any] | None = None
     # The winner and runners-up: throughput basis and band, the budget's projected time and cost, and why
-    # (sweeper/search/decision.py; issue 18)
+    # (sweeper/search/decide/decision.py; issue 18)
     decision: dict[str, Any] | None = None
     # The trials' checkpoints at the sweep's end (issue 43, training.keep_checkpoints): {"keep", "kept": the
     # folders left, "deleted": the folders deleted then, "freed_bytes", "failed": one line per folder that stayed}
-    # (sweeper/search/checkpoints.py)
+    # (sweeper/search/decide/checkpoints.py)
     checkpoints: dict[str, Any] | None = None
+    # What the sweep's earlier driver runs spent of its budget (issue 51): {"wall_s", "gpu_s", "waited_s"}, written
+    # with every recorded attempt, so a --resume (a preempted or requeued driver) continues the budget, not restarts it.
+    spent: dict[str, float] | None = None
 
     @property
     def memory_limit_gib(self) -> float | None:
@@ -264,6 +287,15 @@ class SweepMeta(BaseModel):
 
     def to_json(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_unset=True)  # what was written, nulls included
+
+
+def is_rehearsal(meta: SweepMeta, records: Iterable[TrialRecord]) -> bool | None:
+    """Whether a sweep folder holds a rehearsal: sweep.json says so; a folder written before sweep.json recorded it
+    (issue 54) is one when its launched trials were modelled (their backend). None: nothing says yet."""
+    if meta.rehearsal is not None:
+        return meta.rehearsal
+    launched = {record.result.backend for record in records if record.result.status != "pruned"}
+    return (REHEARSAL_BACKEND in launched) if launched else None
 
 
 def json_schemas() -> dict[str, dict[str, Any]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from sweeper.record.files import write_atomic
+from sweeper.config.files import write_atomic
 from sweeper.record.lock import LOCK_FILE
 from sweeper.record.schema import SweepMeta, TrialRecord
 

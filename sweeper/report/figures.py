@@ -319,13 +319,13 @@ def memory_pruned_table(pruned: Sequence[dict[str, Any]]) -> str:
             f"</summary>{table}</details>")
 
 
-def dominated_table(dominated: Sequence[dict[str, Any]], stopped_early: str | None) -> str:
+def dominated_table(dominated: Sequence[dict[str, Any]], stopped_early: str | None, measured: str = "measured") -> str:
     """The layouts a measured trial made not worth running (sweep.json ``dominated``), and why exploring stopped
-    early (``stopped_early``), when it did."""
+    early (``stopped_early``), when it did. ``measured``: what the trials' figures were ("modelled" in a rehearsal)."""
     parts = [f'<p class="caveat">{esc(stopped_early)}</p>'] if stopped_early else []
     if dominated:
         body = [[esc(str(d.get("layout"))), esc(str(d.get("reason", "")))] for d in dominated]
-        parts.append(f"<details><summary>{len(dominated)} layouts dominated by a measured trial (never run)"
+        parts.append(f"<details><summary>{len(dominated)} layouts dominated by a {measured} trial (never run)"
                      f"</summary>{html_table(['layout', 'reason'], body)}</details>")
     return "".join(parts)
 
@@ -401,6 +401,7 @@ table.attempts td:nth-child(n+8){text-align:right;white-space:nowrap}
 .err{font-family:ui-monospace,monospace;font-size:.8rem;word-break:break-word}
 .cat{color:#fff;padding:0 .4rem;border-radius:3px;white-space:nowrap}
 .caveat{background:#fff6e0;border-left:4px solid #e9a23b;padding:.5rem .75rem}
+.rehearsal{background:#f3e8ff;border:2px solid #8b3fd9;padding:.75rem 1rem;font-size:1.05rem}
 .good{font-size:1.1rem}.bad{color:#a0202f;font-weight:600}.note,.dim{color:#666}
 pre{background:#f6f6f6;padding:.5rem;white-space:pre-wrap}
 """

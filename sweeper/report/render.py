@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 from sweeper.config import megatron_release
+from sweeper.config.files import write_atomic
 from sweeper.config.units import GIB, readable
 from sweeper.errors import LayoutError
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
-from sweeper.record.files import write_atomic
-from sweeper.record.schema import SweepMeta
+from sweeper.record.schema import MODELLED, REHEARSAL_NOTE, SweepMeta, is_rehearsal
 from sweeper.record.sweepdir import read_meta
 from sweeper.report import figures
 from sweeper.report.figures import esc, kind_counts, num
@@ -69,7 +69,9 @@ def _memory_kind(info: SweepMeta, rows: list[TrialRow]) -> str | None:
 
 
 # -- sections -----------------------------------------------------------------------------------------------------
-def _memory_label(kind: str | None) -> str:
+def _memory_label(kind: str | None, rehearsal: bool) -> str:
+    if rehearsal:
+        return f"{MODELLED} peak GPU memory (GiB, max over ranks; a rehearsal)"
     if kind == "host":
         return "peak host RSS per rank (GiB, max over ranks; CPU backend)"
     if kind == "device":
@@ -96,6 +98,7 @@ def _why_no_stable(rows: list[TrialRow]) -> str:
 
 
 def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_dir: Path) -> str:
+    kind = f" ({MODELLED}, a rehearsal)" if info.rehearsal else ""
     best = info.best or {}
     best_number = best.get("number")
     link = (f'<a href="{BEST_LAYOUT_FILE}">{BEST_LAYOUT_FILE}</a>' if (sweep_dir / BEST_LAYOUT_FILE).exists()
@@ -140,7 +143,7 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
              if layout is not None else "")
     return (
         f'<p class="good">Best stable layout: <b>{esc(name)}</b> (trial {esc(best_number)}{confirm_note}) — '
-        f"{num(tokens, '{:,.0f}')} tokens/s, {num(peak, '{:.2f}')} GiB peak memory.</p>"
+        f"{num(tokens, '{:,.0f}')} tokens/s, {num(peak, '{:.2f}')} GiB peak memory{kind}.</p>"
         f"<p>Full Megatron flags and Megatron-Bridge overrides: {link}. Layout flags:</p>{flags}"
     )
 
@@ -191,6 +194,9 @@ def decision_section(info: SweepMeta) -> str:
         notes.append("Predicted throughput: these trials did not run on the cluster's GPUs (the CPU backend), so "
                      "the rate is the estimator's for the configured GPUs and its band is estimate.throughput_low .. "
                      "throughput_high times it (how far measured runs have lain from predictions).")
+    if any((e.get("tokens_per_s") or {}).get("basis") == MODELLED for e in layouts):
+        notes.append("Modelled throughput: a rehearsal's runs, the estimator's prediction with its error drawn on a "
+                     "virtual clock; no layout ran, and these days and costs are what the rehearsal's model says.")
     whys = "".join(f"<p><b>{esc(e.get('layout'))}</b> — {esc(e.get('why'))}</p>" for e in layouts)
     return (intro + figures.html_table(headers, rows)
             + "".join(f'<p class="caveat">{esc(n)}</p>' for n in notes) + whys)
@@ -209,14 +215,20 @@ def step_time_section(info: SweepMeta) -> str:
         value = fit.get(key)
         return f"{100 * value:.1f}%" if isinstance(value, (int, float)) else "n/a"
 
-    intro = (f"<p>Measured on {esc(fit.get('backend'))}: every term x{fit.get('level', 1.0):.3g} (the level)"
+    measured = MODELLED if info.rehearsal else "measured"
+    intro = (f"<p>{measured.capitalize()} on {esc(fit.get('backend'))}: every term "
+             f"x{fit.get('level', 1.0):.3g} (the level)"
              + (f"; fitted on their own: {factors}" if factors else "; no term fitted on its own yet")
              + f". Median error over these trials: {pct('error_uncalibrated')} uncalibrated, "
              f"{pct('error_one_factor')} with one factor, {pct('error_calibrated')} term by term. The study's "
-             "proposals after the second measured trial are the refit model's best untried layouts.</p>")
+             f"proposals after the second {measured} trial are the refit model's best untried layouts.</p>")
+    if info.rehearsal:
+        intro += ("<p class='caveat'>A rehearsal: each modelled step time is the estimator's own with a drawn error, "
+                  "so this compares the estimator with itself; it shows the fit at work, not the estimator's "
+                  "accuracy.</p>")
     rows = [[esc(r.get("trial")), esc(r.get("layout")), num(r.get("measured_s"), "{:.4g}"),
              num(r.get("uncalibrated_s"), "{:.4g}"), num(r.get("calibrated_s"), "{:.4g}")] for r in trials]
-    return intro + figures.html_table(["trial", "layout", "measured s", "uncalibrated s", "calibrated s"], rows)
+    return intro + figures.html_table(["trial", "layout", f"{measured} s", "uncalibrated s", "calibrated s"], rows)
 
 
 def _disk_text(info: SweepMeta, rows: list[TrialRow]) -> str:
@@ -261,6 +273,8 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
             if (url := figures.mlflow_run_url(mlflow, mlflow.get("parent_run_id"))) else "")),
     ]
     notes = []
+    banner = (f"<p class='rehearsal'><b>{MODELLED.upper()}, NOT MEASURED.</b> This sweep is {esc(REHEARSAL_NOTE)}. "
+              "Every throughput, step time and peak memory below is modelled.</p>" if info.rehearsal else "")
     if not recorded:
         notes.append(f"{SWEEP_FILE} was not found or could not be read: model, cluster, status and the memory "
                      "limit are unknown, so no attempt is marked 'not stable'.")
@@ -279,8 +293,8 @@ def _header(info: SweepMeta, recorded: bool, rows: list[TrialRow], skipped: int,
                      "what a sweep that crashed mid-write leaves).")
     notes_html = "".join(f'<p class="caveat">{esc(n)}</p>' for n in notes)
     dl = "".join(f"<dt>{esc(k)}</dt><dd>{v}</dd>" for k, v in facts)
-    title = esc(info.name or sweep_dir.name)
-    return (f"<h1>Sweep report: {title}</h1>{notes_html}<dl>{dl}</dl>"
+    title = esc(info.name or sweep_dir.name) + (" (a rehearsal)" if info.rehearsal else "")
+    return (f"<h1>Sweep report: {title}</h1>{banner}{notes_html}<dl>{dl}</dl>"
             f"<h2 id='best'>Best layout</h2>{_best_section(info, recorded, rows, sweep_dir)}"
             f"<h2 id='decision'>Decision: time and cost to train</h2>{decision_section(info)}"
             f"<h2 id='counts'>Counts</h2>{figures.counts_table(rows)}")
@@ -305,13 +319,16 @@ def _page(sweep_dir: Path) -> _Page:
     meta = read_meta(sweep_dir / SWEEP_FILE)
     info = meta or SweepMeta()
     rows, skipped = load_trials(sweep_dir / TRIALS_FILE)
+    info.rehearsal = is_rehearsal(info, rows)  # a rehearsal's folder from before sweep.json said so: its trials do
     limit = info.memory_limit_gib
     _classify(rows, limit)
     memory_kind = _memory_kind(info, rows)
-    memory_label = _memory_label(memory_kind)
+    rehearsal = bool(info.rehearsal)
+    memory_label = _memory_label(memory_kind, rehearsal)
     front = pareto_front(rows)
     limit_label = (f"headroom limit {limit:.1f} GiB" if limit is not None else "")
-    accuracy, median_error = (None, None) if memory_kind == "host" else figures.predicted_vs_measured(
+    # Neither a CPU sweep's host RSS nor a rehearsal's modelled peaks (the estimator's own, drawn) test the estimator.
+    accuracy, median_error = (None, None) if memory_kind == "host" or rehearsal else figures.predicted_vs_measured(
         rows, memory_label)
     drawn = {
         "throughput_vs_memory": figures.throughput_vs_memory(rows, front, limit, limit_label, memory_label),
@@ -336,7 +353,12 @@ def build_html(sweep_dir: Path) -> str:
                    for r in front]
     pareto_html = (figures.html_table(["trial", "layout", "tokens/s", "peak mem (GiB)"], pareto_body) if front
                    else '<p class="note">No stable trial with measured throughput and memory.</p>')
-    if page.memory_kind == "host":
+    measured = MODELLED if info.rehearsal else "measured"
+    if info.rehearsal:
+        accuracy = ('<p class="note">Not drawn: a rehearsal\'s peaks are the estimator\'s own predictions with a '
+                    "drawn error, so the chart would compare the estimator with itself (a sweep on the cluster draws "
+                    "it).</p>")
+    elif page.memory_kind == "host":
         accuracy = ('<p class="note">Not drawn: this sweep ran on the CPU backend, which measures host RSS, while '
                     "the estimator predicts GPU memory; the two are not comparable (a GPU sweep draws this).</p>")
     else:
@@ -349,13 +371,13 @@ def build_html(sweep_dir: Path) -> str:
         "<h2 id='throughput-memory'>Throughput vs peak memory</h2>",
         fig_html.div(drawn["throughput_vs_memory"], "No launched attempt recorded a peak memory."),
         "<h2 id='pareto'>Pareto front (max throughput, min memory, stable only)</h2>", pareto_html,
-        "<h2 id='memory-accuracy'>Predicted vs measured peak memory</h2>", accuracy,
-        "<h2 id='step-time'>Predicted vs measured step time</h2>", step_time_section(info),
+        f"<h2 id='memory-accuracy'>Predicted vs {measured} peak memory</h2>", accuracy,
+        f"<h2 id='step-time'>Predicted vs {measured} step time</h2>", step_time_section(info),
         "<h2 id='failures'>Failures and pruned layouts</h2>",
         fig_html.div(drawn["failures"], "No attempt failed and no layout was pruned."),
         figures.pruned_reasons_table(rows),
         figures.memory_pruned_table(info.memory_pruned or []),
-        figures.dominated_table(info.dominated or [], info.stopped_early),
+        figures.dominated_table(info.dominated or [], info.stopped_early, measured),
         figures.unsupported_table(info.unsupported or []),
         "<h2 id='axis-effects'>Per-axis effect on throughput</h2>",
         fig_html.div(drawn["axis_effects"], "No axis took more than one value among passed trials."),
@@ -363,7 +385,7 @@ def build_html(sweep_dir: Path) -> str:
         f"<p class='note'>Rendered {datetime.now(timezone.utc).isoformat(timespec='seconds')} from {TRIALS_FILE}"
         f" and {SWEEP_FILE}.</p>",
     ]
-    title = esc(f"sweeper report: {info.name or sweep_dir.name}")
+    title = esc(f"sweeper report: {info.name or sweep_dir.name}" + (" (a rehearsal)" if info.rehearsal else ""))
     return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{figures.CSS}</style></head><body>{''.join(sections)}</body></html>")
 

@@ -1,7 +1,7 @@
 """`sweeper search`: the command around the sweep loop. It refuses bad input before anything is written, holds the
 sweep folder's driver lock for the whole sweep (issue 43), opens the cluster and the MLflow parent run, records what
 the sweep runs on in sweep.json, and lets SIGINT / SIGTERM stop launches (a second one stops waiting) while the loop
-(``search.loop.Sweep``) winds down and exports."""
+(``search.run.sweep.Sweep``) winds down and exports."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 from rich.markup import escape
 
+from sweeper.config.files import write_atomic
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
 from sweeper.models.proxy import is_proxy
-from sweeper.record.files import write_atomic
 from sweeper.record.lock import DriverLock
+from sweeper.record.schema import is_rehearsal
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import console, quiet_libraries, sweep_log
-from sweeper.search.loop import SearchOptions, Sweep, now
-from sweeper.search.summary import space_params
+from sweeper.search.decide.summary import space_params
+from sweeper.search.run.sweep import SearchOptions, Sweep, now
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
@@ -34,6 +35,8 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             f"--out: {options.out} already holds a sweep; pass --resume to continue it or choose another --out")
     if options.resume and not sweep_dir.exists():
         raise UsageError(f"--resume: {options.out} holds no sweep to resume")
+    if options.resume:
+        refuse_other_kind(sweep_dir, options)
     for i, text in enumerate(cfg.search.seeds):  # bad seeds are bad input: refused before anything is written
         try:
             layout_from_string(cfg, text)
@@ -54,6 +57,19 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
             write_atomic(sweep_dir.space, header + options.space.read_text())
         with sweep_log(sweep_dir.root, options.verbosity, options.display):
             return _run(cfg, options, sweep_dir, tracker)
+
+
+def refuse_other_kind(sweep_dir: SweepDir, options: SearchOptions) -> None:
+    """A rehearsal resumes only a rehearsal's folder and a sweep only a sweep's: their modelled and measured records
+    would otherwise mix in trials.jsonl, the Optuna journal and the winner's checkpoints (issue 54)."""
+    folder_rehearsed = is_rehearsal(sweep_dir.read_meta(), sweep_dir.read_trials())
+    if folder_rehearsed is None or folder_rehearsed == options.rehearse:
+        return
+    if options.rehearse:
+        raise UsageError(f"--resume: {options.out} holds a sweep that ran trials; a rehearsal (--rehearse) resumes "
+                         "only a rehearsal's folder: choose another --out")
+    raise UsageError(f"--resume: {options.out} holds a rehearsal (modelled trials); resume it with --rehearse, or "
+                     "run the sweep in another --out")
 
 
 def _host(cfg: SweepConfig, options: SearchOptions) -> contextlib.AbstractContextManager[Any]:
@@ -83,6 +99,7 @@ def _run(cfg: SweepConfig, options: SearchOptions, sweep_dir: SweepDir, tracker:
         meta.name, meta.model, meta.cluster = cfg.name, cfg.model.model_dump(), cfg.cluster.model_dump()
         meta.memory_headroom, meta.objective, meta.status = cfg.search.memory_headroom, cfg.search.objective, "running"
         meta.started_at = meta.started_at or now()
+        meta.rehearsal = options.rehearse
         meta.memory_kind = "host" if handle.simulated else "device"
         meta.mlflow = {"tracking_uri": tracker.tracking_uri, "experiment": tracker.experiment_name,
                        "experiment_id": tracker.experiment_id, "parent_run_id": parent}
@@ -106,7 +123,7 @@ def _rehearsal_summary(cfg: SweepConfig, sweep: Sweep, host: Any, sweep_dir: Swe
     """rehearsal.json beside the sweep's records, and its figures in a few lines."""
     import json
 
-    from sweeper.search.rehearsal import summary
+    from sweeper.search.decide.rehearsal import summary
 
     figures = summary(host, sweep.records, cfg, [e.layout for e in sweep.frontier.launchable])
     write_atomic(sweep_dir.root / "rehearsal.json", json.dumps(figures, indent=1) + "\n")

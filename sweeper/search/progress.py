@@ -21,6 +21,7 @@ class Progress:
     # confirm_steps over the exploration's steps).
     confirm_runs: float = 0.0
     clock: Callable[[], float] = time.monotonic  # a rehearsal's virtual clock (trial.rehearsal)
+    modelled: bool = False  # a rehearsal: the best's figure is modelled, and the line says so (issue 54)
 
     def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None,
              others: int = 0, waiting: bool = False) -> str:
@@ -30,7 +31,8 @@ class Progress:
         failed = sum(1 for r in explore if r.result.status == "failed")
         pruned = sum(1 for r in explore if r.result.status == "pruned")
         elapsed = self.clock() - self.started
-        best_text = f"best {best[0]} {best[1]:,.1f} {self.objective}" if best else "no stable layout yet"
+        best_text = (f"best {best[0]} {best[1]:,.1f} {self.objective}{' (modelled)' if self.modelled else ''}"
+                     if best else "no stable layout yet")
         held = ""
         if others:
             held = f" | {'waiting for ' if waiting else ''}{others} GPUs held by other jobs"

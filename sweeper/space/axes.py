@@ -4,9 +4,10 @@ One ``Axis`` per entry: its key (in ``space:``, ``--layout``, ``--only``, the Op
 its kind, its default values in a search space, and its Megatron names: Megatron-Core's (``TransformerConfig`` /
 ``initialize_model_parallel``; also the MLflow parameter), the Megatron-LM flag and the Megatron-Bridge override keys.
 The YAML schema of ``space:`` (``config.schema``), ``--layout`` parsing (``space.layout.parse_assignments``),
-enumeration (``plan.space``), Optuna's parameters (``search.study``), MLflow's parameters (``record.tracking``), the
-report's per-axis figure and the Megatron-LM / Bridge exports (``Layout.megatron_args`` / ``bridge_overrides``) are
-all derived from it. Adding an axis is one entry here, its ``Layout`` field and its rules (``plan.rules``).
+enumeration (``plan.space``), Optuna's parameters (``search.propose.study``), MLflow's parameters
+(``record.tracking``), the report's per-axis figure and the Megatron-LM / Bridge exports (``Layout.megatron_args`` /
+``bridge_overrides``) are all derived from it. Adding an axis is one entry here, its ``Layout`` field and its rules
+(``plan.rules``).
 
 Precision and recompute are exported through their own tables in ``space.layout`` (one value sets several flags).
 """

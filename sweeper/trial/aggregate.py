@@ -5,8 +5,9 @@ are killed by the trial timeout. The result must name the first *real* failure, 
 much they explain: a rank's own failure (oom, nan, invalid_layout, checkpoint_error, ...) over a rank that died
 (infra) over collateral communication errors over timeouts; ties go to the earliest arrival.
 
-Metrics follow the contract: the step time is the median over post-warm-up steps of the slowest rank's time for
-that step (a step ends when the last rank ends it); tokens/s and TFLOP/s per GPU derive from it; peak memory is
+Metrics follow the contract: the step time is the mean over post-warm-up steps of the slowest rank's time for that
+step (a step ends when the last rank ends it; the mean, because a run pays every stall), with the median, 90th
+percentile and slowest step beside it; tokens/s and TFLOP/s per GPU derive from the mean; peak memory is
 the maximum over ranks, and so is each smoke-run phase's time (``timings_s``) and the checkpoint's save and load
 time. A node's ranks save at once, so the host memory a save needs is, per node, the sum of its ranks' peak
 resident sets during the save; a trial whose save held more than a node's host memory fails as
@@ -23,6 +24,13 @@ from sweeper.backends.base import RankReport
 from sweeper.config.units import GIB
 from sweeper.record.schema import FAILURE_KINDS, TrialChecks, TrialMetrics, TrialResult
 from sweeper.space.layout import Layout
+
+# A trial's note when its root cause is one of its own ranks failing as ``infra``: the rank's process died (a
+# segfault in a kernel, a CUDA illegal memory access, the host's memory monitor) or raised an error that is neither
+# Megatron's nor a known environment fault. Not the note of a trial stopped before its ranks ran (placement, ranks
+# that could not start, cancellation). Whether the layout caused it is decided over attempts
+# (``search.decide.verdicts.attribute``): once its node is known alive, the second time is the layout's.
+RANK_FAULT = "rank_fault"
 
 # Lower explains more. Kinds not listed (a rank's own failure) rank 0.
 _COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}
@@ -105,6 +113,8 @@ def aggregate(
     # A hung trial's peers may report comm errors; the hang (timeout) explains them, a dead rank does not.
     if cause is not None and not (timeout_error and cause.failure_kind in ("comm_error", "timeout")):
         status, kind, error = "failed", cause.failure_kind, describe(cause)
+        if kind == "infra" and RANK_FAULT not in all_notes:
+            all_notes.append(RANK_FAULT)
     elif timeout_error:
         status, kind, error = "failed", "timeout", timeout_error
     elif abort_error is not None:
@@ -238,8 +248,12 @@ def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int,
     metrics.checkpoint_load_s = max(loads) if loads else None
     per_step = _step_times(reports)
     if per_step:
-        # Warm-up steps are excluded when any remain.
-        metrics.step_time_s = statistics.median(per_step[warmup_steps:] if len(per_step) > warmup_steps else per_step)
+        # Warm-up steps are excluded when any remain. Throughput is over the mean step: a run pays every stall.
+        timed = per_step[warmup_steps:] if len(per_step) > warmup_steps else per_step
+        metrics.step_time_s = statistics.fmean(timed)
+        metrics.step_time_median_s = statistics.median(timed)
+        metrics.step_time_p90_s = percentile(timed, 0.9)
+        metrics.step_time_max_s = max(timed)
     tokens = max((r.tokens_per_step for r in reports), default=0)
     flops = max((r.flops_per_step for r in reports), default=0.0)
     if metrics.step_time_s and metrics.step_time_s > 0:
@@ -261,6 +275,15 @@ def _metrics(reports: list[RankReport], world_size: int, warmup_steps: int,
     if factors:
         metrics.moe_hot_rank_factor = max(factors)
     return metrics
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values``, interpolated between the nearest ranks (numpy's default)."""
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
 def _timings(reports: list[RankReport]) -> dict[str, float]:

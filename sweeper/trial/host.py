@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 from sweeper.backends.megatron.support import backend_name, run_unsupported_reason, unsupported_reason
-from sweeper.cluster import ClusterHandle, connect, plan_placement
+from sweeper.cluster import CPUS_PER_RANK, ClusterHandle, connect, plan_placement, rank_slots
 from sweeper.cluster.doctor import DoctorReport, doctor
 from sweeper.cluster.node_kernels import gpu_node_kernels
 from sweeper.cluster.placement import PlacementError
@@ -38,10 +38,37 @@ from sweeper.space.pipeline import with_pipeline_split
 from sweeper.trial.pool import RankPool, rank_nodes
 from sweeper.trial.protocol import Reservation
 from sweeper.trial.proxy_run import proxy_run_layout, proxy_run_note
-from sweeper.trial.runner import CPUS_PER_RANK, DEFAULT_BACKEND, keep_together, run_trial
+from sweeper.trial.runner import DEFAULT_BACKEND, keep_together, run_trial
 
 CAPACITY_SNAPSHOT_S = 1.0  # how long one read of Ray's node table answers the sweep's capacity questions
+# How long the GPUs of a trial that ended still count as this sweep's: Ray frees a removed placement group's
+# resources asynchronously (its raylet reports them back), and until then they read as taken (issue 51).
+RELEASE_GRACE_S = 5.0
 PRESTART_GIB_PER_RANK = 1.0  # an idle warm rank holds ~0.45 GiB (torch and megatron-core imported), a proxy rank ~0.9
+# What a simulated cluster holds of this machine's memory before any rank starts (issue 54): the resident sets of
+# SimulatedCluster.pids() and their children, summed 5 s after start (Ray 2.60, 2 cores): 1 node x 8 GPUs 1,916 MiB
+# in 21 processes, 4 nodes 2,672 MiB in 30, so Ray's head and the first raylet ~1.7 GiB and each further node
+# ~0.25 GiB (shared pages counted in each process: on the high side, as a refusal should be).
+SIMULATED_HEAD_GIB = 1.7
+SIMULATED_NODE_GIB = 0.25
+
+
+def simulated_capacity_refusal(cfg: SweepConfig, memory_gib: float | None = None) -> str | None:
+    """A simulated cluster's Ray processes and its trials' ranks all live on this machine: when the cluster and one
+    rank (the least a trial runs) need more than its memory (``memory_gib``, default this machine's total), the
+    one-line reason, before anything starts; a 128 x 8 cluster on a laptop would otherwise start hundreds of Ray
+    processes and hang. None when it fits: whether a trial's ranks fit is the warm pool's and the trial's own
+    question, asked as they start."""
+    c = cfg.cluster
+    have = memory_gib if memory_gib is not None else psutil.virtual_memory().total / GIB
+    need = SIMULATED_HEAD_GIB + SIMULATED_NODE_GIB * (c.nodes - 1) + PRESTART_GIB_PER_RANK
+    if need <= have:
+        return None
+    return (f"cluster.nodes: a simulated cluster of {c.nodes} nodes x {c.gpus_per_node} GPUs needs about "
+            f"{need:.1f} GiB of this machine's memory before its trials run (Ray's head and first node "
+            f"{SIMULATED_HEAD_GIB:g} GiB, {SIMULATED_NODE_GIB:g} GiB per further node, {PRESTART_GIB_PER_RANK:g} GiB "
+            f"for one rank) and this machine has {have:.1f} GiB. To run it: --address ADDR (a Ray cluster with "
+            f"GPUs), --rehearse (modelled trials, no Ray), or fewer nodes (--set cluster.nodes=N)")
 
 
 def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
@@ -78,8 +105,10 @@ class TrialHost:
         self._kernels: Kernels | None = None
         self.backend_name = backend_name(self.cuda)
         self._used: dict[str, int] = {}  # node id -> GPUs reserved by this sweep's running trials
-        self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None  # (when, Ray's alive nodes)
-        self._others: dict[str, int] = {}  # node id -> GPUs other jobs hold there, as of the snapshot
+        self._released: list[tuple[float, str, int]] = []  # (when, node id, GPUs) of trials ended just now
+        # (when, Ray's alive nodes: node id -> (label, ranks it holds: its GPUs, fewer where it has fewer CPUs))
+        self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None
+        self._others: dict[str, int] = {}  # node id -> rank slots other jobs hold there, as of the snapshot
         self._alone: set[str] = set()  # nodes a trial holds alone (search.confirm_alone): nobody else starts there
         # fits' answers by placement shape, while the ledger is as it was (``_changes``: reservations, releases and
         # node-table reads so far): a fill asks it for every launchable layout, a few placement shapes
@@ -97,7 +126,7 @@ class TrialHost:
         each candidate fits, twice per proposal, and every ask read the whole cluster's node table (issue 43)."""
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot[0] >= CAPACITY_SNAPSHOT_S:
-            nodes = {n.node_id: (n.label, n.gpus) for n in self.handle.nodes()}
+            nodes = {n.node_id: (n.label, rank_slots(n.gpus, n.cpus)) for n in self.handle.nodes()}
             self._others = self._held_by_others(nodes)
             self._snapshot = (now, nodes)
             self._changes += 1
@@ -107,20 +136,48 @@ class TrialHost:
         return {node: info for node, info in self._snapshot[1].items() if sim is None or sim.node_for(node) is not None}
 
     def _held_by_others(self, nodes: dict[str, tuple[str, int]]) -> dict[str, int]:
-        """GPUs another job holds on each node (issue 46): what Ray says is taken there, less what this sweep holds
-        (its trials' reservations, its warm ranks idle or leased). A reservation whose placement group Ray has not
-        made yet counts as this sweep's, so the difference never goes below zero; a group Ray has not removed yet
-        after its trial ended reads as another job's until the next snapshot, a second later."""
-        available = self.handle.available_gpus()
+        """Rank slots another job holds on each node (issue 46): what Ray says is taken there (GPUs, or the CPUs a
+        rank needs beside its GPU), less what this sweep holds (its trials' reservations, its warm ranks idle or
+        leased, and for ``RELEASE_GRACE_S`` the trials that just ended, whose placement groups Ray frees a moment
+        after their removal: issue 51 saw them read as another job's, and the sweep wait for them). A reservation
+        whose placement group Ray has not made yet counts as this sweep's, so the difference never goes below
+        zero."""
+        available = self.handle.available()
         warm = self.pool.held_per_node() if self.pool is not None else {}
+        now = time.monotonic()
+        self._released = [(when, nid, gpus) for when, nid, gpus in self._released if now - when < RELEASE_GRACE_S]
+        ending: Counter[str] = Counter()
+        for _, nid, gpus in self._released:
+            ending[nid] += gpus
         others = {}
-        for nid, (_, gpus) in nodes.items():
-            ours = max(self._used.get(nid, 0), warm.get(nid, 0))
-            others[nid] = max(0, gpus - int(available.get(nid, gpus)) - ours)
+        for nid, (_, slots) in nodes.items():
+            free = rank_slots(*available.get(nid, (float(slots), slots * CPUS_PER_RANK)))
+            ours = max(self._used.get(nid, 0) + ending[nid], warm.get(nid, 0))
+            others[nid] = max(0, slots - free - ours)
         return others
 
     def capacity_total(self) -> int:
-        return sum(gpus for _, gpus in self._alive().values())
+        """Ranks the alive nodes hold at once: their GPUs, fewer on a node with fewer CPUs for Ray than GPUs."""
+        return sum(slots for _, slots in self._alive().values())
+
+    def lacks(self, layout: Layout) -> str | None:
+        """Why the alive nodes could never hold ``layout``, even with nothing else running (what a node lacks, GPUs
+        or CPUs), or None when they could."""
+        try:
+            plan = plan_placement(layout.world_size, self.cfg.cluster.gpus_per_node,
+                                  keep_together=keep_together(layout, self.cfg.cluster.gpus_per_node))
+        except PlacementError as exc:
+            return str(exc)
+        nodes = [n for n in self.handle.nodes() if self.handle.simulated is None
+                 or self.handle.simulated.node_for(n.node_id) is not None]
+        big = [n for n in nodes if rank_slots(n.gpus, n.cpus) >= plan.ranks_per_bundle]
+        if len(big) >= plan.num_bundles:
+            return None
+        per = plan.ranks_per_bundle
+        need = f"{plan.num_bundles} node(s) with {per} GPUs and {per * CPUS_PER_RANK:g} CPUs each"
+        short = [f"{n.label} has {n.gpus} GPUs and {n.cpus:g} CPUs" for n in nodes if n not in big]
+        return f"{layout.short()} needs {need} (a rank reserves 1 GPU and {CPUS_PER_RANK:g} CPU); " + (
+            "; ".join(short) if short else "no node offers GPUs")
 
     def held_by_others(self, node_ids: list[str] | None = None) -> int:
         """GPUs other jobs hold on ``node_ids`` (None: every alive node), as of the last look (at most a second
@@ -206,8 +263,10 @@ class TrialHost:
     def release(self, reservation: Reservation) -> None:
         with self._lock:
             self._changes += 1
+            ended = time.monotonic()
             for nid in reservation.node_ids:
                 self._used[nid] = max(0, self._used.get(nid, 0) - reservation.gpus_per_bundle)
+                self._released.append((ended, nid, reservation.gpus_per_bundle))
             if reservation.alone:
                 self._alone.difference_update(reservation.node_ids)
 

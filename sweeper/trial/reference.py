@@ -4,7 +4,9 @@ The reference is a smoke run in the simplest layout the cluster can run (one GPU
 smallest launchable layout of the space), in FP32 on the CPU backend (the gate's tolerance there is 1e-3) and in
 the space's first precision on GPUs. Its global batch is a multiple of every data-parallel size the space can
 produce, so every trial can take its slice of the reference batch. A sweep reuses an existing reference
-(``--resume``); when the reference cannot be made, trials run without the gate and the sweep says so.
+(``--resume``). A sweep waits for the reference's GPUs and retries its infrastructure faults
+(``search.run.reference``); when it still cannot be made, the sweep stops before its first trial, or (with
+``search.require_equivalence: false``) runs its trials without the gate and says so.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from sweeper.models.proxy import is_proxy
 from sweeper.plan.assess import assess_each
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.checkpoints import REFERENCE_FILE  # written last: its presence means the reference is complete
+from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
-from sweeper.trial.protocol import Host, reserved
+from sweeper.trial.protocol import Host, Reservation, reserved
 from sweeper.trial.proxy_run import proxy_run_layout
 
 PLACE_TIMEOUT_S = 120.0
+NO_REFERENCE_LAYOUT = "equivalence gate off: no layout of this space can hold the reference"
 
 
 @dataclass(frozen=True)
@@ -78,23 +82,41 @@ def _reusable(cfg: SweepConfig, folder: Path, precision: str | None = None) -> b
             and ref.get("sequences", 0) % reference_sequences(cfg) == 0 and "prefixes" in ref)
 
 
-def ensure_reference(cfg: SweepConfig, host: Host, folder: Path, precision: str | None = None) -> ReferenceOutcome:
+def existing_reference(cfg: SweepConfig, folder: Path, precision: str | None = None) -> ReferenceOutcome | None:
+    """The reference already in ``folder`` when it serves this space (``--resume``); one made for another model or
+    space under the same name is deleted (None: it must be made)."""
     if (folder / REFERENCE_FILE).is_file():
         if _reusable(cfg, folder, precision):
             return ReferenceOutcome(str(folder), None, f"reusing the reference in {folder}")
         shutil.rmtree(folder)  # made for another model or space under the same name: make it again
+    return None
+
+
+def run_reference(cfg: SweepConfig, host: Host, folder: Path, layout: Layout,
+                  slot: Reservation) -> tuple[ReferenceOutcome, TrialResult]:
+    """Make the reference in ``layout`` on GPUs already reserved (the caller releases them): the outcome, and the
+    run's result (whose failure kind says whether the layout or the infrastructure failed)."""
+    short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
+    # No training steps: the reference is its fitted weights and their loss on the fixed batch.
+    result = host.run_trial(short, layout, folder.parent / f"{folder.name}-run", reservation=slot, steps=0,
+                            reference=str(folder), make_reference=True)
+    if not result.passed or not (folder / REFERENCE_FILE).is_file():
+        return ReferenceOutcome(None, layout, f"equivalence gate off: the reference run {layout.short()} failed "
+                                f"({result.failure_kind}: {result.error})"), result
+    return ReferenceOutcome(str(folder), layout, f"reference {layout.short()} made in {folder}"), result
+
+
+def ensure_reference(cfg: SweepConfig, host: Host, folder: Path, precision: str | None = None) -> ReferenceOutcome:
+    """The reference for one command (``sweeper trial``, scripts): reused, or made once with up to
+    ``PLACE_TIMEOUT_S`` to find GPUs. A sweep waits for GPUs and retries faults instead (``search.run.reference``)."""
+    existing = existing_reference(cfg, folder, precision)
+    if existing is not None:
+        return existing
     layout = reference_layout(cfg, host, precision)
     if layout is None:
-        return ReferenceOutcome(None, None, "equivalence gate off: no layout of this space can hold the reference")
+        return ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
     with reserved(host, layout, PLACE_TIMEOUT_S) as slot:
         if slot is None:
             return ReferenceOutcome(None, layout,
                                     f"equivalence gate off: no free GPUs for the reference {layout.short()}")
-        short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
-        # No training steps: the reference is its fitted weights and their loss on the fixed batch.
-        result = host.run_trial(short, layout, folder.parent / f"{folder.name}-run", reservation=slot, steps=0,
-                                reference=str(folder), make_reference=True)
-    if not result.passed or not (folder / REFERENCE_FILE).is_file():
-        return ReferenceOutcome(None, layout, f"equivalence gate off: the reference run {layout.short()} failed "
-                                f"({result.failure_kind}: {result.error})")
-    return ReferenceOutcome(str(folder), layout, f"reference {layout.short()} made in {folder}")
+        return run_reference(cfg, host, folder, layout, slot)[0]

@@ -6,7 +6,8 @@ launching it. Its outcome is the estimator's prediction with the estimator's err
 (the uncalibrated step time's error on published runs), a factor per step-time term per layout, a factor on the
 memory per layout (out of memory where the drawn peak exceeds the GPU), and a small noise per run. Its duration is
 the phases of a smoke run (start, build, gate, steps, checkpoint save and reload). Faults come at the rates given
-(``--rehearse-faults node_loss_per_hour=R,hang=P``). A trial takes no real time: a virtual clock moves to the next
+(``--rehearse-faults node_loss_per_hour=R,hang=P,others=SHARE``: other jobs holding a varying share of the
+cluster's nodes). A trial takes no real time: a virtual clock moves to the next
 trial's end whenever the driver waits for one (``advance``), so a sweep of hours rehearses in minutes, in the order a
 real sweep would see its trials end.
 
@@ -23,11 +24,14 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sweeper.cluster.connection import NodeInfo
 from sweeper.cluster.doctor import DoctorReport
+from sweeper.cluster.placement import CPUS_PER_RANK
+from sweeper.config.files import write_atomic
 from sweeper.config.kernels import Kernels
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import UsageError
@@ -35,14 +39,13 @@ from sweeper.estimate import Estimator
 from sweeper.estimate.disk import checkpoint_bytes
 from sweeper.estimate.step_time import model_flops_per_token
 from sweeper.record.checkpoints import REFERENCE_FILE
-from sweeper.record.files import write_atomic
-from sweeper.record.schema import TrialChecks, TrialMetrics, TrialResult
+from sweeper.record.schema import REHEARSAL_BACKEND, TrialChecks, TrialMetrics, TrialResult
 from sweeper.space.layout import Layout
 from sweeper.trial.host import TrialHost
 from sweeper.trial.protocol import Reservation
 from sweeper.trial.reference import reference_sequences
 
-BACKEND = "rehearsal (modelled trials)"
+BACKEND = REHEARSAL_BACKEND
 NOTE = "rehearsal: modelled from the estimator, not measured"
 # What a smoke run spends around its steps, modelled: rank processes started and megatron-core imported, the model
 # built, the equivalence gate (the reference loaded, resharded, and one forward/backward: about two step times),
@@ -62,12 +65,21 @@ TERM_SIGMA = 0.10
 RUN_SIGMA = 0.03
 
 
+# Other jobs on a shared cluster (``--rehearse-faults others=SHARE``): every OTHERS_PERIOD_S of the virtual clock
+# they hold a new share of the nodes, drawn uniformly between 0 and SHARE, on nodes the sweep does not use then
+# (a scheduler gives a job free nodes); the sweep waits for what they hold as it waits on a real cluster.
+OTHERS_PERIOD_S = 3600.0
+KEYS = ("node_loss_per_hour", "hang", "others")
+
+
 @dataclass(frozen=True)
 class Faults:
-    """``--rehearse-faults``: node losses per node-hour of a trial, and the chance that a trial hangs."""
+    """``--rehearse-faults``: node losses per node-hour of a trial, the chance that a trial hangs, and the largest
+    share of the cluster's nodes other jobs hold (a varying share, ``OTHERS_PERIOD_S``)."""
 
     node_loss_per_hour: float = 0.0
     hang: float = 0.0
+    others: float = 0.0
 
     @classmethod
     def parse(cls, text: str | None) -> Faults:
@@ -78,14 +90,16 @@ class Faults:
                 continue
             key, sep, value = item.partition("=")
             key = key.strip()
-            if key not in ("node_loss_per_hour", "hang") or not sep:
-                raise UsageError(f"--rehearse-faults: {item!r} is not node_loss_per_hour=RATE or hang=P")
+            if key not in KEYS or not sep:
+                raise UsageError(f"--rehearse-faults: {item!r} is not node_loss_per_hour=RATE, hang=P or others=SHARE")
             try:
                 number = float(value)
             except ValueError:
                 raise UsageError(f"--rehearse-faults: {key} must be a number, got {value!r}") from None
-            if number < 0 or (key == "hang" and number > 1) or not math.isfinite(number):
-                raise UsageError(f"--rehearse-faults: {key} must be in [0, 1] for hang, >= 0 for a rate; got {value}")
+            if number < 0 or (key == "hang" and number > 1) or (key == "others" and number >= 1) \
+                    or not math.isfinite(number):
+                raise UsageError(f"--rehearse-faults: {key} must be in [0, 1] for hang, in [0, 1) for others, >= 0 "
+                                 f"for a rate; got {value}")
             values[key] = number
         return cls(**values)
 
@@ -111,21 +125,27 @@ class Ledger:
 
 
 class _ModelledCluster:
-    """The YAML's nodes for TrialHost's GPU ledger: nothing runs on them and no other job holds their GPUs."""
+    """The YAML's nodes for TrialHost's GPU ledger: nothing runs on them; other jobs hold what ``held`` says (the
+    rehearsal host's ``others_held``), and what the sweep itself reserved (``used``) is taken too, as Ray says."""
 
     is_simulated = False
     simulated = None
 
     def __init__(self, cfg: SweepConfig) -> None:
         c = cfg.cluster
-        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node, 0.0, i == 0)
-                       for i in range(c.nodes)]
+        # A CPU per rank, as the ranks of a real run reserve: the CPUs never limit a modelled node.
+        self._nodes = [NodeInfo(f"node-{i}", f"node-{i}", f"node-{i}", c.gpus_per_node,
+                                c.gpus_per_node * CPUS_PER_RANK, i == 0) for i in range(c.nodes)]
+        self.held: Callable[[], dict[str, int]] = dict
+        self.used: Callable[[], dict[str, int]] = dict
 
     def nodes(self) -> list[NodeInfo]:
         return list(self._nodes)
 
-    def available_gpus(self) -> dict[str, float]:
-        return {n.node_id: float(n.gpus) for n in self._nodes}
+    def available(self) -> dict[str, tuple[float, float]]:
+        held, used = self.held(), self.used()
+        return {n.node_id: (float(max(0, n.gpus - held.get(n.node_id, 0) - used.get(n.node_id, 0))), n.cpus)
+                for n in self._nodes}
 
 
 class RehearsalHost(TrialHost):
@@ -133,7 +153,10 @@ class RehearsalHost(TrialHost):
 
     def __init__(self, cfg: SweepConfig, faults: Faults, seed: int = 0) -> None:
         cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"warm_ranks": False})})
-        super().__init__(cfg, _ModelledCluster(cfg))  # type: ignore[arg-type]
+        cluster = _ModelledCluster(cfg)
+        super().__init__(cfg, cluster)  # type: ignore[arg-type]
+        cluster.held, cluster.used = self.others_held, lambda: dict(self._used)
+        self._other_jobs: tuple[int, dict[str, int]] = (-1, {})  # (the period drawn, node -> GPUs other jobs hold)
         self.backend_name = BACKEND
         self.faults = faults
         self.seed = seed
@@ -156,7 +179,9 @@ class RehearsalHost(TrialHost):
 
     def advance(self) -> None:
         """The driver waits for a trial to end: the clock moves to the earliest end of the trials running. Trials
-        reserved but not yet started by their thread are waited for (briefly, in real time) so none is skipped."""
+        reserved but not yet started by their thread are waited for (briefly, in real time) so none is skipped.
+        With none running (the sweep waits for GPUs other jobs hold), the clock moves to the next change of what
+        they hold."""
         deadline = time.monotonic() + 10.0
         with self._cond:
             while self._starting and time.monotonic() < deadline:
@@ -164,6 +189,26 @@ class RehearsalHost(TrialHost):
             if self._ends:
                 self._clock = max(self._clock, min(self._ends.values()))
                 self._cond.notify_all()
+            elif self.faults.others > 0:
+                self._clock = (math.floor(self._clock / OTHERS_PERIOD_S) + 1) * OTHERS_PERIOD_S
+                self._snapshot = None  # the ledger reads the nodes again: what other jobs hold has changed
+                self._cond.notify_all()
+
+    def others_held(self) -> dict[str, int]:
+        """GPUs other jobs hold now, per node: whole nodes, a share drawn per period of the virtual clock among the
+        nodes the sweep does not use when the period starts (``Faults.others``)."""
+        if self.faults.others <= 0:
+            return {}
+        period = int(self._clock // OTHERS_PERIOD_S)
+        if period != self._other_jobs[0]:
+            rng = self._draw("others", period)
+            free = [n.node_id for n in self.handle.nodes() if not self._used.get(n.node_id)]
+            rng.shuffle(free)
+            share = rng.uniform(0.0, self.faults.others)
+            count = min(len(free), round(share * self.cfg.cluster.nodes))
+            self._other_jobs = (period, {nid: self.cfg.cluster.gpus_per_node for nid in free[:count]})
+            self._snapshot = None
+        return self._other_jobs[1]
 
     def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
         slot = super().reserve(layout, alone)
@@ -174,6 +219,7 @@ class RehearsalHost(TrialHost):
 
     def release(self, reservation: Reservation) -> None:
         super().release(reservation)
+        self._released.clear()  # the modelled nodes free a trial's GPUs at once: no grace for Ray's lag (issue 51)
         with self._cond:
             self._starting.pop(id(reservation), None)
             self._ends.pop(id(reservation), None)

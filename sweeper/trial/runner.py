@@ -36,6 +36,7 @@ from ray.exceptions import GetTimeoutError, OutOfMemoryError, RayActorError, Ray
 
 from sweeper.backends.base import SmokeRequest
 from sweeper.cluster import (
+    CPUS_PER_RANK,
     ClusterHandle,
     PlacementError,
     PlacementPlan,
@@ -45,9 +46,9 @@ from sweeper.cluster import (
     trial_placement,
 )
 from sweeper.cluster.ray_errors import cause_line
+from sweeper.config.files import write_atomic
 from sweeper.config.schema import SweepConfig
 from sweeper.config.units import GIB
-from sweeper.record.files import write_atomic
 from sweeper.record.schema import TrialResult
 from sweeper.space.environment import EnvVar, megatron_environment
 from sweeper.space.layout import Layout
@@ -69,7 +70,6 @@ HOST_OUT_OF_MEMORY = "host out of memory"
 PLACEMENT_TIMEOUT = "placement_timeout"
 CANCELLED = "cancelled"
 NODE_LOST = "node_lost"
-CPUS_PER_RANK = 1.0
 CHECKS_PROBE_S = 5.0  # how long unreported ranks get to say what they had proven before they are stopped
 
 
@@ -125,6 +125,10 @@ def run_trial(
     trial_id = f"{trial_dir.name}-{uuid.uuid4().hex[:6]}"
     backend_inject = inject if inject in BACKEND_INJECTS else None
     request = _request(cfg, layout, handle, trial_dir, limit, backend_inject, inject_rank)
+    if reference_checkpoint is not None:
+        # The ranks' working folder is their Ray worker's, not the driver's, on a cluster started by `ray start`
+        # (issue 51: a relative --out put the reference there, and the driver found none).
+        reference_checkpoint = str(Path(reference_checkpoint).resolve())
     request = replace(request, reference_checkpoint=reference_checkpoint, make_reference=make_reference,
                       stack_dump_at=stacks.dump_time(limit),
                       routing_stress_steps=cfg.search.routing_stress_steps if routing_stress else 0)

@@ -11,7 +11,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.estimate.disk import disk_plan
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
-from sweeper.search.objective import predicted_objective, production_gpus
+from sweeper.search.decide.objective import predicted_objective, production_gpus
 from sweeper.space.layout import Layout
 
 console = Console()
@@ -125,7 +125,12 @@ def print_doctor(report: Any) -> None:
     console.print(table)
     for problem in report.problems:
         console.print(f"[red]problem[/]: {problem}")
-    console.print("[green]all nodes agree[/]" if report.ok else "[red]nodes disagree or paths are missing[/]")
+    for warning in report.warnings:
+        console.print(f"[yellow]warning[/]: {warning}")
+    if not report.ok:
+        console.print("[red]nodes disagree or paths are missing[/]")
+    else:
+        console.print("[green]all nodes agree[/]" + (" [yellow](see the warnings)[/]" if report.warnings else ""))
 
 
 def print_migration(migration: Any) -> None:

@@ -315,7 +315,7 @@ def test_each_fp8_recipe_prices_its_own_mechanism() -> None:
 
 
 def test_the_knobs_move_memory_and_step_time_the_way_their_mechanisms_do() -> None:
-    """Issue 18 (memory.dispatch_buffer_bytes, graph_static_bytes, step_time._token_exchange, _exposed_launches):
+    """Issue 18 (memory.dispatch_buffer_bytes, graph_static_bytes, step_time.expert_dispatch, _exposed_launches):
     at EP 8 and top-6, allgather moves and holds every token of the group where alltoall moves the routed copies;
     flex's kernels use more of the link; the A2A overlap hides exchange time and keeps one more layer alive;
     CUDA graphs keep static buffers and remove launch waits where kernels are short; offloaded layers leave the
@@ -812,22 +812,18 @@ if __name__ == "__main__":
 
 def test_trials_router_statistics_raise_the_hot_rank_factor_on_any_backend(tmp_path: Path) -> None:
     """A CPU trial measures host memory (no memory calibration) but its router's load is real megatron-core:
-    the calibrator keeps the largest measured hot-rank factor and never lowers it. (Hand-written TrialResults.)"""
+    the calibrator keeps the largest measured hot-rank factor and never lowers it. (Hand-written measurements.)"""
     from sweeper.config.load import load_config
-    from sweeper.estimate.calibrator import Calibrator
-    from sweeper.record.schema import TrialMetrics, TrialResult
+    from sweeper.estimate.calibrator import Calibrator, Measured
 
     cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")
     calibrator = Calibrator(cfg, tmp_path)
     lo = Layout(world_size=2, ep=2, gbs=8)
-    cpu = TrialResult(status="passed", memory_kind="host",
-                      metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.7))
-    update = calibrator.add(lo, cpu)
+    update = calibrator.add(lo, Measured(passed=True, peak_memory_gib=0.7, moe_hot_rank_factor=1.7))
     assert update.fit is None  # host RSS does not calibrate memory...
     assert calibrator.current is not None and calibrator.current.moe_hot_rank_factor == 1.7  # ...routing does
     assert update.changed
-    update = calibrator.add(lo, TrialResult(status="passed", memory_kind="host",
-                                            metrics=TrialMetrics(peak_memory_gib=0.7, moe_hot_rank_factor=1.3)))
+    update = calibrator.add(lo, Measured(passed=True, peak_memory_gib=0.7, moe_hot_rank_factor=1.3))
     assert calibrator.current.moe_hot_rank_factor == 1.7 and not update.changed
 
 

@@ -15,6 +15,7 @@ import pytest
 from sweeper.config.load import load_config
 from sweeper.config.schema import ClusterConfig
 from sweeper.estimate import Calibration, Estimator, estimate
+from sweeper.estimate.calibrator import Measured
 from sweeper.estimate.step_fit import MIN_NOISE, NOISE, StepModel, StepSample, fit_step, repeat_noise
 from sweeper.estimate.step_time import PP_BUBBLE, TP
 from sweeper.models.catalog import PRESETS
@@ -145,11 +146,10 @@ def test_the_recorded_cpu_landscape_is_explained_term_by_term_far_better_than_by
     assert fit.factor("compute.mlp.bf16") > 3 * fit.factor("compute.mlp.fp32")
 
 
-def _passed(step_s: float, memory_kind: str = "device") -> object:
-    from sweeper.record.schema import TrialMetrics, TrialResult
-
-    return TrialResult(status="passed", memory_kind=memory_kind,  # hand-written results: a unit test of the calibrator
-                       metrics=TrialMetrics(step_time_s=step_s, peak_memory_gib=1.0 if memory_kind == "device" else 0.5))
+def _passed(step_s: float, memory_kind: str = "device") -> Measured:
+    on_device = memory_kind == "device"  # hand-written measurements: a unit test of the calibrator
+    return Measured(passed=True, step_time_s=step_s, peak_memory_gib=1.0 if on_device else 0.5,
+                    peak_on_device=on_device)
 
 
 def test_a_gpu_sweeps_step_terms_calibrate_the_cluster_and_carry_over_to_another_model(tmp_path: Path) -> None:

@@ -41,7 +41,7 @@ from sweeper.export.bridge import (
     dotted_overrides,
     mixed_precision_recipes,
 )
-from sweeper.export.megatron_lm import LAUNCH_FILE
+from sweeper.export.megatron_lm import LAUNCH_FILE, launch_script
 from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,3 +265,15 @@ def test_a_run_setting_equal_to_the_recipe_keeps_the_recipe_name(tmp_path: Path)
 
 def test_only_the_launch_script_is_executable() -> None:
     assert EXECUTABLE == {LAUNCH_FILE}
+
+
+def test_a_launch_of_12_gpus_on_8_gpu_nodes_runs_on_2_nodes_of_6_and_names_the_release() -> None:
+    """issue 51: the node count was world // min(world, gpus_per_node): 12 GPUs on 8-GPU nodes gave 1 node."""
+    from sweeper.config.megatron_release import installed
+    from sweeper.export.megatron_lm import node_shape
+
+    assert node_shape(12, 8) == (2, 6) and node_shape(16, 8) == (2, 8) and node_shape(4, 8) == (1, 4)
+    assert node_shape(9, 8) == (3, 3) and node_shape(1024, 8) == (128, 8)
+    cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")
+    script = launch_script(cfg, Layout(world_size=4, gbs=cfg.training.global_batch_size), 1)
+    assert f"matching megatron-core {installed()}" in script

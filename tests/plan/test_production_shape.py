@@ -48,3 +48,13 @@ def test_a_share_that_does_not_split_is_refused_with_the_reason(tmp_path: Path) 
     reasons = assess(cfg, layout_from_string(cfg, "gpus=2,mbs=1")).reasons
     assert any("does not split over the 4 copies of a 2-GPU layout" in r for r in reasons), reasons
     assert cfg.production_batch_reason(8) is None
+
+
+def test_a_layout_larger_than_the_production_run_is_refused_with_the_reason(tmp_path: Path) -> None:
+    """issue 53: a layout of W > N GPUs has no copy in the production run, so nothing of it can be chosen; it was
+    launched anyway, and first in exhaustive order."""
+    cfg = _cfg(tmp_path, gbs=64, budget_gpus=4)  # a 4-GPU production run on the 8-GPU cluster
+    refused = assess(cfg, layout_from_string(cfg, "gpus=8,pp=2,mbs=1"))
+    assert refused.reasons[0] == ("the layout needs 8 GPUs, more than the production run's 4 (budget.gpus): no copy "
+                                  "of it runs in production")
+    assert not assess(cfg, layout_from_string(cfg, "gpus=4,pp=2,mbs=1")).reasons

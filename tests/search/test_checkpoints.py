@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from sweeper.config.schema import TrainingConfig
 from sweeper.record.checkpoints import REFERENCE_FILE, checkpoint_folder, delete_checkpoint, folder_bytes
 from sweeper.record.schema import TrialRecord, TrialResult
-from sweeper.search.checkpoints import prune_checkpoints
+from sweeper.search.decide.checkpoints import prune_checkpoints
 
 
 def _trial(root: Path, name: str, sizes: tuple[int, ...] = (1000, 24)) -> Path:

@@ -16,8 +16,8 @@ from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.estimate import estimate
 from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.report.render import decision_section
-from sweeper.search.decision import decision, summary_line
-from sweeper.search.selection import candidates, choose
+from sweeper.search.decide.candidates import candidates, choose
+from sweeper.search.decide.decision import decision, summary_line
 
 ROOT = Path(__file__).resolve().parents[2]
 

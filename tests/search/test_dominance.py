@@ -1,10 +1,10 @@
-"""search.dominance: what a measured trial decides about the layouts one axis away (pure; results are built here,
+"""search.propose.dominance: what a measured trial decides about the layouts one axis away (pure; results are built here,
 no trial runs)."""
 
 from __future__ import annotations
 
 from sweeper.record.schema import TrialMetrics, TrialResult
-from sweeper.search.dominance import Dominance
+from sweeper.search.propose.dominance import Dominance
 from sweeper.space.layout import Layout
 
 OOM = TrialResult(status="failed", failure_kind="oom", error="out of memory")

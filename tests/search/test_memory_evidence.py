@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from sweeper.estimate import Estimate
 from sweeper.record.schema import TrialMetrics, TrialResult
-from sweeper.search.memory_evidence import MemoryEvidence
+from sweeper.search.propose.memory_evidence import MemoryEvidence
 
 LIMIT = 86.4  # 90% of 96 GiB
 

@@ -1,4 +1,4 @@
-"""The production run's throughput as the sweep's one objective (sweeper/search/objective.py)."""
+"""The production run's throughput as the sweep's one objective (sweeper/search/decide/objective.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import yaml
 
 from sweeper.config.load import load_config
 from sweeper.record.schema import TrialMetrics, TrialResult
-from sweeper.search.objective import (
+from sweeper.search.decide.objective import (
     copies,
     extra_step_s,
     objective_value,

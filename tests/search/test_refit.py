@@ -1,4 +1,4 @@
-"""The refit model's turns (search.refit): greedy and expected improvement over the best measured layout."""
+"""The refit model's turns (search.propose.refit): greedy and expected improvement over the best measured layout."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from sweeper.estimate import Estimator
 from sweeper.estimate.step_fit import StepModel
 from sweeper.plan.assess import assess_all
 from sweeper.plan.space import enumerate_layouts
-from sweeper.search.refit import expected_improvement, predicted_objective, turn
+from sweeper.search.propose.refit import expected_improvement, predicted_objective, turn
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +39,7 @@ def test_the_refit_prices_a_proposal_as_a_trial_measuring_its_prediction_would_b
     would get (``objective_value``), on a simulated cluster too, where the model prices ranks sharing the host's
     cores. Predicting the production layout instead priced a 2-GPU layout's production run as 4 ranks on 2 cores."""
     from sweeper.record.schema import TrialMetrics, TrialResult
-    from sweeper.search.objective import copies, objective_value
+    from sweeper.search.decide.objective import copies, objective_value
 
     cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")
     model = StepModel(Estimator.for_config(cfg, host_cores=2))

@@ -1,9 +1,9 @@
-"""When a failure that is not the layout's stops being worth a retry (sweeper/search/repeated.py)."""
+"""When a failure that is not the layout's stops being worth a retry (sweeper/search/run/repeated.py)."""
 
 from __future__ import annotations
 
 from sweeper.record.schema import TrialMetrics, TrialResult
-from sweeper.search.repeated import RepeatedFailure, cause_of
+from sweeper.search.run.repeated import RepeatedFailure, cause_of
 from sweeper.trial.runner import NODE_LOST, PLACEMENT_TIMEOUT
 
 START = "rank {rank} (sim-{node}): rank actor failed to start: RuntimeError: NVML does not answer (pid={pid})"

@@ -8,7 +8,7 @@ import threading
 import time
 
 from sweeper.record.schema import TrialResult
-from sweeper.search.scheduler import Running, Scheduler
+from sweeper.search.run.scheduler import Running, Scheduler
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Reservation
 

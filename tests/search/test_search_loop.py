@@ -21,9 +21,10 @@ from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.record.tracking import Tracker
-from sweeper.search.loop import SearchOptions, Sweep
-from sweeper.search.study import PARAMS
+from sweeper.search.propose.study import PARAMS
+from sweeper.search.run.sweep import SearchOptions, Sweep
 from sweeper.space.layout import Layout
+from sweeper.trial.aggregate import RANK_FAULT
 from sweeper.trial.protocol import Host, Reservation
 from sweeper.trial.reference import REFERENCE_FILE
 from sweeper.trial.runner import HOST_OUT_OF_MEMORY
@@ -62,12 +63,26 @@ class StandInHost:
         self.concurrent = 0
         self.max_concurrent = 0
         self.lock = threading.Lock()
+        # Another job's GPUs (stand-in of a shared cluster): per node, held until ``others_until`` (monotonic).
+        self.others: dict[str, int] = {}
+        self.others_until = 0.0
+        self.hold_after: tuple[int, float] | None = None  # after the N-th trial ends, others hold every GPU for S s
+        self.confirm_kinds: dict[str, list[str]] = {}  # per layout: what its confirmation attempts do, in order
+        self.reference_kinds: list[str] = []  # what the reference's attempts do first ("infra"), then it is made
+
+    def hold_others(self, gpus_per_node: int, seconds: float, nodes: list[str] | None = None) -> None:
+        with self.lock:
+            self.others = {n: gpus_per_node for n in (nodes or self.free)}
+            self.others_until = time.monotonic() + seconds
+
+    def _held(self, node: str) -> int:
+        return self.others.get(node, 0) if time.monotonic() < self.others_until else 0
 
     def capacity_total(self) -> int:
         return sum(self.gpus for _ in self.free)
 
     def held_by_others(self, node_ids: list[str] | None = None) -> int:
-        return 0
+        return sum(self._held(n) for n in (node_ids if node_ids is not None else self.free))
 
     def prestart(self, layouts: list[Layout]) -> int:
         self.prestarted = len(layouts)
@@ -77,7 +92,7 @@ class StandInHost:
         world = layout.world_size
         need = max(1, world // self.gpus)
         per = min(world, self.gpus)
-        nodes = [n for n, f in self.free.items() if f >= per][:need]
+        nodes = [n for n, f in self.free.items() if f - self._held(n) >= per][:need]
         return (nodes, per) if len(nodes) == need else None
 
     def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
@@ -110,6 +125,9 @@ class StandInHost:
 
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
         if kw.get("make_reference"):  # the stand-in's reference: the file the gate would load, no weights behind it
+            if self.reference_kinds:
+                self.reference_kinds.pop(0)
+                return TrialResult(status="failed", failure_kind="infra", error="rank 0 (n0): node lost (stand-in)")
             if not self.reference_ok:
                 return TrialResult(status="failed", failure_kind="unsupported", error="stand-in host")
             Path(kw["reference"]).mkdir(parents=True, exist_ok=True)
@@ -123,6 +141,18 @@ class StandInHost:
         try:
             time.sleep(self.delays.get(layout.short(), self.delay))  # default 0.8 s: the scheduler starts the next
             kind = self.fail.get(layout.short(), self.fail.get("*"))
+            if kw.get("steps") is not None and self.confirm_kinds.get(layout.short()):
+                kind = self.confirm_kinds[layout.short()].pop(0)
+            if kind == "rank-died":  # a rank's process died on a node that stayed alive (stand-in of the runner's)
+                return TrialResult(status="failed", failure_kind="infra", notes=[RANK_FAULT],
+                                   error="rank 1 (n0): rank process died: SIGSEGV in a kernel (stand-in)")
+            if kind == "stress-over":  # passed, but the routing-stress peak is over the headroom (stand-in)
+                speed = 100.0 * layout.pp * layout.ep * layout.mbs * layout.world_size
+                return TrialResult(
+                    status="passed", metrics=TrialMetrics(tokens_per_s=speed, step_time_s=1.0, peak_memory_gib=1.0,
+                                                          stress_peak_memory_gib=cfg.cluster.gpu_memory_gib),
+                    checks=TrialChecks(True, True, True, True, True, True), backend="stand-in",
+                    memory_kind=self.memory_kind)
             if kind == "broken-install":  # every rank fails to start on this install (stand-in of the runner's line)
                 return TrialResult(status="failed", failure_kind="infra", error=(
                     f"rank 0 (n{len(self.calls) % 2}): rank actor failed to start: RuntimeError: torch was built "
@@ -152,6 +182,8 @@ class StandInHost:
             with self.lock:
                 self.concurrent -= 1
                 self.spans.append((layout, started, time.monotonic()))
+            if self.hold_after is not None and len(self.spans) == self.hold_after[0]:
+                self.hold_others(self.gpus, self.hold_after[1])
 
 
 @pytest.fixture()
@@ -175,7 +207,9 @@ def make_sweep(tmp_path: Path, mlflow_uri: str, request: pytest.FixtureRequest) 
         tracker = Tracker(mlflow_uri, request.node.name)
         parent = (SweepDir(out).read_meta().mlflow or {}).get("parent_run_id") if resume else None
         parent = tracker.start_sweep(cfg.name, {}, {}, resume_run_id=parent)
-        SweepDir(out).write_meta(SweepMeta(mlflow={"parent_run_id": parent}))
+        meta = SweepDir(out).read_meta() if resume else SweepMeta()  # a resumed sweep keeps its sweep.json
+        meta.mlflow = {"parent_run_id": parent}
+        SweepDir(out).write_meta(meta)
         return Sweep(cfg, SearchOptions(out=out, resume=resume, **kw), host, tracker)
 
     return make
@@ -317,11 +351,17 @@ def test_a_sweep_without_its_reference_has_no_stable_layout_unless_told_otherwis
     host = StandInHost(delay=0.1)
     host.reference_ok = False
     assert make_sweep(cfg, host).run() == (1 if required else 0)
-    passed = [r for r in SweepDir(tmp_path / "sweep").read_trials() if r.result.passed]
-    assert passed and all("equivalence gate off: the sweep has no reference" in r.result.notes for r in passed)
     assert (tmp_path / "sweep" / "best_layout.yaml").exists() is not required
     report = (tmp_path / "sweep" / "report.html").read_text()
     assert "No equivalence gate" in report
+    records = SweepDir(tmp_path / "sweep").read_trials()
+    if required:  # issue 51: no trial could be stable, so none is run (the budget was spent for nothing)
+        meta = SweepDir(tmp_path / "sweep").read_meta()
+        assert records == [] and host.calls == [] and meta.status == "failed"
+        assert meta.stopped_early is not None and meta.stopped_early.startswith("stopped before the first trial")
+        return
+    passed = [r for r in records if r.result.passed]
+    assert passed and all("equivalence gate off: the sweep has no reference" in r.result.notes for r in passed)
 
 
 def test_oom_trial_is_not_selected(cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
@@ -350,7 +390,7 @@ def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_runn
         cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     """A driver killed while trial #5 ran (#3 and #4 not yet recorded): on --resume #5 runs again under its number,
     and the new trials are numbered past it (scripts/kill_resume.py found two layouts sharing #4 and #5)."""
-    from sweeper.search.study import LayoutStudy
+    from sweeper.search.propose.study import LayoutStudy
 
     first = make_sweep(cfg, StandInHost(delay=0.05), max_trials=2, parallel=1)
     first.run()
@@ -361,7 +401,7 @@ def test_a_resumed_sweep_never_gives_a_new_trial_the_number_of_one_that_was_runn
     study.enqueue(running)
     proposal = study.propose(lambda lo: False)
     assert proposal is not None and proposal.layout == running
-    proposal.trial.set_user_attr("sweeper_number", 5)  # as Sweep._launch sets it; the crash leaves it RUNNING
+    proposal.trial.set_user_attr("sweeper_number", 5)  # as SweepState.launch sets it; the crash leaves it RUNNING
     proposal.trial.set_user_attr("attempt", 1)
 
     second = make_sweep(cfg, StandInHost(delay=0.05), resume=True, max_trials=6, parallel=1)
@@ -380,7 +420,7 @@ def test_a_trial_recorded_just_before_the_crash_is_told_to_optuna_on_resume_not_
     kill_resume.py hit that moment): on --resume Optuna is told #3's recorded outcome and #3 does not run again."""
     import optuna
 
-    from sweeper.search.study import LayoutStudy
+    from sweeper.search.propose.study import LayoutStudy
 
     first = make_sweep(cfg, StandInHost(delay=0.05), max_trials=2, parallel=1)
     first.run()
@@ -403,7 +443,7 @@ def test_a_trial_recorded_just_before_the_crash_is_told_to_optuna_on_resume_not_
     told = [t for t in optuna.load_study(study_name=study.study.study_name, storage=study.study._storage).get_trials()
             if t.user_attrs.get("sweeper_number") == 3 and t.state == optuna.trial.TrialState.COMPLETE]
     # Told as every outcome is: its objective on the production run (issue 43).
-    from sweeper.search.objective import objective_value
+    from sweeper.search.decide.objective import objective_value
 
     assert len(told) == 1 and told[0].value == pytest.approx(objective_value(result, cfg, layout))
 
@@ -580,7 +620,7 @@ def test_the_stand_in_host_has_the_hosts_surface() -> None:
 def test_free_gpus_take_a_smaller_trial_while_a_large_one_waits_and_the_large_one_is_not_starved(
         tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
     from sweeper.config.schema import layout_from_string
-    from sweeper.search import loop
+    from sweeper.search.run import explore as loop
 
     monkeypatch.setattr(loop, "PRIOR_PROPOSALS", 0)  # the queue holds the two seeds only
     long_small, large = "gpus=2,pp=2,ep=1,mbs=1", "gpus=4,pp=2,ep=2,mbs=1"
@@ -629,7 +669,7 @@ def test_a_trial_that_contradicts_the_estimators_ranking_changes_what_the_sweep_
     from sweeper.estimate import Estimator
     from sweeper.plan.assess import assess_all
     from sweeper.plan.space import enumerate_layouts
-    from sweeper.search.objective import production_layout
+    from sweeper.search.decide.objective import production_layout
 
     monkeypatch.setattr("os.cpu_count", lambda: 64)  # a simulated cluster whose ranks each have a core of their own
 
@@ -727,3 +767,172 @@ def test_a_tracking_server_that_goes_away_mid_sweep_loses_and_duplicates_no_tria
         if record.result.passed:
             assert run.data.metrics["tokens_per_s"] == pytest.approx(record.result.metrics.tokens_per_s or 0.0)
     assert client.get_run(parent).info.status == "FINISHED"
+
+
+# -- issue 51: a winner on a busy cluster --------------------------------------------------------------------------
+def _fast_polls(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sweeper.search.run import capacity
+
+    monkeypatch.setattr(capacity, "POLL_S", 0.2)  # a phase with nothing of its own running looks again this often
+
+
+def test_a_reference_whose_gpus_other_jobs_hold_is_made_once_they_free_up(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: one try of PLACE_TIMEOUT_S to find GPUs, then a whole sweep without the gate."""
+    _fast_polls(monkeypatch)
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 2, "confirm_top": 1}})
+    host = StandInHost(delay=0.1)
+    host.hold_others(2, 1.5)  # every GPU held by another job for the sweep's first 1.5 s
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    assert sweep.reference is not None
+    meta = SweepDir(tmp_path / "sweep").read_meta()
+    assert meta.spent is not None and meta.spent["waited_s"] >= 1.0
+
+
+def test_a_reference_lost_to_a_node_is_made_again(tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 2, "confirm_top": 1}})
+    host = StandInHost(delay=0.1)
+    host.reference_kinds = ["infra", "infra"]  # two attempts lost to a node, the third makes it (MAX_ATTEMPTS 3)
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0 and sweep.reference is not None
+
+
+def test_exploration_waits_for_gpus_other_jobs_hold_when_nothing_of_its_own_runs(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured on a real `ray start` cluster with another job holding 2 of 4 GPUs for 90 s: 1 of 8 trials, then
+    "deferred: needs 2 GPUs, 4 alive when the sweep ended" and exit 1."""
+    _fast_polls(monkeypatch)
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 4, "confirm_top": 1}})
+    host = StandInHost(delay=0.1)
+    host.hold_after = (1, 1.5)  # after the first trial, another job holds every GPU for 1.5 s
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    explored = [r for r in _explore_records(sweep) if r.result.status != "pruned"]
+    assert len({r.number for r in explored}) == 4 and all(r.result.passed for r in explored)
+
+
+def test_a_confirmation_whose_gpus_another_job_holds_waits_and_is_made(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: reserve() did not wait; with nothing in flight confirmation gave up: "no stable layout passed"."""
+    _fast_polls(monkeypatch)
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 2, "confirm_top": 1, "parallel": 1}})
+    host = StandInHost(delay=0.1)
+    host.hold_after = (2, 1.5)  # the last explored trial ends, and another job takes every GPU for 1.5 s
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    confirms = [r for r in sweep.records if r.phase == "confirm"]
+    assert len(confirms) == 1 and confirms[0].result.passed
+    assert (tmp_path / "sweep" / "best_layout.yaml").exists()
+
+
+def test_a_confirmation_that_passes_over_the_headroom_under_routing_stress_moves_on_to_the_next_candidate(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Before: it counted as confirmed, filled the one confirm_top slot, and choose() refused it: no winner."""
+    fastest = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    host = StandInHost(delay=0.1)
+    host.confirm_kinds = {fastest: ["stress-over"]}
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    confirms = [(Layout.from_dict(r.layout).short(), r.result.passed) for r in sweep.records if r.phase == "confirm"]
+    assert confirms[0] == (fastest, True) and len(confirms) == 2
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    assert Layout.from_dict(best["layout"]).short() == confirms[1][0] != fastest
+
+
+def test_a_rank_that_dies_twice_in_confirmation_on_a_live_node_fails_the_candidate(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Before: each death was infra, re-run up to 3 times, and one pass in three won with `runs: 1`."""
+    fastest = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    host = StandInHost(delay=0.1)
+    host.confirm_kinds = {fastest: ["rank-died", "rank-died", "passed"]}
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    mine = [(r.attempt, r.result.failure_kind) for r in sweep.records
+            if r.phase == "confirm" and Layout.from_dict(r.layout).short() == fastest]
+    assert mine == [(1, "infra"), (2, "crash")]  # the retry's death is the layout's: no third attempt
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    assert Layout.from_dict(best["layout"]).short() != fastest
+
+
+def test_every_confirmation_attempt_of_the_winner_is_listed_in_best_layout_yaml(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    fastest = Layout(world_size=4, pp=2, ep=2, mbs=2, gbs=8).short()
+    host = StandInHost(delay=0.1)
+    host.confirm_kinds = {fastest: ["rank-died", "passed"]}
+    assert make_sweep(cfg, host).run() == 0
+    best = yaml.safe_load((tmp_path / "sweep" / "best_layout.yaml").read_text())
+    assert Layout.from_dict(best["layout"]).short() == fastest
+    attempts = best["confirmation"]["attempts"]
+    assert [(a["attempt"], a["status"], a["failure_kind"]) for a in attempts] == [(1, "failed", "infra"),
+                                                                               (2, "passed", None)]
+    assert "rank process died" in attempts[0]["error"]
+
+
+def test_the_budget_spent_survives_resume(tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Before: gpu_hours and wall_time_s restarted on every --resume, so a requeued sweep spent its budget again."""
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 2, "confirm_top": 0}})
+    make_sweep(cfg, StandInHost(delay=0.3)).run()
+    spent = SweepDir(tmp_path / "sweep").read_meta().spent
+    assert spent is not None and spent["gpu_s"] > 0 and spent["wall_s"] > 0
+    budget = _load(tmp_path, {**SPACE, "search": {"max_trials": 6, "confirm_top": 0,
+                                                  "gpu_hours": 0.99 * spent["gpu_s"] / 3600}})
+    second = make_sweep(budget, StandInHost(delay=0.3), resume=True)
+    second.run()
+    assert len({r.number for r in _explore_records(second) if r.result.status != "pruned"}) == 2  # none more
+    assert SweepDir(tmp_path / "sweep").read_meta().spent["gpu_s"] >= spent["gpu_s"]
+
+
+def test_an_interrupted_sweep_writes_no_best_layout(
+        cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Before: an interrupted sweep exported whatever happened to be confirmed when it stopped."""
+    host = StandInHost(delay=0.1)
+    sweep = make_sweep(cfg, host)
+    stopper = threading.Timer(1.0, sweep.stop.set)
+    stopper.start()
+    assert sweep.run() == 1
+    stopper.join()
+    assert not (tmp_path / "sweep" / "best_layout.yaml").exists()
+    assert SweepDir(tmp_path / "sweep").read_meta().status == "interrupted"
+
+
+def test_a_confirmation_after_a_driver_death_does_not_reuse_the_dead_runs_folder(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """issue 51: the attempt number came from the records alone, and the dead run left a folder but no record."""
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 3, "confirm_top": 0, "sampler": "grid"}})
+    first = make_sweep(cfg, StandInHost(delay=0.1))
+    first.run()
+    from sweeper.search.decide.candidates import candidates
+
+    best = candidates(first.records, cfg)[0]  # the first to be confirmed
+    dead = SweepDir(tmp_path / "sweep").trial_dir(best.number, 1, "confirm")
+    dead.mkdir(parents=True)  # what a confirmation running when the driver died leaves
+    (dead / "rank0.log").write_text("the dead run's log\n")
+    confirming = _load(tmp_path, {**SPACE, "search": {"max_trials": 3, "confirm_top": 1, "sampler": "grid"}})
+    second = make_sweep(confirming, StandInHost(delay=0.1), resume=True)
+    assert second.run() == 0
+    confirms = [r for r in second.records if r.phase == "confirm"]
+    assert [(r.number, r.attempt) for r in confirms] == [(best.number, 2)]
+    assert (dead / "rank0.log").read_text() == "the dead run's log\n"
+
+
+def test_smaller_trials_run_on_the_gpus_other_jobs_leave_while_a_larger_one_waits_for_theirs(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 51: on a shared cluster a whole-cluster trial whose GPUs another job holds for hours blocked every
+    smaller one after one typical trial's time (the rule that keeps the sweep's own small trials from starving it)."""
+    from sweeper.config.schema import layout_from_string
+    from sweeper.search.run import explore
+
+    _fast_polls(monkeypatch)
+    monkeypatch.setattr(explore, "PRIOR_PROPOSALS", 0)
+    large = "gpus=4,pp=2,ep=2,mbs=1"
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 6, "confirm_top": 0, "seeds": [large]}})
+    host = StandInHost(delay=0.2)
+    host.hold_others(2, 3.0, nodes=["n1"])  # another job holds node n1 for the sweep's first 3 s
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0
+    big = layout_from_string(cfg, large)
+    started = {lo: t0 for lo, t0, _ in host.spans}
+    assert big in started and started[big] >= host.others_until  # it ran once the other job was gone
+    meanwhile = [lo for lo, t0, _ in host.spans if t0 < started[big] and lo != big]
+    assert len(meanwhile) >= 3 and all(lo.world_size == 2 for lo in meanwhile)  # more than one trial's time

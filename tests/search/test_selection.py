@@ -12,7 +12,9 @@ import yaml
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialRecord, TrialResult
-from sweeper.search.selection import best_layout_document, candidates, choose, step_time_drift
+from sweeper.search.decide.best_layout import best_layout_document
+from sweeper.search.decide.candidates import candidates, choose
+from sweeper.search.decide.verdicts import step_time_drift
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,7 +81,7 @@ def test_best_layout_names_the_layouts_the_reference_checkpoint_moved_into(tmp_p
 
 def test_a_confirmation_over_the_headroom_under_routing_stress_is_not_stable(tmp_path: Path) -> None:
     # Selection test data (not trials): the quickstart's 4 GiB GPUs at 10% headroom allow 3.6 GiB.
-    from sweeper.search.selection import is_stable
+    from sweeper.search.decide.verdicts import is_stable
 
     cfg = _cfg(tmp_path)
     result = _result([1.0] * 6, 900.0)
@@ -93,7 +95,7 @@ def test_a_confirmation_over_the_headroom_under_routing_stress_is_not_stable(tmp
 def test_a_gpu_peak_counts_the_memory_outside_torchs_allocator(tmp_path: Path) -> None:
     """Issue 30: the allocator's reserved peak is not all a GPU holds; the context and NCCL buffers measured
     beside it count against the headroom too (the estimator adds the same). Selection test data (not trials)."""
-    from sweeper.search.selection import is_stable
+    from sweeper.search.decide.verdicts import is_stable
 
     cfg = _cfg(tmp_path)  # 3.6 GiB allowed
     result = _result([1.0] * 6, 900.0)

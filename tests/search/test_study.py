@@ -18,7 +18,7 @@ from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
 from sweeper.plan.assess import assess_all
 from sweeper.plan.space import enumerate_layouts
-from sweeper.search.study import CONSTRAINT, LayoutStudy
+from sweeper.search.propose.study import CONSTRAINT, LayoutStudy
 from sweeper.space.layout import Layout
 
 # 2,304 combinations, 130 of them valid for tiny-moe (4 experts, 2 query groups, 4 layers; the smaller layouts run
@@ -183,7 +183,7 @@ def test_a_journal_lock_a_killed_driver_left_behind_is_taken_over(cfg: SweepConf
     `search --out sweep` gives it) takes the lock over after JOURNAL_LOCK_GRACE_S instead of spinning on it."""
     import time
 
-    from sweeper.search.study import JOURNAL_LOCK_GRACE_S
+    from sweeper.search.propose.study import JOURNAL_LOCK_GRACE_S
 
     monkeypatch.chdir(tmp_path)
     LayoutStudy(cfg, Path("journal.log"), "tpe", 0, launchable)

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -38,8 +39,8 @@ class CountingHandle:
         self.reads += 1
         return [NodeInfo(f"n{i}", f"10.0.0.{i}", f"10.0.0.{i}", 8, 64.0, i == 0) for i in range(2)]
 
-    def available_gpus(self) -> dict[str, float]:
-        return {f"n{i}": 8.0 for i in range(2)}  # no other job on this stand-in cluster
+    def available(self) -> dict[str, tuple[float, float]]:
+        return {f"n{i}": (8.0, 64.0) for i in range(2)}  # no other job on this stand-in cluster
 
 
 def test_a_fill_of_many_capacity_questions_reads_the_node_table_once(monkeypatch) -> None:
@@ -135,3 +136,62 @@ def test_a_node_held_alone_takes_no_other_trial_even_with_free_gpus() -> None:
     second = host.reserve(half)
     assert second is not None and set(second.node_ids).isdisjoint(alone.node_ids)
     assert host.reserve(half) is None  # four GPUs are free on the confirmation's node, and stay its own
+
+
+class OneNodeHandle:
+    """One node of ``gpus`` GPUs and ``cpus`` CPUs (stand-in for a Ray cluster handle); ``taken`` is what Ray says
+    is held there now, GPUs and CPUs, whoever holds it."""
+
+    is_simulated = False
+    simulated = None
+
+    def __init__(self, gpus: int, cpus: float) -> None:
+        self.gpus, self.cpus = gpus, cpus
+        self.taken = (0.0, 0.0)
+
+    def nodes(self) -> list[NodeInfo]:
+        return [NodeInfo("n0", "10.0.0.1", "10.0.0.1", self.gpus, self.cpus, True)]
+
+    def available(self) -> dict[str, tuple[float, float]]:
+        return {"n0": (self.gpus - self.taken[0], self.cpus - self.taken[1])}
+
+
+def _one_node(gpus: int) -> Any:
+    cfg = load_config(ROOT / "search_spaces" / "quickstart.yaml")
+    return cfg.model_copy(update=dict(cluster=cfg.cluster.model_copy(update=dict(nodes=1, gpus_per_node=gpus))))
+
+
+def test_a_node_with_fewer_cpus_than_gpus_holds_as_many_ranks_as_cpus_and_says_what_it_lacks() -> None:
+    """Issue 51: a container's CPU limit of 2 under 4 GPUs; each rank reserves a CPU, so 4 ranks never place there."""
+    host = TrialHost(_one_node(4), OneNodeHandle(4, 2.0))  # type: ignore[arg-type]
+    four, two = Layout(world_size=4, gbs=8), Layout(world_size=2, gbs=8)
+    assert host.capacity_total() == 2
+    assert not host.fits(four) and host.fits(two)
+    assert host.lacks(four) == ("TP1-PP1-DP4-MBS1-bf16 needs 1 node(s) with 4 GPUs and 4 CPUs each (a rank reserves "
+                                "1 GPU and 1 CPU); 10.0.0.1 has 4 GPUs and 2 CPUs")
+    assert host.lacks(two) is None
+    assert host.held_by_others() == 0  # nobody holds anything: the CPUs are missing, not taken
+
+
+def test_cpus_another_job_holds_are_rank_slots_it_holds() -> None:
+    handle = OneNodeHandle(4, 8.0)
+    handle.taken = (0.0, 6.0)  # another job's CPU-only work: 4 GPUs free, 2 CPUs
+    host = TrialHost(_one_node(4), handle)  # type: ignore[arg-type]
+    assert host.held_by_others() == 2 and not host.fits(Layout(world_size=4, gbs=8))
+
+
+def test_a_trial_that_just_ended_is_not_read_as_another_jobs(monkeypatch) -> None:
+    """Issue 51: Ray frees a removed placement group a moment later; until then its GPUs read as taken. They stay
+    this sweep's for RELEASE_GRACE_S after release, and only then count as another job's."""
+    monkeypatch.setattr(host_module, "CAPACITY_SNAPSHOT_S", 0.0)  # every ask reads Ray again
+    handle = OneNodeHandle(4, 8.0)
+    host = TrialHost(_one_node(4), handle)  # type: ignore[arg-type]
+    two = Layout(world_size=2, gbs=8)
+    slot = host.reserve(two)
+    assert slot is not None
+    handle.taken = (2.0, 2.0)  # its placement group is made
+    assert host.held_by_others() == 0
+    host.release(slot)  # the trial ended; Ray has not freed the group yet
+    assert host.held_by_others() == 0 and host.fits(Layout(world_size=4, gbs=8))
+    monkeypatch.setattr(host_module, "RELEASE_GRACE_S", 0.0)  # still taken after the grace: another job's now
+    assert host.held_by_others() == 2

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sweeper.config.load import load_config
 from sweeper.errors import UsageError
@@ -47,7 +48,18 @@ def test_a_rehearsal_runs_the_whole_sweep_on_modelled_trials_and_says_what_it_co
     assert "rehearsal (modelled, not measured)" in proc.stderr
     # Never mixed with measured runs: nothing in the calibration cache real sweeps read, its own MLflow experiment.
     assert not (tmp_path / "cache" / "calibration.json").exists()
-    assert json.loads((out / "sweep.json").read_text())["mlflow"]["experiment"].endswith("-rehearsal")
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["mlflow"]["experiment"].endswith("-rehearsal")
+    # Every output says it was modelled (issue 54): sweep.json, the decision, the report, best_layout.yaml, the
+    # exports and the console's last lines.
+    assert meta["rehearsal"] is True
+    assert {e["tokens_per_s"]["basis"] for e in meta["decision"]["layouts"]} == {"modelled"}
+    assert "class='rehearsal'" in (out / "report.html").read_text()
+    assert yaml.safe_load((out / "best_layout.yaml").read_text())["rehearsal"].startswith("modelled: a rehearsal")
+    for name in ("launch_megatron_lm.sh", "megatron_bridge_overrides.yaml"):
+        assert "MODELLED, NOT MEASURED" in "".join((out / name).read_text().splitlines()[:2]), name
+    last = proc.stderr.strip().splitlines()[-2:]
+    assert "best stable layout (modelled: a rehearsal, not measured)" in last[0] and "(modelled, not measured)" in last[1]
 
 
 def test_modelled_faults_are_recorded_as_the_infrastructures_and_retried(tmp_path: Path) -> None:
@@ -60,9 +72,43 @@ def test_modelled_faults_are_recorded_as_the_infrastructures_and_retried(tmp_pat
     assert any(r["attempt"] > 1 for r in records if r["number"] in {x["number"] for x in lost})  # run again
 
 
+def test_other_jobs_holding_a_varying_share_of_the_cluster_are_waited_for_and_a_winner_confirmed(
+        tmp_path: Path) -> None:
+    """issue 51: a rehearsal of a shared cluster; before, a sweep with nothing of its own in flight ended at once."""
+    proc = _search(tmp_path, "--max-trials", "8", "--rehearse-faults", "others=0.6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = tmp_path / "out"
+    records = [json.loads(line) for line in (out / "trials.jsonl").read_text().splitlines()]
+    assert not any((r["result"]["error"] or "").startswith("deferred") for r in records)  # none given up
+    assert any(r["phase"] == "confirm" and r["result"]["status"] == "passed" for r in records)
+    assert (out / "best_layout.yaml").is_file()
+    # other jobs held a node when the first trial of all 16 GPUs came up: it waited for the next period (seed 0)
+    assert json.loads((out / "sweep.json").read_text())["spent"]["waited_s"] > 0
+
+
+def test_other_jobs_hold_whole_nodes_the_sweep_does_not_use_and_change_every_period() -> None:
+    from sweeper.trial.rehearsal import OTHERS_PERIOD_S
+
+    cfg = load_config(ROOT / "search_spaces" / "deepseek_v3_1024.yaml")
+    host = RehearsalHost(cfg, Faults(others=0.5), seed=1)
+    slot = host.reserve(Layout(world_size=64, tp=2, pp=4, ep=8, gbs=cfg.training.global_batch_size))
+    assert slot is not None
+    shares = []
+    for period in range(6):
+        host._clock = period * OTHERS_PERIOD_S  # the virtual clock at the start of each period
+        held = host.others_held()
+        assert not set(held) & set(slot.node_ids)  # never a node the sweep holds
+        assert all(gpus == cfg.cluster.gpus_per_node for gpus in held.values())
+        assert len(held) <= 0.5 * cfg.cluster.nodes + 1
+        shares.append(len(held))
+        assert host.held_by_others() == sum(held.values())
+    assert len(set(shares)) > 1  # the share varies
+
+
 @pytest.mark.parametrize(("spec", "message"), [
     ("hang=2", "hang must be in [0, 1]"),
-    ("node_loss=1", "is not node_loss_per_hour=RATE or hang=P"),
+    ("node_loss=1", "is not node_loss_per_hour=RATE, hang=P or others=SHARE"),
+    ("others=1", "for others"),
     ("hang=x", "hang must be a number"),
 ])
 def test_bad_fault_rates_are_refused_naming_the_item(spec: str, message: str) -> None:

@@ -157,6 +157,18 @@ def test_timeout_explains_collateral_comm_errors_but_not_a_dead_rank() -> None:
     assert dead.failure_kind == "infra"
 
 
+def test_a_trial_whose_own_rank_failed_as_infra_says_so_and_an_aborted_one_does_not() -> None:
+    """issue 51: whether a rank's death is the layout's is decided over attempts (verdicts.attribute), on this note."""
+    from sweeper.trial.aggregate import RANK_FAULT
+
+    dead = aggregate([RankOutcome(0, "a", died="rank process died: SIGSEGV", arrived=1.0), RankOutcome(1, "a")],
+                     world_size=2, warmup_steps=0, trial_dir=None)
+    assert dead.failure_kind == "infra" and RANK_FAULT in dead.notes
+    aborted = aggregate([RankOutcome(0, "a"), RankOutcome(1, "a")], world_size=2, warmup_steps=0, trial_dir=None,
+                        abort_error=("infra", "rank actor failed to start: ImportError"))
+    assert aborted.failure_kind == "infra" and RANK_FAULT not in aborted.notes
+
+
 # -- e2e: run_trial on a simulated 2 x 2 cluster --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def sim(tmp_path_factory: pytest.TempPathFactory):
@@ -315,12 +327,15 @@ def test_doctor_on_the_simulated_cluster(sim, tmp_path: Path) -> None:
     present.write_bytes(b"x")
     report = doctor(_cfg(data_paths=[str(present)]), sim, trial_root=tmp_path / "sweeps")
     assert report.ok, report.problems
+    # Its GPUs are logical by design (issue 51): torch is not asked, nothing is warned.
+    assert report.warnings == [] and [n.cuda_devices for n in report.nodes] == [None, None]
     assert [n.label for n in report.nodes] == ["sim-0", "sim-1"]
     node = report.nodes[0]
     assert node.megatron_core.startswith("0.16") and node.python.startswith("3.11")
     assert node.gpu_count == 2 and node.gpu_source == "simulated" and node.free_disk_gib > 0
     rows = report.rows()
     assert rows[0]["node"] == "sim-0" and rows[0]["gpus"] == "2 x 4 GiB (simulated)" and rows[0]["paths"] == "ok"
+    assert rows[0]["cuda"] == "simulated"
     # Every node read the driver's token file where trials will write, and left its own; none is left behind.
     assert all(n.shared for n in report.nodes) and rows[1]["shared_trial_folder"] == "yes"
     assert not list(tmp_path.glob(".sweeper-doctor-*")) and not (tmp_path / "sweeps").exists()
@@ -472,7 +487,7 @@ def test_kernels_on_some_nodes_only_or_not_importing_are_problems() -> None:
 
 def test_a_tp_group_across_nodes_is_a_warning_and_not_stable_unless_allowed() -> None:
     # Aggregation test data (not a trial): two ranks of one TP group reporting different nodes.
-    from sweeper.search.selection import is_stable
+    from sweeper.search.decide.verdicts import is_stable
 
     groups = {"tp": [0, 1], "pp": [0], "dp": [0, 1]}
     reports = [_ok(r, [1.0, 1.0], groups={**groups, "pp": [r]}, gpu=str(r)) for r in (0, 1)]

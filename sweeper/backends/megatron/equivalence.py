@@ -52,9 +52,10 @@ import torch
 
 from sweeper.backends.base import RankReport, SmokeRequest
 from sweeper.backends.megatron.failures import Phase, SmokeFailure
+from sweeper.config.files import write_atomic
 from sweeper.models.spec import ModelSpec
 from sweeper.record.checkpoints import REFERENCE_FILE  # written last: its presence means the reference is complete
-from sweeper.record.files import write_atomic
+from sweeper.record.schema import GATE_SKIPPED
 from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
@@ -392,7 +393,7 @@ def _run(
     ref = gate.reference
     assert ref is not None
     if gate.skip_reason:
-        report.notes.append(f"equivalence gate skipped: {gate.skip_reason}")
+        report.notes.append(f"{GATE_SKIPPED}: {gate.skip_reason}")
         _log.warning("equivalence gate skipped: %s", gate.skip_reason)
         return
     if gate.preloaded is not None:  # Megatron-FSDP: loaded before wrapping; the optimizer was built from it

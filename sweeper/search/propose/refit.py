@@ -20,7 +20,7 @@ from typing import Literal
 
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.step_fit import StepModel
-from sweeper.search.objective import projected
+from sweeper.search.decide.objective import projected
 from sweeper.space.layout import Layout
 
 # Measured trials before the model proposes: one fixes its level only, two let it free a term.

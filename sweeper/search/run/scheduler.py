@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sweeper.record.schema import Phase, TrialResult
+from sweeper.search.run.capacity import CapacityWait
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
 
@@ -54,10 +55,12 @@ MAX_TRIAL_THREADS = 8192
 
 
 class Scheduler:
-    def __init__(self, host: Host, parallel_cap: int) -> None:
+    def __init__(self, host: Host, parallel_cap: int, never: Callable[[Layout], str | None] | None = None) -> None:
         self.host = host
         # The clock trials are timed by: a rehearsal's virtual one (trial.rehearsal), else the machine's.
         self.now: Callable[[], float] = getattr(host, "now", time.monotonic)
+        # Why the capacity alive can never hold a layout (``run.capacity``: the one rule every phase waits by).
+        self.never = never or CapacityWait(host, threading.Event(), self.now).never
         self.parallel_cap = min(parallel_cap, MAX_TRIAL_THREADS)
         self.pool = cf.ThreadPoolExecutor(max_workers=self.parallel_cap, thread_name_prefix="trial")
         self.futures: dict[cf.Future[TrialResult], Running] = {}
@@ -87,8 +90,7 @@ class Scheduler:
     # -- the queues ------------------------------------------------------------------------------------------------
     def readmit(self) -> None:
         """Deferred layouts the alive capacity can hold again (a node joined) go back to the retry queue."""
-        alive = self.host.capacity_total()
-        for run in [r for r in self.deferred if r.layout.world_size <= alive]:
+        for run in [r for r in self.deferred if self.never(r.layout) is None]:
             self.deferred.remove(run)
             self.retry.append(run)
 
@@ -97,7 +99,7 @@ class Scheduler:
         the queue is empty. A head needing more GPUs than are alive moves to ``deferred`` instead of blocking."""
         while self.retry:
             run = self.retry[0]
-            if run.layout.world_size > self.host.capacity_total():
+            if self.never(run.layout) is not None:
                 self.deferred.append(self.retry.pop(0))
                 continue
             slot = self.host.reserve(run.layout)
@@ -110,7 +112,7 @@ class Scheduler:
     def hold(self, run: Running) -> None:
         """A proposal with no GPUs free now: first in line when they free up (only a backfill starts before it),
         or deferred when it needs more GPUs than are alive."""
-        if run.layout.world_size > self.host.capacity_total():
+        if self.never(run.layout) is not None:
             self.deferred.append(run)
             return
         run.waiting_since = self.now()
@@ -126,9 +128,15 @@ class Scheduler:
         """Whether a smaller trial may start on the free GPUs while the head of the retry queue waits for its own:
         until the head has waited one typical trial (the median wall time of the trials ended so far; any time
         before one has ended). A backfill started then ends about one trial later, so the head is delayed by
-        about one trial at most, and never starved by a stream of small ones."""
+        about one trial at most, and never starved by a stream of small ones. While other jobs hold GPUs the head
+        needs (it would not fit even on every GPU they leave), smaller trials may always start: the sweep's budget
+        is not spent waiting on a shared cluster, and once the other jobs free up, the rule above applies."""
         if not self.retry or self.retry[0].waiting_since is None:
             return False
+        head = self.retry[0].layout
+        if head.world_size > self.host.capacity_total() - self.host.held_by_others():
+            # Other jobs hold GPUs it needs: the sweep's own trials on the free GPUs do not delay it (issue 51).
+            return True
         if not self.durations:
             return True
         return self.now() - self.retry[0].waiting_since < statistics.median(self.durations)

@@ -9,8 +9,8 @@ from typing import Any
 
 from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import TrialMetrics, TrialRecord, TrialResult
-from sweeper.search.objective import objective_value
-from sweeper.search.selection import is_stable
+from sweeper.search.decide.objective import objective_value
+from sweeper.search.decide.verdicts import is_stable
 from sweeper.space.layout import Layout
 from sweeper.trial.rehearsal import RUN_SIGMA, RehearsalHost
 

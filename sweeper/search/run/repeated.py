@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass, field
 
 from sweeper.record.schema import TrialResult
-from sweeper.search.selection import NOT_THE_LAYOUTS
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS
 from sweeper.trial.runner import CANCELLED, HOST_OUT_OF_MEMORY, NODE_LOST, PLACEMENT_TIMEOUT
 
 LAYOUTS = 3  # distinct layouts whose attempts all ended on one cause before the sweep stops

@@ -7,7 +7,8 @@ run on: there the basis is the estimator's prediction for the configured cluster
 calibrated it), with the band ``estimate.throughput_low`` .. ``throughput_high`` (how far measured runs have lain
 from predictions). The production run puts ``budget.gpus / gpus`` copies of the layout side by side (data
 parallel), assumed to scale linearly: the projection is the time at the measured rate, not a promise about the
-all-reduce at that size.
+all-reduce at that size. A rehearsal's trials were modelled, not measured: its basis is "modelled" (issue 54),
+its figures the rehearsal's modelled runs.
 
 The "why" is one paragraph per layout: its predicted memory breakdown on the worst pipeline rank, the binding
 constraint (memory when the peak is close to the stability limit, else step time), and what it traded: the layout
@@ -24,9 +25,10 @@ from sweeper.config.schema import SweepConfig
 from sweeper.config.units import readable
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
-from sweeper.record.schema import TrialRecord
-from sweeper.search.objective import copies, production_gpus, production_rate
-from sweeper.search.selection import Candidate, is_stable
+from sweeper.record.schema import MODELLED, TrialRecord
+from sweeper.search.decide.candidates import Candidate
+from sweeper.search.decide.objective import copies, production_gpus, production_rate
+from sweeper.search.decide.verdicts import is_stable
 from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
 
@@ -46,9 +48,9 @@ _PARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 
 def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None, records: list[TrialRecord],
-             calibration: Calibration | None = None) -> dict[str, Any] | None:
+             calibration: Calibration | None = None, *, rehearsal: bool = False) -> dict[str, Any] | None:
     """The decision block of ``sweep.json``: the winner first, then up to ``RUNNERS_UP`` other stable layouts by
-    their median objective; None when nothing was stable."""
+    their median objective; None when nothing was stable. ``rehearsal``: the records were modelled."""
     if winner is None and not cands:
         return None
     ranked = sorted((c for c in cands if winner is None or c.number != winner.number),
@@ -56,7 +58,7 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
     estimator = Estimator.for_config(cfg, calibration)
     predicted = [estimator(cand.layout) for cand in chosen]
-    rates = [_throughput(cfg, cand, p, calibration) for cand, p in zip(chosen, predicted, strict=True)]
+    rates = [_throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
     lead = rates[0]["median"]
     layouts = []
     for rank, (cand, estimated, rate) in enumerate(zip(chosen, predicted, rates, strict=True)):
@@ -69,7 +71,7 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
                                "tokens_per_s": production_rate(cfg, cand.layout, rate["median"], rate["step_time_s"])}
         if cfg.budget is not None:
             entry["projection"] = projection(cfg, cand.layout, rate)
-        entry.update(_why(cfg, cand, records, estimated))
+        entry.update(_why(cfg, cand, records, estimated, MODELLED if rehearsal else "measured"))
         layouts.append(entry)
     return {"budget": None if cfg.budget is None else cfg.budget.model_dump(), "layouts": layouts}
 
@@ -78,13 +80,14 @@ def _measured_on_gpus(cand: Candidate) -> bool:
     return cand.explore.result.memory_kind == "device"
 
 
-def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate,
-                calibration: Calibration | None) -> dict[str, Any]:
-    if _measured_on_gpus(cand):
+def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibration: Calibration | None,
+                rehearsal: bool) -> dict[str, Any]:
+    if _measured_on_gpus(cand):  # a rehearsal models its runs on the cluster's GPUs: their figures, modelled
         values = [v for v in cand.measured("tokens_per_s") if v > 0]
         steps = [v for v in cand.measured("step_time_s") if v > 0]
-        return {"basis": "measured", "median": statistics.median(values), "low": min(values), "high": max(values),
-                "runs": len(values), "step_time_s": statistics.median(steps) if steps else None}
+        return {"basis": MODELLED if rehearsal else "measured", "median": statistics.median(values),
+                "low": min(values), "high": max(values), "runs": len(values),
+                "step_time_s": statistics.median(steps) if steps else None}
     predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
     return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
@@ -115,7 +118,9 @@ def projection(cfg: SweepConfig, layout: Layout, rate: dict[str, Any]) -> dict[s
     return out
 
 
-def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicted: Estimate) -> dict[str, Any]:
+def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicted: Estimate,
+         measured_as: str) -> dict[str, Any]:
+    """``measured_as``: what the runs' figures are, "measured" or "modelled" (a rehearsal's)."""
     parts = {label: round(sum(predicted.breakdown.get(k, 0.0) for k in keys), 2) for label, keys in _PARTS}
     limit = cfg.memory_limit_gib
     measured = [r.result.metrics.peak_memory_gib for r in (cand.explore, *cand.confirmations)
@@ -127,7 +132,7 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicte
     sentences = [
         f"{cand.layout.short()} on {cand.layout.world_size} GPUs: predicted {predicted.memory_gib:.1f} GiB on its "
         f"worst pipeline rank ({memory_text} GiB)"
-        + (f", measured {max(measured):.1f} GiB" if on_gpus and measured else "") + "."]
+        + (f", {measured_as} {max(measured):.1f} GiB" if on_gpus and measured else "") + "."]
     if share >= MEMORY_BINDS_AT:
         binding = "memory"
         sentences.append(f"Memory binds: it peaks at {share:.0%} of the {limit:.1f} GiB stability limit, so a "
@@ -139,7 +144,7 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicte
                          "micro-batches, less recompute).")
     # Compared on the predictions the sweep launched with (the records'), so that every layout is priced alike.
     own = (cand.explore.predicted or {}).get("tokens_per_s") or predicted.tokens_per_s or 0.0
-    traded = _traded(cfg, cand, records, float(own))
+    traded = _traded(cfg, cand, records, float(own), measured_as)
     sentences.append(traded)
     terms = predicted.step_time_terms_s
     if terms and predicted.step_time_s:
@@ -151,7 +156,7 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicte
             "step_time_terms_s": {k: round(v, 6) for k, v in terms.items()}, "why": " ".join(sentences)}
 
 
-def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float) -> str:
+def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float, measured_as: str) -> str:
     """The layout of the same size the estimator ranked fastest above this one, and why the sweep did not take it."""
     faster: dict[Layout, TrialRecord] = {}
     for rec in records:
@@ -184,10 +189,10 @@ def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: 
         measured = result.metrics.tokens_per_s or 0.0
         mine = statistics.median(cand.measured("tokens_per_s"))
         if mine is not None and measured > mine:
-            why = (f"it measured faster in exploration ({measured:,.0f} tokens/s) but was not confirmed (a "
+            why = (f"it {measured_as} faster in exploration ({measured:,.0f} tokens/s) but was not confirmed (a "
                    "confirmation failed, drifted or was not run)")
         else:
-            why = f"it ran stable but measured slower ({measured:,.0f} tokens/s)"
+            why = f"it ran stable but {measured_as} slower ({measured:,.0f} tokens/s)"
     return (f"It trades the estimator's faster {other.short()} ({diff or 'same axes'}; predicted {gain:+.0%}): "
             f"{why.rstrip(': ')}.")
 

@@ -12,7 +12,7 @@ from sweeper.export import LAUNCH_FILE, OVERRIDES_FILE
 from sweeper.record.schema import TrialRecord
 from sweeper.record.sweepdir import SweepDir
 from sweeper.report.render import BEST_LAYOUT_FILE, REPORT_FILE, SWEEP_FILE, TRIALS_FILE
-from sweeper.search.selection import Candidate
+from sweeper.search.decide.candidates import Candidate
 from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
 

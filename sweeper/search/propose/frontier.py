@@ -1,9 +1,10 @@
 """The sweep's frontier: the candidate set and every verdict on a layout, in one object the loop asks.
 
 A layout may be proposed when the rules accept it, memory does not rule it out (the estimator's band and the
-measured trials, ``search.memory_evidence``), no measured trial dominates it (``search.dominance``), the cluster's
-backend can run it, and it is neither decided (recorded, not as a failure that is not the layout's) nor running.
-``Frontier`` holds all of that; the loop (``search.loop.Sweep``) only moves layouts: next from the frontier,
+measured trials, ``search.propose.memory_evidence``), no measured trial dominates it
+(``search.propose.dominance``), the cluster's backend can run it, and it is neither decided (recorded, not as a
+failure that is not the layout's) nor running.
+``Frontier`` holds all of that; the loop (``search.run``) only moves layouts: next from the frontier,
 reserve, launch, record, tell the frontier what the trial measured.
 """
 
@@ -18,10 +19,10 @@ from sweeper.plan.assess import PlanEntry, assess, assess_all, reassess
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
-from sweeper.search.dominance import Dominance
-from sweeper.search.memory_evidence import MemoryEvidence
-from sweeper.search.objective import predicted_objective
-from sweeper.search.selection import NOT_THE_LAYOUTS, is_stable
+from sweeper.search.decide.objective import predicted_objective
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, is_stable
+from sweeper.search.propose.dominance import Dominance
+from sweeper.search.propose.memory_evidence import MemoryEvidence
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host
 
@@ -77,10 +78,10 @@ class Frontier:
 
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
-        band and the measured trials, ``sweeper.search.memory_evidence``), no measured trial dominates them
-        (``sweeper.search.dominance``), and this backend can run them; best predicted objective first. Everything else
-        is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go to sweep.json's
-        ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
+        band and the measured trials, ``sweeper.search.propose.memory_evidence``), no measured trial dominates them
+        (``sweeper.search.propose.dominance``), and this backend can run them; best predicted objective first.
+        Everything else is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go
+        to sweep.json's ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
         plan = self._assessed()
         entries, pruned, dominated, unsupported = [], [], [], []
         for e in plan:

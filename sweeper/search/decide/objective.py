@@ -96,7 +96,7 @@ def predicted_objective(cfg: SweepConfig, layout: Layout, predicted: Estimate | 
 def projected(cfg: SweepConfig, layout: Layout, tokens_per_s: float, step_time_s: float) -> float:
     """The objective of a trial of ``layout`` predicted to run at ``tokens_per_s`` and ``step_time_s``, projected to
     the production run as a measured one is (``objective_value``): the estimator's prediction, or the refit model's
-    (``search.refit``)."""
+    (``search.propose.refit``)."""
     per_gpu = cfg.search.objective == "tflops_per_gpu"  # in proportion: a space's FLOPs per token are one number
     rate = tokens_per_s / layout.world_size if per_gpu else tokens_per_s
     return production_rate(cfg, layout, rate, step_time_s, per_gpu=per_gpu)

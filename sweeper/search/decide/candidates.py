@@ -1,0 +1,96 @@
+"""The candidates: stable explored trials with their confirmation runs, ranked on the objective, and the winner
+chosen among them (``choose``). What makes a run stable or a confirmation good is ``decide.verdicts``."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from sweeper.config.schema import SweepConfig
+from sweeper.record.schema import TrialRecord
+from sweeper.search.decide.objective import objective_value
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, good_confirmation, is_stable
+from sweeper.space.layout import Layout
+
+
+@dataclass
+class Candidate:
+    number: int
+    layout: Layout
+    explore: TrialRecord  # the exploration record
+    # Its confirmation runs that say something about the layout (a run lost to a node says nothing: it is made again)
+    confirmations: list[TrialRecord] = field(default_factory=list)
+    # Every confirmation attempt, the ones lost to faults that were not the layout's included (best_layout.yaml)
+    attempts: list[TrialRecord] = field(default_factory=list)
+
+    @property
+    def runs(self) -> list[TrialRecord]:
+        """The runs that measured it: the exploration, then its confirmations."""
+        return [self.explore, *self.confirmations]
+
+    def measured(self, metric: str) -> list[float]:
+        """A metric as each run measured it (the trial's own size, not projected)."""
+        return [float(getattr(r.result.metrics, metric) or 0.0) for r in self.runs]
+
+    def values(self, cfg: SweepConfig) -> list[float]:
+        """The objective of each run: projected to the production run (``search.objective``)."""
+        return [objective_value(r.result, cfg, self.layout) for r in self.runs]
+
+    def median(self, cfg: SweepConfig) -> float:
+        """The median objective over its runs: what the choice compares."""
+        return statistics.median(self.values(cfg))
+
+    def median_run(self, cfg: SweepConfig) -> TrialRecord:
+        """The run whose objective is the median's (the lower middle one of an even count)."""
+        ranked = sorted(zip(self.values(cfg), range(len(self.runs))))
+        return self.runs[ranked[(len(ranked) - 1) // 2][1]]
+
+    def confirmed(self, cfg: SweepConfig) -> bool:
+        """It has confirmation runs and every one confirms (``verdicts.good_confirmation``)."""
+        return bool(self.confirmations) and all(good_confirmation(r.result, cfg) for r in self.confirmations)
+
+
+def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> int:
+    """Explored trials that ended (the layout's own outcome, not an infrastructure failure) since the best stable
+    objective last improved; 0 until a trial is stable."""
+    best: float | None = None
+    since = 0
+    for rec in records:
+        if rec.phase != "explore" or rec.attempt < 1 or rec.result.failure_kind in NOT_THE_LAYOUTS:
+            continue
+        value = objective_value(rec.result, cfg, Layout.from_dict(rec.layout)) if is_stable(rec.result, cfg) else None
+        if value is not None and (best is None or value > best):
+            best, since = value, 0
+        elif best is not None:
+            since += 1
+    return since
+
+
+def candidates(records: list[TrialRecord], cfg: SweepConfig) -> list[Candidate]:
+    """Stable explored trials, best first, with their confirmation records attached."""
+    explore: dict[int, Candidate] = {}
+    confirms: dict[int, list[TrialRecord]] = {}
+    for rec in records:
+        if rec.phase == "confirm":
+            confirms.setdefault(rec.number, []).append(rec)
+        elif is_stable(rec.result, cfg):
+            explore[rec.number] = Candidate(rec.number, Layout.from_dict(rec.layout), rec)
+    for number, recs in confirms.items():
+        if number in explore:
+            explore[number].attempts = recs
+            # a lost node says nothing: the run is made again
+            explore[number].confirmations = [r for r in recs if r.result.failure_kind not in NOT_THE_LAYOUTS]
+    return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg, c.layout))
+
+
+def confirm_attempts(records: list[TrialRecord], number: int) -> tuple[int, int]:
+    """(confirmation runs of trial ``number`` so far, how many of them failed for reasons not the layout's)."""
+    runs = [r for r in records if r.phase == "confirm" and r.number == number]
+    return len(runs), sum(1 for r in runs if r.result.failure_kind in NOT_THE_LAYOUTS)
+
+
+def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True) -> Candidate | None:
+    """The winner: among confirmed candidates (``Candidate.confirmed``; with ``confirmed_only`` off, every stable
+    candidate whose confirmations, if any, confirm), the best median objective."""
+    ok = [c for c in cands if c.confirmed(cfg) or (not confirmed_only and not c.confirmations)]
+    return max(ok, key=lambda c: c.median(cfg), default=None)

@@ -1,0 +1,75 @@
+"""The equivalence reference: made once before the first trial, loaded (resharded) by every trial's gate
+(``trial.reference``).
+
+Its GPUs are waited for as any trial's (``run.capacity``) and a fault that is not the layout's (a node lost, a rank
+that could not start) is retried as a trial's is (``MAX_ATTEMPTS``). When it still cannot be made, no trial could
+be stable: with ``search.require_equivalence`` on (the default) the sweep stops before its first trial, with exit 1
+and one line, instead of spending its budget on trials that cannot win.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sweeper.search.console import console
+from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS
+from sweeper.search.run.state import MAX_ATTEMPTS, SweepState
+from sweeper.trial.reference import (
+    NO_REFERENCE_LAYOUT,
+    ReferenceOutcome,
+    existing_reference,
+    reference_layout,
+    run_reference,
+)
+
+
+def make_reference(sweep: SweepState) -> None:
+    folder = sweep.dir.root / "reference"
+    outcome = existing_reference(sweep.cfg, folder) or _made(sweep, folder)
+    sweep.reference = outcome.path
+    if outcome.path is not None or not sweep.stop.is_set():
+        console.print(f"[blue]equivalence[/] {outcome.note}")
+    meta = sweep.dir.read_meta()
+    meta.reference = outcome.to_json()
+    sweep.dir.write_meta(meta)
+    if outcome.path is not None or sweep.stop.is_set():
+        return
+    if sweep.cfg.search.require_equivalence:
+        sweep.halted = (f"stopped before the first trial: the equivalence reference could not be made "
+                        f"({outcome.note.removeprefix('equivalence gate off: ')}), so no trial could prove it "
+                        "computes the model (search.require_equivalence: false runs the sweep without the gate)")
+        sweep.stop.set()
+        return
+    console.print("[yellow]equivalence[/] without the reference no trial proves it computes the model: "
+                  "search.require_equivalence is false, so passed trials may still be stable", important=True)
+
+
+def _made(sweep: SweepState, folder: Path) -> ReferenceOutcome:
+    """Wait for the reference layout's GPUs, make it, retry faults that are not the layout's."""
+    layout = reference_layout(sweep.cfg, sweep.handle)
+    if layout is None:
+        return ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
+    attempts: dict[str, int] = {}
+    outcome = ReferenceOutcome(None, layout, "equivalence gate off: the sweep was stopped before the reference")
+    while not sweep.stop.is_set():
+        never = sweep.capacity.never(layout)
+        if never is not None:
+            return ReferenceOutcome(None, layout, f"equivalence gate off: the reference {layout.short()} can never "
+                                    f"be placed: {never}")
+        slot = sweep.handle.reserve(layout)
+        if slot is None:
+            sweep.capacity.idle("the equivalence reference", layout)
+            continue
+        try:
+            outcome, result = run_reference(sweep.cfg, sweep.handle, folder, layout, slot)
+        finally:
+            sweep.handle.release(slot)
+        kind = result.failure_kind
+        if outcome.path is not None or kind not in NOT_THE_LAYOUTS or sweep.stop.is_set():
+            return outcome
+        attempts[kind] = attempts.get(kind, 0) + 1
+        if attempts[kind] >= MAX_ATTEMPTS[kind]:
+            return outcome
+        console.print(f"[yellow]equivalence[/] the reference {layout.short()} failed for reasons not its layout's "
+                      f"({kind}: {result.error}); it runs again (attempt {attempts[kind] + 1})", important=True)
+    return outcome
