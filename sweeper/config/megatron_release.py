@@ -24,3 +24,15 @@ GRAPH_MODULES_FROM = Version("0.18")
 def graph_modules() -> bool:
     """Whether the installed release names CUDA graphs' parts cuda_graph_modules (Layout.cuda_graph_fields)."""
     return installed() >= GRAPH_MODULES_FROM
+
+
+# Megatron-LM's flag for a hybrid model's layer pattern: --hybrid-override-pattern up to 0.18, deprecated in 0.19 for
+# --hybrid-layer-pattern (issue 52). 0.17.1's and 0.18.2's flags list both (tests/data/megatron_lm_flags_0.17.txt,
+# _0.18.txt); the old one, not yet deprecated there, stays the export's flag on them.
+HYBRID_LAYER_PATTERN_FROM = Version("0.19")
+
+
+def hybrid_pattern_flag(release: Version | None = None) -> str:
+    """Megatron-LM's hybrid layer-pattern flag of ``release`` (default: the installed one)."""
+    release = installed() if release is None else release
+    return "--hybrid-layer-pattern" if release >= HYBRID_LAYER_PATTERN_FROM else "--hybrid-override-pattern"

@@ -20,7 +20,13 @@ moved from MixedPrecisionConfig.finalize to ConfigContainer.validate in 0.5):
 - ``overlap_grad_reduce`` / ``overlap_param_gather``: off in Megatron-LM and megatron-core, on in Bridge's
   pretrain recipes. No memory of their own (the all-gather is in place); they hide DP communication.
 - ``optimizer_offload_fraction``: 1.0 in Megatron-LM (``--optimizer-offload-fraction``), 0.0 in megatron-core's
-  OptimizerConfig and so in Bridge (``optimizer_cpu_offload`` alone moves nothing there).
+  OptimizerConfig and so in Bridge, where ``optimizer_cpu_offload`` alone moves nothing. sweeper takes
+  ``optimizer_cpu_offload: true`` to mean offload: without a fraction it offloads the whole shard (Megatron-LM's
+  1.0) in every framework, and writes the fraction in both exports (issue 52: Bridge exports wrote 0).
+- ``optimizer_cpu_offload`` needs ``precision_aware_optimizer`` (Megatron-LM's validate_args: the hybrid device
+  optimizer reuses its code path), refused here with Megatron's words; the layout-dependent refusals (the
+  precision-aware optimizer without the distributed optimizer, offload with FP8 weights under a recipe other than
+  delayed) are layout rules (plan/rules.py).
 """
 
 from __future__ import annotations
@@ -29,16 +35,20 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sweeper.space.axes import named_fp8_recipe, precision_dtype
+
 Framework = Literal["megatron-lm", "megatron-bridge", "megatron-core"]
 MomentDtype = Literal["fp32", "bf16", "fp16", "fp8"]
 Fp8Recipe = Literal["auto", "delayed", "tensorwise", "blockwise"]
 MOMENT_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "megatron-lm": {"grad_reduce_in_fp32": True, "fp8_param_gather": False, "overlap": False, "offload": 1.0},
-    "megatron-bridge": {"grad_reduce_in_fp32": True, "fp8_param_gather": True, "overlap": True, "offload": 0.0},
-    "megatron-core": {"grad_reduce_in_fp32": False, "fp8_param_gather": False, "overlap": False, "offload": 0.0},
+    "megatron-lm": {"grad_reduce_in_fp32": True, "fp8_param_gather": False, "overlap": False},
+    "megatron-bridge": {"grad_reduce_in_fp32": True, "fp8_param_gather": True, "overlap": True},
+    "megatron-core": {"grad_reduce_in_fp32": False, "fp8_param_gather": False, "overlap": False},
 }
+# The optimizer shard's offloaded fraction under optimizer_cpu_offload when the YAML gives none (module docstring).
+DEFAULT_OFFLOAD_FRACTION = 1.0
 
 
 def default_fp8_recipe(compute_capability_major: int) -> str:
@@ -82,12 +92,13 @@ class RunSettings(BaseModel):
     """Adam's second moment's dtype (--exp-avg-sq-dtype), with precision_aware_optimizer."""
     optimizer_cpu_offload: bool = False
     """--optimizer-cpu-offload: optimizer_offload_fraction of each rank's optimizer shard (master weights, moments)
-    lives and steps on the host."""
+    lives and steps on the host; needs precision_aware_optimizer (Megatron-LM asserts it)."""
     optimizer_offload_fraction: float | None = Field(None, ge=0, le=1)
-    """--optimizer-offload-fraction, with optimizer_cpu_offload; null: the framework's default."""
+    """--optimizer-offload-fraction, with optimizer_cpu_offload; null: 1.0, the whole shard (Megatron-LM's default;
+    megatron-core's and Bridge's 0.0 would offload nothing)."""
     fp8_recipe: Fp8Recipe = "auto"
-    """--fp8-recipe of precision fp8 (delayed, tensorwise, blockwise); auto: tensorwise on compute capability >= 10.0,
-    delayed below. Precision mxfp8 is always MXFP8."""
+    """--fp8-recipe of a bare precision fp8 (delayed, tensorwise, blockwise); auto: tensorwise on compute capability
+    >= 10.0, delayed below. Precisions fp8:<recipe> name their own; mxfp8 is always MXFP8."""
     fp8_param_gather: bool | None = None
     """--fp8-param-gather: FP8 weights, gathered in FP8; null: the framework's default."""
     overlap_grad_reduce: bool | None = None
@@ -100,6 +111,12 @@ class RunSettings(BaseModel):
         if not self.precision_aware_optimizer and (self.exp_avg_dtype, self.exp_avg_sq_dtype) != ("fp32", "fp32"):
             raise ValueError("exp_avg_dtype / exp_avg_sq_dtype other than fp32 need precision_aware_optimizer: true "
                              "(Megatron's --use-precision-aware-optimizer)")
+        if self.optimizer_cpu_offload and not self.precision_aware_optimizer:
+            raise ValueError("optimizer_cpu_offload needs precision_aware_optimizer: true (Megatron-LM: The optimizer "
+                             "cpu offload must be used in conjunction with `--use-precision-aware-optimizer`)")
+        if self.optimizer_cpu_offload and self.optimizer_offload_fraction == 0:
+            raise ValueError("optimizer_offload_fraction 0 with optimizer_cpu_offload offloads nothing: give a "
+                             "fraction > 0, or leave optimizer_cpu_offload out")
         if self.overlap_param_gather and self.overlap_grad_reduce is False:
             raise ValueError("overlap_param_gather needs overlap_grad_reduce (Megatron-LM: --overlap-param-gather "
                              "requires --overlap-grad-reduce)")
@@ -134,11 +151,14 @@ class RunSettings(BaseModel):
         return out
 
     def recipe(self, precision: str, compute_capability: str | None) -> str | None:
-        """The FP8 recipe a run of ``precision`` uses on a device of ``compute_capability`` (None: not FP8)."""
+        """The FP8 recipe a run of ``precision`` uses on a device of ``compute_capability`` (None: not FP8): the one
+        ``fp8:<recipe>`` names, else (bare ``fp8``) run.fp8_recipe, whose auto follows the compute capability."""
         if precision == "mxfp8":
             return "mxfp8"
-        if precision != "fp8":
+        if precision_dtype(precision) != "fp8":
             return None
+        if named := named_fp8_recipe(precision):
+            return named
         if self.fp8_recipe != "auto":
             return self.fp8_recipe
         if compute_capability is None:
@@ -189,7 +209,7 @@ class RunSettings(BaseModel):
         if not self.optimizer_cpu_offload:
             return 0.0
         value = self.optimizer_offload_fraction
-        return float(_DEFAULTS[self.framework]["offload"] if value is None else value)
+        return float(DEFAULT_OFFLOAD_FRACTION if value is None else value)
 
     @property
     def moment_bytes(self) -> float:
@@ -203,12 +223,12 @@ class RunSettings(BaseModel):
         """Megatron-LM flags for these settings (beside the layout's ``Layout.megatron_args``)."""
         args: list[str] = []
         recipe = self.recipe(precision, compute_capability)
-        if recipe is not None and precision == "fp8":
+        if recipe is not None and precision_dtype(precision) == "fp8":
             args += [f"--fp8-format={fp8_format(recipe)}", f"--fp8-recipe={recipe}"]
         if recipe == "delayed":  # Megatron-LM's own defaults are 1 / most_recent
             args += [f"--fp8-amax-history-len={FP8_AMAX_HISTORY_LEN}",
                      f"--fp8-amax-compute-algo={FP8_AMAX_COMPUTE_ALGO}"]
-        if precision in ("bf16", "fp8", "mxfp8") and not self.grad_buffer_fp32(precision):
+        if precision_dtype(precision) in ("bf16", "fp8", "mxfp8") and not self.grad_buffer_fp32(precision):
             args.append("--grad-reduce-in-bf16")
         if self.fp8_params(precision, compute_capability, distributed_optimizer=distributed_optimizer):
             args.append("--fp8-param-gather")
@@ -239,12 +259,15 @@ class RunSettings(BaseModel):
         recipe = self.recipe(precision, compute_capability)
         if recipe is not None:
             out.append(f"mixed_precision.fp8_recipe={recipe}")
-            if precision == "fp8":  # the recipe name's format is delayed scaling's
+            if precision_dtype(precision) == "fp8":  # the recipe name's format may not be this recipe's
                 out.append(f"mixed_precision.fp8={fp8_format(recipe)}")
+            # Every layer in FP8, as the trial runs and the estimate prices it (Bridge's current-scaling recipe keeps
+            # the first and last layer in BF16; Megatron-Core refuses that with delayed scaling).
+            out.append("mixed_precision.first_last_layers_bf16=false")
         if recipe == "delayed":  # MixedPrecisionConfig's own defaults are 1 / most_recent
             out += [f"mixed_precision.fp8_amax_history_len={FP8_AMAX_HISTORY_LEN}",
                     f"mixed_precision.fp8_amax_compute_algo={FP8_AMAX_COMPUTE_ALGO}"]
-        if precision in ("bf16", "fp8", "mxfp8"):
+        if precision_dtype(precision) in ("bf16", "fp8", "mxfp8"):
             grads = str(self.grads_in_fp32).lower()
             out += [f"mixed_precision.grad_reduce_in_fp32={grads}", f"ddp.grad_reduce_in_fp32={grads}"]
         if recipe is not None:

@@ -209,7 +209,7 @@ def _microbatches(layout: Layout) -> int:
 
 def _activation_shape(
     model: ModelSpec, layout: Layout, seq_length: int, constants: EstimatorConstants,
-    calibration: Calibration | None = None,
+    calibration: Calibration | None = None, fp8_recipe: str | None = None,
 ) -> ActivationShape:
     ep, etp = (layout.ep, layout.etp) if model.is_moe else (1, 1)
     return ActivationShape(
@@ -219,7 +219,7 @@ def _activation_shape(
         softmax_in_fp32=constants.attention_backend == "local",
         hidden_dropout=constants.hidden_dropout > 0, attention_dropout=constants.attention_dropout > 0,
         hot_rank_factor=max(constants.moe_hot_rank_factor, (calibration and calibration.moe_hot_rank_factor) or 1.0),
-        dispatcher=layout.dispatcher, cuda_graph=layout.cuda_graph,
+        dispatcher=layout.dispatcher, cuda_graph=layout.cuda_graph, fp8_recipe=fp8_recipe,
     )
 
 
@@ -264,7 +264,8 @@ class _Stages:
         acts_key = (*shape_axes, lo.pp, vpp, split)
         kept = self._activations.get(acts_key)
         if kept is None:
-            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration)
+            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration,
+                                      self.run.recipe(lo.precision, self.compute_capability))
             kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
         shape, acts = kept
         params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
@@ -433,6 +434,7 @@ class Estimator:
             overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
             cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
             offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
+            fp8_recipe=self.run.recipe(lo.precision, cluster.compute_capability),
         )
         # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
         # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.

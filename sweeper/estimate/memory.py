@@ -32,7 +32,7 @@ from sweeper.models.params import (
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
-from sweeper.space.axes import QUANTIZED, SCOPE_BLOCK
+from sweeper.space.axes import QUANTIZED, SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
 from sweeper.space.pipeline import stage_layer_kinds
 
@@ -269,6 +269,7 @@ class ActivationShape:
     hot_rank_factor: float = 1.0  # busiest EP rank's routed tokens over the mean (EstimatorConstants, calibration)
     dispatcher: str = "alltoall"  # Megatron's moe_token_dispatcher_type (Layout.dispatcher)
     cuda_graph: str = "none"  # Layout.cuda_graph
+    fp8_recipe: str | None = None  # RunSettings.recipe of the precision on this device (None: not FP8)
 
     @property
     def modules(self) -> tuple[str, ...]:
@@ -290,7 +291,11 @@ class ActivationShape:
         under FP8, NVFP4's 0.5 byte and block scale under NVFP4."""
         if self.precision == "nvfp4":
             return NVFP4_BYTES
-        return 1.0 if self.precision in ("fp8", "mxfp8") else float(self.act_bytes)
+        if precision_dtype(self.precision) not in ("fp8", "mxfp8"):
+            return float(self.act_bytes)
+        # The block-scaled recipes keep a scale per block of the saved (column-wise) copy: MXFP8 one E8M0 byte per
+        # 32 elements, blockwise one FP32 per 1x128 block; per-tensor scaling one scale for the whole tensor.
+        return 1.0 + {"mxfp8": 1 / 32, "blockwise": FP32_BYTES / 128}.get(self.fp8_recipe or "", 0.0)
 
 
 def _norm_and_linear_input(spec: ModelSpec, s: ActivationShape, separate_norm: bool = False) -> float:

@@ -20,7 +20,7 @@ from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
-from sweeper.space.axes import SCOPE_BLOCK
+from sweeper.space.axes import SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
 from sweeper.space.pipeline import stage_layer_kinds
 
@@ -167,13 +167,41 @@ class TimeInputs:
     offload_layers: int = 0  # Layout.offload_layers
     offload_bytes_per_layer: float = 0.0  # one offloaded layer's activations per micro-batch (the estimator's)
     fsdp: str | None = None  # Layout.fsdp: Megatron-FSDP's sharding strategy
+    fp8_recipe: str | None = None  # RunSettings.recipe of the precision on this device (None: not FP8)
+
+
+# What an FP8 recipe adds to its GEMMs, beside the FP8 rate (achievable_mfu_fp8, which prices delayed scaling: TE
+# casts each GEMM input in one fused pass that also records its amax, and the scales come from the amax history, a
+# handful of kernels and one all-reduce of every amax per step, not counted).
+# - tensorwise ("current scaling", TE's Float8CurrentScaling): a tensor's scale is its own amax, so each quantised
+#   GEMM input is read once more for the amax before it is cast (fp8_amax_pass_seconds); under sequence parallelism
+#   TE quantises the input before the all-gather, so every rank's amax is all-reduced over the TP group first: one
+#   latency-bound all-reduce per column-parallel GEMM input, forward and backward.
+# Per block: forward, the column-parallel GEMM's input (QKV, FC1, in_proj) gathered by SP; backward, the
+# row-parallel GEMM's output gradient, which SP gathers too.
+AMAX_REDUCTIONS_PER_BLOCK = 2
+# - blockwise (Float8BlockScaling, DeepSeek-V3's 1x128 activation and 128x128 weight blocks): the scales are per
+#   block, found in the cast's own pass (no amax pass, no reduction), but the GEMM promotes its partial sums to FP32
+#   every 128-element block of K (DeepSeek-V3 technical report, section 3.3.2, "increasing accumulation precision"),
+#   which costs tensor-core issue slots; an assumption, not fitted (no timed blockwise run in tests/data): 10%.
+BLOCKWISE_GEMM_SLOWDOWN = 1.10
+
+
+def fp8_amax_pass_seconds(flops: float, widths: tuple[float, float], device: Device) -> float:
+    """Seconds of current scaling's extra amax read for ``flops`` forward GEMM FLOPs whose GEMMs have inner and outer
+    widths ``widths`` (K, N per rank). A [T x K] x [K x N] GEMM does 2TKN FLOPs forward and 4TKN backward; it
+    quantises its input (T x K, forward) and the output gradient (T x N, backward), each read once more in BF16 for
+    its amax: 2 bytes x T(K + N) over 2TKN forward FLOPs, i.e. (1/K + 1/N) bytes per forward FLOP, read at the
+    device's memory bandwidth."""
+    k, n = widths
+    return flops * (1 / k + 1 / n) / (device.memory_tbs * 1e12)
 
 
 def _rates(precision: str, device: Device, constants: EstimatorConstants) -> tuple[float, float]:
     """Achieved FLOP/s of BF16 work and of the GEMMs (FP8/FP4 where the precision and the device have them)."""
     bf16_rate = device.bf16_tflops * TFLOP * constants.achievable_mfu
     gemm_rate = bf16_rate
-    if precision in ("fp8", "mxfp8") and device.fp8_tflops:
+    if precision_dtype(precision) in ("fp8", "mxfp8") and device.fp8_tflops:
         gemm_rate = device.fp8_tflops * TFLOP * constants.achievable_mfu_fp8
     elif precision == "nvfp4" and device.fp4_tflops:
         gemm_rate = device.fp4_tflops * TFLOP * constants.achievable_mfu_fp4
@@ -211,7 +239,9 @@ def term_factor(term: str, own: dict[str, float] | None, level: float) -> float:
 
 
 def compute_term(block: str, precision: str) -> str:
-    return f"compute.{block}.{precision}"
+    """The compute term of ``block`` under ``precision``: one per dtype, every FP8 recipe's GEMMs in ``fp8`` (the
+    recipes' differences are priced in it: fp8_amax_pass_seconds, BLOCKWISE_GEMM_SLOWDOWN)."""
+    return f"compute.{block}.{precision_dtype(precision)}"
 
 
 @dataclass(frozen=True)
@@ -290,11 +320,18 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
             shared = spec.moe_shared_expert_intermediate_size or 0
             extra_gemm += 2 * spec.hidden_size * shared * (3 if spec.gated_linear_unit else 2)
         # A CP rank attends its tokens to the whole sequence: the core scales with its tokens only.
-        compute = tokens * FWD_BWD_FACTOR * (f.gemm / gemm_rate + f.other / bf16_rate)
+        gemm_s = tokens * FWD_BWD_FACTOR * f.gemm / gemm_rate
+        if x.fp8_recipe == "blockwise":
+            gemm_s *= BLOCKWISE_GEMM_SLOWDOWN
+        elif x.fp8_recipe == "tensorwise":  # times TP: compute terms are divided by TP per stage below
+            gemm_s += tokens * fp8_amax_pass_seconds(f.gemm, _gemm_widths(spec, b, x), device) * x.tp
+        compute = gemm_s + tokens * FWD_BWD_FACTOR * f.other / bf16_rate
         recompute = tokens * (extra_gemm / gemm_rate + (f.other / bf16_rate if core_recomputed else 0.0))
         parts = {compute_term(b, x.precision): compute, RECOMPUTE: recompute, TP: 0.0, CP: 0.0, EP: 0.0}
         if b != "moe" or spec.moe_shared_expert_intermediate_size:
             parts[TP] = TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp, links.latency)
+        if x.fp8_recipe == "tensorwise" and x.sp:
+            parts[TP] += AMAX_REDUCTIONS_PER_BLOCK * links.latency
         if b == "attention" and x.cp > 1:
             if spec.multi_latent_attention:
                 width = spec.num_attention_heads * (spec.qk_head_dim + spec.qk_pos_emb_head_dim + spec.v_head_dim)
@@ -318,6 +355,16 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
                                           relaunch)
         per_block[b] = parts
     return per_block
+
+
+def _gemm_widths(spec: ModelSpec, block: str, x: TimeInputs) -> tuple[float, float]:
+    """The inner and outer widths of a block's GEMMs on one rank (the hidden size and its FFN or expert FFN width
+    split over TP or ETP), for the per-GEMM amax pass of current scaling."""
+    if block == "moe":
+        return float(spec.hidden_size), spec.expert_ffn_hidden_size / x.etp
+    if block == "mlp":
+        return float(spec.hidden_size), spec.ffn_hidden_size / x.tp
+    return float(spec.hidden_size), spec.hidden_size / x.tp
 
 
 def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,

@@ -19,6 +19,7 @@ sweeper writes, except the two facts bridge_release names (NVFP4 weights from 0.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import yaml
@@ -60,6 +61,13 @@ MIXED_PRECISION_RECIPES: dict[str, dict[str, Any]] = {
     "bf16_with_fp8_delayed_scaling_mixed": {
         **_BF16, "fp8": "hybrid", "fp8_recipe": "delayed", "fp8_margin": 0, "fp8_amax_history_len": 1024,
         "fp8_amax_compute_algo": "max", "fp8_param_gather": True},
+    # Current scaling's recipe keeps the first and last decoder layer in BF16; sweeper measures every layer in FP8,
+    # so the run settings turn that off (RunSettings.bridge_overrides) and the file then gives the whole config.
+    "bf16_with_fp8_current_scaling_mixed": {
+        **_BF16, "fp8": "hybrid", "fp8_recipe": "tensorwise", "first_last_layers_bf16": True,
+        "num_layers_at_start_in_bf16": 1, "num_layers_at_end_in_bf16": 1, "fp8_param_gather": True},
+    "bf16_with_fp8_subchannel_scaling_mixed": {**_BF16, "fp8": "hybrid", "fp8_recipe": "blockwise",
+                                               "fp8_param_gather": False},
     "bf16_with_mxfp8_mixed": {**_BF16, "fp8": "e4m3", "fp8_recipe": "mxfp8", "fp8_param_gather": True,
                               "reuse_grad_buf_for_mxfp8_param_ag": True},
     "bf16_with_nvfp4_mixed": {**_BF16, "fp8": None, "fp4": "e2m1", "fp4_recipe": "nvfp4", "fp8_param_gather": False,
@@ -78,7 +86,11 @@ def mixed_precision_recipes(release: Version) -> dict[str, dict[str, Any]]:
 def dotted_overrides(cfg: SweepConfig, layout: Layout) -> list[str]:
     """The winner's Megatron-Bridge overrides in dotted form (best_layout.yaml ``megatron_bridge_overrides``) for
     the Bridge release of ``bridge_release.target()``: the layout's, the run settings' and the framework's kernel
-    fusions (``sweeper.config.fusions``)."""
+    fusions (``sweeper.config.fusions``). A bare fp8 is written as the recipe the run settings give it on the
+    cluster (``fp8:<recipe>``'s Bridge recipe name), not as delayed scaling's recipe overridden field by field."""
+    recipe = cfg.run.recipe(layout.precision, cfg.cluster.compute_capability)
+    if layout.precision == "fp8" and recipe:
+        layout = replace(layout, precision=f"fp8:{recipe}")
     return layout.bridge_overrides(megatron_release.graph_modules()) + cfg.run.bridge_overrides(
         layout.precision, cfg.cluster.compute_capability, distributed_optimizer=layout.distributed_optimizer,
         fsdp=bool(layout.fsdp), fp4_param_field=bridge_release.fp4_params(bridge_release.target()),

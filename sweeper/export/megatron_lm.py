@@ -58,7 +58,7 @@ def model_args(spec: ModelSpec, seq_length: int) -> list[str]:
         args += _mla_args(spec)
     if spec.is_hybrid:
         args += [
-            "--is-hybrid-model", f"--hybrid-override-pattern={spec.hybrid_layer_pattern}",
+            "--is-hybrid-model", f"{megatron_release.hybrid_pattern_flag()}={spec.hybrid_layer_pattern}",
             f"--mamba-num-heads={spec.mamba_heads}", f"--mamba-head-dim={spec.mamba_head_dim}",
             f"--mamba-num-groups={spec.mamba_num_groups}", f"--mamba-state-dim={spec.mamba_state_dim}",
         ]

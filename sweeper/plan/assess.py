@@ -56,7 +56,7 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
     the layout is a trial of the production run, whose batch it must share evenly with its copies (false for the
     equivalence reference, whose batch is its own)."""
     reasons = (checker(layout) if checker is not None
-               else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length))
+               else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length, cfg.run))
     shared = cfg.production_batch_reason(layout.world_size) if production else None
     if shared:
         reasons = [shared, *reasons]  # first: the rules below judged a rounded share
@@ -82,7 +82,7 @@ def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration
 def assess_each(cfg: SweepConfig, layouts: Iterable[Layout], calibration: Calibration | None = None,
                 production: bool = True) -> Iterator[PlanEntry]:
     """``assess_all`` one layout at a time, for a caller that may stop at the first that serves."""
-    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
+    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     estimator = Estimator.for_config(cfg, calibration)
     return (assess(cfg, lo, calibration, checker, estimator, production) for lo in layouts)
 

@@ -17,6 +17,7 @@ from typing import Any
 from packaging.version import Version
 
 from sweeper.config import megatron_release
+from sweeper.config.run_settings import RunSettings
 from sweeper.config.schema import ClusterConfig
 from sweeper.models.spec import ModelSpec
 from sweeper.space.axes import PIPELINE_SPLIT
@@ -30,6 +31,14 @@ class RuleContext:
     layout: Layout
     cluster: ClusterConfig
     seq_length: int
+    # The sweep's run settings: the FP8 recipe of a bare fp8 and the optimizer settings some rules read. One value
+    # per sweep, so the Checker's memos stay keyed by layout fields alone.
+    run: RunSettings = RunSettings()
+
+    @property
+    def fp8_recipe(self) -> str | None:
+        """The FP8 recipe this layout runs on the cluster (fp8:<recipe>, or run.fp8_recipe for bare fp8)."""
+        return self.run.recipe(self.layout.precision, self.cluster.compute_capability)
 
 
 Rule = Callable[[RuleContext], "str | None"]
@@ -47,9 +56,10 @@ def rule(*reads: str) -> Callable[[Rule], Rule]:
     return register
 
 
-def check(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int) -> list[str]:
-    """Every reason Megatron (or the cluster) would reject this layout; empty when it is valid."""
-    ctx = RuleContext(model, layout, cluster, seq_length)
+def check(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int,
+          run: RunSettings = RunSettings()) -> list[str]:
+    """Every reason Megatron (or the cluster) would reject this layout under ``run``; empty when it is valid."""
+    ctx = RuleContext(model, layout, cluster, seq_length, run)
     return [reason for fn in RULES if (reason := fn(ctx))]
 
 
@@ -58,8 +68,9 @@ class Checker:
     kept per value of the fields it reads (``READS``), so a space of ten thousand layouts costs each rule a handful
     of evaluations and the rest dictionary lookups."""
 
-    def __init__(self, model: ModelSpec, cluster: ClusterConfig, seq_length: int) -> None:
-        self.model, self.cluster, self.seq_length = model, cluster, seq_length
+    def __init__(self, model: ModelSpec, cluster: ClusterConfig, seq_length: int,
+                 run: RunSettings = RunSettings()) -> None:
+        self.model, self.cluster, self.seq_length, self.run = model, cluster, seq_length, run
         # One memo per group of rules, keyed by the fields the group reads. A rule whose fields are a subset of a
         # larger group's joins that group: keyed by more fields its verdict is still right (the memo only holds more
         # entries, a few hundred at most), and a layout costs one lookup per group: about ten instead of thirty.
@@ -85,7 +96,7 @@ class Checker:
             reasons = memo.get(key)
             if reasons is None:
                 if ctx is None:
-                    ctx = RuleContext(self.model, layout, self.cluster, self.seq_length)
+                    ctx = RuleContext(self.model, layout, self.cluster, self.seq_length, self.run)
                 reasons = memo[key] = [(i, r) for i, fn in rules if (r := fn(ctx))]
             if reasons:
                 found += reasons
@@ -483,14 +494,17 @@ def recompute_modules_exist(c: RuleContext) -> str | None:
 
 @rule("precision", "recompute")
 def recompute_modules_fp8_delayed(c: RuleContext) -> str | None:
-    # Megatron: "Delayed scaling does not support moe_act and layernorm recompute for fp8." (FP8 on Ada/Hopper
-    # uses delayed scaling: backends/megatron/gpu.py)
+    # TransformerConfig.__post_init__ raises "Delayed scaling does not support moe_act and layernorm recompute for
+    # fp8." for fp8_recipe == 'delayed' only: current (tensorwise) and blockwise scaling recompute them (with TE
+    # >= 2.6, which the GPU trial's TransformerConfig checks itself; the plan does not know the nodes' TE).
     lo = c.layout
-    if lo.precision == "fp8" and c.cluster.capability < (10, 0):
+    if c.fp8_recipe == "delayed":
         clash = [m for m in ("moe_act", "layernorm") if m in lo.recompute_modules]
         if clash:
-            return (f"recompute module {clash[0]}: delayed-scaling FP8 (the recipe on compute capability "
-                    f"{c.cluster.compute_capability}) does not support moe_act and layernorm recompute")
+            named = "" if lo.precision != "fp8" else (
+                f" (run.fp8_recipe {c.run.fp8_recipe} on compute capability {c.cluster.compute_capability})")
+            return (f"recompute module {clash[0]}: delayed scaling{named} does not support moe_act and layernorm "
+                    f"recompute for fp8")
     return None
 
 
@@ -510,8 +524,12 @@ def global_batch_divisible(c: RuleContext) -> str | None:
 @rule("precision")
 def fp8_hardware(c: RuleContext) -> str | None:
     cc = c.cluster.capability
-    if c.layout.precision == "fp8" and cc < (8, 9):
+    if c.layout.is_fp8 and c.layout.precision != "mxfp8" and cc < (8, 9):
         return ("FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); "
+                f"the cluster is {c.cluster.compute_capability}")
+    if c.fp8_recipe == "blockwise" and cc < (9, 0):
+        # Transformer Engine's check_fp8_block_scaling_support: blockwise FP8 GEMMs need Hopper or later.
+        return (f"FP8 blockwise scaling needs compute capability >= 9.0 (Transformer Engine's Float8BlockScaling); "
                 f"the cluster is {c.cluster.compute_capability}")
     if c.layout.precision == "mxfp8" and cc[0] != 10:
         return (
@@ -669,4 +687,30 @@ def megatron_fsdp(c: RuleContext) -> str | None:
     # it, whose replicas drift apart once the gradients are sharded.
     if c.layout.fsdp and not c.layout.distributed_optimizer:
         return "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"
+    return None
+
+
+# -- run settings a layout makes Megatron refuse (issue 52: Megatron-LM's validate_args, megatron-core's
+#    OptimizerConfig); each message is Megatron's own ---------------------------------------------------------------
+@rule("distributed_optimizer")
+def precision_aware_optimizer_distributed(c: RuleContext) -> str | None:
+    # OptimizerConfig.__post_init__ asserts it (the GPU trial builds the same config); Megatron-LM's validate_args
+    # builds it too.
+    if c.run.precision_aware_optimizer and not c.layout.distributed_optimizer:
+        return ("--use-precision-aware-optimizer only supported with distributed optimizer "
+                "(run.precision_aware_optimizer)")
+    return None
+
+
+@rule("precision", "distributed_optimizer")
+def optimizer_offload_fp8_params_delayed(c: RuleContext) -> str | None:
+    # Megatron-LM's validate_args (0.17 on; the megatron-core 0.19.2 wheel's megatron/training/arguments.py): the
+    # hybrid device optimizer steps FP8 parameters only under delayed scaling.
+    lo = c.layout
+    if (c.run.optimizer_cpu_offload and c.fp8_recipe != "delayed"
+            and c.run.fp8_params(lo.precision, c.cluster.compute_capability,
+                                 distributed_optimizer=lo.distributed_optimizer)):
+        return ("When `--fp8-param-gather` is enabled, the optimizer cpu offload must be used in conjunction with "
+                f"`--fp8-recipe delayed` (this layout's recipe: {c.fp8_recipe}; run.fp8_param_gather false keeps "
+                "BF16 weights)")
     return None

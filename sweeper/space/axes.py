@@ -18,10 +18,27 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 Kind = Literal["int", "int0", "bool", "precision", "recompute", "text", "choice"]
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4")
+# Megatron's --fp8-recipe values of per-tensor and per-block FP8 (E4M3/E5M2 with FP32 scales): delayed scaling
+# (scales from an amax history), tensorwise ("current scaling": each tensor's own amax, every GEMM) and blockwise
+# (DeepSeek-V3's 1x128 activation / 128x128 weight blocks). MXFP8 and NVFP4 are precisions of their own.
+FP8_RECIPES: tuple[str, ...] = ("delayed", "tensorwise", "blockwise")
+# "fp8" alone is FP8 in the sweep's run.fp8_recipe (auto: by compute capability); "fp8:<recipe>" names the recipe,
+# so one space compares recipes like any other axis value.
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16", "fp8", *(f"fp8:{r}" for r in FP8_RECIPES), "mxfp8", "nvfp4")
 # Precisions whose GEMMs run in a Transformer Engine quantisation recipe (BF16 parameters, TE's quantised copies):
 # FP8 (delayed / tensorwise / blockwise), MXFP8 and NVFP4 (Megatron's --fp4-format e2m1 --fp4-recipe nvfp4).
-QUANTIZED: tuple[str, ...] = ("fp8", "mxfp8", "nvfp4")
+QUANTIZED: tuple[str, ...] = tuple(p for p in PRECISIONS if p.startswith(("fp8", "mxfp8", "nvfp4")))
+
+
+def precision_dtype(precision: str) -> str:
+    """The precision without its recipe: ``fp8`` for ``fp8`` and every ``fp8:<recipe>``; others unchanged."""
+    return precision.partition(":")[0]
+
+
+def named_fp8_recipe(precision: str) -> str | None:
+    """The FP8 recipe a precision value names (``fp8:tensorwise`` -> tensorwise); None for bare ``fp8`` (the run's
+    recipe) and every other precision."""
+    return precision.partition(":")[2] or None
 # Megatron's MoE token dispatchers (moe_token_dispatcher_type); "flex:<backend>" also sets moe_flex_dispatcher_backend.
 DISPATCHERS: tuple[str, ...] = ("alltoall", "allgather", "flex:deepep", "flex:hybridep")
 # CUDA graphs: none; "local" (Megatron's own graphs of whole layers, cuda_graph_impl=local, scope empty);

@@ -25,9 +25,10 @@ from sweeper.space.axes import (
     PIPELINE_SPLIT,
     PRECISIONS,
     QUANTIZED,
+    precision_dtype,
 )
 
-Precision = Literal["fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]
+Precision = Literal["fp32", "fp16", "bf16", "fp8", "fp8:delayed", "fp8:tensorwise", "fp8:blockwise", "mxfp8", "nvfp4"]
 # Recompute granularities. "selective" recomputes Megatron's default module (core_attn); "selective:a+b" names
 # the modules (Megatron's --recompute-modules), e.g. "selective:moe_act+layernorm".
 RECOMPUTES: tuple[str, ...] = ("none", "selective", "full")
@@ -149,7 +150,8 @@ class Layout:
 
     @property
     def is_fp8(self) -> bool:
-        return self.precision in ("fp8", "mxfp8")
+        """FP8 GEMMs (any FP8 recipe, MXFP8 included); NVFP4 is not."""
+        return precision_dtype(self.precision) in ("fp8", "mxfp8")
 
     @property
     def quantized(self) -> bool:
@@ -312,7 +314,7 @@ class Layout:
             if axis.name == "vpp" and self.pipeline_layout:  # the layout sets the virtual stages itself
                 continue
             args.append(f"--{axis.flag}" if value is True else f"--{axis.flag}={value}")
-        args += _PRECISION_FLAGS[self.precision]
+        args += _PRECISION_FLAGS[precision_dtype(self.precision)]
         if self.recompute_granularity == "selective":
             args.append("--recompute-granularity=selective")
             if self.recompute_modules != DEFAULT_RECOMPUTE_MODULES:
@@ -410,7 +412,8 @@ _PRECISION_FLAGS: dict[str, list[str]] = {
     "fp32": [],
     "fp16": ["--fp16"],
     "bf16": ["--bf16"],
-    "fp8": ["--bf16"],  # the format follows the recipe, a run setting (RunSettings.megatron_args)
+    # Every FP8 recipe: the format and recipe flags follow the resolved recipe (RunSettings.megatron_args).
+    "fp8": ["--bf16"],
     "mxfp8": ["--bf16", "--fp8-format=e4m3", "--fp8-recipe=mxfp8"],
     "nvfp4": ["--bf16", "--fp4-format=e2m1", "--fp4-recipe=nvfp4"],
 }
@@ -419,7 +422,12 @@ _BRIDGE_PRECISION: dict[str, str] = {
     "fp32": "null",
     "fp16": "fp16_mixed",
     "bf16": "bf16_mixed",
+    # Bare fp8: delayed scaling's recipe, and the run settings name the recipe they resolve to (as before recipes
+    # were precision values); a named recipe takes Bridge's recipe of that name.
     "fp8": "bf16_with_fp8_delayed_scaling_mixed",
+    "fp8:delayed": "bf16_with_fp8_delayed_scaling_mixed",
+    "fp8:tensorwise": "bf16_with_fp8_current_scaling_mixed",
+    "fp8:blockwise": "bf16_with_fp8_subchannel_scaling_mixed",
     "mxfp8": "bf16_with_mxfp8_mixed",
     "nvfp4": "bf16_with_nvfp4_mixed",
 }

@@ -79,7 +79,7 @@ def cpu_backend_refusal(cfg: SweepConfig) -> str | None:
         return (f"no layout of this space can run on the CPU backend of a simulated cluster: {run_reason}. To run "
                 f"it: --address ADDR (a Ray cluster with GPUs), or leave that run setting out")
     reasons: Counter[str] = Counter()
-    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length)
+    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     for layout in enumerate_layouts(cfg):
         layout = with_pipeline_split(layout, cfg.model)
         if checker(layout):

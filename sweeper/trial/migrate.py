@@ -160,7 +160,7 @@ def _refusal(cfg: SweepConfig, source: Layout, target: Layout, ref: dict[str, An
         if reason is not None:
             return _failed(source, target, "incompatible", reason)
     for option, layout in (("--from", source), ("--to", target)):
-        reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
+        reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length, cfg.run)
         if reasons:
             return _failed(source, target, "invalid_layout", f"{option} {layout.short()}: {'; '.join(reasons)}")
     return None

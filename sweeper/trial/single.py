@@ -19,7 +19,7 @@ RESERVE_TIMEOUT_S = 60.0
 
 def run_single_trial(cfg: SweepConfig, layout: Layout, out: Path | None, address: str | None) -> TrialResult:
     """Run one layout. A layout the rules reject is refused before anything starts (status pruned)."""
-    reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length)
+    reasons = check(cfg.model, layout, cfg.cluster, cfg.training.seq_length, cfg.run)
     if reasons:
         return TrialResult.pruned("; ".join(reasons))
     trial_dir = out or Path("sweeps") / cfg.name / "trials" / f"manual-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -97,6 +97,17 @@ def test_the_requested_recipe_is_the_run_setting(monkeypatch):
     assert seen == ["blockwise", None]
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_a_precision_that_names_its_recipe_runs_it_whatever_the_run_says(recipe):
+    """fp8:<recipe> (issue 52) is that recipe on every device that runs it, run.fp8_recipe notwithstanding."""
+    for capability in (HOPPER, B200):
+        plan = gpu.gpu_plan(preset("tiny-gpt"), lo(precision=f"fp8:{recipe}"), capability,
+                            fp8_recipe="delayed" if recipe != "delayed" else "tensorwise")
+        assert plan.fp8_recipe == recipe and plan.config_kwargs["fp8_recipe"] == recipe
+    with pytest.raises(gpu.GpuPrecisionError, match="FP8 needs compute capability >= 8.9"):
+        gpu.gpu_plan(preset("tiny-gpt"), lo(precision=f"fp8:{recipe}"), AMPERE)
+
+
 def test_fp8_refused_below_8_9():
     with pytest.raises(gpu.GpuPrecisionError, match=r"FP8 needs compute capability >= 8.9 .*this GPU is 8.0"):
         gpu.gpu_plan(preset("tiny-gpt"), lo(precision="fp8"), AMPERE)
@@ -108,8 +119,8 @@ def test_mxfp8_only_on_10_x():
     for capability, text in ((HOPPER, "9.0"), (RTX_PRO_6000, "12.0"), (ADA, "8.9")):
         with pytest.raises(gpu.GpuPrecisionError, match=rf"MXFP8 needs compute capability 10.x .* on {text}"):
             gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), capability)
-    with pytest.raises(gpu.GpuPrecisionError, match="mxfp8 has its own recipe"):
-        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), B200, fp8_recipe="delayed")
+    # run.fp8_recipe is only a bare fp8's recipe: MXFP8 keeps its own (one sweep compares them, issue 52).
+    assert gpu.gpu_plan(preset("tiny-gpt"), lo(precision="mxfp8"), B200, fp8_recipe="delayed").fp8_recipe == "mxfp8"
 
 
 def test_nvfp4_only_on_10_x():
@@ -118,8 +129,7 @@ def test_nvfp4_only_on_10_x():
     for capability, text in ((HOPPER, "9.0"), (RTX_PRO_6000, "12.0")):
         with pytest.raises(gpu.GpuPrecisionError, match=rf"NVFP4 needs compute capability 10.x .* is {text}"):
             gpu.gpu_plan(preset("tiny-gpt"), lo(precision="nvfp4"), capability)
-    with pytest.raises(gpu.GpuPrecisionError, match="nvfp4 has its own recipe"):
-        gpu.gpu_plan(preset("tiny-gpt"), lo(precision="nvfp4"), B200, fp8_recipe="tensorwise")
+    assert gpu.gpu_plan(preset("tiny-gpt"), lo(precision="nvfp4"), B200, fp8_recipe="tensorwise").fp8_recipe == "nvfp4"
 
 
 def test_a_precision_the_device_cannot_run_is_reported_unsupported():
@@ -235,9 +245,11 @@ def test_support_matrix_gpu_vs_cpu():
         "Transformer Engine on a GPU")
     assert "mamba_stack_spec needs Transformer Engine" in unsupported_reason(hybrid, lo(), cuda=True, te=False)
     assert unsupported_reason(preset("tiny-gpt"), lo(precision="fp8"), cuda=True, te=True) is None
-    for precision in ("fp8", "nvfp4"):  # NVFP4 without TE would train in BF16: never a CPU pass
-        assert "FP8 and FP4 GEMMs need Transformer Engine" in unsupported_reason(
-            preset("tiny-gpt"), lo(precision=precision), cuda=False, te=False)
+    # NVFP4 without TE would train in BF16: never a CPU pass; every FP8 recipe as a precision value (issue 52) too.
+    for precision in ("fp8", "fp8:delayed", "fp8:tensorwise", "fp8:blockwise", "mxfp8", "nvfp4"):
+        reason = unsupported_reason(preset("tiny-gpt"), lo(precision=precision), cuda=False, te=False)
+        assert reason is not None and f"precision {precision} unsupported on this backend" in reason
+        assert "FP8 and FP4 GEMMs need Transformer Engine" in reason
 
 
 def test_gpu_refuses_hybrid_without_mamba_ssm_and_fp8_mla_with_cp():

@@ -22,9 +22,10 @@ def test_each_framework_fills_what_the_yaml_leaves_out() -> None:
     assert (lm.fp8_params("fp8", "9.0", distributed_optimizer=True),
             bridge.fp8_params("fp8", "9.0", distributed_optimizer=True)) == (False, True)
     assert bridge.fp8_params("bf16", "9.0", distributed_optimizer=True) is False  # no FP8, no FP8 weights
-    offload = {"optimizer_cpu_offload": True}
-    assert RunSettings(**offload).offloaded_fraction == 1.0
-    assert RunSettings(framework="megatron-bridge", **offload).offloaded_fraction == 0.0  # Bridge moves nothing
+    offload = {"optimizer_cpu_offload": True, "precision_aware_optimizer": True}
+    # Offload without a fraction offloads the whole shard in every framework (Bridge's own 0.0 would move nothing).
+    for framework in ("megatron-lm", "megatron-bridge", "megatron-core"):
+        assert RunSettings(framework=framework, **offload).offloaded_fraction == 1.0
     assert RunSettings(grad_reduce_in_fp32=False, framework="megatron-bridge").grads_in_fp32 is False
 
 
@@ -40,6 +41,10 @@ def test_recipe_follows_the_device_unless_named() -> None:
     assert RunSettings().recipe("fp8", "12.0") == "tensorwise"
     assert RunSettings(fp8_recipe="blockwise").recipe("fp8", "9.0") == "blockwise"
     assert RunSettings().recipe("mxfp8", "10.0") == "mxfp8" and RunSettings().recipe("bf16", "9.0") is None
+    # A precision that names its recipe wins over run.fp8_recipe and the device's default.
+    for recipe in ("delayed", "tensorwise", "blockwise"):
+        assert RunSettings(fp8_recipe="blockwise").recipe(f"fp8:{recipe}", "9.0") == recipe
+        assert RunSettings().recipe(f"fp8:{recipe}", "10.0") == recipe
 
 
 def test_inconsistent_settings_are_refused_with_megatrons_words() -> None:
@@ -47,6 +52,33 @@ def test_inconsistent_settings_are_refused_with_megatrons_words() -> None:
         RunSettings(exp_avg_dtype="bf16")
     with pytest.raises(ValidationError, match="requires --overlap-grad-reduce"):
         RunSettings(overlap_param_gather=True, overlap_grad_reduce=False)
+    # Megatron-LM's validate_args: "The optimizer cpu offload must be used in conjunction with
+    # `--use-precision-aware-optimizer`"; a fraction of 0 would offload nothing.
+    with pytest.raises(ValidationError, match="in conjunction with `--use-precision-aware-optimizer`"):
+        RunSettings(optimizer_cpu_offload=True)
+    with pytest.raises(ValidationError, match="offloads nothing"):
+        RunSettings(optimizer_cpu_offload=True, precision_aware_optimizer=True, optimizer_offload_fraction=0)
+
+
+def test_offload_is_exported_as_offloaded_in_both_frameworks() -> None:
+    """Issue 52: Bridge exports wrote optimizer_offload_fraction=0 (Bridge's default), offloading nothing."""
+    for framework in ("megatron-lm", "megatron-bridge"):
+        run = RunSettings(framework=framework, optimizer_cpu_offload=True, precision_aware_optimizer=True)
+        assert "optimizer.optimizer_offload_fraction=1" in run.bridge_overrides("bf16", "9.0")
+        assert "--optimizer-offload-fraction=1" in run.megatron_args("bf16", "9.0")
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise"])
+def test_each_named_recipe_exports_its_own_flags(recipe: str) -> None:
+    """fp8:<recipe> writes that recipe's --fp8-recipe / format whatever run.fp8_recipe says, and every layer FP8 in
+    Bridge (its current-scaling recipe would keep the first and last layer in BF16)."""
+    run = RunSettings(fp8_recipe="delayed" if recipe != "delayed" else "tensorwise")
+    args = run.megatron_args(f"fp8:{recipe}", "9.0")
+    assert f"--fp8-recipe={recipe}" in args
+    assert ("--fp8-amax-history-len=1024" in args) == (recipe == "delayed")
+    overrides = run.bridge_overrides(f"fp8:{recipe}", "9.0")
+    assert f"mixed_precision.fp8_recipe={recipe}" in overrides
+    assert "mixed_precision.first_last_layers_bf16=false" in overrides
 
 
 def test_exports_carry_the_settings_as_megatron_flags_and_bridge_overrides() -> None:

@@ -34,15 +34,21 @@ from sweeper.config import bridge_release, megatron_release
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.export import EXECUTABLE, export_files
-from sweeper.export.bridge import MIXED_PRECISION_CLASS, OVERRIDES_FILE, RECIPES, mixed_precision_recipes
+from sweeper.export.bridge import (
+    MIXED_PRECISION_CLASS,
+    OVERRIDES_FILE,
+    RECIPES,
+    dotted_overrides,
+    mixed_precision_recipes,
+)
 from sweeper.export.megatron_lm import LAUNCH_FILE, launch_script
 from sweeper.space.layout import Layout
 
 ROOT = Path(__file__).resolve().parents[2]
 # The installed megatron-core release's Megatron-LM flags: the export writes that release's names (issue 45).
-FLAGS_FILE = {"0.16": "megatron_lm_flags.txt", "0.17": "megatron_lm_flags_0.17.txt", "0.18": "megatron_lm_flags_0.18.txt",
-              "0.19": "megatron_lm_flags_0.19.txt"}[
-    "{0.major}.{0.minor}".format(megatron_release.installed())]
+FLAGS_FILES = {"0.16": "megatron_lm_flags.txt", "0.17": "megatron_lm_flags_0.17.txt",
+               "0.18": "megatron_lm_flags_0.18.txt", "0.19": "megatron_lm_flags_0.19.txt"}
+FLAGS_FILE = FLAGS_FILES["{0.major}.{0.minor}".format(megatron_release.installed())]
 FLAGS = set((ROOT / "tests" / "data" / FLAGS_FILE).read_text().split())
 CASES = [
     ("nemotron.yaml", "gpus=8,tp=2,ep=4,sp=true"),
@@ -57,6 +63,9 @@ CASES = [
     ("deepseek_v2_lite.yaml", "gpus=16,tp=2,sp=true,ep=8,moe_a2a_overlap=true"),
     ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1,precision=nvfp4"),
     ("nemotron.yaml", "gpus=16,tp=2,sp=true,ep=8,fsdp=optim_grads_params"),
+    # issue 52: FP8 recipes as precision values (Nemotron-3-Nano's FP8 layout; DeepSeek's blockwise)
+    ("nemotron.yaml", "gpus=16,ep=16,precision=fp8:tensorwise,recompute=selective:layernorm"),
+    ("deepseek_v2_lite.yaml", "gpus=8,tp=2,sp=true,ep=4,precision=fp8:blockwise"),
 ]
 # Per Bridge release: the dataclasses' fields, recipe names and pretraining recipes (module docstring).
 BRIDGE = json.loads((ROOT / "tests" / "data" / "megatron_bridge_fields.json").read_text())
@@ -118,7 +127,7 @@ def test_the_launch_script_hands_megatron_lm_only_its_own_flags_with_the_layout_
     assert flags["--seq-length"] == str(cfg.training.seq_length)
     assert flags.get("--num-experts") == (str(spec.num_moe_experts) if spec.is_moe else None)
     assert ("--multi-latent-attention" in flags) == spec.multi_latent_attention
-    assert flags.get("--hybrid-override-pattern") == spec.hybrid_layer_pattern
+    assert flags.get(megatron_release.hybrid_pattern_flag()) == spec.hybrid_layer_pattern
     for item in layout.megatron_args(megatron_release.graph_modules()):  # the layout's flags, exactly as best_layout.yaml gives them
         assert item in argv
     one_connection = "export CUDA_DEVICE_MAX_CONNECTIONS=1" in script
@@ -151,6 +160,27 @@ def test_tp_before_blackwell_sets_one_device_connection() -> None:
     cfg, layout = _case("deepseek_v2_lite.yaml", "gpus=8,tp=2,ep=4")
     assert cfg.cluster.compute_capability.startswith("9")
     assert "export CUDA_DEVICE_MAX_CONNECTIONS=1" in export_files(cfg, layout, 1)[LAUNCH_FILE]
+
+
+@pytest.mark.parametrize(("recipe", "name"), [("delayed", "bf16_with_fp8_delayed_scaling_mixed"),
+                                              ("tensorwise", "bf16_with_fp8_current_scaling_mixed"),
+                                              ("blockwise", "bf16_with_fp8_subchannel_scaling_mixed")])
+def test_a_bare_fp8_is_exported_to_bridge_as_the_recipe_the_run_gives_it(recipe: str, name: str) -> None:
+    """Issue 52: precision fp8 under run.fp8_recipe writes what fp8:<recipe> writes (that recipe's Bridge name)."""
+    cfg, _ = _case("quickstart.yaml", "gpus=2")
+    cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"fp8_recipe": recipe})})
+    bare, named = (layout_from_string(cfg, f"gpus=2,precision={p}") for p in ("fp8", f"fp8:{recipe}"))
+    assert dotted_overrides(cfg, bare) == dotted_overrides(cfg, named)
+    assert f"mixed_precision={name}" in dotted_overrides(cfg, bare)
+
+
+def test_hybrid_exports_write_the_pattern_flag_of_the_release() -> None:
+    """Issue 52: 0.19 deprecates --hybrid-override-pattern for --hybrid-layer-pattern; each release's flag list
+    (tests/data) has the flag written for it."""
+    for release, flags_file in FLAGS_FILES.items():
+        flag = megatron_release.hybrid_pattern_flag(Version(release))
+        assert flag in (ROOT / "tests" / "data" / flags_file).read_text().split()
+        assert (flag == "--hybrid-layer-pattern") == (Version(release) >= Version("0.19"))
 
 
 @pytest.mark.parametrize("release", BRIDGE_RELEASES)
@@ -197,7 +227,9 @@ def test_the_bridge_overrides_are_fields_of_what_bridge_merges_them_onto(
         assert precision is None or precision in bridge["mixed_precision_recipes"]
     assert set(mixed_precision_recipes(Version(release))) <= bridge["mixed_precision_recipes"]
     fp8_recipe = precision.get("fp8_recipe") if isinstance(precision, dict) else None  # NVFP4's node: None
-    assert (fp8_recipe is not None) == (layout.precision in ("fp8", "mxfp8"))
+    assert (fp8_recipe is not None) == layout.is_fp8
+    if layout.precision.startswith("fp8:"):  # a named recipe is exported as itself (issue 52)
+        assert fp8_recipe == layout.precision.partition(":")[2]
     # NVFP4 keeps BF16 weights, as the trial runs and the estimate counts them; from Bridge 0.4 its recipe would
     # store them in FP4 (fp4_param_gather), a field 0.3.1 does not have.
     if layout.precision == "nvfp4":

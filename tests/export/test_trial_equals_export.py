@@ -58,7 +58,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("quickstart.yaml", "gpus=4,distributed_optimizer=true",
      {"precision_aware_optimizer": True, "exp_avg_dtype": "bf16", "exp_avg_sq_dtype": "bf16"}),
     ("quickstart.yaml", "gpus=4,distributed_optimizer=true",
-     {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5}),
+     {"optimizer_cpu_offload": True, "optimizer_offload_fraction": 0.5, "precision_aware_optimizer": True}),
     ("quickstart.yaml", "gpus=2,ep=2,offload_layers=1", {}),
     ("quickstart.yaml", "gpus=4,tp=2,sp=true,ep=2,moe_token_dispatcher=allgather,cuda_graph=local", {}),
     ("quickstart.yaml", "gpus=4,ep=4,precision=bf16,moe_a2a_overlap=true,cuda_graph=te:attn+moe_router", {}),
@@ -66,6 +66,10 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("quickstart.yaml", "gpus=4,ep=2,fsdp=optim_grads_params", {"framework": "megatron-bridge"}),
     ("deepseek_v2_lite.yaml", "gpus=8,tp=2,sp=true,ep=4", {}),
     ("nemotron.yaml", "gpus=8,tp=2,sp=true,ep=4", {}),
+    # issue 52: recipes as precision values (each names its own recipe whatever run.fp8_recipe says)
+    ("quickstart.yaml", "gpus=4,ep=2,precision=fp8:tensorwise,recompute=selective:moe_act+layernorm", {}),
+    ("quickstart.yaml", "gpus=4,precision=fp8:blockwise", {"framework": "megatron-bridge"}),
+    ("quickstart.yaml", "gpus=4,precision=fp8:delayed", {"fp8_recipe": "tensorwise"}),
 ]
 IDS = [f"{space.split('.')[0]}:{text}:{'-'.join(f'{k}={v}' for k, v in run.items()) or 'lm'}"
        for space, text, run in CASES]

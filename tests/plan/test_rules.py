@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from sweeper.config import megatron_release
+from sweeper.config.run_settings import RunSettings
 from sweeper.config.schema import ClusterConfig
 from sweeper.models.catalog import preset
 from sweeper.models.spec import ModelSpec
@@ -262,7 +263,15 @@ CASES: dict[str, list[Case]] = {
         (MOE, L(16, precision="fp8", recompute="selective:moe_act"), ClusterConfig(nodes=2, compute_capability="10.0"),
          SEQ, None),
         (MOE, L(16, precision="fp8", recompute="selective:layernorm"), H100x2, SEQ,
-         "recompute module layernorm: delayed-scaling FP8 (the recipe on compute capability 9.0) does not support"),
+         "recompute module layernorm: delayed scaling (run.fp8_recipe auto on compute capability 9.0) does not "
+         "support moe_act and layernorm recompute for fp8"),
+        # Issue 52: Megatron-Core raises for fp8_recipe 'delayed' only; current scaling on Hopper recomputes them
+        # (Nemotron-3-Nano's FP8 recipe: EP16, selective:layernorm, tensorwise).
+        (MOE, L(16, precision="fp8:tensorwise", recompute="selective:moe_act+layernorm"), H100x2, SEQ, None),
+        (MOE, L(16, precision="fp8:blockwise", recompute="selective:layernorm"), H100x2, SEQ, None),
+        (MOE, L(16, precision="fp8:delayed", recompute="selective:moe_act"),
+         ClusterConfig(nodes=2, compute_capability="10.0"), SEQ,
+         "recompute module moe_act: delayed scaling does not support moe_act and layernorm recompute for fp8"),
     ],
     "fp8_hardware": [
         # compute capability -> FP8 (delayed) and MXFP8 verdicts
@@ -280,6 +289,11 @@ CASES: dict[str, list[Case]] = {
          "NVFP4 needs compute capability 10.x (B200/GB200/B300)"),
         (DENSE, L(16, precision="nvfp4"), ClusterConfig(nodes=2, compute_capability="12.0"), SEQ,
          "its NVFP4 recipe fails on 12.x; the cluster is 12.0"),
+        (DENSE, L(16, precision="fp8:blockwise"), ClusterConfig(nodes=2, compute_capability="9.0"), SEQ, None),
+        (DENSE, L(16, precision="fp8:blockwise"), ClusterConfig(nodes=2, compute_capability="8.9"), SEQ,
+         "FP8 blockwise scaling needs compute capability >= 9.0"),
+        (DENSE, L(16, precision="fp8:tensorwise"), ClusterConfig(nodes=2, compute_capability="8.6"), SEQ,
+         "FP8 needs compute capability >= 8.9"),
     ],
     "fp8_gemm_shapes": [
         (DENSE, L(16, tp=2, sp=True, precision="fp8"), H100x2, SEQ, None),
@@ -355,6 +369,28 @@ CASES: dict[str, list[Case]] = {
         (DENSE, L(16, fsdp="optim", distributed_optimizer=False), H100x2, SEQ,
          "Megatron-FSDP v1 is only compatible with --use-distributed-optimizer"),
     ],
+    # -- issue 52: run settings Megatron refuses with the layout (their run settings: RUN below) ------------------
+    "precision_aware_optimizer_distributed": [
+        (DENSE, L(16), H100x2, SEQ, None),
+        (DENSE, L(16, distributed_optimizer=False), H100x2, SEQ,
+         "--use-precision-aware-optimizer only supported with distributed optimizer"),
+    ],
+    "optimizer_offload_fp8_params_delayed": [
+        (DENSE, L(16, precision="fp8:delayed"), H100x2, SEQ, None),
+        (DENSE, L(16, precision="bf16"), H100x2, SEQ, None),
+        (DENSE, L(16, precision="fp8:tensorwise", distributed_optimizer=False), H100x2, SEQ, None),  # BF16 weights
+        (DENSE, L(16, precision="fp8:tensorwise"), H100x2, SEQ,
+         "When `--fp8-param-gather` is enabled, the optimizer cpu offload must be used in conjunction with "
+         "`--fp8-recipe delayed` (this layout's recipe: tensorwise"),
+        (DENSE, L(16, precision="fp8"), ClusterConfig(nodes=2, compute_capability="10.0"), SEQ,
+         "(this layout's recipe: tensorwise"),  # bare fp8: run.fp8_recipe auto is tensorwise on Blackwell
+    ],
+}
+# The run settings a rule's cases run under (RunSettings() for the others).
+RUN: dict[str, RunSettings] = {
+    "precision_aware_optimizer_distributed": RunSettings(precision_aware_optimizer=True),
+    "optimizer_offload_fp8_params_delayed": RunSettings(optimizer_cpu_offload=True, precision_aware_optimizer=True,
+                                                        fp8_param_gather=True),
 }
 
 RULE_NAMES = [fn.__name__ for fn in rules.RULES]
@@ -385,13 +421,32 @@ def on_this_release(name: str, expected: str | None) -> str | None:
 def test_rule(name: str, model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: int,
               expected: str | None) -> None:
     fn = getattr(rules, name)
-    reason = fn(rules.RuleContext(model, layout, cluster, seq_length))
+    run = RUN.get(name, RunSettings())
+    reason = fn(rules.RuleContext(model, layout, cluster, seq_length, run))
     expected = on_this_release(name, expected)
     if expected is None:
         assert reason is None, reason
     else:
         assert reason is not None and expected in reason, reason
-        assert reason in rules.check(model, layout, cluster, seq_length)  # check() reports it too
+        assert reason in rules.check(model, layout, cluster, seq_length, run)  # check() reports it too
+
+
+def test_bare_fp8_takes_the_runs_recipe() -> None:
+    """A bare fp8 means run.fp8_recipe: tensorwise there lifts the delayed-only recompute refusal on Hopper."""
+    lo = L(16, precision="fp8", recompute="selective:layernorm")
+    assert rules.recompute_modules_fp8_delayed(rules.RuleContext(MOE, lo, H100x2, SEQ)) is not None
+    run = RunSettings(fp8_recipe="tensorwise")
+    assert rules.recompute_modules_fp8_delayed(rules.RuleContext(MOE, lo, H100x2, SEQ, run)) is None
+
+
+def test_nemotron_3_nanos_fp8_recipe_is_writable_on_hopper() -> None:
+    """Issue 52: NVIDIA's Nemotron-3-Nano FP8 layout (EP16, selective:layernorm recompute, current scaling) on
+    H100 nodes; before recipes were precision values the delayed-scaling rule refused it."""
+    nemotron = preset("nemotron-3-nano-30b-a3b")
+    lo = L(16, ep=16, precision="fp8:tensorwise", recompute="selective:layernorm")
+    assert rules.check(nemotron, lo, H100x2, 8192) == []
+    assert rules.check(nemotron, L(16, ep=16, precision="fp8:delayed", recompute="selective:layernorm"), H100x2,
+                       8192) != []
 
 
 def test_check_collects_every_reason_and_nothing_for_a_valid_layout() -> None:
@@ -406,6 +461,8 @@ def test_check_collects_every_reason_and_nothing_for_a_valid_layout() -> None:
     ("capability", "precision", "valid"),
     [("9.0", "mxfp8", False), ("12.0", "mxfp8", False), ("10.0", "mxfp8", True), ("10.3", "mxfp8", True),
      ("8.6", "fp8", False), ("8.9", "fp8", True), ("9.0", "fp8", True), ("12.0", "fp8", True),
+     ("8.9", "fp8:blockwise", False), ("9.0", "fp8:blockwise", True), ("8.9", "fp8:tensorwise", True),
+     ("10.0", "fp8:delayed", True),
      ("9.0", "nvfp4", False), ("10.0", "nvfp4", True), ("10.3", "nvfp4", True), ("12.0", "nvfp4", False)],
 )
 def test_precision_gating_by_compute_capability(capability: str, precision: str, valid: bool) -> None:
@@ -465,7 +522,8 @@ def test_each_rule_reads_only_the_layout_fields_it_declares() -> None:
                             pp=rng.choice([1, 2, 3, 4]), cp=rng.choice([1, 2, 4]), ep=rng.choice([1, 2, 4, 64]),
                             etp=rng.choice([1, 2]), vpp=rng.choice([1, 2, 3]), sp=rng.choice([True, False]),
                             mbs=rng.choice([1, 2, 3]), gbs=rng.choice([6, 8, 16, 64]),
-                            precision=rng.choice(["bf16", "fp16", "fp8", "mxfp8"]),
+                            precision=rng.choice(["bf16", "fp16", "fp8", "fp8:delayed", "fp8:tensorwise",
+                                                  "fp8:blockwise", "mxfp8"]),
                             recompute=rng.choice(["none", "full", "selective", "selective:moe_act+layernorm",
                                                   "selective:mla_up_proj", "selective:mlp+shared_experts"]),
                         )

@@ -844,3 +844,68 @@ def test_knob_rules_agree_with_megatron(model: ModelSpec, layout: Layout, seq: i
     except (ValueError, AssertionError) as exc:
         refused = f"{type(exc).__name__}: {exc}"
     assert (refused is None) == valid, refused
+
+
+# -- FP8 recipes (issue 52) -------------------------------------------------------------------------------------
+# The FP8 checks TransformerConfig.__post_init__ makes (delayed scaling refuses moe_act and layernorm recompute; the
+# other recipes recompute them) are asked with the FP8 fields the GPU trial passes for the precision
+# (gpu.fp8_precision_kwargs: the recipe a precision names, else run.fp8_recipe, else the device's default).
+# One patch, not about layouts: ``transformer_config.is_te_min_version`` answers True (a Transformer Engine new
+# enough for every recipe, >= 2.6: the version checks read the installed TE, which a CPU-only torch lacks, and
+# the plan cannot know the nodes'; the GPU trial's own TransformerConfig checks the real one). The compute
+# capabilities drawn run every drawn recipe (hardware is fp8_hardware's, excluded above as a TE/GPU check).
+FP8_PRECISIONS = ("bf16", "fp8", "fp8:delayed", "fp8:tensorwise", "fp8:blockwise")
+
+
+@st.composite
+def fp8_cases(draw) -> tuple[Case, str, object]:
+    from sweeper.config.run_settings import RunSettings
+
+    model = draw(gpt_models())
+    capability = draw(st.sampled_from(["9.0", "10.0"]))
+    precisions = FP8_PRECISIONS + (("mxfp8",) if capability == "10.0" else ())
+    # Modules the model has (recompute_modules_exist, sweeper's own rule, stays silent): MoE models here are MoE in
+    # every layer.
+    modules = ["core_attn", "layernorm"] + (["moe_act", "moe"] if model.is_moe else ["mlp"])
+    chosen = draw(st.lists(st.sampled_from(modules), max_size=3, unique=True))
+    recompute = draw(st.sampled_from(["none", "full"])) if not chosen else "selective:" + "+".join(chosen)
+    layout = Layout(world_size=1, gbs=8, precision=draw(st.sampled_from(precisions)), recompute=recompute)
+    run = RunSettings(fp8_recipe=draw(st.sampled_from(["auto", "delayed", "tensorwise", "blockwise"])))
+    return Case(model, layout, 64), capability, run
+
+
+def _fp8_megatron_verdict(case: Case, capability: str, run) -> str | None:
+    from sweeper.backends.megatron.gpu import fp8_precision_kwargs
+    from sweeper.backends.megatron.layout_config import params_dtype
+
+    lo = case.layout
+    major, minor = (int(p) for p in capability.split("."))
+    fp8, _, _ = fp8_precision_kwargs(lo.precision, (major, minor), None if run.fp8_recipe == "auto" else run.fp8_recipe)
+    fields = dict(fp8, **lo.recompute_config())
+    if case.model.is_moe:  # the GPU trial's grouped experts (build.py: moe_grouped_gemm under TE), which moe_act
+        fields["moe_grouped_gemm"] = True  # recompute needs ("only supported with moe_grouped_gemm")
+    if lo.precision != "fp32":
+        fields.update(bf16=True, params_dtype=params_dtype(lo))
+    with mock.patch("megatron.core.transformer.transformer_config.is_te_min_version", return_value=True):
+        try:
+            transformer_config(case, **fields)
+        except Rejected as exc:
+            return str(exc)
+    return None
+
+
+@settings(max_examples=300 * SCALE, deadline=None, suppress_health_check=list(HealthCheck))
+@given(fp8_cases())
+def test_fp8_recipe_rules_agree_with_megatron(drawn: tuple[Case, str, object]) -> None:
+    """Every FP8 recipe as a precision value (and a bare fp8 under each run.fp8_recipe) with recompute modules on
+    dense and MoE models: the rules TransformerConfig checks refuse a case exactly when megatron-core does."""
+    case, capability, run = drawn
+    cluster = ClusterConfig(nodes=1, gpus_per_node=8, compute_capability=capability)
+    ctx = rules.RuleContext(case.model, case.layout, cluster, case.seq_length, run)  # type: ignore[arg-type]
+    ours = [reason for fn in COMPARED if (reason := fn(ctx))]
+    theirs = _fp8_megatron_verdict(case, capability, run)
+    event(f"{case.layout.precision}/{run.fp8_recipe}: " + ("valid" if theirs is None else "rejected"))  # type: ignore
+    assert (not ours) == (theirs is None), (
+        f"\nmodel={case.model.model_dump(exclude_defaults=True)}\nlayout={case.layout!r}\ncapability={capability}"
+        f"\nrun={run!r}\nsweeper: {ours or 'valid'}\nmegatron: {theirs or 'valid'}"
+    )

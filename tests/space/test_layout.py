@@ -4,7 +4,9 @@ pipeline split and the space's enumeration."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -99,7 +101,8 @@ LAYOUTS = st.builds(
     sp=st.booleans(),
     mbs=st.sampled_from([1, 2, 4]),
     gbs=st.sampled_from([8, 64, 128]),
-    precision=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "mxfp8", "nvfp4"]),
+    precision=st.sampled_from(["fp32", "fp16", "bf16", "fp8", "fp8:delayed", "fp8:tensorwise", "fp8:blockwise",
+                               "mxfp8", "nvfp4"]),
     recompute=st.sampled_from(["none", "selective", "full", "selective:moe", "selective:moe_act+layernorm"]),
     distributed_optimizer=st.booleans(),
     moe_token_dispatcher=st.sampled_from([None, "alltoall", "allgather", "flex:deepep", "flex:hybridep"]),
@@ -124,6 +127,16 @@ def test_to_string_parses_to_its_own_fields(lo: Layout) -> None:
     assert parsed["gpus"] == lo.world_size
     for key in ("tp", "pp", "vpp", "cp", "ep", "etp", "sp", "mbs", "gbs", "precision", "recompute"):
         assert parsed[key] == getattr(lo, key)
+
+
+def test_a_precision_that_names_its_fp8_recipe_is_a_precision_value() -> None:
+    """Issue 52: fp8:<recipe> parses, names the layout, and is FP8 (quantised); an unknown recipe is refused."""
+    lo = Layout(world_size=8, ep=8, precision="fp8:tensorwise", recompute="selective:layernorm")
+    assert lo.short().endswith("-fp8:tensorwise") and lo.is_fp8 and lo.quantized
+    assert parse_assignments("precision=fp8:Blockwise")["precision"] == "fp8:blockwise"
+    with pytest.raises(LayoutError, match="precision must be one of .*fp8:delayed, fp8:tensorwise, fp8:blockwise"):
+        parse_assignments("precision=fp8:mxfp8")
+    assert Layout(world_size=1, precision="nvfp4").is_fp8 is False
 
 
 def test_layout_from_string_fills_from_the_space_and_dp() -> None:
@@ -224,7 +237,7 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
     assert ("--sequence-parallel" in args) == lo.sp
     assert ("--use-distributed-optimizer" in args) == lo.distributed_optimizer
     assert args.get("--decoder-first-pipeline-num-layers") == (str(split[0]) if split else None)
-    assert ("--bf16" in args) == (lo.precision in ("bf16", "fp8", "mxfp8", "nvfp4"))
+    assert ("--bf16" in args) == (lo.precision == "bf16" or lo.quantized)  # BF16 weights under every recipe
     assert ("--fp4-format" in args) == (lo.precision == "nvfp4")
     assert not ("--fp4-format" in args and "--fp8-format" in args)  # "cannot be used simultaneously" (Megatron-LM)
     assert ("--fp16" in args) == (lo.precision == "fp16")
@@ -245,8 +258,9 @@ def test_megatron_args_use_megatron_lm_flag_names(lo: Layout, split: tuple[int, 
 # Section and recipe names verified against Megatron-Bridge: ConfigContainer groups train/model/optimizer/ddp/
 # mixed_precision; train.micro_batch_size, train.global_batch_size, ddp.use_distributed_optimizer and
 # optimizer.use_distributed_optimizer (kept in sync); recipes in megatron/bridge/training/mixed_precision.py.
-BRIDGE_RECIPES = {"null", "fp16_mixed", "bf16_mixed", "bf16_with_fp8_delayed_scaling_mixed", "bf16_with_mxfp8_mixed",
-                  "bf16_with_nvfp4_mixed"}
+# The recipe names every supported Bridge release registers (tests/data/megatron_bridge_fields.json), and null.
+BRIDGE_RECIPES = {"null"} | set.intersection(*(set(fields["mixed_precision_recipes"]) for fields in json.loads(
+    (Path(__file__).resolve().parents[1] / "data" / "megatron_bridge_fields.json").read_text()).values()))
 BRIDGE_OTHER_FIELDS = {
     "train.micro_batch_size", "train.global_batch_size", "ddp.use_distributed_optimizer",
     "optimizer.use_distributed_optimizer", "mixed_precision",

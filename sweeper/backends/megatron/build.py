@@ -31,7 +31,7 @@ from sweeper.backends.megatron.cpu.spec import adapt_local_block_spec
 from sweeper.backends.megatron.device import device_capability_text, rank_device
 from sweeper.backends.megatron.failures import InvalidLayoutError
 from sweeper.backends.megatron.layout_config import layout_config_kwargs, params_dtype
-from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings
+from sweeper.config.run_settings import MOE_AUX_LOSS_COEFF, MOE_LOAD_BALANCING_TYPE, RunSettings, fp8_format
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import ModelSpec
 from sweeper.space.layout import Layout
@@ -64,10 +64,9 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
             moe_grouped_gemm=te,
         )
     fp8: dict[str, Any] = {}
-    if layout.precision == "fp8":
-        fp8 = dict(fp8="hybrid", fp8_recipe="delayed")
-    elif layout.precision == "mxfp8":
-        fp8 = dict(fp8="e4m3", fp8_recipe="mxfp8")
+    recipe = run.recipe(layout.precision, None)  # None: no device here; the CPU backend refuses FP8 (support.py)
+    if recipe is not None:
+        fp8 = dict(fp8=fp8_format(recipe), fp8_recipe=recipe)
     config_class: type[TransformerConfig] = TransformerConfig
     arch: dict[str, Any] = {}
     if spec.multi_latent_attention and not te:  # the GPU plan carries the same fields (gpu.gpu_plan)

@@ -13,7 +13,8 @@ Megatron-Bridge 0.3.x's documented API (the import calls read the same in 0.4.2,
 post_process=, vp_stage=)``, ``finalize()`` from 0.4 on Mamba/Hybrid providers and 0.5 on every provider), and is
 exercised only by scripts/gpu_check.sh on a real device.
 
-FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the recipe is chosen here and noted):
+FP8 recipe per capability where ``Layout.precision`` is bare fp8 (``fp8:<recipe>`` names its own; chosen here and
+noted):
 - fp8 on 8.9 (Ada) and 9.x (Hopper): ``delayed`` scaling, Megatron's long-standing default (format hybrid,
   amax history 1024 with max), the recipe most FP8 pretraining on Hopper has used.
 - fp8 on 10.x / 12.x (Blackwell): ``tensorwise`` ("current scaling", Float8CurrentScaling): scales from the
@@ -21,8 +22,8 @@ FP8 recipe per capability (``Layout.precision`` only says fp8 or mxfp8; the reci
   by scripts/gpu_check.sh on a Blackwell GPU.
 - ``blockwise`` (Float8BlockScaling, DeepSeek-V3 style 1x128/128x128, format e4m3) only when asked for, on ≥ 9.0.
 - mxfp8: MXFP8BlockScaling (format e4m3), compute capability 10.x only (docs/LAYOUT_RULES.md: rejected on 12.x too).
-An explicit recipe is the YAML's ``run.fp8_recipe`` (delayed|tensorwise|blockwise; sweeper.config.run_settings), which
-the estimator and the exports read too.
+An explicit recipe is the precision's (fp8:delayed|fp8:tensorwise|fp8:blockwise), else the YAML's ``run.fp8_recipe``
+(sweeper.config.run_settings), which the estimator and the exports read too.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from sweeper.config.run_settings import (
     fp8_format,
 )
 from sweeper.models.spec import ModelSpec
+from sweeper.space.axes import named_fp8_recipe, precision_dtype
 from sweeper.space.layout import Layout
 
 Capability = tuple[int, int]
@@ -103,24 +105,23 @@ def fp8_precision_kwargs(precision: str, capability: Capability, recipe: str | N
 
     BF16/FP16/FP32 need no FP8 kwargs. Raises GpuPrecisionError where the capability cannot run the request."""
     cc = capability_text(capability)
+    # ``recipe`` (run.fp8_recipe) is only what a bare fp8 means: MXFP8 and NVFP4 have their own whatever it says, so
+    # one sweep compares fp8 under the run's recipe with them (issue 52).
     if precision == "mxfp8":
-        if recipe not in (None, "mxfp8"):
-            raise GpuPrecisionError(f"precision mxfp8 has its own recipe; run.fp8_recipe={recipe} does not apply")
         if capability[0] != 10:
             raise GpuPrecisionError(
                 f"MXFP8 needs compute capability 10.x (B200/GB200); Transformer Engine rejects it on {cc}"
             )
         return dict(fp8="e4m3", fp8_recipe="mxfp8"), "mxfp8", "precision mxfp8: MXFP8BlockScaling (e4m3)"
     if precision == "nvfp4":
-        if recipe not in (None, "nvfp4"):
-            raise GpuPrecisionError(f"precision nvfp4 has its own recipe; run.fp8_recipe={recipe} does not apply")
         if capability[0] != 10:
             raise GpuPrecisionError(f"NVFP4 needs compute capability 10.x (B200/GB200/B300); this GPU is {cc}")
         # megatron-core's fp4 / fp4_recipe (transformer_config.py); fp4_utils.get_fp4_recipe builds TE's
         # NVFP4BlockScaling and raises itself below TE 2.7.
         return dict(fp4="e2m1", fp4_recipe="nvfp4"), "nvfp4", "precision nvfp4: NVFP4BlockScaling (e2m1)"
-    if precision != "fp8":
+    if precision_dtype(precision) != "fp8":
         return {}, None, None
+    recipe = named_fp8_recipe(precision) or recipe  # fp8:<recipe> names its own; bare fp8 takes run.fp8_recipe
     if capability < (8, 9):
         raise GpuPrecisionError(f"FP8 needs compute capability >= 8.9 (Ada/Hopper/Blackwell); this GPU is {cc}")
     chosen = recipe or default_fp8_recipe(capability[0])
