@@ -22,6 +22,9 @@ class Progress:
     confirm_runs: float = 0.0
     clock: Callable[[], float] = time.monotonic  # a rehearsal's virtual clock (trial.rehearsal)
     modelled: bool = False  # a rehearsal: the best's figure is modelled, and the line says so (issue 54)
+    # The production run's GPUs the best's figure is projected to (issue 53: the line printed the production
+    # objective under the trial's unit, right after that trial printed half of it); 0: not said
+    production_gpus: int = 0
 
     def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None,
              others: int = 0, waiting: bool = False) -> str:
@@ -31,7 +34,9 @@ class Progress:
         failed = sum(1 for r in explore if r.result.status == "failed")
         pruned = sum(1 for r in explore if r.result.status == "pruned")
         elapsed = self.clock() - self.started
-        best_text = (f"best {best[0]} {best[1]:,.1f} {self.objective}{' (modelled)' if self.modelled else ''}"
+        kinds = [k for k in ("modelled" if self.modelled else "",
+                             f"projected to {self.production_gpus} GPUs" if self.production_gpus else "") if k]
+        best_text = (f"best {best[0]} {best[1]:,.1f} {self.objective}" + (f" ({', '.join(kinds)})" if kinds else "")
                      if best else "no stable layout yet")
         held = ""
         if others:

@@ -124,6 +124,11 @@ def test_the_progress_lines_best_says_modelled_in_a_rehearsal(modelled: bool) ->
     line = progress.line([], running=0, launched=1, best=("TP1-PP2", 1234.5))
     assert ("best TP1-PP2 1,234.5 tokens_per_s (modelled) |" in line) is modelled
     assert "best TP1-PP2 1,234.5 tokens_per_s |" in line or modelled
+    projected = Progress(max_trials=4, objective="tokens_per_s", started=0.0, clock=lambda: 60.0, modelled=modelled,
+                         production_gpus=16)
+    text = "(modelled, projected to 16 GPUs)" if modelled else "(projected to 16 GPUs)"
+    assert f"best TP1-PP2 1,234.5 tokens_per_s {text} |" in projected.line([], running=0, launched=1,
+                                                                           best=("TP1-PP2", 1234.5))
 
 
 def test_a_rehearsals_folder_from_before_sweep_json_said_so_is_known_by_its_trials(tmp_path: Path) -> None:

@@ -86,7 +86,7 @@ class SweepState:
         search = cfg.search
         confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
         self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs, self.scheduler.now,
-                                 modelled=options.rehearse)
+                                 modelled=options.rehearse, production_gpus=cfg.production_gpus)
         # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.propose.refit).
         self.calibrator = Calibrator(cfg, options.out, host_cores=(os.cpu_count() or 1) if handle.simulated else None,
                                      shared=not options.rehearse)
@@ -201,7 +201,8 @@ class SweepState:
         colour = "green" if result.passed else "red"
         m = result.metrics
         outcome = (f"{result.failure_kind}: {result.error}" if result.failure_kind else
-                   f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB")
+                   f"{m.tokens_per_s or 0:,.0f} tokens/s, peak {m.peak_memory_gib or 0:.2f} GiB "
+                   f"{'modelled' if self.options.rehearse else 'measured'} on its {run.layout.world_size} GPUs")
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
         if run.phase == "confirm" and result.passed and not steady(result, self.cfg):
