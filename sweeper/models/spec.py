@@ -65,6 +65,10 @@ class ModelSpec(BaseModel):
     qk_pos_emb_head_dim: PositiveInt = 64
     v_head_dim: PositiveInt = 128
 
+    # Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers): MTP layers after the last decoder layer, on
+    # the last pipeline stage (an "m" in a pipeline_model_parallel_layout), Megatron's mtp_num_layers.
+    mtp_num_layers: int = Field(0, ge=0)
+
     # Hybrid Mamba (Nemotron-H): one character per layer, M mamba, * attention, - dense MLP, E MoE
     hybrid_layer_pattern: str | None = None
     mamba_num_heads: PositiveInt | None = None

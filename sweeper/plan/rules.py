@@ -309,7 +309,7 @@ def pipeline_split(c: RuleContext) -> str | None:
         return None
     if lo.pipeline_layout:
         try:
-            stages = check_layout(lo.pipeline_layout, lo.pp, layers)
+            stages = check_layout(lo.pipeline_layout, lo.pp, layers, c.model.mtp_num_layers)
         except ValueError as exc:
             return str(exc)
         if len(stages) // lo.pp != lo.vpp:
