@@ -280,7 +280,14 @@ def accounted_split(layers: int, pp: int, vpp: int = 1) -> tuple[bool, bool] | N
 def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
     """The layout with Megatron's pipeline split filled in when the layers do not divide by PP x VPP and the layout
     names no split itself: the uneven first/last stage sizes (27 layers on PP2: 14/13), else the embedding and the
-    loss accounted as layers (126 layers on PP8 x VPP8)."""
+    loss accounted as layers (126 layers on PP8 x VPP8). A layout string with VPP left at 1 gets the VPP it sets
+    (stages / PP, as Megatron derives it); a VPP given besides that the string contradicts is the rules' to refuse."""
+    if layout.pipeline_layout is not None and layout.vpp == 1:
+        try:
+            stages = len(parse_layout(layout.pipeline_layout, layout.pp))
+        except ValueError:
+            return layout
+        return replace(layout, vpp=stages // layout.pp)
     if layout.pp == 1 or not layout.split.even:
         return layout
     fields = pipeline_split_fields(model, layout.pp, layout.vpp)

@@ -4,11 +4,19 @@ holds only the embedding or the loss, and the enumeration of ``space.pipeline_la
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
+import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sweeper.config.schema import ClusterConfig, SpaceConfig, SweepConfig, TrainingConfig
+from sweeper.estimate import estimate
 from sweeper.models.catalog import preset
 from sweeper.models.spec import ModelSpec
 from sweeper.plan import rules
@@ -16,6 +24,7 @@ from sweeper.plan.space import enumerate_layouts, pipeline_layout_values
 from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.space.pipeline import accounted_split, balanced_layout, check_layout, stage_layers
 
+ROOT = Path(__file__).resolve().parents[2]
 H100x8 = ClusterConfig(nodes=128, gpus_per_node=8, gpu_memory_gib=80, compute_capability="9.0")
 
 
@@ -111,3 +120,50 @@ def test_a_layout_string_in_the_space_sets_its_own_virtual_stages() -> None:
 
 def test_auto_is_a_layout_without_a_string() -> None:
     assert Layout(world_size=8, pp=2, pipeline_layout="auto") == Layout(world_size=8, pp=2)
+
+
+@pytest.mark.e2e
+def test_a_generated_layout_trains_on_the_cpu_backend(tmp_path: Path) -> None:
+    """5 layers on PP2 x VPP2 split neither evenly, nor unevenly (counts must divide by VPP), nor with the
+    embedding and loss accounted: only sweeper's generated layout string places them. A real 2-rank megatron-core
+    trial builds it (TransformerConfig's pipeline_model_parallel_layout, VPP from the string), passes the
+    equivalence gate against the one-rank reference and reloads its checkpoint."""
+    text = balanced_layout(5, 2, 2)
+    assert text == "E|(tt|)*2tL"
+    path = tmp_path / "layout.yaml"
+    path.write_text(yaml.safe_dump({
+        "name": "generated-layout",
+        "model": {"preset": "tiny-gpt", "num_layers": 5},
+        "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gib": 16, "compute_capability": "9.0",
+                    "simulate": True},
+        "training": {"seq_length": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1, "checkpoint": True,
+                     "trial_timeout_s": 600},
+        "space": {"gpus": [2], "pp": [2], "vpp": [2], "precision": ["fp32"]},
+    }))
+    planned = json.loads(subprocess.run(
+        [sys.executable, "-m", "sweeper", "plan", str(path), "--json"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout)
+    assert [(e["layout"]["vpp"], e["layout"].get("pipeline_layout")) for e in planned if e["valid"]] == [(2, text)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "sweeper", "trial", str(path), "--layout", f"gpus=2,pp=2,pipeline_layout={text}",
+         "--json"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads(proc.stdout)
+    assert result["status"] == "passed", f"[{result['failure_kind']}] {result['error']}"
+    assert result["checks"]["checkpoint_reloaded"] is True
+    assert result["checks"]["equivalence_rel_err"] is not None and result["checks"]["equivalence_rel_err"] < 1e-4
+
+
+def test_the_estimator_prices_the_stages_a_layout_string_places() -> None:
+    # The same placement written two ways is priced the same; moving layers onto the last rank (which also holds
+    # the output layer and the loss) makes it the hot stage: more memory and a slower step.
+    llama = preset("llama3.1-405b")
+    base = dict(world_size=1024, tp=8, pp=8, vpp=8, cp=2, mbs=1, gbs=512)
+    accounted = estimate(llama, Layout(**base, account_for_embedding=True, account_for_loss=True), H100x8, 8192)
+    written = estimate(llama, Layout(**base, pipeline_layout="Et|(tt|)*62tL"), H100x8, 8192)
+    assert (written.memory_gib, written.step_time_s) == (accounted.memory_gib, accounted.step_time_s)
+    heavy_last = "E|(tt|)*56" + "t|" * 6 + "t*8L"  # rank 7: 22 layers, the others 14 to 16
+    assert check_layout(heavy_last, 8, 126)
+    hot = estimate(llama, Layout(**base, pipeline_layout=heavy_last), H100x8, 8192)
+    assert hot.memory_gib > written.memory_gib and hot.step_time_s > written.step_time_s
