@@ -106,6 +106,9 @@ class ModelSpec(BaseModel):
                 f"multi_latent_attention: num_query_groups ({self.num_query_groups}) must be unset or equal "
                 f"num_attention_heads ({self.num_attention_heads}); MLA has one key and value per head"
             )
+        if self.mtp_num_layers and self.hybrid_layer_pattern is not None:
+            # megatron-core 0.16's MambaModel builds no MTP block (0.19's hybrid MTP is a pattern of its own).
+            raise ValueError("mtp_num_layers: multi-token prediction is modelled for GPT models, not hybrid Mamba ones")
         if self.moe_first_k_dense > self.num_layers:
             raise ValueError(f"moe_first_k_dense ({self.moe_first_k_dense}) exceeds num_layers ({self.num_layers})")
         return self

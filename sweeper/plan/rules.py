@@ -370,6 +370,20 @@ def pipeline_split(c: RuleContext) -> str | None:
     return None
 
 
+@rule("moe_a2a_overlap", "pp")
+def mtp_with_a2a_overlap(c: RuleContext) -> str | None:
+    """transformer_config.py __post_init__ with overlap_moe_expert_parallel_comm and multi-token prediction."""
+    mtp = c.model.mtp_num_layers
+    if not (c.layout.moe_a2a_overlap and mtp):
+        return None
+    if mtp != 1:
+        return "MTP layernum only supports 1 when enabling overlap_moe_expert_parallel_comm."
+    if c.layout.pp == 1:
+        return ("Pipeline model parallel size must be larger than 1 when enabling overlap_moe_expert_parallel_comm "
+                "with MTP layer.")
+    return None
+
+
 # -- MoE (moe_layer.py, transformer_config.py) --------------------------------------------------------------------
 @rule("ep")
 def ep_needs_experts(c: RuleContext) -> str | None:

@@ -228,16 +228,32 @@ def _layout_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[Chunk, ..
 LayerKind = tuple[Block, ...]
 
 
+def mtp_rank(spec: ModelSpec, pp: int, split: PipelineSplit | None = None) -> int | None:
+    """The pipeline rank holding the multi-token-prediction layers (None: the model has none): the one whose stage
+    has the ``m`` of a layout string, else the last (multi_token_prediction.py ``mtp_on_this_rank``)."""
+    if not spec.mtp_num_layers:
+        return None
+    if split is not None and split.layout is not None:
+        stages = parse_layout(split.layout, pp)
+        return next((i % pp for i, stage in enumerate(stages) if "m" in stage), pp - 1)
+    return pp - 1
+
+
 @lru_cache(maxsize=4096)
 def stage_layer_kinds(
     spec: ModelSpec, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None,
     split: PipelineSplit | None = None,
 ) -> tuple[tuple[tuple[LayerKind, int], ...], ...]:
     """For each pipeline rank, how many layers of each kind (its tuple of blocks) it holds over all its virtual
-    stages. Estimating per kind instead of per layer keeps ``estimate`` fast on 50-layer hybrid models."""
+    stages, its multi-token-prediction layers included (each runs a transformer layer of the last decoder layer's
+    kind: its weights, activations and compute). Estimating per kind instead of per layer keeps ``estimate`` fast
+    on 50-layer hybrid models."""
     out = []
-    for rank_chunks in stage_layers(spec.num_layers, pp, vpp, first, last, split):
+    holder = mtp_rank(spec, pp, split)
+    for rank, rank_chunks in enumerate(stage_layers(spec.num_layers, pp, vpp, first, last, split)):
         kinds = Counter(spec.layer_blocks[i] for chunk in rank_chunks for i in chunk)
+        if rank == holder:
+            kinds[spec.layer_blocks[-1]] += spec.mtp_num_layers
         out.append(tuple(sorted(kinds.items())))
     return tuple(out)
 
