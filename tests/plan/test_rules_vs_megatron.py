@@ -292,6 +292,7 @@ def transformer_config(case: Case, **extra) -> TransformerConfig:
         expert_model_parallel_size=lo.ep,
         expert_tensor_parallel_size=lo.etp,
         sequence_parallel=lo.sp,
+        mtp_num_layers=m.mtp_num_layers or None,
         **lo.pipeline_split_config(),
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -446,8 +447,11 @@ def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
     vocab = math.ceil(m.vocab_size / (128 * lo.tp)) * 128 * lo.tp
     # The local (non-TE) spec cannot do SP (torch LayerNorm) or CP (DotProductAttention): both are Transformer
     # Engine features, so the model is built without them; their layout rules are checked by the config,
-    # parallel_state and the data-side helpers.
+    # parallel_state and the data-side helpers. Nor is the MTP block built (mtp_num_layers off for the build): an MTP
+    # model syncs its embedding copy with a CUDA all-reduce at construction, and TransformerConfig and the layout
+    # already checked what a layout decides about MTP (placement, counts).
     config.sequence_parallel, config.context_parallel_size = False, 1
+    mtp_num_layers, config.mtp_num_layers = config.mtp_num_layers, None
     rank, vp_stage = _first_stage_with_layers(config, lo)
     try:
         with _mla_on_cpu(config) if m.multi_latent_attention else contextlib.nullcontext(), _as_rank(rank):
@@ -462,6 +466,7 @@ def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
             )
     finally:
         config.sequence_parallel, config.context_parallel_size = lo.sp, lo.cp
+        config.mtp_num_layers = mtp_num_layers
 
 
 def _first_stage_with_layers(config: TransformerConfig, lo: Layout) -> tuple[int, int]:
@@ -644,6 +649,7 @@ def gpt_models(draw) -> ModelSpec:
         kv_channels=8,
         vocab_size=100,
         add_bias_linear=draw(st.integers(0, 3)) == 0,
+        mtp_num_layers=draw(st.sampled_from([0, 0, 0, 1, 2])),  # issue 52: MTP placed by layout strings
         **draw(moe_fields()),
     )
 
@@ -742,9 +748,10 @@ def _layout_string(draw, model: ModelSpec, pp: int, vpp: int) -> dict:
     """A pipeline_model_parallel_layout as sweeper generates it (``balanced_layout``) or a user could write it:
     sometimes with a layer moved to another stage, one too many or too few, an MTP layer the model lacks, or a
     VPP other than the string's (Megatron derives VPP from the string and asserts a given one agrees)."""
-    text = balanced_layout(model.num_layers, pp, vpp)
+    mtp = "m" * model.mtp_num_layers
+    text = balanced_layout(model.num_layers, pp, vpp, model.mtp_num_layers)
     if text is None:  # a middle stage would be empty: write every stage by hand, one layer each where possible
-        text = "E" + "|".join("t" * (model.num_layers // (pp * vpp)) for _ in range(pp * vpp)) + "L"
+        text = "E" + "|".join("t" * (model.num_layers // (pp * vpp)) for _ in range(pp * vpp)) + mtp + "L"
     stages = parse_layout(text, 1)
     flat = list(stages)
     mutation = draw(st.integers(0, 7))
@@ -757,6 +764,11 @@ def _layout_string(draw, model: ModelSpec, pp: int, vpp: int) -> dict:
         flat[-1] = "t" + flat[-1]  # one layer too many
     elif mutation == 2:
         flat[-1] = flat[-1].replace("L", "mL")  # an MTP layer the model does not have
+    elif mutation == 3 and mtp and len(flat) > 1:
+        # The MTP layers one stage earlier: a standalone MTP stage (the last virtual stage of another rank), or
+        # not Megatron's to accept (not a last virtual stage, or decoder layers after it).
+        flat[-1] = flat[-1].replace(mtp, "")
+        flat[-2] += mtp
     written = "|".join(flat)
     string_vpp = max(1, len(flat) // pp)
     given_vpp = draw(st.sampled_from([string_vpp] * 5 + [1, 2]))
