@@ -169,3 +169,28 @@ def test_the_estimator_prices_the_stages_a_layout_string_places() -> None:
     assert check_layout(heavy_last, 8, 126)
     hot = estimate(llama, Layout(**base, pipeline_layout=heavy_last), H100x8, 8192)
     assert hot.memory_gib > written.memory_gib and hot.step_time_s > written.step_time_s
+
+
+def test_optuna_can_name_every_layout_of_the_space(tmp_path: Path) -> None:
+    # The study's categorical for pipeline_layout holds the generated strings: each layout's params map back to it.
+    from sweeper.search.study import LayoutStudy
+
+    cfg = _deepseek(pp=[8, 16], vpp=[1, 2, 4])
+    layouts = enumerate_layouts(cfg)
+    study = LayoutStudy(cfg, tmp_path / "journal.log", "tpe", 0, layouts)
+    for layout in layouts:
+        assert study.layout_of(study.params_of(layout)) == layout
+    assert all(-1 not in study._coordinates(lo) for lo in layouts)  # every value is one of the choices
+
+
+def test_the_vendor_space_holds_the_interleaved_deepseek_v3_layout() -> None:
+    from sweeper.config.load import load_config
+    from sweeper.plan.assess import build_plan
+
+    cfg = load_config(ROOT / "search_spaces" / "deepseek_v3_1024_vendor.yaml")
+    entries = build_plan(cfg, {"pp": 8, "vpp": 4, "precision": "bf16", "recompute": "full",
+                               "moe_token_dispatcher": "alltoall"})
+    by_string = {e.layout.pipeline_layout: e for e in entries}
+    assert set(by_string) == {None, "Et|(tt|)*30mL"}  # auto's generated string and the written one are the same
+    assert by_string["Et|(tt|)*30mL"].valid and by_string["Et|(tt|)*30mL"].launchable
+    assert "neither an uneven first/last-stage split" in " ".join(by_string[None].reasons)
