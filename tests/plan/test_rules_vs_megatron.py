@@ -737,7 +737,7 @@ def cases(draw, models) -> Case:
             # checks (widths, experts vs EP) would not run, so the comparison would say nothing. Loss only.
             embedding, loss = False, True
         layout = replace(layout, account_for_embedding=embedding, account_for_loss=loss)
-    elif split == 3:
+    elif split in (3, 4):
         layout = replace(layout, **_layout_string(draw, model, pp, vpp))
     else:
         layout = with_pipeline_split(layout, model)
@@ -783,6 +783,8 @@ def _agree(case: Case) -> None:
     ours = sweeper_reasons(case)
     theirs = megatron_verdict(case)
     event("megatron: valid" if theirs is None else f"megatron rejects in {theirs.split(':')[0]}")
+    if case.layout.pipeline_layout:  # --hypothesis-show-statistics counts the layout strings drawn (issue 52)
+        event("pipeline layout string, " + ("valid" if theirs is None else "refused"))
     assert (not ours) == (theirs is None), (
         f"\nmodel={case.model.model_dump(exclude_defaults=True)}\nlayout={case.layout!r}\n"
         f"seq_length={case.seq_length}\nsweeper: {ours or 'valid'}\nmegatron: {theirs or 'valid'}"
