@@ -105,6 +105,8 @@ def matches(layout: Layout, only: dict[str, Any]) -> bool:
         actual = AXIS[key].value(layout)
         if key == "sp":
             value = resolve_sp(value, layout.tp)
+        if key == "pipeline_layout" and value == AUTO_LAYOUT:  # the layouts without a string (sweeper's own split)
+            value = None
         if actual != value:
             return False
     return True

@@ -194,3 +194,12 @@ def test_the_vendor_space_holds_the_interleaved_deepseek_v3_layout() -> None:
     assert set(by_string) == {None, "Et|(tt|)*30mL"}  # auto's generated string and the written one are the same
     assert by_string["Et|(tt|)*30mL"].valid and by_string["Et|(tt|)*30mL"].launchable
     assert "neither an uneven first/last-stage split" in " ".join(by_string[None].reasons)
+
+
+def test_only_pipeline_layout_auto_keeps_the_layouts_without_a_string() -> None:
+    from sweeper.plan.space import matches, only_filter
+
+    with_string = Layout(world_size=8, pp=2, vpp=2, pipeline_layout="E|(tt|)*2tL")
+    assert matches(Layout(world_size=8, pp=2), only_filter("pipeline_layout=auto"))
+    assert not matches(with_string, only_filter("pipeline_layout=auto"))
+    assert matches(with_string, only_filter("pipeline_layout=E|(tt|)*2tL"))
