@@ -28,13 +28,14 @@ from sweeper.models.params import (
     ShardParams,
     block_params,
     embedding_params,
+    mtp_extra_params,
     output_params,
     padded_vocab_size,
 )
 from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.axes import QUANTIZED, SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
-from sweeper.space.pipeline import stage_layer_kinds
+from sweeper.space.pipeline import mtp_rank, stage_layer_kinds
 
 BF16_BYTES = 2
 FP32_BYTES = 4
@@ -85,6 +86,7 @@ def stage_params(
     """Parameters of one rank of each pipeline stage (all TP/EP ranks of a stage hold the same count).
     ``split`` (``Layout.split``) replaces ``first``/``last`` with all of Megatron's pipeline-split options."""
     out = []
+    holder = mtp_rank(spec, pp, split)
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last, split)):
         layers, largest = ShardParams(), 0
         for kind, n in kinds:
@@ -93,10 +95,12 @@ def stage_params(
                 layer = layer + block_params(spec, block, tp, ep, etp, local_spec)
             layers = layers + layer.scaled(n)
             largest = max(largest, layer.total if n else 0)
+        if rank == holder:  # MTP's own norms and eh_proj; its stage builds an embedding copy unless it is the first
+            layers = layers + ShardParams(dense=spec.mtp_num_layers * mtp_extra_params(spec, tp))
         out.append(
             StageParams(
                 layers=layers,
-                embedding=embedding_params(spec, tp) if rank == 0 else 0,
+                embedding=embedding_params(spec, tp) if rank == 0 or (rank == holder and pp > 1) else 0,
                 output=output_params(spec, tp, pp) if rank == pp - 1 else 0,
                 largest_layer=largest,
             )
@@ -484,6 +488,7 @@ def stage_activations(
     blocks, rebuilt, kept_per_layer, dispatch = (per_layer.blocks, per_layer.rebuilt, per_layer.kept_per_layer,
                                                  per_layer.dispatch)
     out = []
+    holder = mtp_rank(spec, pp, split)
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split)):
         per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
         if s.recompute == "full":
@@ -495,8 +500,11 @@ def stage_activations(
         if any("moe" in kind for kind, _ in kinds):
             transient += dispatch
         logits = 0.0
+        if rank == holder:  # each MTP layer's own logits and loss, kept for backward beside the model's
+            logits += spec.mtp_num_layers * s.tokens * padded_vocab_size(spec, s.tp) / s.tp \
+                * constants.logits_bytes_per_element
         if rank == pp - 1:
-            logits = s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
+            logits += s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
             # Final norm input and output (the output layer's input, gathered over SP for the vocab GEMM).
             logits += s.tokens * spec.hidden_size * s.act_bytes * (1 / s.seq_div + 1)
         layers = sum(n for _, n in kinds)

@@ -22,7 +22,7 @@ from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.axes import SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
-from sweeper.space.pipeline import stage_layer_kinds
+from sweeper.space.pipeline import mtp_rank, stage_layer_kinds
 
 GB = 1e9
 TFLOP = 1e12
@@ -379,14 +379,20 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     gemm_rate = _rates(x.precision, device, constants)[1]
     slowest: dict[str, float] = {}
     slowest_s = -1.0
+    holder = mtp_rank(spec, x.pp, x.split)
     for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
         stage: dict[str, float] = {}
         for kind, n in kinds:
             for b in kind:
                 for term, s in per_block[b].items():
                     stage[term] = stage.get(term, 0.0) + n * s
-        if rank == x.pp - 1:
-            logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp)
+        # The output layer's GEMM: the model's on the last rank, each MTP layer's again on the MTP rank (with its
+        # eh_proj, 2h -> h); the MTP transformer layer itself is one of the rank's kinds (stage_layer_kinds).
+        heads = (rank == x.pp - 1) + (spec.mtp_num_layers if rank == holder else 0)
+        if heads:
+            logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp) * heads
+            if rank == holder:
+                logits_flops += spec.mtp_num_layers * 2 * 2 * spec.hidden_size * spec.hidden_size
             term = compute_term("logits", x.precision)
             stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
         for term in stage:

@@ -56,6 +56,8 @@ def model_args(spec: ModelSpec, seq_length: int) -> list[str]:
         args += _moe_args(spec)
     if spec.multi_latent_attention:
         args += _mla_args(spec)
+    if spec.mtp_num_layers:
+        args.append(f"--mtp-num-layers={spec.mtp_num_layers}")
     if spec.is_hybrid:
         args += [
             "--is-hybrid-model", f"{megatron_release.hybrid_pattern_flag()}={spec.hybrid_layer_pattern}",

@@ -73,7 +73,7 @@ PRESETS: dict[str, ModelSpec] = {
             published_active_params_b=2.4,
         ),
         # deepseek-ai/DeepSeek-V3 config.json: MLA with query compression, 256 routed experts (top 8, 8 groups) and
-        # one shared, the first 3 layers dense (the multi-token-prediction layer is not modelled).
+        # one shared, the first 3 layers dense, one multi-token-prediction layer (num_nextn_predict_layers).
         ModelSpec(
             name="deepseek-v3",
             num_layers=61,
@@ -95,6 +95,7 @@ PRESETS: dict[str, ModelSpec] = {
             qk_head_dim=128,
             qk_pos_emb_head_dim=64,
             v_head_dim=128,
+            mtp_num_layers=1,
             published_total_params_b=671,
             published_active_params_b=37,
         ),

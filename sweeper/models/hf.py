@@ -123,6 +123,7 @@ def _deepseek(c: _Config) -> dict[str, Any]:
         qk_head_dim=int(c.req("qk_nope_head_dim")),
         qk_pos_emb_head_dim=int(c.req("qk_rope_head_dim")),
         v_head_dim=int(c.req("v_head_dim")),
+        mtp_num_layers=int(c.opt("num_nextn_predict_layers", 0)),
     )
 
 

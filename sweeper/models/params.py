@@ -183,6 +183,15 @@ def layer_params(
     return out
 
 
+def mtp_extra_params(spec: ModelSpec, tp: int = 1) -> int:
+    """What each multi-token-prediction layer holds besides its transformer layer (multi_token_prediction.py): the
+    norms of the embedding and of the hidden state (enorm, hnorm), eh_proj (2h -> h, column-parallel) and its final
+    norm. Its output layer is the model's; the stage it sits on also builds an embedding copy when it is not the
+    first (``output_params``' rule for a tied output layer, applied to the embedding)."""
+    h = spec.hidden_size
+    return 3 * norm_params(spec, h) + _split(2 * h, 1) * _split(h, tp)
+
+
 def total_params(spec: ModelSpec) -> int:
     """Every parameter of the unsharded model (vocabulary padded for TP=1; a tied output layer counted once)."""
     n = embedding_params(spec) + output_params(spec)

@@ -65,6 +65,10 @@ class ModelSpec(BaseModel):
     qk_pos_emb_head_dim: PositiveInt = 64
     v_head_dim: PositiveInt = 128
 
+    # Multi-token prediction (DeepSeek-V3's num_nextn_predict_layers): MTP layers after the last decoder layer, on
+    # the last pipeline stage (an "m" in a pipeline_model_parallel_layout), Megatron's mtp_num_layers.
+    mtp_num_layers: int = Field(0, ge=0)
+
     # Hybrid Mamba (Nemotron-H): one character per layer, M mamba, * attention, - dense MLP, E MoE
     hybrid_layer_pattern: str | None = None
     mamba_num_heads: PositiveInt | None = None
@@ -102,6 +106,9 @@ class ModelSpec(BaseModel):
                 f"multi_latent_attention: num_query_groups ({self.num_query_groups}) must be unset or equal "
                 f"num_attention_heads ({self.num_attention_heads}); MLA has one key and value per head"
             )
+        if self.mtp_num_layers and self.hybrid_layer_pattern is not None:
+            # megatron-core 0.16's MambaModel builds no MTP block (0.19's hybrid MTP is a pattern of its own).
+            raise ValueError("mtp_num_layers: multi-token prediction is modelled for GPT models, not hybrid Mamba ones")
         if self.moe_first_k_dense > self.num_layers:
             raise ValueError(f"moe_first_k_dense ({self.moe_first_k_dense}) exceeds num_layers ({self.num_layers})")
         return self

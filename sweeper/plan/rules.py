@@ -320,7 +320,7 @@ def pipeline_split(c: RuleContext) -> str | None:
         return None
     if lo.pipeline_layout:
         try:
-            stages = check_layout(lo.pipeline_layout, lo.pp, layers)
+            stages = check_layout(lo.pipeline_layout, lo.pp, layers, c.model.mtp_num_layers)
         except ValueError as exc:
             return str(exc)
         if len(stages) // lo.pp != lo.vpp:
@@ -378,6 +378,20 @@ def pipeline_split(c: RuleContext) -> str | None:
             f"number of layers on each middle pipeline rank ({middle // middle_stages}) must be divisible by "
             f"virtual pipeline parallel degree ({lo.vpp})"
         )
+    return None
+
+
+@rule("moe_a2a_overlap", "pp")
+def mtp_with_a2a_overlap(c: RuleContext) -> str | None:
+    """transformer_config.py __post_init__ with overlap_moe_expert_parallel_comm and multi-token prediction."""
+    mtp = c.model.mtp_num_layers
+    if not (c.layout.moe_a2a_overlap and mtp):
+        return None
+    if mtp != 1:
+        return "MTP layernum only supports 1 when enabling overlap_moe_expert_parallel_comm."
+    if c.layout.pp == 1:
+        return ("Pipeline model parallel size must be larger than 1 when enabling overlap_moe_expert_parallel_comm "
+                "with MTP layer.")
     return None
 
 

@@ -53,6 +53,8 @@ SCOPE_BLOCK: dict[str, str] = {"attn": "attention", "mlp": "mlp", "moe": "moe", 
 # the gradients (ZeRO-2), also the parameters (ZeRO-3, gathered per decoder layer). Its "no_shard" is left out: it
 # replicates everything as Megatron's DDP does, and fails with the distributed optimizer Megatron-FSDP asks for.
 FSDP_STRATEGIES: tuple[str, ...] = ("optim", "optim_grads", "optim_grads_params")
+# The pipeline_layout value that leaves the split to sweeper (a Layout holds it as None).
+AUTO_LAYOUT = "auto"
 
 
 @dataclass(frozen=True)
@@ -154,7 +156,10 @@ AXES: tuple[Axis, ...] = (
     Axis("account_for_loss", "bool", _PP_SPLIT + ": the loss counts as a layer",
          megatron="account_for_loss_in_pipeline_split", flag="account-for-loss-in-pipeline-split",
          bridge=("model.account_for_loss_in_pipeline_split",)),
-    Axis("pipeline_layout", "text", "Megatron's pipeline layout string, e.g. Et|(tt|)*62tL (no commas)",
+    Axis("pipeline_layout", "text", "Megatron's pipeline layout string, e.g. Et|(tt|)*30mL (no commas; it sets "
+         "the virtual stages itself), or auto: the split sweeper picks where the layers do not divide by PP x VPP "
+         "(uneven first/last stages or the embedding and loss accounted as layers) and, besides it, the balanced "
+         "layout string (space.pipeline.balanced_layout)", searched=True, space_default=(AUTO_LAYOUT,),
          megatron="pipeline_model_parallel_layout", flag="pipeline-model-parallel-layout",
          bridge=("model.pipeline_model_parallel_layout",)),
     Axis("first_stage_layers", "int", _PP_SPLIT + ": decoder layers on the first stage", parse=False,

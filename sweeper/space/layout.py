@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from sweeper.errors import LayoutError
 from sweeper.space.axes import (
+    AUTO_LAYOUT,
     AXES,
     AXIS,
     CONTRACT_KEYS,
@@ -107,6 +108,8 @@ class Layout:
             raise LayoutError(f"fsdp: must be one of {', '.join(FSDP_STRATEGIES)}, got {self.fsdp!r}")
         if isinstance(self.offload_layers, bool) or not isinstance(self.offload_layers, int) or self.offload_layers < 0:
             raise LayoutError(f"offload_layers: must be 0 or a positive integer, got {self.offload_layers!r}")
+        if self.pipeline_layout == AUTO_LAYOUT:  # sweeper picks the split: space.pipeline.with_pipeline_split
+            object.__setattr__(self, "pipeline_layout", None)
         if self.pipeline_layout is not None and (not self.pipeline_layout.strip() or "," in self.pipeline_layout):
             raise LayoutError(f"pipeline_layout: must be a Megatron layout string without commas, e.g. "
                               f"'Et|(tt|)*62tL', got {self.pipeline_layout!r}")

@@ -72,9 +72,10 @@ def parse_layout(text: str, pp: int) -> tuple[str, ...]:
     return stages
 
 
-def check_layout(text: str, pp: int, num_layers: int) -> tuple[str, ...]:
-    """The stages of a layout string that Megatron's ``validate_layer_layout`` accepts for a model of
-    ``num_layers`` decoder layers and no MTP layers; ValueError with Megatron's reason otherwise."""
+def check_layout(text: str, pp: int, num_layers: int, mtp_num_layers: int = 0) -> tuple[str, ...]:
+    """The stages of a layout string that Megatron's ``validate_layer_layout`` (pipeline_parallel_layer_layout.py)
+    accepts for a model of ``num_layers`` decoder layers and ``mtp_num_layers`` multi-token-prediction layers;
+    ValueError with Megatron's reason otherwise."""
     stages = parse_layout(text, pp)
     flat = "".join(stages)
     if not flat.startswith("E") or not flat.endswith("L") or flat.count("E") != 1 or flat.count("L") != 1:
@@ -83,10 +84,72 @@ def check_layout(text: str, pp: int, num_layers: int) -> tuple[str, ...]:
     if flat.count("t") != num_layers:
         raise ValueError(f"Number of decoder layers ({flat.count('t')}) in pipeline_model_parallel_layout must "
                          f"match num_layers ({num_layers})")
+    if flat.count("m") != mtp_num_layers:
+        raise ValueError(f"Number of mtp layers in layout ({flat.count('m')}) must match mtp_num_layers "
+                         f"({mtp_num_layers})")
     if "m" in flat:
-        raise ValueError("pipeline_model_parallel_layout places multi-token-prediction layers (m); this model has "
-                         "none (mtp_num_layers 0)")
+        vpp = len(stages) // pp
+        # Megatron numbers layers in stage order (stage v * PP + rank), so "after" is the flat string's order.
+        if "t" in flat[flat.index("m"):]:
+            raise ValueError("pipeline_model_parallel_layout: decoder layers must be placed before MTP layers")
+        holding = [i for i, stage in enumerate(stages) if "m" in stage]
+        if any(i // pp != vpp - 1 for i in holding):
+            raise ValueError("pipeline_model_parallel_layout: MTP must be in the last virtual pipeline stage of its "
+                             "pipeline rank")
+        if len(holding) > 1:
+            raise ValueError("pipeline_model_parallel_layout: all of the MTP layers must be in the same one virtual "
+                             "pipeline stage")
     return stages
+
+
+def balanced_layout(num_layers: int, pp: int, vpp: int = 1, mtp_num_layers: int = 0) -> str | None:
+    """The pipeline_model_parallel_layout Megatron users write when the layers do not divide over PP x VPP: the
+    embedding, the loss and each MTP layer weigh one decoder layer, every virtual stage gets the smallest even
+    load, the embedding's stage gives up layers first (rank 0 also holds the most micro-batches' activations)
+    and the loss and MTP sit on the last stage. DeepSeek-V3's 61 layers with one MTP layer on PP8 x VPP4 give
+    ``Et|(tt|)*30mL``, 30 layers on PP4 x VPP8 ``E|(t|)*30L`` (what the embedding and loss accounted as layers
+    build). None when a middle virtual stage would hold no decoder layer (more stages than layers)."""
+    count = pp * vpp
+    extra = [0] * count  # what each stage holds besides decoder layers, in layer equivalents
+    extra[0] += 1
+    extra[-1] += 1 + mtp_num_layers
+    base, heavy = divmod(num_layers + sum(extra), count)
+    # The lighter stages (one unit less): the embedding's first, then middle stages spread evenly, the loss's last.
+    middle = list(range(1, count - 1))
+    light_middle = max(0, min(len(middle), count - heavy - 1))
+    light = {0} if count > heavy else set()
+    light |= {middle[(2 * j + 1) * len(middle) // (2 * light_middle)] for j in range(light_middle)}
+    if count - heavy - 1 > len(middle):
+        light.add(count - 1)
+    layers = [base + (i not in light) - extra[i] for i in range(count)]
+    # A stage whose own extras outweigh its load (MTP on a short last stage) holds none; others give up the deficit.
+    deficit = -sum(n for n in layers if n < 0)
+    layers = [max(0, n) for n in layers]
+    for _ in range(deficit):
+        layers[max(range(count), key=lambda i: (layers[i], -i))] -= 1
+    if not all(layers[1:-1]):
+        # A middle virtual stage with no decoder layer only adds a pipeline hop: not a layout sweeper picks.
+        return None
+    stages = ["E" * (i == 0) + _decoder_run(n) + "m" * mtp_num_layers * (i == count - 1) + "L" * (i == count - 1)
+              for i, n in enumerate(layers)]
+    return _compact(stages)
+
+
+def _decoder_run(n: int) -> str:
+    return "t" * n if n <= 2 else f"t*{n}"
+
+
+def _compact(stages: list[str]) -> str:
+    """Stages joined by ``|`` with runs of equal middle stages written ``(s|)*n`` (Megatron's own shorthand)."""
+    out, i = [stages[0] + "|"], 1
+    while i < len(stages) - 1:
+        run = 1
+        while i + run < len(stages) - 1 and stages[i + run] == stages[i]:
+            run += 1
+        out.append(f"({stages[i]}|)*{run}" if run > 1 else stages[i] + "|")
+        i += run
+    out.append(stages[-1])
+    return "".join(out)
 
 
 @lru_cache(maxsize=1024)
@@ -149,7 +212,9 @@ def _accounted_layers(num_layers: int, pp: int, vpp: int, embedding: bool, loss:
 def _layout_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[Chunk, ...], ...]:
     """Layer indices per rank and virtual stage of a pipeline_model_parallel_layout (decoder layers numbered in
     stage order, stage ``v * PP + rank``)."""
-    stages = check_layout(text, pp, num_layers)
+    stages = parse_layout(text, pp)  # the rules check the rest (plan.rules.pipeline_split)
+    if sum(stage.count("t") for stage in stages) != num_layers:
+        raise ValueError(f"pipeline_model_parallel_layout {text!r} does not hold num_layers ({num_layers})")
     vpp = len(stages) // pp
     chunks: dict[tuple[int, int], Chunk] = {}
     next_layer = 0
@@ -163,16 +228,32 @@ def _layout_layers(text: str, num_layers: int, pp: int) -> tuple[tuple[Chunk, ..
 LayerKind = tuple[Block, ...]
 
 
+def mtp_rank(spec: ModelSpec, pp: int, split: PipelineSplit | None = None) -> int | None:
+    """The pipeline rank holding the multi-token-prediction layers (None: the model has none): the one whose stage
+    has the ``m`` of a layout string, else the last (multi_token_prediction.py ``mtp_on_this_rank``)."""
+    if not spec.mtp_num_layers:
+        return None
+    if split is not None and split.layout is not None:
+        stages = parse_layout(split.layout, pp)
+        return next((i % pp for i, stage in enumerate(stages) if "m" in stage), pp - 1)
+    return pp - 1
+
+
 @lru_cache(maxsize=4096)
 def stage_layer_kinds(
     spec: ModelSpec, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None,
     split: PipelineSplit | None = None,
 ) -> tuple[tuple[tuple[LayerKind, int], ...], ...]:
     """For each pipeline rank, how many layers of each kind (its tuple of blocks) it holds over all its virtual
-    stages. Estimating per kind instead of per layer keeps ``estimate`` fast on 50-layer hybrid models."""
+    stages, its multi-token-prediction layers included (each runs a transformer layer of the last decoder layer's
+    kind: its weights, activations and compute). Estimating per kind instead of per layer keeps ``estimate`` fast
+    on 50-layer hybrid models."""
     out = []
-    for rank_chunks in stage_layers(spec.num_layers, pp, vpp, first, last, split):
+    holder = mtp_rank(spec, pp, split)
+    for rank, rank_chunks in enumerate(stage_layers(spec.num_layers, pp, vpp, first, last, split)):
         kinds = Counter(spec.layer_blocks[i] for chunk in rank_chunks for i in chunk)
+        if rank == holder:
+            kinds[spec.layer_blocks[-1]] += spec.mtp_num_layers
         out.append(tuple(sorted(kinds.items())))
     return tuple(out)
 
@@ -201,14 +282,13 @@ def uneven_split(layers: int, pp: int, vpp: int = 1) -> tuple[int, int] | None:
 
 
 def accounted_split(layers: int, pp: int, vpp: int = 1) -> tuple[bool, bool] | None:
-    """(account_for_embedding, account_for_loss) that make ``layers`` split over PP x VPP with a decoder layer on
-    every virtual stage, both preferred (NVIDIA's recipes: Llama-3.1-405B's 126 layers + 2 on PP8 x VPP8 give 2 per
-    virtual stage, 1 beside the embedding and 1 beside the loss); None when none does."""
+    """(account_for_embedding, account_for_loss) that make ``layers`` split over PP x VPP, both preferred (NVIDIA's
+    recipes: Llama-3.1-405B's 126 layers + 2 on PP8 x VPP8 give 2 per virtual stage, 1 beside the embedding and 1
+    beside the loss); None when none does. A virtual stage may hold only the embedding or only the loss, as
+    megatron-core's ``get_num_layers_to_build`` allows (30 layers + 2 on PP4 x VPP8: one slot per virtual stage)."""
     for embedding, loss in ((True, True), (True, False), (False, True)):
         slots = layers + embedding + loss
-        # Every virtual stage keeps at least one decoder layer (Megatron allows an empty one; sweeper does not pick
-        # it for the user: a stage holding only the embedding or only the loss is a poor split).
-        if slots % pp == 0 and (slots // pp) % vpp == 0 and slots // pp // vpp >= 2:
+        if slots % pp == 0 and (slots // pp) % vpp == 0:
             return embedding, loss
     return None
 
@@ -216,7 +296,14 @@ def accounted_split(layers: int, pp: int, vpp: int = 1) -> tuple[bool, bool] | N
 def with_pipeline_split(layout: Layout, model: ModelSpec) -> Layout:
     """The layout with Megatron's pipeline split filled in when the layers do not divide by PP x VPP and the layout
     names no split itself: the uneven first/last stage sizes (27 layers on PP2: 14/13), else the embedding and the
-    loss accounted as layers (126 layers on PP8 x VPP8)."""
+    loss accounted as layers (126 layers on PP8 x VPP8). A layout string with VPP left at 1 gets the VPP it sets
+    (stages / PP, as Megatron derives it); a VPP given besides that the string contradicts is the rules' to refuse."""
+    if layout.pipeline_layout is not None and layout.vpp == 1:
+        try:
+            stages = len(parse_layout(layout.pipeline_layout, layout.pp))
+        except ValueError:
+            return layout
+        return replace(layout, vpp=stages // layout.pp)
     if layout.pp == 1 or not layout.split.even:
         return layout
     fields = pipeline_split_fields(model, layout.pp, layout.vpp)

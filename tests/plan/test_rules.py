@@ -330,6 +330,15 @@ CASES: dict[str, list[Case]] = {
         (preset("nemotron-3-nano-30b-a3b"), L(16, ep=8, moe_a2a_overlap=True), H100x2, SEQ,
          "only GPTModel is supported for EP A2A overlapping"),  # issue 44: combined_1f1b.py's assert
     ],
+    # Issue 52: transformer_config.py's MTP checks with overlap_moe_expert_parallel_comm.
+    "mtp_with_a2a_overlap": [
+        (MOE.model_copy(update=dict(mtp_num_layers=1)), L(16, pp=2, vpp=2, ep=8, moe_a2a_overlap=True), H100x2,
+         SEQ, None),
+        (MOE.model_copy(update=dict(mtp_num_layers=1)), L(16, ep=8, moe_a2a_overlap=True), H100x2, SEQ,
+         "Pipeline model parallel size must be larger than 1"),
+        (MOE.model_copy(update=dict(mtp_num_layers=2)), L(16, pp=2, vpp=2, ep=8, moe_a2a_overlap=True), H100x2,
+         SEQ, "MTP layernum only supports 1"),
+    ],
     "cuda_graphs": [
         (MOE, L(16, ep=8, cuda_graph="te:attn+moe_router+moe_preprocess"), H100x2, SEQ, None),
         (DENSE, L(16, cuda_graph="local"), H100x2, SEQ, None),

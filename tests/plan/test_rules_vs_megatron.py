@@ -3,8 +3,8 @@
 
 Hypothesis draws tiny models (heads, query groups, hidden, FFN, layers, experts, top-k, router groups, bias,
 hybrid Mamba patterns, and multi-latent attention: query/KV LoRA ranks, QK/rotary/V head widths, QK norms) and
-layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss accounting, MBS/GBS, sequence
-length): 1,000 GPT (dense and MoE), 300 MLA (half of them MoE) and 400 hybrid cases per run, ten times as many
+layouts (world size, TP, PP, VPP, CP, EP, ETP, SP, uneven split, embedding/loss accounting, pipeline layout
+strings (issue 52: sweeper's generated ones, some with a layer moved or miscounted), MBS/GBS, sequence length): 1,000 GPT (dense and MoE), 300 MLA (half of them MoE) and 400 hybrid cases per run, ten times as many
 with SWEEPER_XCHECK_SCALE=10. For each, Megatron is asked in its own code, under a fake process group of that world
 size on CPU:
 
@@ -18,7 +18,8 @@ size on CPU:
    layers per rank vs VPP) -- or, for hybrid models, ``MambaStack._select_layers_for_pipeline_parallel`` for
    every rank (no VPP; a split that leaves layers out is counted as a rejection, see below), and the attention,
    MLP and MoE blocks of the pattern built standalone from the local spec;
-4. the model itself on rank 0: ``GPTModel`` with ``get_gpt_layer_local_spec`` and ``use_cpu_initialization``
+4. the model itself on rank 0 (or, where the split leaves rank 0's first virtual stage without a decoder layer,
+   as the first stage that has one): ``GPTModel`` with ``get_gpt_layer_local_spec`` and ``use_cpu_initialization``
    (linear layers divide FFN by TP, experts by EP, expert FFN by ETP), and for MoE one training-mode forward of
    the ``MoELayer`` to reach its "MoE and tensor parallelism without sequence parallelism" check. An MLA model's
    layers are ``MLASelfAttention`` from the local spec as the CPU backend adapts it (cpu/spec.py
@@ -144,12 +145,15 @@ from sweeper.config.schema import ClusterConfig  # noqa: E402
 from sweeper.models.spec import ModelSpec  # noqa: E402
 from sweeper.plan import rules  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
-from sweeper.space.pipeline import with_pipeline_split  # noqa: E402
+from sweeper.space.pipeline import balanced_layout, parse_layout, with_pipeline_split  # noqa: E402
 
 warnings.filterwarnings("ignore")
 import megatron.core.extensions.transformer_engine as te_extensions  # noqa: E402
 import megatron.core.models.common.embeddings.yarn_rotary_pos_embedding as yarn_rope  # noqa: E402
 import megatron.core.transformer.multi_latent_attention as mla  # noqa: E402
+import megatron.core.transformer.transformer_block as transformer_block_module  # noqa: E402
+import megatron.core.transformer.transformer_layer as transformer_layer_module  # noqa: E402
+import megatron.core.utils as megatron_utils  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
@@ -288,6 +292,7 @@ def transformer_config(case: Case, **extra) -> TransformerConfig:
         expert_model_parallel_size=lo.ep,
         expert_tensor_parallel_size=lo.etp,
         sequence_parallel=lo.sp,
+        mtp_num_layers=m.mtp_num_layers or None,
         **lo.pipeline_split_config(),
         pipeline_dtype=torch.float32,
         use_cpu_initialization=True,
@@ -357,8 +362,9 @@ def megatron_verdict(case: Case) -> str | None:
 
 
 def _gpt_layers(config: TransformerConfig, lo: Layout) -> None:
+    count_of = _layer_counter(config)
     counts = [
-        _stage("get_num_layers_to_build", get_num_layers_to_build, config, vp_stage=vp_stage, pp_rank=rank)
+        _stage("get_num_layers_to_build", count_of, vp_stage=vp_stage, pp_rank=rank)
         for rank in range(lo.pp)
         for vp_stage in (range(lo.vpp) if lo.vpp > 1 else [None])
     ]
@@ -376,6 +382,8 @@ def _hybrid_layers(config: TransformerConfig, m: ModelSpec) -> None:
         return
     if config.account_for_embedding_in_pipeline_split or config.account_for_loss_in_pipeline_split:
         raise Rejected("MambaStack: ignores account_for_*_in_pipeline_split (it builds a split other than asked)")
+    if config.pipeline_model_parallel_layout is not None:  # mamba_block.py never reads it
+        raise Rejected("MambaStack: ignores pipeline_model_parallel_layout (it builds a split other than asked)")
     built: list[str] = []
     for rank in range(pp):
         stack = SimpleNamespace(config=config, pp_group=SimpleNamespace(rank=lambda r=rank: r, size=lambda: pp))
@@ -419,6 +427,8 @@ def _hybrid_segments(config: TransformerConfig, m: ModelSpec) -> None:
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     if pp > 1 and (config.account_for_embedding_in_pipeline_split or config.account_for_loss_in_pipeline_split):
         raise Rejected("HybridModel: ignores account_for_*_in_pipeline_split (it builds a split other than asked)")
+    if pp > 1 and config.pipeline_model_parallel_layout is not None:  # select_pipeline_segment is not given it
+        raise Rejected("HybridModel: ignores pipeline_model_parallel_layout (it builds a split other than asked)")
     built: list[str] = []
     for rank in range(pp):
         for vp_stage in range(vpp) if vpp else [None]:
@@ -437,10 +447,14 @@ def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
     vocab = math.ceil(m.vocab_size / (128 * lo.tp)) * 128 * lo.tp
     # The local (non-TE) spec cannot do SP (torch LayerNorm) or CP (DotProductAttention): both are Transformer
     # Engine features, so the model is built without them; their layout rules are checked by the config,
-    # parallel_state and the data-side helpers.
+    # parallel_state and the data-side helpers. Nor is the MTP block built (mtp_num_layers off for the build): an MTP
+    # model syncs its embedding copy with a CUDA all-reduce at construction, and TransformerConfig and the layout
+    # already checked what a layout decides about MTP (placement, counts).
     config.sequence_parallel, config.context_parallel_size = False, 1
+    mtp_num_layers, config.mtp_num_layers = config.mtp_num_layers, None
+    rank, vp_stage = _first_stage_with_layers(config, lo)
     try:
-        with _mla_on_cpu(config) if m.multi_latent_attention else contextlib.nullcontext():
+        with _mla_on_cpu(config) if m.multi_latent_attention else contextlib.nullcontext(), _as_rank(rank):
             return GPTModel(
                 config=config,
                 transformer_layer_spec=_gpt_layer_spec(config, m),
@@ -448,10 +462,55 @@ def _build_gpt(config: TransformerConfig, m: ModelSpec, lo: Layout) -> GPTModel:
                 max_sequence_length=MAX_SEQ,
                 pre_process=True,
                 post_process=lo.pp == 1,
-                vp_stage=0 if lo.vpp > 1 else None,
+                vp_stage=vp_stage if lo.vpp > 1 else None,
             )
     finally:
         config.sequence_parallel, config.context_parallel_size = lo.sp, lo.cp
+        config.mtp_num_layers = mtp_num_layers
+
+
+def _first_stage_with_layers(config: TransformerConfig, lo: Layout) -> tuple[int, int]:
+    """The (pipeline rank, virtual stage) the model is built as: rank 0's first, unless the split leaves it without
+    a decoder layer (a layout string's ``E|...``, or the embedding accounted as a layer on a one-slot stage): then
+    the first stage that has one, so that the layer-level checks (widths over TP, experts over EP, MoE without SP)
+    run as they would on that rank."""
+    count_of = _layer_counter(config)
+    for vp_stage in range(lo.vpp):
+        for rank in range(lo.pp):
+            try:
+                if count_of(vp_stage=vp_stage if lo.vpp > 1 else None, pp_rank=rank) > 0:
+                    return rank, vp_stage
+            except (ValueError, AssertionError, RuntimeError, ZeroDivisionError):
+                return 0, 0
+    return 0, 0
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int):
+    """The model built as pipeline rank ``rank`` of the fake world (whose own rank is 0): parallel_state's rank (a
+    layout string's count asks it) and ``get_pg_rank`` of the pipeline group (TransformerBlock's and
+    TransformerLayer's counts and offsets ask it, 0.16.1), where the module has it."""
+    if rank == 0:
+        yield
+        return
+    real = megatron_utils.get_pg_rank
+
+    def pg_rank(group=None):
+        return rank if group is ps.get_pipeline_model_parallel_group() else real(group)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(ps, "get_pipeline_model_parallel_rank", return_value=rank))
+        for module in (transformer_block_module, transformer_layer_module):
+            if hasattr(module, "get_pg_rank"):
+                stack.enter_context(mock.patch.object(module, "get_pg_rank", pg_rank))
+        yield
+
+
+def _layer_counter(config: TransformerConfig):
+    """get_num_layers_to_build for any rank: transformer_block's asks a layout for the calling rank's count (it does
+    not pass pp_rank on); the layout's own method takes the rank, so every rank is asked as itself."""
+    layout = config.pipeline_model_parallel_layout
+    return functools.partial(get_num_layers_to_build, config) if layout is None else layout.get_num_layers_to_build
 
 
 def _gpt_layer_spec(config: TransformerConfig, m: ModelSpec):
@@ -590,6 +649,7 @@ def gpt_models(draw) -> ModelSpec:
         kv_channels=8,
         vocab_size=100,
         add_bias_linear=draw(st.integers(0, 3)) == 0,
+        mtp_num_layers=draw(st.sampled_from([0, 0, 0, 1, 2])),  # issue 52: MTP placed by layout strings
         **draw(moe_fields()),
     )
 
@@ -677,9 +737,42 @@ def cases(draw, models) -> Case:
             # checks (widths, experts vs EP) would not run, so the comparison would say nothing. Loss only.
             embedding, loss = False, True
         layout = replace(layout, account_for_embedding=embedding, account_for_loss=loss)
+    elif split in (3, 4):
+        layout = replace(layout, **_layout_string(draw, model, pp, vpp))
     else:
         layout = with_pipeline_split(layout, model)
     return Case(model, layout, draw(st.sampled_from([16, 24, 32, 48, 64, 96])))
+
+
+def _layout_string(draw, model: ModelSpec, pp: int, vpp: int) -> dict:
+    """A pipeline_model_parallel_layout as sweeper generates it (``balanced_layout``) or a user could write it:
+    sometimes with a layer moved to another stage, one too many or too few, an MTP layer the model lacks, or a
+    VPP other than the string's (Megatron derives VPP from the string and asserts a given one agrees)."""
+    mtp = "m" * model.mtp_num_layers
+    text = balanced_layout(model.num_layers, pp, vpp, model.mtp_num_layers)
+    if text is None:  # a middle stage would be empty: write every stage by hand, one layer each where possible
+        text = "E" + "|".join("t" * (model.num_layers // (pp * vpp)) for _ in range(pp * vpp)) + mtp + "L"
+    stages = parse_layout(text, 1)
+    flat = list(stages)
+    mutation = draw(st.integers(0, 7))
+    if mutation == 0:  # a layer moved: Megatron accepts any placement of the right count
+        src, dst = draw(st.integers(0, len(flat) - 1)), draw(st.integers(0, len(flat) - 1))
+        if "t" in flat[src]:
+            flat[src] = flat[src].replace("t", "", 1)
+            flat[dst] = flat[dst].replace("L", "") + "t" + ("L" if flat[dst].endswith("L") else "")
+    elif mutation == 1:
+        flat[-1] = "t" + flat[-1]  # one layer too many
+    elif mutation == 2:
+        flat[-1] = flat[-1].replace("L", "mL")  # an MTP layer the model does not have
+    elif mutation == 3 and mtp and len(flat) > 1:
+        # The MTP layers one stage earlier: a standalone MTP stage (the last virtual stage of another rank), or
+        # not Megatron's to accept (not a last virtual stage, or decoder layers after it).
+        flat[-1] = flat[-1].replace(mtp, "")
+        flat[-2] += mtp
+    written = "|".join(flat)
+    string_vpp = max(1, len(flat) // pp)
+    given_vpp = draw(st.sampled_from([string_vpp] * 5 + [1, 2]))
+    return {"pipeline_layout": written, "vpp": given_vpp}
 
 
 # SWEEPER_XCHECK_SCALE=10 runs ten times more examples (a deeper hunt, minutes).
@@ -690,6 +783,8 @@ def _agree(case: Case) -> None:
     ours = sweeper_reasons(case)
     theirs = megatron_verdict(case)
     event("megatron: valid" if theirs is None else f"megatron rejects in {theirs.split(':')[0]}")
+    if case.layout.pipeline_layout:  # --hypothesis-show-statistics counts the layout strings drawn (issue 52)
+        event("pipeline layout string, " + ("valid" if theirs is None else "refused"))
     assert (not ours) == (theirs is None), (
         f"\nmodel={case.model.model_dump(exclude_defaults=True)}\nlayout={case.layout!r}\n"
         f"seq_length={case.seq_length}\nsweeper: {ours or 'valid'}\nmegatron: {theirs or 'valid'}"
@@ -749,6 +844,13 @@ EXAMPLES = [
     (Case(_dense(num_layers=14), with_pipeline_split(_L(world_size=4, pp=4, vpp=2, gbs=8),
                                                            _dense(num_layers=14)), 64), True),
     (Case(_dense(num_layers=14), _L(world_size=4, pp=4, vpp=2, gbs=8, account_for_embedding=True), 64), False),
+    # Issue 52: 30 layers + embedding + loss on PP4 x VPP8 (one slot per virtual stage, rank 0's first holding only
+    # the embedding) build; 13 layers on PP4 x VPP2 split only with a layout string, sweeper's generated one.
+    (Case(_dense(num_layers=30), _L(world_size=4, pp=4, vpp=8, gbs=8, account_for_embedding=True,
+                                    account_for_loss=True), 64), True),
+    (Case(_dense(num_layers=13), _L(world_size=4, pp=4, vpp=2, gbs=8, pipeline_layout="E|(tt|)*6tL"), 64), True),
+    (Case(_dense(num_layers=13), _L(world_size=4, pp=4, vpp=1, gbs=8, pipeline_layout="E|(tt|)*6tL"), 64), False),
+    (Case(_dense(num_layers=13), _L(world_size=4, pp=4, vpp=2, gbs=8, pipeline_layout="E|(tt|)*6tmL"), 64), False),
     (Case(_dense(), _L(world_size=4, ep=2), 64), False),
     (Case(_dense(**MOE), _L(world_size=8, tp=2, ep=2, sp=True), 64), True),
     (Case(_dense(**MOE), _L(world_size=8, tp=2, ep=2, sp=False), 64), False),  # MoE forward check

@@ -380,8 +380,12 @@ def test_enumerate_is_the_product_of_the_axes() -> None:
 def test_enumerate_fills_uneven_split() -> None:
     cfg = SweepConfig(name="t", model=preset("deepseek-v2-lite"), cluster=ClusterConfig(nodes=2),
                       space=SpaceConfig(pp=[1, 2, 4]))
-    splits = {lo.pp: (lo.first_stage_layers, lo.last_stage_layers) for lo in enumerate_layouts(cfg)}
+    layouts = enumerate_layouts(cfg)
+    splits = {lo.pp: (lo.first_stage_layers, lo.last_stage_layers) for lo in layouts if lo.pipeline_layout is None}
     assert splits == {1: (None, None), 2: (14, 13), 4: (7, 6)}
+    # Besides sweeper's uneven split, the balanced layout string (the embedding's stage gives up the extra layer).
+    assert {lo.pp: lo.pipeline_layout for lo in layouts if lo.pipeline_layout} == {2: "Et*13|t*14L",
+                                                                                   4: "Et*6|(t*7|)*2t*7L"}
 
 
 def test_enumerate_builds_the_layouts_the_constructor_builds() -> None:

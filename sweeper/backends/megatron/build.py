@@ -20,7 +20,11 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_decoder_block_spec,
+    get_gpt_decoder_layer_specs,
+    get_gpt_mtp_block_spec,
+)
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
@@ -100,11 +104,24 @@ def transformer_config(spec: ModelSpec, layout: Layout, *, cuda: bool, te: bool,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
+        # Multi-token prediction: megatron-core's MTP block (multi_token_prediction.py) after the last decoder layer.
+        mtp_num_layers=spec.mtp_num_layers or None,
         **layout_config_kwargs(spec, layout, cuda=cuda),
         **moe,
         **fp8,
         **arch,
     )
+
+
+def mtp_block_spec(spec: ModelSpec, config: TransformerConfig, te: bool, vp_stage: int | None) -> Any:
+    """Megatron's MTP block spec for this virtual stage (None where it holds no MTP layer, or the model has none):
+    the model's last decoder layer (Megatron-LM's choice: DeepSeek-V3's MTP layer is a MoE layer like its last)
+    with the MTP norms and eh_proj, through the same CPU adaptation as the decoder block."""
+    if not spec.mtp_num_layers:
+        return None
+    last_layer = get_gpt_decoder_layer_specs(config, use_transformer_engine=te, normalization=spec.normalization)[-1]
+    block = get_gpt_mtp_block_spec(config, last_layer, use_transformer_engine=te, vp_stage=vp_stage)
+    return block if te or block is None else adapt_local_block_spec(block, config)
 
 
 @dataclass
@@ -211,9 +228,11 @@ def build(
         if not te and block_spec is not None:
             # CP attention and SP norms of our own where Megatron's local modules refuse them (cpu/spec.py).
             block_spec = adapt_local_block_spec(block_spec, config)
+        mtp = {"mtp_block_spec": mtp_block_spec(spec, config, te, vp_stage)} if model_class is GPTModel else {}
         chunk = model_class(
             config=config,
             transformer_layer_spec=block_spec,
+            **mtp,
             vocab_size=vocab,
             max_sequence_length=spec.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from megatron.core import dist_checkpointing
+from megatron.core import dist_checkpointing, parallel_state
 
 from sweeper.backends.megatron.build import Built
 from sweeper.backends.megatron.failures import CheckpointError
@@ -39,9 +39,15 @@ def checkpoint_path(trial_dir: str, step: int) -> Path:
 
 
 def _sharded_state_dict(chunks: list[Any]) -> dict:  # MegatronModule chunks
+    # The metadata every module below fills in for itself when given none; GPTModel.sharded_state_dict of
+    # megatron-core 0.16.1 reads it directly for an MTP stage's embedding copy (metadata['dp_cp_group']) and fails
+    # on None, so it is given as Megatron-LM's checkpointing gives it.
+    def metadata() -> dict[str, Any]:
+        return {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
     if len(chunks) == 1:
-        return {"model": chunks[0].sharded_state_dict()}
-    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+        return {"model": chunks[0].sharded_state_dict(metadata=metadata())}
+    return {f"model{i}": chunk.sharded_state_dict(metadata=metadata()) for i, chunk in enumerate(chunks)}
 
 
 def _use_in_process_results_queue() -> None:

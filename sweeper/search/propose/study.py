@@ -30,6 +30,7 @@ from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
 from optuna.trial import TrialState
 
 from sweeper.config.schema import SweepConfig
+from sweeper.plan.space import pipeline_layout_values
 from sweeper.space.axes import AXIS, SEARCHED
 from sweeper.space.layout import Layout, resolve_sp
 from sweeper.space.pipeline import with_pipeline_split
@@ -237,4 +238,5 @@ def _journal_backend(journal: Path) -> JournalFileBackend:
 def _choices(cfg: SweepConfig) -> dict[str, list[Any]]:
     choices = {axis: cfg.space.values(axis) for axis in AXES if axis != "gpus"}
     choices["sp"] = list(dict.fromkeys(choices["sp"]))  # auto and true may be the same layouts
+    choices["pipeline_layout"] = pipeline_layout_values(cfg)  # a layout holds its string (auto's generated ones)
     return {"gpus": cfg.world_sizes, **choices}
