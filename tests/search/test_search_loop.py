@@ -69,6 +69,7 @@ class StandInHost:
         self.hold_after: tuple[int, float] | None = None  # after the N-th trial ends, others hold every GPU for S s
         self.confirm_kinds: dict[str, list[str]] = {}  # per layout: what its confirmation attempts do, in order
         self.reference_kinds: list[str] = []  # what the reference's attempts do first ("infra"), then it is made
+        self.reference_layouts: list[Layout] = []  # the layout of every reference attempt
 
     def hold_others(self, gpus_per_node: int, seconds: float, nodes: list[str] | None = None) -> None:
         with self.lock:
@@ -126,8 +127,11 @@ class StandInHost:
     def run_trial(self, cfg: SweepConfig, layout: Layout, trial_dir: Path, **kw: Any) -> TrialResult:
         if kw.get("make_reference"):  # the stand-in's reference: the file the gate would load, no weights behind it
             if self.reference_kinds:
-                self.reference_kinds.pop(0)
-                return TrialResult(status="failed", failure_kind="infra", error="rank 0 (n0): node lost (stand-in)")
+                kind = self.reference_kinds.pop(0)
+                self.reference_layouts.append(layout)
+                return TrialResult(status="failed", failure_kind=kind,  # type: ignore[arg-type]
+                                   error=f"rank 0 (n0): {kind} (stand-in)")
+            self.reference_layouts.append(layout)
             if not self.reference_ok:
                 return TrialResult(status="failed", failure_kind="unsupported", error="stand-in host")
             Path(kw["reference"]).mkdir(parents=True, exist_ok=True)
@@ -796,6 +800,19 @@ def test_a_reference_lost_to_a_node_is_made_again(tmp_path: Path, make_sweep: Ca
     host.reference_kinds = ["infra", "infra"]  # two attempts lost to a node, the third makes it (MAX_ATTEMPTS 3)
     sweep = make_sweep(cfg, host)
     assert sweep.run() == 0 and sweep.reference is not None
+
+
+def test_a_reference_layout_out_of_memory_gives_way_to_the_next_simplest(
+        tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
+    """Found rehearsing Nemotron: the one-GPU-simplest reference drawn out of memory stopped 6 sweeps of 12 before
+    their first trial, though the next simplest layout holds it."""
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 2, "confirm_top": 1}})
+    host = StandInHost(delay=0.1)
+    host.reference_kinds = ["oom"]
+    sweep = make_sweep(cfg, host)
+    assert sweep.run() == 0 and sweep.reference is not None
+    first, second = host.reference_layouts
+    assert first.world_size == 1 and second != first
 
 
 def test_exploration_waits_for_gpus_other_jobs_hold_when_nothing_of_its_own_runs(

@@ -4,7 +4,8 @@
 Its GPUs are waited for as any trial's (``run.capacity``) and a fault that is not the layout's (a node lost, a rank
 that could not start) is retried as a trial's is (``MAX_ATTEMPTS``). When it still cannot be made, no trial could
 be stable: with ``search.require_equivalence`` on (the default) the sweep stops before its first trial, with exit 1
-and one line, instead of spending its budget on trials that cannot win.
+and one line, instead of spending its budget on trials that cannot win. A reference layout that fails for its own
+reasons (out of memory: the estimator let it through inside its error band) gives way to the next simplest layout.
 """
 
 from __future__ import annotations
@@ -14,13 +15,17 @@ from pathlib import Path
 from sweeper.search.console import console
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS
 from sweeper.search.run.state import MAX_ATTEMPTS, SweepState
+from sweeper.space.layout import Layout
 from sweeper.trial.reference import (
     NO_REFERENCE_LAYOUT,
     ReferenceOutcome,
     existing_reference,
-    reference_layout,
+    reference_layouts,
     run_reference,
 )
+
+# Layouts tried for the reference when each fails for its own reasons (out of memory inside the estimator's band).
+LAYOUTS_TRIED = 3
 
 
 def make_reference(sweep: SweepState) -> None:
@@ -45,17 +50,31 @@ def make_reference(sweep: SweepState) -> None:
 
 
 def _made(sweep: SweepState, folder: Path) -> ReferenceOutcome:
-    """Wait for the reference layout's GPUs, make it, retry faults that are not the layout's."""
-    layout = reference_layout(sweep.cfg, sweep.handle)
-    if layout is None:
-        return ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
+    """Wait for the reference layout's GPUs, make it, retry faults that are not the layout's; a layout that fails
+    for its own reasons (out of memory) gives way to the next simplest, up to ``LAYOUTS_TRIED``."""
+    outcome = ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
+    for tried, layout in enumerate(reference_layouts(sweep.cfg, sweep.handle)):
+        if tried == LAYOUTS_TRIED or sweep.stop.is_set():
+            break
+        if tried:
+            console.print(f"[yellow]equivalence[/] {outcome.note.removeprefix('equivalence gate off: ')}; the next "
+                          f"simplest layout, {layout.short()}, makes the reference", important=True)
+        outcome, kind = _made_in(sweep, folder, layout)
+        if outcome.path is not None or kind in NOT_THE_LAYOUTS or kind is None:
+            return outcome
+    return outcome
+
+
+def _made_in(sweep: SweepState, folder: Path, layout: Layout) -> tuple[ReferenceOutcome, str | None]:
+    """The reference made in ``layout`` (waiting for its GPUs, retrying faults that are not its own), and the failure
+    kind of its last attempt (None: made, or the sweep stopped)."""
     attempts: dict[str, int] = {}
     outcome = ReferenceOutcome(None, layout, "equivalence gate off: the sweep was stopped before the reference")
     while not sweep.stop.is_set():
         never = sweep.capacity.never(layout)
         if never is not None:
             return ReferenceOutcome(None, layout, f"equivalence gate off: the reference {layout.short()} can never "
-                                    f"be placed: {never}")
+                                    f"be placed: {never}"), "infra"
         slot = sweep.handle.reserve(layout)
         if slot is None:
             sweep.capacity.idle("the equivalence reference", layout)
@@ -65,11 +84,13 @@ def _made(sweep: SweepState, folder: Path) -> ReferenceOutcome:
         finally:
             sweep.handle.release(slot)
         kind = result.failure_kind
-        if outcome.path is not None or kind not in NOT_THE_LAYOUTS or sweep.stop.is_set():
-            return outcome
+        if outcome.path is not None or sweep.stop.is_set():
+            return outcome, None
+        if kind not in NOT_THE_LAYOUTS:
+            return outcome, kind
         attempts[kind] = attempts.get(kind, 0) + 1
         if attempts[kind] >= MAX_ATTEMPTS[kind]:
-            return outcome
+            return outcome, kind
         console.print(f"[yellow]equivalence[/] the reference {layout.short()} failed for reasons not its layout's "
                       f"({kind}: {result.error}); it runs again (attempt {attempts[kind] + 1})", important=True)
-    return outcome
+    return outcome, None
