@@ -25,6 +25,13 @@ fastest then EP: ETP x EP above a node's GPUs), where the ``ep`` term's inter-no
 rows (Parallel Folding's name no dispatcher and ran Megatron's default, alltoall) and the dispatch runs. Last, the
 figure the issue starts from: Qwen3-30B-A3B on 2 x 8 H100 at EP16, predicted step and ``ep`` term per dispatcher.
 
+FP8 (issue 52): tests/data/measured_throughput_fp8.json holds published FP8 / MXFP8 runs with their layouts
+(DeepSeek-V3's report on 2048 H800, blockwise; Megatron-LM's DeepSeek-V3 on 256 GB200, MXFP8; sources in the file). On
+them ``achievable_mfu_fp8`` (the fraction of the FP8 peak FP8 GEMMs reach, every FP8 and MXFP8 recipe's) is fitted the
+same way, one family held out at a time, the BF16 constants left at their defaults; the errors are given per precision
+value (recipe). Each recipe has one run at most, so a recipe's own term (blockwise's GEMM factor, tensorwise's amax
+pass) cannot be told apart from the common efficiency: those stay the assumptions step_time names.
+
 Fitted by default (``--fit``): ``achievable_mfu`` (every compute term: a quarter to nine tenths of each published
 step) and ``comm_efficiency`` (every NCCL term: TP, EP, DP/EDP, pipeline point-to-point). The rest do not move these
 runs or are not seen in them: kernel launches hide behind blocks this large, the runs overlap no DP traffic
@@ -64,6 +71,8 @@ from sweeper.space.layout import Layout
 
 # Published runs that name their MoE token dispatcher (issue 52): a check only, in no fit.
 DISPATCH_RUNS = DATA / "measured_throughput_dispatch.json"
+# Published FP8 / MXFP8 runs (issue 52): achievable_mfu_fp8 is fitted on them.
+FP8_RUNS = DATA / "measured_throughput_fp8.json"
 
 # The physical range of each constant the fit may move: the fraction of the dense BF16 peak a block's GEMMs and
 # attention run at (cuBLAS reaches 70-80% on large Hopper GEMMs, no Megatron run reaches less than a fifth), the
@@ -71,12 +80,14 @@ DISPATCH_RUNS = DATA / "measured_throughput_dispatch.json"
 # per-hop latency and the per-kernel launch time in microseconds.
 BOUNDS: dict[str, tuple[float, float]] = {
     "achievable_mfu": (0.2, 0.85),
+    "achievable_mfu_fp8": (0.2, 0.85),  # of the FP8 peak: the same physical range as BF16's of its own
     "comm_efficiency": (0.3, 1.0),
     "link_latency_us": (0.0, 50.0),
     "kernel_launch_us": (0.0, 30.0),
     "dp_comm_overlap": (0.0, 1.0),
 }
 FITTED = ("achievable_mfu", "comm_efficiency")
+FP8_FITTED = ("achievable_mfu_fp8",)
 
 
 def paper(g: PublishedRuns) -> str:
@@ -95,11 +106,14 @@ def predict(groups: Sequence[PublishedRuns], constants: EstimatorConstants) -> l
     out = []
     for g in groups:
         estimator = Estimator(g.model, g.cluster, g.seq_length, constants=constants)
-        out.append([estimator(layout).step_time_s for layout, _ in g.runs])
+        steps = [estimator(layout).step_time_s for layout, _ in g.runs]
+        assert all(s is not None for s in steps), g.id  # every published layout ran: none is priced as unrunnable
+        out.append([float(s) for s in steps if s is not None])
     return out
 
 
-def with_values(base: EstimatorConstants, names: Sequence[str], values: Sequence[float]) -> EstimatorConstants:
+def with_values(base: EstimatorConstants, names: Sequence[str], values: Sequence[float] | np.ndarray,
+                ) -> EstimatorConstants:
     return base.model_copy(update={n: float(v) for n, v in zip(names, values, strict=True)})
 
 
@@ -186,6 +200,28 @@ def by_dispatcher(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, A
     return {d: {"median_error": statistics.median(e), "layouts": len(e)} for d, e in sorted(errors.items())}
 
 
+def by_precision(rows: list[dict[str, Any]], groups: Sequence[PublishedRuns], key: str) -> dict[str, dict[str, Any]]:
+    """Per precision value (an FP8 recipe), the median held-out error over its layouts."""
+    precisions = {g.id: [layout.precision for layout, _ in g.runs] for g in groups}
+    errors: dict[str, list[float]] = {}
+    for r in rows:
+        for precision, error in zip(precisions[r["group"]], r[key]["errors"], strict=True):
+            errors.setdefault(precision, []).append(error)
+    return {p: {"median_error": statistics.median(e), "layouts": len(e)} for p, e in sorted(errors.items())}
+
+
+def fp8_section(before: EstimatorConstants) -> dict[str, Any]:
+    """FP8_FITTED fitted on the published FP8 runs one family out at a time (the BF16 constants at ``before``'s), the
+    errors per precision value, and the fit on all of them: what the default achievable_mfu_fp8 is set from."""
+    groups = [g for g in published_runs((FP8_RUNS,)) if g.runs]
+    rows = leave_one_out(groups, FP8_FITTED, before)
+    everything = fit(groups, FP8_FITTED, before)
+    return {"held_out": rows, "before_constants": {n: getattr(before, n) for n in FP8_FITTED},
+            "by_precision": {k: by_precision(rows, groups, k) for k in ("before", "after")},
+            "fitted_on_all": {n: getattr(everything, n) for n in FP8_FITTED},
+            "in_sample": {g.id: score(g, p) for g, p in zip(groups, predict(groups, everything), strict=True)}}
+
+
 # The issue-52 example: Qwen3-30B-A3B on 2 x 8 H100 (NVLink 450, one 400 Gb/s NIC per GPU), TP1 PP1 EP16, GBS 1024.
 QWEN3_EP16 = {"gpus": 16, "tp": 1, "pp": 1, "ep": 16, "etp": 1, "mbs": 1, "gbs": 1024, "precision": "bf16",
               "recompute": "none", "distributed_optimizer": True}
@@ -241,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         "dispatch_checks": check_rows,
         "cross_node_by_dispatcher": {k: by_dispatcher(rows + check_rows, k) for k in ("before", "after")},
         "qwen3_30b_a3b_ep16": qwen3_ep16(before),
+        "fp8": fp8_section(before),
     }
     if args.json:
         print(json.dumps(result, indent=1))
@@ -290,6 +327,25 @@ def main(argv: list[str] | None = None) -> int:
           "4096:")
     for name, v in result["qwen3_30b_a3b_ep16"].items():
         print(f"  {name}: step {v['step_s']:.1f} s, ep term {v['ep_s']:.1f} s")
+    fp8 = result["fp8"]
+    print(f"FP8: {', '.join(FP8_FITTED)} fitted on the published FP8 runs, each family predicted with it fitted on the "
+          f"others (BF16's constants the 'before' ones); before: {consts(fp8['before_constants'])}")
+    for r in fp8["held_out"]:
+        b, a = r["before"], r["after"]
+        print(f"  {r['group']} ({r['layouts']} layouts; fitted without it: {consts(r['fitted'])})\n"
+              f"      median error {100 * statistics.median(b['errors']):.1f}% -> "
+              f"{100 * statistics.median(a['errors']):.1f}%; measured / predicted throughput (predicted / measured "
+              f"step) {', '.join(f'{x:.2f}' for x in b['ratios'])} -> {', '.join(f'{x:.2f}' for x in a['ratios'])}")
+    print("  per precision (median held-out error, 'before' -> fitted on the others):")
+    for precision, b in fp8["by_precision"]["before"].items():
+        a = fp8["by_precision"]["after"][precision]
+        print(f"    {precision}: {b['layouts']} layouts, {100 * b['median_error']:.1f}% -> "
+              f"{100 * a['median_error']:.1f}%")
+    fp8_in_sample = ", ".join(f"{g} {100 * statistics.median(scored['errors']):.1f}%"
+                          for g, scored in fp8["in_sample"].items())
+    print(f"  fitted on all FP8 families: {consts(fp8['fitted_on_all'])} (in sample: {fp8_in_sample}); fp8:delayed, "
+          f"fp8:tensorwise and nvfp4 have no published run here: blockwise's GEMM factor and tensorwise's amax pass "
+          f"stay assumptions (one run per recipe cannot tell them from the common efficiency)")
     return 0
 
 

@@ -101,10 +101,15 @@ class EstimatorConstants(BaseModel):
     the defaults fitted on all of them 0.77-1.60), rounded out. Not checked on other devices or on FP8."""
     throughput_high: float = Field(1.65, gt=0)
     """The band's high end, as measured / predicted (see throughput_low)."""
-    achievable_mfu_fp8: float = Field(0.44, gt=0, le=1)
-    """Fraction of the FP8 peak reached by FP8 GEMMs (lower than BF16's: casts and amax bookkeeping). An assumption
-    relative to achievable_mfu, not fitted (no published run in tests/data is FP8): three quarters of it, as 0.30 was
-    of 0.40, so that FP8 GEMMs stay 1.5x BF16's on a device whose FP8 peak is twice its BF16 peak."""
+    achievable_mfu_fp8: float = Field(0.32, gt=0, le=1)
+    """Fraction of the FP8 peak reached by the GEMMs of every FP8 recipe and MXFP8 (casts, scales and the recipe's
+    own bookkeeping included; blockwise's GEMM factor and tensorwise's amax pass are priced on top of it). Fitted
+    on the published FP8 runs of tests/data/measured_throughput_fp8.json (benchmarks/first_guess.py, issue 52):
+    DeepSeek-V3 on 2048 H800 in blockwise FP8 (its report's GPU hours per token, an upper bound on the step) and on
+    256 GB200 in MXFP8 (Megatron-LM's optimised run): 0.319 on both, 0.353 and 0.273 on each alone; each predicted
+    with the other's lies 23% and 15% off its step (8% and 10% with 0.32; 11% and 25% with the 0.44 assumed
+    before). Both are fine-grained MoE runs (2048-wide experts): a dense model's large GEMMs may reach more; no
+    published FP8 run of a dense model with its layout, nor any delayed or tensorwise run, was found to check."""
     achievable_mfu_fp4: float = Field(0.32, gt=0, le=1)
     """Fraction of the dense NVFP4 peak reached by NVFP4 GEMMs: lower again (16-element block scales, the random
     Hadamard transform on the weight-gradient inputs, stochastic rounding of gradients). An assumption, not a

@@ -376,7 +376,10 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     if per_block is None:
         per_block = block_seconds(spec, x, device, links, constants)
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
-    gemm_rate = _rates(x.precision, device, constants)[1]
+    # The output layer runs in BF16 under every FP8/FP4 recipe: Megatron builds it as tensor_parallel's
+    # ColumnParallelLinear, not a Transformer Engine module, so no fp8_autocast reaches it (DeepSeek-V3 keeps its
+    # output head in BF16 too, technical report section 3.3.1); the MTP heads' small eh_proj goes with it.
+    logits_rate = _rates(x.precision, device, constants)[0]
     slowest: dict[str, float] = {}
     slowest_s = -1.0
     holder = mtp_rank(spec, x.pp, x.split)
@@ -394,7 +397,7 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
             if rank == holder:
                 logits_flops += spec.mtp_num_layers * 2 * 2 * spec.hidden_size * spec.hidden_size
             term = compute_term("logits", x.precision)
-            stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
+            stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / logits_rate
         for term in stage:
             if term.startswith("compute.") or term == RECOMPUTE:
                 stage[term] /= x.tp
