@@ -41,7 +41,7 @@ runs or are not seen in them: kernel launches hide behind blocks this large, the
 (Megatron-LM's default), no CP, no FP8, no all-to-all overlap; the link latency matters only at many times NCCL's
 (``--fit ...,link_latency_us`` runs to its 50 us bound and predicts the held-out families worse).
 
-    python benchmarks/first_guess.py [--fit achievable_mfu,comm_efficiency] [--json]
+    python benchmarks/first_guess.py [--fit achievable_mfu,comm_efficiency] [--one-fp8-efficiency] [--json]
 """
 
 from __future__ import annotations
@@ -231,9 +231,17 @@ def fp8_ratios(g: PublishedRuns, predicted: Sequence[float], twins: dict[int, in
     return {"precisions": precisions, "ratios": ratios, "errors": [abs(r - 1) for r in ratios]}
 
 
+def one_fp8_efficiency(constants: EstimatorConstants) -> EstimatorConstants:
+    """The estimator before the routed experts had an FP8 efficiency of their own: theirs is the dense GEMMs'."""
+    return constants.model_copy(update={"achievable_mfu_fp8_experts": constants.achievable_mfu_fp8})
+
+
 def fp8_fit(groups: Sequence[PublishedRuns], twins: dict[str, dict[int, int]], base: EstimatorConstants,
-            ) -> EstimatorConstants:
-    """FP8_FITTED fitted to ``groups`` on log of ``fp8_ratios``, each family weighing the same."""
+            one: bool = False) -> EstimatorConstants:
+    """FP8_FITTED fitted to ``groups`` on log of ``fp8_ratios``, each family weighing the same; ``one``: a single
+    efficiency for dense and expert GEMMs (``one_fp8_efficiency``)."""
+    names = FP8_FITTED[:1] if one else FP8_FITTED
+    tie = one_fp8_efficiency if one else (lambda c: c)
     sizes: dict[str, int] = {}
     for g in groups:
         sizes[family(g)] = sizes.get(family(g), 0) + len(g.runs) - len(set(twins[g.id].values()))
@@ -241,14 +249,14 @@ def fp8_fit(groups: Sequence[PublishedRuns], twins: dict[str, dict[int, int]], b
                         for _ in range(len(g.runs) - len(set(twins[g.id].values())))])
 
     def residuals(x: np.ndarray) -> np.ndarray:
-        predicted = predict(groups, with_values(base, FP8_FITTED, x))
+        predicted = predict(groups, tie(with_values(base, names, x)))
         ratios = [r for g, p in zip(groups, predicted, strict=True) for r in fp8_ratios(g, p, twins[g.id])["ratios"]]
         return weights * np.log(ratios)
 
-    lo, hi = zip(*(BOUNDS[n] for n in FP8_FITTED), strict=True)
-    x0 = np.clip([getattr(base, n) for n in FP8_FITTED], lo, hi)
+    lo, hi = zip(*(BOUNDS[n] for n in names), strict=True)
+    x0 = np.clip([getattr(base, n) for n in names], lo, hi)
     result = least_squares(residuals, x0, bounds=(lo, hi), diff_step=1e-4, x_scale="jac")
-    return with_values(base, FP8_FITTED, result.x)
+    return tie(with_values(base, names, result.x))
 
 
 def by_precision(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, Any]]:
@@ -260,20 +268,23 @@ def by_precision(rows: list[dict[str, Any]], key: str) -> dict[str, dict[str, An
     return {p: {"median_error": statistics.median(e), "layouts": len(e)} for p, e in sorted(errors.items())}
 
 
-def fp8_section(before: EstimatorConstants) -> dict[str, Any]:
+def fp8_section(before: EstimatorConstants, one: bool = False) -> dict[str, Any]:
     """FP8_FITTED fitted on the published FP8 runs one family out at a time (the BF16 constants at ``before``'s), the
-    errors per precision value, and the fit on all of them: what the FP8 efficiencies' defaults are set from."""
+    errors per precision value, and the fit on all of them: what the FP8 efficiencies' defaults are set from.
+    ``one``: the same with a single efficiency for dense and expert GEMMs, as before issue 52 split them."""
+    if one:
+        before = one_fp8_efficiency(before)
     groups = [g for g in published_runs((FP8_RUNS,)) if g.runs]
     twins = bf16_twins()
     rows = []
     for held in sorted({family(g) for g in groups}):
-        constants = fp8_fit([g for g in groups if family(g) != held], twins, before)
+        constants = fp8_fit([g for g in groups if family(g) != held], twins, before, one)
         out = [g for g in groups if family(g) == held]
         for g, p_before, p_after in zip(out, predict(out, before), predict(out, constants), strict=True):
             rows.append({"held_out": held, "group": g.id, "fitted": {n: getattr(constants, n) for n in FP8_FITTED},
                          "before": fp8_ratios(g, p_before, twins[g.id]),
                          "after": fp8_ratios(g, p_after, twins[g.id])})
-    everything = fp8_fit(groups, twins, before)
+    everything = fp8_fit(groups, twins, before, one)
     return {"held_out": rows, "before_constants": {n: getattr(before, n) for n in FP8_FITTED},
             "by_precision": {k: by_precision(rows, k) for k in ("before", "after")},
             "fitted_on_all": {n: getattr(everything, n) for n in FP8_FITTED},
@@ -311,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold-out", choices=("family", "paper"), default="family",
                         help="what is held out together: a source's runs of one model, or the whole source (a stricter "
                         "check: the A100 papers predict the H100 one and back)")
+    parser.add_argument("--one-fp8-efficiency", action="store_true", help="FP8 section: one efficiency for dense "
+                        "and routed-expert GEMMs (achievable_mfu_fp8_experts tied to achievable_mfu_fp8), as before")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     names = [n for n in args.fit.split(",") if n]
@@ -336,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         "dispatch_checks": check_rows,
         "cross_node_by_dispatcher": {k: by_dispatcher(rows + check_rows, k) for k in ("before", "after")},
         "qwen3_30b_a3b_ep16": qwen3_ep16(before),
-        "fp8": fp8_section(before),
+        "fp8": fp8_section(before, args.one_fp8_efficiency),
     }
     if args.json:
         print(json.dumps(result, indent=1))
@@ -387,8 +400,10 @@ def main(argv: list[str] | None = None) -> int:
     for name, v in result["qwen3_30b_a3b_ep16"].items():
         print(f"  {name}: step {v['step_s']:.1f} s, ep term {v['ep_s']:.1f} s")
     fp8 = result["fp8"]
-    print(f"FP8: {', '.join(FP8_FITTED)} fitted on the published FP8 runs, each family predicted with it fitted on the "
-          f"others (BF16's constants the 'before' ones); before: {consts(fp8['before_constants'])}")
+    fitted_fp8 = "achievable_mfu_fp8 (one for dense and expert GEMMs)" if args.one_fp8_efficiency else ", ".join(
+        FP8_FITTED)
+    print(f"FP8: {fitted_fp8} fitted on the published FP8 runs, each family predicted with it fitted on the others "
+          f"(BF16's constants the 'before' ones); before: {consts(fp8['before_constants'])}")
     for r in fp8["held_out"]:
         b, a = r["before"], r["after"]
         print(f"  {r['group']} ({', '.join(b['precisions'])}; fitted without it: {consts(r['fitted'])})\n"
