@@ -171,9 +171,10 @@ class TimeInputs:
     fp8_recipe: str | None = None  # RunSettings.recipe of the precision on this device (None: not FP8)
 
 
-# What an FP8 recipe adds to its GEMMs, beside the FP8 rate (achievable_mfu_fp8, which prices delayed scaling: TE
-# casts each GEMM input in one fused pass that also records its amax, and the scales come from the amax history, a
-# handful of kernels and one all-reduce of every amax per step, not counted).
+# What an FP8 recipe adds to its GEMMs, beside the FP8 rate (achievable_mfu_fp8 for the dense GEMMs and
+# achievable_mfu_fp8_experts for the routed experts', fitted on published FP8 runs, price delayed scaling: TE casts
+# each GEMM input in one fused pass that also records its amax, and the scales come from the amax history, a handful
+# of kernels and one all-reduce of every amax per step, not counted).
 # - tensorwise ("current scaling", TE's Float8CurrentScaling): a tensor's scale is its own amax, so each quantised
 #   GEMM input is read once more for the amax before it is cast (fp8_amax_pass_seconds); under sequence parallelism
 #   TE quantises the input before the all-gather, so every rank's amax is all-reduced over the TP group first: one
@@ -184,7 +185,8 @@ AMAX_REDUCTIONS_PER_BLOCK = 2
 # - blockwise (Float8BlockScaling, DeepSeek-V3's 1x128 activation and 128x128 weight blocks): the scales are per
 #   block, found in the cast's own pass (no amax pass, no reduction), but the GEMM promotes its partial sums to FP32
 #   every 128-element block of K (DeepSeek-V3 technical report, section 3.3.2, "increasing accumulation precision"),
-#   which costs tensor-core issue slots; an assumption, not fitted (no timed blockwise run in tests/data): 10%.
+#   which costs tensor-core issue slots; an assumption, not fitted: 10% (the one timed blockwise run,
+#   tests/data/measured_throughput_fp8.json's DeepSeek-V3 on H800, cannot tell it from the FP8 efficiencies).
 BLOCKWISE_GEMM_SLOWDOWN = 1.10
 
 
