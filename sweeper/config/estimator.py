@@ -98,7 +98,8 @@ class EstimatorConstants(BaseModel):
     of the decision section's projections when no trial measured the real device (a CPU sweep). Set from
     benchmarks/first_guess.py: over the 63 published runs (H100 MoE, A100 GPT; BF16), each source's model predicted
     with the step-time defaults fitted on the others, the measured throughput was 0.68-1.63 x the predicted (with
-    the defaults fitted on all of them 0.77-1.60), rounded out. Not checked on other devices or on FP8."""
+    the defaults fitted on all of them 0.77-1.60), rounded out. The published FP8 runs (H800, GB200; issue 52), each
+    predicted with the FP8 efficiencies fitted on the others, lie 0.94-1.07 (benchmarks/first_guess.py)."""
     throughput_high: float = Field(1.65, gt=0)
     """The band's high end, as measured / predicted (see throughput_low)."""
     achievable_mfu_fp8: float = Field(0.44, gt=0, le=1)
