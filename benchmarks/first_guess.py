@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {r['group']} ({r['layouts']} layouts, in no fit; with the defaults -> fitted on all families)\n"
               f"      median error {100 * statistics.median(b['errors']):.1f}% -> "
               f"{100 * statistics.median(a['errors']):.1f}%, pairs in measured order {order(b)} -> {order(a)}; "
-              f"measured / predicted throughput {', '.join(f'{1 / x:.2f}' for x in b['ratios'])} -> "
+              f"predicted / measured throughput {', '.join(f'{1 / x:.2f}' for x in b['ratios'])} -> "
               f"{', '.join(f'{1 / x:.2f}' for x in a['ratios'])}")
     print("held-out layouts whose expert-parallel group spans nodes, per dispatcher (median error with the 'before' "
           "constants -> fitted on the others):")
