@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig
 from sweeper.errors import UsageError
 from sweeper.estimate.disk import checkpoint_bytes
 from sweeper.plan.assess import assess_all
@@ -188,7 +189,7 @@ def test_fits_is_answered_per_placement_shape_and_follows_every_reservation() ->
     assert all(slots) and not host.fits(small)
 
 
-def _nemotron(**training: object) -> tuple:
+def _nemotron(**training: object) -> tuple[SweepConfig, Layout]:
     cfg = load_config(ROOT / "search_spaces" / "nemotron.yaml")
     if training:
         cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update=training)})
@@ -203,7 +204,7 @@ def test_a_modelled_trial_longer_than_its_timeout_fails_as_a_timeout_at_the_limi
     short = run.duration() / 2
     tight, _ = _nemotron(trial_timeout_s=short)
     result, run = host._model(tight, layout, steps=4, n=0, nodes=1, make_reference=False)
-    assert result.status == "failed" and result.failure_kind == "timeout" and "trial_timeout_s" in result.error
+    assert result.status == "failed" and result.failure_kind == "timeout" and "trial_timeout_s" in (result.error or "")
     assert run.duration() == pytest.approx(short)
 
 
@@ -235,7 +236,8 @@ def test_each_layouts_modelled_error_has_the_held_out_spread_not_only_the_terms_
             truth, est = host.truth(entry.layout), host.estimator(entry.layout)
             if truth is not None and est.step_time_s:
                 logs.append(math.log(truth.step_time_s / est.step_time_s / host.level))
-    assert sum(term_shares(host.estimator(valid[0].layout).step_terms)) == pytest.approx(1.0)
+    terms = host.estimator(valid[0].layout).step_terms
+    assert terms is not None and math.fsum(term_shares(terms)) == pytest.approx(1.0)
     spread = math.sqrt(sum(x * x for x in logs) / len(logs))
     assert 0.8 * LAYOUT_SIGMA < spread < 1.2 * LAYOUT_SIGMA, spread
 
