@@ -58,8 +58,8 @@ START_S = 60.0
 # The rendezvous and the NCCL communicators grow with the ranks: every rank registers with one TCPStore and each of
 # Megatron's process groups is made on all of them. MegaScale (Jiang et al., NSDI '24, section 3.5 "fast
 # initialization") reports 1,047 s to initialise a 2,048-GPU job with stock PyTorch before its fixes (about half a
-# second per rank); a smoke trial runs stock PyTorch, so its start-up grows by that much per rank (a 1,024-GPU trial:
-# about 9 minutes). The model's build does not: each rank builds its own shard, in parallel.
+# second per rank); a smoke trial runs stock PyTorch, so its start-up grows by that much per rank (a 1,024-GPU trial
+# starts in about 10 minutes). The model's build does not: each rank builds its own shard, in parallel.
 START_S_PER_RANK = 1047.0 / 2048
 BUILD_S = 30.0
 GATE_STEPS = 2.0
