@@ -71,7 +71,7 @@ FS_SHARED_GB_S = 100.0
 # The estimator's error, drawn as its held-out figures measure it (benchmarks/first_guess.py --json, each published
 # family predicted with the defaults fitted on the others, 63 layouts, issue 52's dispatch term): a level per
 # rehearsal (the root mean square of each group's median log(predicted / measured): ``after.level_sigma`` 0.121),
-# and per layout the spread about its group's level (the root mean square of each layout's log ratio less its
+# and per layout the spread about its group's level (``after.layout_sigma``: each layout's log ratio less its
 # group's median: 0.115; a median error of 11.3% per layout with the level). The layout's spread is drawn as a
 # factor per step-time term (TERM_SIGMA: what a term-by-term fit leaves, ~10% median) and a factor on the whole
 # step that brings the layout's spread to LAYOUT_SIGMA (the terms alone average out: a step of k equal terms would
