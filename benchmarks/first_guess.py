@@ -181,14 +181,17 @@ def leave_one_out(groups: list[PublishedRuns], names: Sequence[str], before: Est
 def summary(rows: list[dict[str, Any]], key: str) -> dict[str, Any]:
     """Over all held-out layouts: the median error, the pairs in order, the range of measured / predicted throughput
     (= predicted / measured step time) and the level's log-normal sigma: the root mean square of each group's median
-    log(predicted / measured), how far a whole sweep's first guess lies off."""
+    log(predicted / measured), how far a whole sweep's first guess lies off; and each layout's spread about its
+    group's level: the root mean square of its log ratio less its group's median (the rehearsal's LAYOUT_SIGMA)."""
     errors = [e for r in rows for e in r[key]["errors"]]
     ratios = [x for r in rows for x in r[key]["ratios"]]
     levels = [statistics.median(math.log(x) for x in r[key]["ratios"]) for r in rows]
+    about = [math.log(x) - level for r, level in zip(rows, levels, strict=True) for x in r[key]["ratios"]]
     pairs = sum(r[key]["pairs"] for r in rows)
     return {"median_error": statistics.median(errors), "layouts": len(errors),
             "throughput_measured_over_predicted": (min(ratios), max(ratios)),
             "level_sigma": math.sqrt(sum(v * v for v in levels) / len(levels)),
+            "layout_sigma": math.sqrt(sum(v * v for v in about) / len(about)),
             "median_of_group_medians": statistics.median(statistics.median(r[key]["errors"]) for r in rows),
             "worst_group_median": max(statistics.median(r[key]["errors"]) for r in rows),
             "pairs_in_order": sum(r[key]["ordered"] for r in rows) / pairs if pairs else None, "pairs": pairs}
@@ -378,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s['worst_group_median']:.1f}%); pairs in measured order {pairs}\n"
               f"        measured / predicted throughput {s['throughput_measured_over_predicted'][0]:.2f}-"
               f"{s['throughput_measured_over_predicted'][1]:.2f}; level (each group's median log(predicted / "
-              f"measured)) sigma {s['level_sigma']:.3f}")
+              f"measured)) sigma {s['level_sigma']:.3f}, each layout about its group's level sigma "
+              f"{s['layout_sigma']:.3f}")
     print(f"fitted on all families: {consts(result['fitted_on_all'])} (median error in sample "
           f"{100 * result['in_sample_median_error']:.1f}%)")
     for r in check_rows:
