@@ -9,6 +9,7 @@ import yaml
 from sweeper.config.load import load_config
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialRecord, TrialResult
+from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import (
     PROJECTED_STEP_ERROR,
@@ -110,3 +111,8 @@ def test_two_trials_of_one_production_layout_are_one_candidate_the_largest_stand
                TrialRecord(2, large.to_dict(), _stable(1500.0, 0.6))]
     cands = candidates(records, cfg)
     assert [(c.number, c.layout.world_size) for c in cands] == [(2, 16)]
+    doc = best_layout_document(cfg, cands[0], None)
+    assert doc["objective"]["measured_on_gpus"] == 16 and doc["objective"]["projected_share"] == 0.0
+    small_doc = best_layout_document(cfg, candidates(records[:1], cfg)[0], None)
+    extra = extra_step_s(cfg, small)
+    assert small_doc["objective"]["projected_share"] == extra / (0.5 + extra) > 0
