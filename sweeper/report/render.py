@@ -196,7 +196,7 @@ def decision_section(info: SweepMeta) -> str:
     copies_text = ("Copies of a layout side by side fill the production run's GPUs (data parallel): its step is the "
                    "step its trials measured (or, on the CPU backend, the estimator predicted) plus what the larger "
                    "data parallelism costs, projected by the estimator under the sweep's calibration; the band holds "
-                   "the runs' spread and" + (f" ±{error:.0%} (the estimator's held-out step-time error)" if error
+                   "the runs' spread and" + (f" ±{error:.1%} (the estimator's held-out step-time error)" if error
                                              else " the estimator's error") + " on the projected part.")
     if budget:
         headers += ["GPUs", "days (band)", "GPU-hours"] + (["cost (band)"] if budget.get("gpu_hour_usd") else [])
