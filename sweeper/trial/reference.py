@@ -60,12 +60,15 @@ def reference_layouts(cfg: SweepConfig, host: Any, precision: str | None = None)
     sequences = reference_sequences(cfg)
     precision = precision or ("fp32" if host.simulated else cfg.space.values("precision")[0])
     single = Layout(world_size=1, gbs=sequences, precision=precision)
-    candidates = list(dict.fromkeys([single] + sorted(
+    simplest = list(dict.fromkeys([single] + sorted(
         # The reference is made with Megatron's DDP (equivalence.plan refuses Megatron-FSDP for it).
         (replace(lo, gbs=sequences, precision=precision, mbs=1, recompute="none", fsdp=None)
          for lo in enumerate_layouts(cfg)),
         key=lambda lo: (lo.world_size, lo.tp * lo.pp * lo.cp * lo.ep * lo.etp * lo.vpp),
     )))
+    # Each layout without recompute, then with full recompute (the same arithmetic, less activation memory: what a
+    # reference that ran out of memory tries before a layout of more parallelism).
+    candidates = [variant for lo in simplest for variant in (lo, replace(lo, recompute="full"))]
     return (entry.layout for entry in assess_each(cfg, candidates, production=False)
             if entry.launchable and host.unsupported(cfg.model, entry.layout) is None)
 

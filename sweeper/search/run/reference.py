@@ -24,8 +24,9 @@ from sweeper.trial.reference import (
     run_reference,
 )
 
-# Layouts tried for the reference when each fails for its own reasons (out of memory inside the estimator's band).
-LAYOUTS_TRIED = 3
+# Layouts tried for the reference when each fails for its own reasons (out of memory inside the estimator's band):
+# the simplest without and with full recompute, then the next simplest likewise.
+LAYOUTS_TRIED = 4
 
 
 def make_reference(sweep: SweepState) -> None:
@@ -51,14 +52,15 @@ def make_reference(sweep: SweepState) -> None:
 
 def _made(sweep: SweepState, folder: Path) -> ReferenceOutcome:
     """Wait for the reference layout's GPUs, make it, retry faults that are not the layout's; a layout that fails
-    for its own reasons (out of memory) gives way to the next simplest, up to ``LAYOUTS_TRIED``."""
+    for its own reasons (out of memory) gives way to the next candidate (``trial.reference.reference_layouts``:
+    itself with full recompute, then the next simplest), up to ``LAYOUTS_TRIED``."""
     outcome = ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
     for tried, layout in enumerate(reference_layouts(sweep.cfg, sweep.handle)):
         if tried == LAYOUTS_TRIED or sweep.stop.is_set():
             break
         if tried:
-            console.print(f"[yellow]equivalence[/] {outcome.note.removeprefix('equivalence gate off: ')}; the next "
-                          f"simplest layout, {layout.short()}, makes the reference", important=True)
+            console.print(f"[yellow]equivalence[/] {outcome.note.removeprefix('equivalence gate off: ')}; "
+                          f"{layout.short()} makes the reference instead", important=True)
         outcome, kind = _made_in(sweep, folder, layout)
         if outcome.path is not None or kind in NOT_THE_LAYOUTS or kind is None:
             return outcome
