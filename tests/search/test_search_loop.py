@@ -66,6 +66,7 @@ class StandInHost:
         # Another job's GPUs (stand-in of a shared cluster): per node, held until ``others_until`` (monotonic).
         self.others: dict[str, int] = {}
         self.others_until = 0.0
+        self.others_until_trials: int | None = None  # or: held until this many trials ended (whatever the clock)
         self.hold_after: tuple[int, float] | None = None  # after the N-th trial ends, others hold every GPU for S s
         self.confirm_kinds: dict[str, list[str]] = {}  # per layout: what its confirmation attempts do, in order
         self.reference_kinds: list[str] = []  # what the reference's attempts do first ("infra"), then it is made
@@ -77,6 +78,8 @@ class StandInHost:
             self.others_until = time.monotonic() + seconds
 
     def _held(self, node: str) -> int:
+        if self.others_until_trials is not None:  # held until that many trials of the sweep have ended
+            return self.others.get(node, 0) if len(self.spans) < self.others_until_trials else 0
         return self.others.get(node, 0) if time.monotonic() < self.others_until else 0
 
     def capacity_total(self) -> int:
@@ -951,11 +954,19 @@ def test_smaller_trials_run_on_the_gpus_other_jobs_leave_while_a_larger_one_wait
     large = "gpus=4,pp=2,ep=2,mbs=1"
     cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 6, "confirm_top": 0, "seeds": [large]}})
     host = StandInHost(delay=0.2)
-    host.hold_others(2, 3.0, nodes=["n1"])  # another job holds node n1 for the sweep's first 3 s
+    # Another job holds node n1 until the sweep has ended 3 trials (events, not seconds: a loaded machine's speed
+    # decides nothing). Before, one backfill ran, then nothing: the larger trial blocked the free node.
+    host.hold_others(2, 3600.0, nodes=["n1"])
+    host.others_until_trials = 3
     sweep = make_sweep(cfg, host)
-    assert sweep.run() == 0
+    stopper = threading.Timer(120.0, sweep.stop.set)  # the old loop never ends 3 trials: stop it, do not hang
+    stopper.start()
+    try:
+        assert sweep.run() == 0
+    finally:
+        stopper.cancel()
     big = layout_from_string(cfg, large)
     started = {lo: t0 for lo, t0, _ in host.spans}
-    assert big in started and started[big] >= host.others_until  # it ran once the other job was gone
-    meanwhile = [lo for lo, t0, _ in host.spans if t0 < started[big] and lo != big]
+    meanwhile = [lo for lo, t0, _ in host.spans if lo != big and (big not in started or t0 < started[big])]
     assert len(meanwhile) >= 3 and all(lo.world_size == 2 for lo in meanwhile)  # more than one trial's time
+    assert big in started  # it ran once the other job was gone
