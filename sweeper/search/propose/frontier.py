@@ -55,6 +55,7 @@ class Frontier:
         self._plan_calibration: object = self  # no plan made yet (never a calibration)
         self._estimator: Estimator | None = None  # the space's, under the plan's calibration
         self._table: TermTable | None = None  # the valid layouts' terms, which a calibration only scales
+        self._pruned: dict[Layout, tuple[Estimate, str, dict[str, Any]]] = {}  # by layout: prediction, reason, JSON
         self.launchable = self._launchable()
 
     @property
@@ -95,7 +96,7 @@ class Frontier:
                 continue
             why = self.memory_verdict(e)
             if why is not None:
-                pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
+                pruned.append(self._pruned_json(e, why))
                 continue
             backend_says = self.handle.unsupported(self.cfg.model, e.layout)
             if backend_says:
@@ -112,6 +113,17 @@ class Frontier:
         meta.unsupported = unsupported
         self.dir.write_meta(meta)
         return sorted(entries, key=lambda e: -(predicted_objective(self.cfg, e.layout, e.predicted) or 0.0))
+
+    def _pruned_json(self, entry: PlanEntry, why: str) -> dict[str, Any]:
+        """sweep.json's ``memory_pruned`` element of ``entry``: kept while its prediction and reason are the same
+        objects (an event that changes no calibration leaves tens of thousands of them as they were; issue 54)."""
+        kept = self._pruned.get(entry.layout)
+        if kept is not None and kept[0] is entry.predicted and kept[1] == why:
+            return kept[2]
+        assert entry.predicted is not None
+        element = {"layout": entry.layout.short(), **entry.predicted.to_json(), "reason": why}
+        self._pruned[entry.layout] = (entry.predicted, why, element)
+        return element
 
     def raw_estimate(self, layout: Layout) -> Estimate:
         if layout not in self.raw:
