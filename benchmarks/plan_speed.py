@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -29,13 +30,23 @@ BUDGET_S = {WIDE.name: 1.0}  # issue 15
 DEFAULT_BUDGET_S = 2.0
 
 
+CPU_S: dict[Path, list[float]] = {}  # by checkout: each plan's CPU seconds (user + system), steadier than wall on a
+# shared host
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_plan(space: Path, checkout: Path) -> tuple[float, str]:
     """One cold ``plan --json`` of ``space`` by ``checkout``'s sweeper: wall seconds and its stdout."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), _children_cpu()
     proc = subprocess.run([sys.executable, "-m", "sweeper", "plan", str(space.resolve()), "--json"],
                           cwd=checkout, capture_output=True, text=True, check=False, env=env)
     wall = time.perf_counter() - start
+    CPU_S.setdefault(checkout, []).append(_children_cpu() - cpu)
     if proc.returncode != 0:
         raise SystemExit(f"{space.name}: plan exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
     return wall, proc.stdout
@@ -77,10 +88,14 @@ def main() -> int:
             f"{space.name:<24} {median:>9.2f} {min(walls):>7.2f} {max(walls):>7.2f} {len(entries):>8} {valid:>6} "
             f"{ratio:>8.2f}x"
         )
+        ours_cpu = statistics.median(CPU_S.pop(ROOT))
+        print(f"  CPU (user + system): median {ours_cpu:.2f} s")
         if other:
             theirs = statistics.median(other)
-            print(f"  {args.against}: median {theirs:.2f} s (min {min(other):.2f}, max {max(other):.2f}), the same "
-                  f"plan: this checkout takes {median / theirs:.2f}x its time")
+            theirs_cpu = statistics.median(CPU_S.pop(args.against))
+            print(f"  {args.against}: median {theirs:.2f} s (min {min(other):.2f}, max {max(other):.2f}), CPU "
+                  f"{theirs_cpu:.2f} s; the same plan: this checkout takes {median / theirs:.2f}x its wall time, "
+                  f"{ours_cpu / theirs_cpu:.2f}x its CPU")
     print(f"budget: {DEFAULT_BUDGET_S:.1f} s per plan ({', '.join(f'{k} {v:.1f} s' for k, v in BUDGET_S.items())}), "
           f"interpreter start-up included ({args.runs} runs each, median)")
     return 1 if (over and args.check) else 0
