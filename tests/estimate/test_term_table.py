@@ -93,3 +93,10 @@ def test_the_frontier_repredicts_a_recalibrated_space_as_a_fresh_assessment() ->
             frontier.launchable = frontier._launchable()  # what learn() does on a change
             fresh = assess_all(cfg, enumerate_layouts(cfg), calibration)
             assert [e.to_json() for e in frontier.assessed] == [e.to_json() for e in fresh]
+
+
+def test_the_columns_keep_every_layouts_order_of_terms() -> None:
+    from sweeper.estimate.term_table import _column_order
+
+    assert _column_order([["a", "b", "d"], ["a", "c", "d"], ["b", "c"]]) == ["a", "b", "c", "d"]
+    assert _column_order([["x", "y"], ["y", "x"]]) == ["x", "y"]  # conflicting: the first seen first, none lost
