@@ -14,7 +14,7 @@ from typing import Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
-from sweeper.estimate.term_table import TermTable
+from sweeper.estimate.term_table import TermTable, without_cycle_collection
 from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
 from sweeper.space.layout import Layout
@@ -103,8 +103,9 @@ def assess_tabled(cfg: SweepConfig, layouts: list[Layout], calibration: Calibrat
 def repredict(entries: list[PlanEntry], table: TermTable, calibration: Calibration | None) -> list[PlanEntry]:
     """``entries`` with the rules' verdicts kept and the valid ones (``table``'s layouts, in order) predicted under
     ``calibration`` from the table: equal to ``reassess`` with the space's estimator so calibrated."""
-    predicted = iter(table.estimates(calibration))
-    return [e if not e.valid else PlanEntry(e.layout, e.reasons, next(predicted)) for e in entries]
+    with without_cycle_collection():
+        predicted = iter(table.estimates(calibration))
+        return [e if not e.valid else PlanEntry(e.layout, e.reasons, next(predicted)) for e in entries]
 
 
 def reassess(entries: list[PlanEntry], estimator: Estimator) -> list[PlanEntry]:
