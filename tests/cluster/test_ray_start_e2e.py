@@ -92,6 +92,7 @@ def test_a_sweep_waits_for_gpus_another_ray_job_holds_and_confirms_a_winner(ray_
     other = subprocess.Popen([sys.executable, "-c", _OTHER_JOB, ray_start_node.address, str(MAX_HOLD_S), str(HELD)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ray_start_node.env)
     lines: list[str] = []
+    search: subprocess.Popen[str] | None = None
     try:
         assert other.stdout is not None and other.stdout.readline().strip() == "held"
         search = subprocess.Popen(
@@ -107,8 +108,10 @@ def test_a_sweep_waits_for_gpus_another_ray_job_holds_and_confirms_a_winner(ray_
                 other.stdin.flush()
         search.wait(timeout=900)
     finally:
-        other.kill()
-        other.wait()
+        for proc in (search, other):  # by pid, never by name; the node's own processes are the fixture's
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
     console = "".join(lines)
     assert [line for line in lines if FORWARDED.match(line)] == [], lines[:5]
     assert search.returncode == 0, console[-4000:]
