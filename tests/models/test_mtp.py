@@ -25,6 +25,7 @@ from sweeper.models.spec import ModelSpec
 from sweeper.plan import rules
 from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.space.pipeline import balanced_layout, mtp_rank, stage_layer_kinds
+from tests.space.cpu_trial import assert_trial_passes
 
 ROOT = Path(__file__).resolve().parents[2]
 H100x8 = ClusterConfig(nodes=128, gpus_per_node=8, gpu_memory_gib=80, compute_capability="9.0")
@@ -119,12 +120,4 @@ def test_a_deepseek_v3_proxy_with_a_generated_layout_and_mtp_passes_the_fp32_gat
                                         cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env,
                                         check=True).stdout)
     assert [e["layout"].get("pipeline_layout") for e in planned if e["valid"] and e["layout"]["pp"] == 2] == [text]
-    proc = subprocess.run(
-        [sys.executable, "-m", "sweeper", "trial", str(path), "--proxy", "--layout",
-         f"gpus=2,pp=2,pipeline_layout={text}", "--json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=1200, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout)
-    assert result["status"] == "passed", f"[{result['failure_kind']}] {result['error']}"
-    assert result["checks"]["checkpoint_reloaded"] is True
-    assert result["checks"]["equivalence_rel_err"] is not None and result["checks"]["equivalence_rel_err"] < 1e-4
+    assert_trial_passes(tmp_path, path, f"gpus=2,pp=2,pipeline_layout={text}", "--proxy", timeout=1200)
