@@ -25,7 +25,7 @@ from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import objective_value
-from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, attribute, is_stable, steady, unsteady_text
+from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, attribute, is_stable, steady, unsteady_reasons
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
 from sweeper.search.propose.study import LayoutStudy, Mode
@@ -214,8 +214,9 @@ class SweepState:
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
         if run.phase == "confirm" and result.passed and not steady(result, self.cfg):
-            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: {unsteady_text(result, self.cfg)}"
-                          ": not confirmed", important=True)
+            why = "; ".join(unsteady_reasons(result, self.cfg))
+            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: {why}: not confirmed",
+                          important=True)
         for warning in result.placement_warnings:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
