@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,69 @@ from sweeper.trial.proxy_run import proxy_run_layout
 
 PLACE_TIMEOUT_S = 120.0
 NO_REFERENCE_LAYOUT = "equivalence gate off: no layout of this space can hold the reference"
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The reference layout's loss and gradient norm at each step of a confirmation's run: the same reference
+    weights, global batch (the data is drawn per global sequence, whatever the layout), steps and precision, made
+    once per sweep and (global batch, precision, steps) and kept beside the reference (``trajectory_file``)."""
+
+    layout: str  # Layout.short() of the run that made it
+    precision: str
+    gbs: int
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def trajectory_key(cfg: SweepConfig, layout: Layout) -> tuple[int, str]:
+    """What a confirmation's trajectory depends on beyond the reference and the steps: the global batch its run
+    trains on (a proxy trial's share of the layout's, ``proxy_run``) and its precision."""
+    run = proxy_run_layout(layout) if is_proxy(cfg.model) else layout
+    return run.gbs, layout.precision
+
+
+def written_layout(folder: Path) -> Layout | None:
+    """The layout that wrote the reference in ``folder`` (its reference.json), or None when unreadable."""
+    try:
+        return Layout.from_dict(json.loads((folder / REFERENCE_FILE).read_text())["layout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def trajectory_file(folder: Path, gbs: int, precision: str, steps: int) -> Path:
+    return folder / f"trajectory-gbs{gbs}-{precision}-{steps}steps.json"
+
+
+def read_trajectory(path: Path) -> Trajectory | None:
+    try:
+        return Trajectory(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def run_trajectory(cfg: SweepConfig, host: Host, folder: Path, layout: Layout, steps: int,
+                   slot: Reservation) -> tuple[Trajectory | None, TrialResult]:
+    """Run ``layout`` (the reference layout at a confirmation's global batch and precision) for ``steps`` steps from
+    the reference in ``folder`` on GPUs already reserved, and keep its trajectory there (None: the run failed)."""
+    short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
+    path = trajectory_file(folder, layout.gbs, layout.precision, steps)
+    result = host.run_trial(short, layout, folder.parent / f"{path.stem}-run", reservation=slot, steps=steps,
+                            reference=str(folder))
+    if not result.passed or len(result.losses) != steps or len(result.grad_norms) != steps:
+        return None, result
+    made = Trajectory(layout.short(), layout.precision, layout.gbs, result.losses, result.grad_norms)
+    path.write_text(json.dumps(asdict(made)))
+    return made, result
+
+
+def trajectory_layout(cfg: SweepConfig, reference: Layout, gbs: int, precision: str) -> Layout | None:
+    """The reference layout at another global batch and precision, or None when its data parallelism cannot split
+    that batch. For a proxy model, one micro-batch per data-parallel rank: a proxy run keeps every micro-batch it
+    is given only then (``proxy_run`` caps their number), so the batch stays the one asked for."""
+    mbs = gbs // reference.dp if is_proxy(cfg.model) and reference.dp and gbs % reference.dp == 0 else reference.mbs
+    layout = replace(reference, gbs=gbs, precision=precision, mbs=mbs)
+    return layout if layout.num_microbatches else None
 
 
 @dataclass(frozen=True)
