@@ -6,7 +6,8 @@ layout itself (one rank) and every axis the CPU backend runs alone at two ranks 
 and one four-rank layout (TP2 DP2, MoE: EP2 DP2), each loading the reference and training ``--steps`` steps on the
 same global batch (the data is drawn by global sequence index, so every layout sees the same batches). The table
 holds, per layout and precision, each step's relative difference from the one-rank run of the same precision
-(max of loss and gradient norm) and its maximum: the band ``search/decide/verdicts.TRAJECTORY_BAND`` is set from.
+(max of loss and gradient norm) and its maximum: the band ``search/decide/verdicts.TRAJECTORY_BAND`` is set from
+the worst layout that passed every check of its run (a failed one is listed with its failure, not counted).
 Ranks run without Ray, through the test helper ``tests/backends/megatron_ranks.py``.
 
     python scripts/measure_trajectory_band.py --out tests/data/trajectory_band.json     # ~10 min on 2 cores
@@ -53,10 +54,12 @@ def trajectory(root: Path, name: str, model: str, layout: Layout, steps: int, **
     request = smoke_request(root / name, layout, model, SEQ, steps=steps, **kw)
     reports = run_ranks(request, layout.world_size, timeout_s=900.0)
     bad = [r for r in reports if r is None or not r.ok]
-    if bad:  # recorded, with the steps it ran (a check after the steps may fail a layout whose steps ran)
-        print(f"{model} {name}: failed {bad[0] and (bad[0].failure_kind, bad[0].error)}", flush=True)
+    failed = f"{bad[0].failure_kind}: {bad[0].error}" if bad and bad[0] else "a rank died" if bad else None
+    if failed:  # recorded with the steps it ran (a check after the steps may fail it), not counted as correct
+        print(f"{model} {name}: failed ({failed})", flush=True)
     first = next((r for r in reports if r is not None and r.losses), None)
-    return {"losses": list(first.losses), "grad_norms": list(first.grad_norms)} if first else {}
+    run = {"losses": list(first.losses), "grad_norms": list(first.grad_norms)} if first else {}
+    return {**run, "failed": failed} if failed else run
 
 
 def main() -> None:
@@ -90,8 +93,9 @@ def main() -> None:
                     print(f"{model} {precision} {layout.short()}: max {max(errs):.3g} "
                           f"(last step {errs[-1]:.3g})", flush=True)
                 table.setdefault(model, {})[precision] = {"reference_layout": base, "layouts": rows}
-    worst = {p: max(row["max_rel_err"] for m in table.values() for row in m[p]["layouts"].values())
-             for p in args.precisions}
+    # The band's basis: layouts that passed every check of their run (one that failed is not known-correct).
+    worst = {p: max(row["max_rel_err"] for m in table.values() for row in m[p]["layouts"].values()
+                    if not row.get("failed")) for p in args.precisions}
     out = {
         "command": "python " + " ".join(sys.argv),
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),

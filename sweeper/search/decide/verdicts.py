@@ -129,13 +129,17 @@ def good_confirmation(result: TrialResult, cfg: SweepConfig) -> bool:
 
 # How far a correct layout's loss and gradient-norm trajectory strays from the reference layout's on the same data,
 # global batch and starting weights, by precision: the largest per-step relative difference (loss or gradient
-# norm) any known-correct layout measured over a confirmation's steps on the CPU backend, times TRAJECTORY_MARGIN
-# (tests/data/trajectory_band.json, scripts/measure_trajectory_band.py; see docs/how-it-works.md). A precision not
-# measured here (FP16, FP8, FP4: no CPU run) is compared and recorded, not held against the layout.
-TRAJECTORY_MARGIN = 10.0
+# norm) a layout that passed every check measured over 12 steps on the CPU backend, times TRAJECTORY_MARGIN, rounded
+# up to one significant figure (tests/data/trajectory_band.json, scripts/measure_trajectory_band.py: tiny-gpt and
+# tiny-moe, TP2+SP, PP2, DP2, EP2 and two four-rank layouts; tests/backends/test_trajectory_band.py holds the values
+# to it; docs/how-it-works.md). A precision not measured here (FP16, FP8, FP4: no CPU run) is compared and
+# recorded, not held against the layout.
+TRAJECTORY_MARGIN = 3.0
 TRAJECTORY_BAND: dict[str, float] = {
-    "fp32": 1e-4,
-    "bf16": 1e-1,
+    # Worst 2.4e-7 (tiny-moe PP2): rounding only, no growth over the steps.
+    "fp32": 8e-7,
+    # Worst 1.0e-2 (tiny-moe EP2 at four ranks): MoE routing ties flip in BF16 and the paths part.
+    "bf16": 4e-2,
 }
 TRAJECTORY_UNMEASURED = "trajectory compared, not held: no measured band for precision {precision}"
 
