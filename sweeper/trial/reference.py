@@ -16,7 +16,7 @@ import math
 import shutil
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sweeper.config.schema import SweepConfig
 from sweeper.models.proxy import is_proxy
@@ -32,11 +32,22 @@ PLACE_TIMEOUT_S = 120.0
 NO_REFERENCE_LAYOUT = "equivalence gate off: no layout of this space can hold the reference"
 
 
+class TrajectoryKey(NamedTuple):
+    """What a confirmation's trajectory depends on beyond the reference weights and the steps: the global batch its
+    run trains on, how it is cut into micro-batches (a MoE's load-balancing loss is a micro-batch's: two sequences
+    in one micro-batch are not two in two) and the precision."""
+
+    gbs: int
+    mbs: int
+    precision: str
+
+
 @dataclass(frozen=True)
 class Trajectory:
     """The reference layout's loss and gradient norm at each step of a confirmation's run: the same reference
-    weights, global batch (the data is drawn per global sequence, whatever the layout), steps and precision, made
-    once per sweep and (global batch, precision, steps) and kept beside the reference (``trajectory_file``)."""
+    weights, global batch and micro-batches (the data is drawn per global sequence, whatever the layout, and each
+    data-parallel rank's micro-batches are contiguous slices, so one rank at the same micro-batch size forms the same
+    ones), steps and precision; made once per sweep and key and kept beside the reference (``trajectory_file``)."""
 
     layout: str  # Layout.short() of the run that made it
     precision: str
@@ -45,11 +56,10 @@ class Trajectory:
     grad_norms: list[float]
 
 
-def trajectory_key(cfg: SweepConfig, layout: Layout) -> tuple[int, str]:
-    """What a confirmation's trajectory depends on beyond the reference and the steps: the global batch its run
-    trains on (a proxy trial's share of the layout's, ``proxy_run``) and its precision."""
+def trajectory_key(cfg: SweepConfig, layout: Layout) -> TrajectoryKey:
+    """The key of ``layout``'s confirmation: the batch its run trains on (a proxy trial's share, ``proxy_run``)."""
     run = proxy_run_layout(layout) if is_proxy(cfg.model) else layout
-    return run.gbs, layout.precision
+    return TrajectoryKey(run.gbs, run.mbs, layout.precision)
 
 
 def written_layout(folder: Path) -> Layout | None:
@@ -60,8 +70,8 @@ def written_layout(folder: Path) -> Layout | None:
         return None
 
 
-def trajectory_file(folder: Path, gbs: int, precision: str, steps: int) -> Path:
-    return folder / f"trajectory-gbs{gbs}-{precision}-{steps}steps.json"
+def trajectory_file(folder: Path, key: TrajectoryKey, steps: int) -> Path:
+    return folder / f"trajectory-gbs{key.gbs}-mbs{key.mbs}-{key.precision}-{steps}steps.json"
 
 
 def read_trajectory(path: Path) -> Trajectory | None:
@@ -73,10 +83,10 @@ def read_trajectory(path: Path) -> Trajectory | None:
 
 def run_trajectory(cfg: SweepConfig, host: Host, folder: Path, layout: Layout, steps: int,
                    slot: Reservation) -> tuple[Trajectory | None, TrialResult]:
-    """Run ``layout`` (the reference layout at a confirmation's global batch and precision) for ``steps`` steps from
-    the reference in ``folder`` on GPUs already reserved, and keep its trajectory there (None: the run failed)."""
+    """Run ``layout`` (``trajectory_layout``) for ``steps`` steps from the reference in ``folder`` on GPUs already
+    reserved, and keep its trajectory there (None: the run failed)."""
     short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
-    path = trajectory_file(folder, layout.gbs, layout.precision, steps)
+    path = trajectory_file(folder, TrajectoryKey(layout.gbs, layout.mbs, layout.precision), steps)
     result = host.run_trial(short, layout, folder.parent / f"{path.stem}-run", reservation=slot, steps=steps,
                             reference=str(folder))
     if not result.passed or len(result.losses) != steps or len(result.grad_norms) != steps:
@@ -86,13 +96,18 @@ def run_trajectory(cfg: SweepConfig, host: Host, folder: Path, layout: Layout, s
     return made, result
 
 
-def trajectory_layout(cfg: SweepConfig, reference: Layout, gbs: int, precision: str) -> Layout | None:
-    """The reference layout at another global batch and precision, or None when its data parallelism cannot split
-    that batch. For a proxy model, one micro-batch per data-parallel rank: a proxy run keeps every micro-batch it
-    is given only then (``proxy_run`` caps their number), so the batch stays the one asked for."""
-    mbs = gbs // reference.dp if is_proxy(cfg.model) and reference.dp and gbs % reference.dp == 0 else reference.mbs
-    layout = replace(reference, gbs=gbs, precision=precision, mbs=mbs)
-    return layout if layout.num_microbatches else None
+def trajectory_layout(cfg: SweepConfig, reference: Layout, key: TrajectoryKey) -> Layout | None:
+    """The reference layout at a confirmation's batch, micro-batch size and precision; None when its data
+    parallelism cannot split that batch. A proxy run caps its micro-batches per data-parallel rank, so for a proxy
+    model the reference layout takes as many data-parallel copies as its own proxy run needs to keep the whole
+    share (data parallelism alone: the simplest proven axis, and the run passes the gate itself)."""
+    most = key.gbs // key.mbs if is_proxy(cfg.model) else 1
+    for copies in range(1, most + 1):
+        layout = replace(reference, world_size=reference.world_size * copies, gbs=key.gbs, mbs=key.mbs,
+                         precision=key.precision)
+        if layout.num_microbatches and (not is_proxy(cfg.model) or proxy_run_layout(layout).gbs == key.gbs):
+            return layout
+    return None
 
 
 @dataclass(frozen=True)

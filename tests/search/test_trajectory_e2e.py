@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from sweeper.backends.megatron.smoke import DRIFT_FROM_STEP
-from sweeper.trial.reference import trajectory_file
+from sweeper.trial.reference import TrajectoryKey, trajectory_file
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -53,5 +53,5 @@ def test_a_slow_drift_the_gate_passes_fails_the_confirmation_naming_its_step(tmp
     good = confirmed[explored[1]["number"]]
     assert good["status"] == "passed" and any("within the fp32 band" in n for n in good["notes"]), good
     # The reference trajectory was made once (both confirmations share its global batch and precision), and kept.
-    assert trajectory_file(tmp_path / "sweep" / "reference", 4, "fp32", 6).is_file()
+    assert trajectory_file(tmp_path / "sweep" / "reference", TrajectoryKey(4, 1, "fp32"), 6).is_file()
     assert len(list((tmp_path / "sweep").glob("trajectory-*-run"))) == 1

@@ -43,7 +43,7 @@ from sweeper.search.run.repeated import RepeatedFailure
 from sweeper.search.run.scheduler import Running, Scheduler
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
-from sweeper.trial.reference import Trajectory, trajectory_key
+from sweeper.trial.reference import Trajectory, TrajectoryKey, trajectory_key
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
@@ -119,9 +119,9 @@ class SweepState:
         mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
         self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self.frontier.order())
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run.reference)
-        # The reference layout's trajectory per (run's global batch, precision) a confirmation is held against
-        # (run.reference.ensure_trajectory; None: it could not be made, the confirmation is not held).
-        self.trajectories: dict[tuple[int, str], Trajectory | None] = {}
+        # The reference layout's trajectory per batch a confirmation is held against (run.reference.ensure_trajectory;
+        # None: it could not be made, the confirmation is not held).
+        self.trajectories: dict[TrajectoryKey, Trajectory | None] = {}
         self.drifting: set[int] = set()  # trials injected with "drift" (--inject drift@trial=N)
         # What a phase does with an ended attempt of its own, after it is recorded (``wait_one``).
         self.ended_handlers: dict[Phase, Callable[[Running, TrialResult], None]] = {}
