@@ -218,7 +218,7 @@ def _activation_shape(
         seq_length=seq_length, unfused_attention=constants.attention_backend != "flash",
         softmax_in_fp32=constants.attention_backend == "local",
         hidden_dropout=constants.hidden_dropout > 0, attention_dropout=constants.attention_dropout > 0,
-        hot_rank_factor=max(constants.moe_hot_rank_factor, (calibration and calibration.moe_hot_rank_factor) or 1.0),
+        hot_rank_factor=effective_hot_rank(constants, calibration),
         dispatcher=layout.dispatcher, cuda_graph=layout.cuda_graph, fp8_recipe=fp8_recipe,
     )
 
@@ -287,6 +287,11 @@ class _Stages:
         if _hot_rank(self.calibration) == _hot_rank(calibration):
             other._activations = self._activations
         return other
+
+
+def effective_hot_rank(constants: EstimatorConstants, calibration: Calibration | None) -> float:
+    """The MoE hot-rank factor the activations are sized with (``_activation_shape``)."""
+    return max(constants.moe_hot_rank_factor, (calibration and calibration.moe_hot_rank_factor) or 1.0)
 
 
 def _hot_rank(calibration: Calibration | None) -> float | None:
@@ -374,6 +379,7 @@ class Estimator:
             stages, self._links, self._blocks, self._slowest = kept.memos()
             self._stages = stages.recalibrated(calibration)
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
+        self._unit: _Stages | None = None  # the stages at memory factors 1 (unit_stages)
 
     @classmethod
     def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None,
@@ -390,14 +396,22 @@ class Estimator:
         return Estimator(self.model, self.cluster, self.seq_length, self.constants, self.headroom, calibration,
                          self.run, self.host_cores, kept=self)
 
+    @property
+    def limit_gib(self) -> float:
+        """What a layout's reserved peak plus the memory outside torch may reach (the GPU less the headroom)."""
+        return self._limit
+
+    def hot_rank_factor(self, calibration: Calibration | None) -> float:
+        """The MoE hot-rank factor this estimator's activations would be sized with under ``calibration``."""
+        return effective_hot_rank(self.constants, calibration)
+
     def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, dict[Block, dict[str, float]]],
                              dict[tuple, dict[str, float]]]:
         """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms."""
         return self._stages, self._links, self._blocks, self._slowest
 
     def __call__(self, layout: Layout) -> Estimate:
-        lo, model, cluster, constants, calibration = layout, self.model, self.cluster, self.constants, self.calibration
-        seq_length = self.seq_length
+        lo, constants, calibration, seq_length = layout, self.constants, self.calibration, self.seq_length
         _check_divisible(lo, seq_length)
         shape, stages = self._stages(lo)
         non_torch = non_torch_gib(lo, constants)
@@ -419,6 +433,36 @@ class Estimator:
                     "in_flight_microbatches": stage.in_flight_microbatches,
                 }
 
+        terms = self._step_terms(lo, shape, stages)
+        seconds = terms.seconds(self._factor)
+        tokens = lo.gbs * seq_length
+        band = memory_band(worst_reserved, constants)
+        return Estimate(
+            memory_gib=worst_reserved,
+            fits=worst_reserved + non_torch <= self._limit,
+            step_time_s=seconds,
+            tokens_per_s=tokens / seconds if seconds > 0 else None,
+            breakdown=worst,
+            memory_band_gib=band,
+            may_fit=band[0] + non_torch <= self._limit,
+            step_terms=terms,
+            step_factor=self._factor,
+        )
+
+    def terms(self, layout: Layout) -> tuple[tuple[StageMemory, ...], StepTerms]:
+        """``layout``'s stages at memory factors 1 and its uncalibrated step terms: what a calibration scales
+        (``term_table``)."""
+        _check_divisible(layout, self.seq_length)
+        if self._unit is None:
+            hot = self.calibration.moe_hot_rank_factor if self.calibration else None
+            self._unit = self._stages.recalibrated(Calibration(moe_hot_rank_factor=hot))
+        shape, stages = self._unit(layout)
+        return stages, self._step_terms(layout, shape, stages)
+
+    def _step_terms(self, lo: Layout, shape: ActivationShape, stages: tuple[StageMemory, ...]) -> StepTerms:
+        """The layout's step time as uncalibrated terms (the stages give its parameters and, for offloading, a
+        layer's activations, which no calibration factor changes)."""
+        model, cluster, constants, seq_length = self.model, self.cluster, self.constants, self.seq_length
         ep, etp = shape.ep, shape.etp
         vpp = lo.vpp if lo.pp > 1 else 1
         sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
@@ -452,20 +496,7 @@ class Estimator:
                           tuple(st.params.expert for st in stages), constants, slowest)
         if self.host_cores and lo.world_size > self.host_cores:
             terms = terms.scaled(lo.world_size / self.host_cores)
-        seconds = terms.seconds(self._factor)
-        tokens = lo.gbs * seq_length
-        band = memory_band(worst_reserved, constants)
-        return Estimate(
-            memory_gib=worst_reserved,
-            fits=worst_reserved + non_torch <= self._limit,
-            step_time_s=seconds,
-            tokens_per_s=tokens / seconds if seconds > 0 else None,
-            breakdown=worst,
-            memory_band_gib=band,
-            may_fit=band[0] + non_torch <= self._limit,
-            step_terms=terms,
-            step_factor=self._factor,
-        )
+        return terms
 
 
 P = ParamSpec("P")

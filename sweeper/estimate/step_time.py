@@ -51,6 +51,7 @@ KERNELS_PER_SCOPE: dict[str, int] = {"attn": 30, "mlp": 15, "moe_router": 10, "m
 class BlockFlops:
     gemm: float  # forward FLOPs per token in GEMMs (run at the FP8 rate under FP8)
     other: float  # forward FLOPs per token in attention cores / scans (BF16 rate)
+    routed: float = 0.0  # of ``gemm``, the routed experts' grouped GEMMs (their own FP8 efficiency)
 
 
 def block_flops(spec: ModelSpec, block: Block, seq_length: int, chunk_size: int = 128) -> BlockFlops:
@@ -75,11 +76,11 @@ def block_flops(spec: ModelSpec, block: Block, seq_length: int, chunk_size: int 
         return BlockFlops(2 * h * spec.ffn_hidden_size * mlp_factor, 0.0)
     if block == "moe":
         assert spec.num_moe_experts is not None
-        gemm = 2 * h * spec.num_moe_experts  # router
-        gemm += spec.moe_router_topk * 2 * h * spec.expert_ffn_hidden_size * mlp_factor
+        routed = spec.moe_router_topk * 2 * h * spec.expert_ffn_hidden_size * mlp_factor
+        gemm = 2 * h * spec.num_moe_experts + routed  # the router's and the routed experts'
         if spec.moe_shared_expert_intermediate_size:
             gemm += 2 * h * spec.moe_shared_expert_intermediate_size * mlp_factor
-        return BlockFlops(gemm, 0.0)
+        return BlockFlops(gemm, 0.0, routed)
     heads, groups, state = spec.mamba_heads, spec.mamba_num_groups, spec.mamba_state_dim
     d_inner = heads * spec.mamba_head_dim
     gemm = 2 * h * (2 * d_inner + 2 * groups * state + heads) + 2 * d_inner * h
@@ -170,9 +171,10 @@ class TimeInputs:
     fp8_recipe: str | None = None  # RunSettings.recipe of the precision on this device (None: not FP8)
 
 
-# What an FP8 recipe adds to its GEMMs, beside the FP8 rate (achievable_mfu_fp8, which prices delayed scaling: TE
-# casts each GEMM input in one fused pass that also records its amax, and the scales come from the amax history, a
-# handful of kernels and one all-reduce of every amax per step, not counted).
+# What an FP8 recipe adds to its GEMMs, beside the FP8 rate (achievable_mfu_fp8 for the dense GEMMs and
+# achievable_mfu_fp8_experts for the routed experts', fitted on published FP8 runs, price delayed scaling: TE casts
+# each GEMM input in one fused pass that also records its amax, and the scales come from the amax history, a handful
+# of kernels and one all-reduce of every amax per step, not counted).
 # - tensorwise ("current scaling", TE's Float8CurrentScaling): a tensor's scale is its own amax, so each quantised
 #   GEMM input is read once more for the amax before it is cast (fp8_amax_pass_seconds); under sequence parallelism
 #   TE quantises the input before the all-gather, so every rank's amax is all-reduced over the TP group first: one
@@ -183,7 +185,8 @@ AMAX_REDUCTIONS_PER_BLOCK = 2
 # - blockwise (Float8BlockScaling, DeepSeek-V3's 1x128 activation and 128x128 weight blocks): the scales are per
 #   block, found in the cast's own pass (no amax pass, no reduction), but the GEMM promotes its partial sums to FP32
 #   every 128-element block of K (DeepSeek-V3 technical report, section 3.3.2, "increasing accumulation precision"),
-#   which costs tensor-core issue slots; an assumption, not fitted (no timed blockwise run in tests/data): 10%.
+#   which costs tensor-core issue slots; an assumption, not fitted: 10% (the one timed blockwise run,
+#   tests/data/measured_throughput_fp8.json's DeepSeek-V3 on H800, cannot tell it from the FP8 efficiencies).
 BLOCKWISE_GEMM_SLOWDOWN = 1.10
 
 
@@ -206,6 +209,15 @@ def _rates(precision: str, device: Device, constants: EstimatorConstants) -> tup
     elif precision == "nvfp4" and device.fp4_tflops:
         gemm_rate = device.fp4_tflops * TFLOP * constants.achievable_mfu_fp4
     return bf16_rate, gemm_rate
+
+
+def _routed_expert_rate(precision: str, device: Device, constants: EstimatorConstants, gemm_rate: float) -> float:
+    """Achieved FLOP/s of the routed experts' grouped GEMMs: under FP8 and MXFP8 their own fraction of the FP8 peak
+    (achievable_mfu_fp8_experts: each expert's few rows are quantised, padded and multiplied apart), else the
+    GEMMs' rate."""
+    if precision_dtype(precision) in ("fp8", "mxfp8") and device.fp8_tflops:
+        return device.fp8_tflops * TFLOP * constants.achievable_mfu_fp8_experts
+    return gemm_rate
 
 
 # The step-time terms (``StepTerms``), each a named part of a layout's predicted step time that the calibration fits
@@ -296,6 +308,7 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     graphs; of ``links`` TP, CP, EP and ETP."""
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     bf16_rate, gemm_rate = _rates(x.precision, device, constants)
+    routed_rate = _routed_expert_rate(x.precision, device, constants, gemm_rate)
     act_bytes = 4 if x.precision == "fp32" else 2
     tp_bytes = tokens * spec.hidden_size * act_bytes  # one block's hidden state, gathered/scattered over TP
 
@@ -316,17 +329,19 @@ def block_seconds(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
         # The mlp and moe modules recompute exactly the block of that name.
         recomputed = full or (b in ("mlp", "moe") and b in modules)
         extra_gemm = f.gemm if recomputed else 0.0
+        extra_routed = f.routed if recomputed else 0.0
         if b == "moe" and "shared_experts" in modules and not recomputed:
             shared = spec.moe_shared_expert_intermediate_size or 0
             extra_gemm += 2 * spec.hidden_size * shared * (3 if spec.gated_linear_unit else 2)
         # A CP rank attends its tokens to the whole sequence: the core scales with its tokens only.
-        gemm_s = tokens * FWD_BWD_FACTOR * f.gemm / gemm_rate
+        gemm_s = tokens * FWD_BWD_FACTOR * ((f.gemm - f.routed) / gemm_rate + f.routed / routed_rate)
         if x.fp8_recipe == "blockwise":
             gemm_s *= BLOCKWISE_GEMM_SLOWDOWN
         elif x.fp8_recipe == "tensorwise":  # times TP: compute terms are divided by TP per stage below
             gemm_s += tokens * fp8_amax_pass_seconds(f.gemm, _gemm_widths(spec, b, x), device) * x.tp
         compute = gemm_s + tokens * FWD_BWD_FACTOR * f.other / bf16_rate
-        recompute = tokens * (extra_gemm / gemm_rate + (f.other / bf16_rate if core_recomputed else 0.0))
+        recompute = tokens * ((extra_gemm - extra_routed) / gemm_rate + extra_routed / routed_rate
+                              + (f.other / bf16_rate if core_recomputed else 0.0))
         parts = {compute_term(b, x.precision): compute, RECOMPUTE: recompute, TP: 0.0, CP: 0.0, EP: 0.0}
         if b != "moe" or spec.moe_shared_expert_intermediate_size:
             parts[TP] = TP_RING_PASSES_PER_BLOCK * ring(tp_bytes, x.tp, links.tp, links.latency)
@@ -376,7 +391,10 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     if per_block is None:
         per_block = block_seconds(spec, x, device, links, constants)
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
-    gemm_rate = _rates(x.precision, device, constants)[1]
+    # The output layer runs in BF16 under every FP8/FP4 recipe: Megatron builds it as tensor_parallel's
+    # ColumnParallelLinear, not a Transformer Engine module, so no fp8_autocast reaches it (DeepSeek-V3 keeps its
+    # output head in BF16 too, technical report section 3.3.1); the MTP heads' small eh_proj goes with it.
+    logits_rate = _rates(x.precision, device, constants)[0]
     slowest: dict[str, float] = {}
     slowest_s = -1.0
     holder = mtp_rank(spec, x.pp, x.split)
@@ -394,7 +412,7 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
             if rank == holder:
                 logits_flops += spec.mtp_num_layers * 2 * 2 * spec.hidden_size * spec.hidden_size
             term = compute_term("logits", x.precision)
-            stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / gemm_rate
+            stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / logits_rate
         for term in stage:
             if term.startswith("compute.") or term == RECOMPUTE:
                 stage[term] /= x.tp

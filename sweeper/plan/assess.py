@@ -14,6 +14,7 @@ from typing import Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
+from sweeper.estimate.term_table import TermTable, without_cycle_collection
 from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
 from sweeper.space.layout import Layout
@@ -50,18 +51,20 @@ class PlanEntry:
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
-           checker: Checker | None = None, estimator: Estimator | None = None, production: bool = True) -> PlanEntry:
+           checker: Checker | None = None, estimator: Estimator | None = None, production: bool = True,
+           predict: bool = True) -> PlanEntry:
     """Rules, then (for valid layouts) the estimator. ``checker`` and ``estimator``: a space's ``Checker`` and
     ``Estimator`` (many layouts; the estimator's calibration is then its own, not ``calibration``). ``production``:
     the layout is a trial of the production run, whose batch it must share evenly with its copies (false for the
-    equivalence reference, whose batch is its own)."""
+    equivalence reference, whose batch is its own). ``predict``: false leaves ``predicted`` None (the rules only: the
+    caller predicts the valid layouts itself)."""
     reasons = (checker(layout) if checker is not None
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length, cfg.run))
     shared = cfg.production_batch_reason(layout.world_size) if production else None
     if shared:
         reasons = [shared, *reasons]  # first: the rules below judged a rounded share
     predicted = None
-    if not reasons:
+    if not reasons and predict:
         predicted = (estimator or Estimator.for_config(cfg, calibration))(layout)
     return PlanEntry(layout, reasons, predicted)
 
@@ -71,7 +74,7 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None,
     """Valid layouts first: those predicted to fit by predicted throughput, then those inside the estimator's error
     band (lowest predicted memory first), then those over the band; then the invalid ones."""
     layouts = [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
-    return sorted(assess_all(cfg, layouts, calibration), key=_order)
+    return sorted(assess_tabled(cfg, layouts, calibration)[0], key=_order)
 
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
@@ -85,6 +88,24 @@ def assess_each(cfg: SweepConfig, layouts: Iterable[Layout], calibration: Calibr
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     estimator = Estimator.for_config(cfg, calibration)
     return (assess(cfg, lo, calibration, checker, estimator, production) for lo in layouts)
+
+
+def assess_tabled(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None,
+                  ) -> tuple[list[PlanEntry], TermTable]:
+    """``assess_all``, the valid layouts predicted through their term table (returned too: a later calibration
+    re-predicts them with ``repredict`` in one vectorised pass)."""
+    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
+    judged = [assess(cfg, lo, calibration, checker, predict=False) for lo in layouts]
+    table = TermTable.build(Estimator.for_config(cfg, calibration), [e.layout for e in judged if e.valid])
+    return repredict(judged, table, calibration), table
+
+
+def repredict(entries: list[PlanEntry], table: TermTable, calibration: Calibration | None) -> list[PlanEntry]:
+    """``entries`` with the rules' verdicts kept and the valid ones (``table``'s layouts, in order) predicted under
+    ``calibration`` from the table: equal to ``reassess`` with the space's estimator so calibrated."""
+    with without_cycle_collection():
+        predicted = iter(table.estimates(calibration))
+        return [e if not e.valid else PlanEntry(e.layout, e.reasons, next(predicted)) for e in entries]
 
 
 def reassess(entries: list[PlanEntry], estimator: Estimator) -> list[PlanEntry]:

@@ -122,9 +122,15 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
     # The sweep chooses on the median of the confirmation runs, so show that figure when it did not record one.
     basis = [r for r in passed if r.phase == "confirm"] or passed
     tokens = best.get("tokens_per_s")
+    # sweep.json's best is the objective on the production run: say what part of it was measured (issue 53)
+    winner = next((e for e in (info.decision or {}).get("layouts") or [] if e.get("role") == "winner"), None)
+    made = (winner or {}).get("production") or {}
+    what = f"on the production run ({made['basis']})" if isinstance(tokens, (int, float)) and made.get("basis") \
+        else "on the production run" if isinstance(tokens, (int, float)) else ""
     if not isinstance(tokens, (int, float)):
         measured = [r.tokens_per_s for r in basis if r.tokens_per_s is not None]
         tokens = statistics.median(measured) if measured else None
+        what = "measured on its own GPUs (median of its runs)"
     peak = best.get("peak_memory_gib")
     if not isinstance(peak, (int, float)):
         peaks = [r.peak_memory_gib for r in basis if r.peak_memory_gib is not None]
@@ -143,7 +149,7 @@ def _best_section(info: SweepMeta, recorded: bool, rows: list[TrialRow], sweep_d
              if layout is not None else "")
     return (
         f'<p class="good">Best stable layout: <b>{esc(name)}</b> (trial {esc(best_number)}{confirm_note}) — '
-        f"{num(tokens, '{:,.0f}')} tokens/s, {num(peak, '{:.2f}')} GiB peak memory{kind}.</p>"
+        f"{num(tokens, '{:,.0f}')} tokens/s {esc(what)}, {num(peak, '{:.2f}')} GiB peak memory{kind}.</p>"
         f"<p>Full Megatron flags and Megatron-Bridge overrides: {link}. Layout flags:</p>{flags}"
     )
 
@@ -168,9 +174,13 @@ def decision_section(info: SweepMeta) -> str:
     rows = []
     for e in layouts:
         rate, proj = e.get("tokens_per_s") or {}, e.get("projection") or {}
+        made = e.get("production") or {}
+        on = f" on {rate['on_gpus']} GPUs" if rate.get("on_gpus") else ""
         row = [esc(e.get("role")), f"{esc(e.get('layout'))} <span class='dim'>(trial {esc(e.get('number'))})</span>",
-               esc(rate.get("basis")),
-               _amount(rate.get("median")) + _band(rate.get("low"), rate.get("high"))]
+               esc(f"{rate.get('basis')}{on}"),
+               _amount(rate.get("median")) + _band(rate.get("low"), rate.get("high")),
+               _amount(made.get("tokens_per_s")) + _band(made.get("low"), made.get("high")),
+               esc(made.get("basis"))]
         if budget:
             row += [_amount(proj.get("gpus")),
                     _amount(proj.get("days")) + _band(proj.get("days_fast"), proj.get("days_slow")),
@@ -179,16 +189,22 @@ def decision_section(info: SweepMeta) -> str:
                 row.append(_amount(proj.get("cost_usd"), "$")
                            + _band(proj.get("cost_usd_fast"), proj.get("cost_usd_slow"), "$"))
         rows.append(row)
-    headers = ["", "layout (in the sweep's order)", "throughput basis", "tokens/s (band)"]
-    intro = ""
+    headers = ["", "layout (in the sweep's order)", "its trials' figure", "tokens/s on its trials' GPUs (band)",
+               "tokens/s on the production run (band)", "the production figure is"]
+    error = next((e["production"]["projected_error"] for e in layouts
+                  if "projected_error" in (e.get("production") or {})), None)
+    copies_text = ("Copies of a layout side by side fill the production run's GPUs (data parallel): its step is the "
+                   "step its trials measured (or, on the CPU backend, the estimator predicted) plus what the larger "
+                   "data parallelism costs, projected by the estimator under the sweep's calibration; the band holds "
+                   "the runs' spread and" + (f" ±{error:.1%} (the estimator's held-out step-time error)" if error
+                                             else " the estimator's error") + " on the projected part.")
     if budget:
         headers += ["GPUs", "days (band)", "GPU-hours"] + (["cost (band)"] if budget.get("gpu_hour_usd") else [])
         price = (f" at ${budget['gpu_hour_usd']:g} per GPU-hour" if budget.get("gpu_hour_usd") else "")
-        intro = (f"<p>Training {budget.get('tokens', 0):.3g} tokens{esc(price)}; copies of a layout side by side fill "
-                 "the production GPUs (data parallel, assumed to scale linearly).</p>")
+        intro = f"<p>Training {budget.get('tokens', 0):.3g} tokens{esc(price)}. {esc(copies_text)}</p>"
     else:
-        intro = ("<p class='note'>No <code>budget:</code> in the YAML (e.g. <code>budget: {tokens: 1.0e12, "
-                 "gpu_hour_usd: 2.5, gpus: 1024}</code>): no projected time or cost.</p>")
+        intro = (f"<p>{esc(copies_text)}</p><p class='note'>No <code>budget:</code> in the YAML (e.g. <code>budget: "
+                 "{tokens: 1.0e12, gpu_hour_usd: 2.5, gpus: 1024}</code>): no projected time or cost.</p>")
     notes = []
     if any(str((e.get("tokens_per_s") or {}).get("basis", "")).startswith("predicted") for e in layouts):
         notes.append("Predicted throughput: these trials did not run on the cluster's GPUs (the CPU backend), so "

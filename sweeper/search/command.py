@@ -127,15 +127,23 @@ def _rehearsal_summary(cfg: SweepConfig, sweep: Sweep, host: Any, sweep_dir: Swe
 
     from sweeper.search.decide.rehearsal import summary
 
-    figures = summary(host, sweep.records, cfg, [e.layout for e in sweep.frontier.launchable])
+    figures = summary(host, sweep.records, cfg, [e.layout for e in sweep.frontier.launchable],
+                      [e.layout for e in sweep.frontier.assessed if e.valid])
     write_atomic(sweep_dir.root / "rehearsal.json", json.dumps(figures, indent=1) + "\n")
     reached = figures["trials_to_within_noise_of_best"]
+    low, high = figures["band"]["p10"], figures["band"]["p90"]
     console.print(
         f"[magenta]rehearsal[/] (modelled, not measured) {figures['trials']} trials ({figures['runs']} runs), "
-        f"{figures['wall_time_h']:.1f} h wall, {figures['gpu_hours']:,.0f} GPU-hours, at most "
-        f"{figures['peak_concurrent_trials']} trials at once, peak disk {figures['peak_disk_gib']:,.0f} GiB; "
-        + (f"a layout within the noise of the modelled best after {reached} trials" if reached else
-           "no trial reached the modelled best's noise") + f": {sweep_dir.root / 'rehearsal.json'}", important=True)
+        f"{figures['wall_time_h']:.1f} h wall ({low['wall_time_h']:.1f}-{high['wall_time_h']:.1f} h over the "
+        f"level's p10-p90), {figures['busy_gpu_hours']:,.0f} GPU-hours busy "
+        f"({low['busy_gpu_hours']:,.0f}-{high['busy_gpu_hours']:,.0f}), {figures['reserved_gpu_hours']:,.0f} "
+        f"reserved ({low['reserved_gpu_hours']:,.0f}-{high['reserved_gpu_hours']:,.0f}: the cluster for the "
+        f"wall time), at most {figures['peak_concurrent_trials']} trials at once, peak disk "
+        f"{figures['peak_disk_gib']:,.0f} GiB; "
+        + (f"a layout within the noise of the best of {figures['valid_layouts']:,} valid layouts after {reached} "
+           "trials (optimistic: the truth is the estimator's own terms)" if reached else
+           f"no trial reached the noise of the best of {figures['valid_layouts']:,} valid layouts")
+        + f": {sweep_dir.root / 'rehearsal.json'}", important=True)
 
 
 def _sweep_params(cfg: SweepConfig) -> dict[str, Any]:

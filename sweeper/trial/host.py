@@ -109,6 +109,8 @@ class TrialHost:
         # (when, Ray's alive nodes: node id -> (label, ranks it holds: its GPUs, fewer where it has fewer CPUs))
         self._snapshot: tuple[float, dict[str, tuple[str, int]]] | None = None
         self._others: dict[str, int] = {}  # node id -> rank slots other jobs hold there, as of the snapshot
+        # the same, less the trials that ended within RELEASE_GRACE_S: what the sweep says other jobs hold
+        self._others_shown: dict[str, int] = {}
         self._alone: set[str] = set()  # nodes a trial holds alone (search.confirm_alone): nobody else starts there
         # fits' answers by placement shape, while the ledger is as it was (``_changes``: reservations, releases and
         # node-table reads so far): a fill asks it for every launchable layout, a few placement shapes
@@ -149,11 +151,17 @@ class TrialHost:
         ending: Counter[str] = Counter()
         for _, nid, gpus in self._released:
             ending[nid] += gpus
-        others = {}
+        others, shown = {}, {}
         for nid, (_, slots) in nodes.items():
             free = rank_slots(*available.get(nid, (float(slots), slots * CPUS_PER_RANK)))
-            ours = max(self._used.get(nid, 0) + ending[nid], warm.get(nid, 0))
+            ours = max(self._used.get(nid, 0), warm.get(nid, 0))
             others[nid] = max(0, slots - free - ours)
+            shown[nid] = max(0, slots - free - max(self._used.get(nid, 0) + ending[nid], warm.get(nid, 0)))
+        # Reservations go by what Ray says is free: once Ray has freed an ended trial's GPUs, counting them as the
+        # sweep's too would count them twice and reserve GPUs another job holds (a placement then times out, seen
+        # on a ray start node with another job holding 3 of 4 GPUs). The grace only keeps them from being *said*
+        # to be another job's (``held_by_others``).
+        self._others_shown = shown
         return others
 
     def capacity_total(self) -> int:
@@ -184,7 +192,7 @@ class TrialHost:
         old)."""
         with self._lock:
             alive = self._alive()
-            return sum(self._others.get(nid, 0) for nid in (alive if node_ids is None else set(node_ids)))
+            return sum(self._others_shown.get(nid, 0) for nid in (alive if node_ids is None else set(node_ids)))
 
     def reserve(self, layout: Layout, alone: bool = False) -> Reservation | None:
         """Nodes for this layout's placement bundles, or None when they are not free right now; ``alone``: nodes

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -129,20 +130,30 @@ def reference_sequences(cfg: SweepConfig) -> int:
     return math.lcm(1, *{proxy_run_layout(lo).dp for lo in enumerate_layouts(cfg) if lo.dp})
 
 
-def reference_layout(cfg: SweepConfig, host: Any, precision: str | None = None) -> Layout | None:
-    """The simplest layout this cluster can run for the reference (in ``precision``; default FP32 on a simulated
-    cluster, the space's first precision on GPUs), or None."""
+def reference_layouts(cfg: SweepConfig, host: Any, precision: str | None = None) -> Iterator[Layout]:
+    """The layouts this cluster can run the reference in (in ``precision``; default FP32 on a simulated cluster, the
+    space's first precision on GPUs), simplest first: one GPU when the model fits, then the space's layouts by size
+    and model parallelism. A sweep takes the next when one fails for its own reasons (out of memory: the estimator
+    let it through inside its error band)."""
     sequences = reference_sequences(cfg)
     precision = precision or ("fp32" if host.simulated else cfg.space.values("precision")[0])
     single = Layout(world_size=1, gbs=sequences, precision=precision)
-    candidates = [single] + sorted(
+    simplest = list(dict.fromkeys([single] + sorted(
         # The reference is made with Megatron's DDP (equivalence.plan refuses Megatron-FSDP for it).
         (replace(lo, gbs=sequences, precision=precision, mbs=1, recompute="none", fsdp=None)
          for lo in enumerate_layouts(cfg)),
         key=lambda lo: (lo.world_size, lo.tp * lo.pp * lo.cp * lo.ep * lo.etp * lo.vpp),
-    )
-    return next((entry.layout for entry in assess_each(cfg, candidates, production=False)
-                 if entry.launchable and host.unsupported(cfg.model, entry.layout) is None), None)
+    )))
+    # Each layout without recompute, then with full recompute (the same arithmetic, less activation memory: what a
+    # reference that ran out of memory tries before a layout of more parallelism).
+    candidates = [variant for lo in simplest for variant in (lo, replace(lo, recompute="full"))]
+    return (entry.layout for entry in assess_each(cfg, candidates, production=False)
+            if entry.launchable and host.unsupported(cfg.model, entry.layout) is None)
+
+
+def reference_layout(cfg: SweepConfig, host: Any, precision: str | None = None) -> Layout | None:
+    """The simplest layout this cluster can run for the reference (``reference_layouts``' first), or None."""
+    return next(reference_layouts(cfg, host, precision), None)
 
 
 def _reusable(cfg: SweepConfig, folder: Path, precision: str | None = None) -> bool:

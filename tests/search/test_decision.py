@@ -14,10 +14,12 @@ import yaml
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.estimate import estimate
+from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import SweepMeta, TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.report.render import decision_section
 from sweeper.search.decide.candidates import candidates, choose
 from sweeper.search.decide.decision import decision, summary_line
+from sweeper.search.decide.objective import PROJECTED_STEP_ERROR, extra_step_s
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -67,7 +69,7 @@ def test_a_gpu_sweep_projects_the_budget_from_the_measured_runs(tmp_path: Path) 
     first, second = block["layouts"]
     assert [first["role"], second["role"]] == ["winner", "runner-up"]
     assert first["tokens_per_s"] == {"basis": "measured", "median": 950.0, "low": 900.0, "high": 1000.0, "runs": 2,
-                                     "step_time_s": 1.0}
+                                     "step_time_s": 1.0, "on_gpus": 4}
     # 8 GPUs hold two copies of the 4-GPU layout: 1900 tokens/s, less the estimator's extra step at DP 8 (the tiny
     # model's reduce: a few microseconds against the measured 1 s step).
     proj = first["projection"]
@@ -81,13 +83,15 @@ def test_a_gpu_sweep_projects_the_budget_from_the_measured_runs(tmp_path: Path) 
     assert proj["cost_usd"] == pytest.approx(2.0 * 8 * seconds / 3600)
     assert proj["days_slow"] == pytest.approx(1e9 / 1800.0 / 86400, rel=1e-3)  # at the slowest run
     assert proj["days_fast"] == pytest.approx(1e9 / 2000.0 / 86400, rel=1e-3)
-    assert second["relative_to_first"] == pytest.approx(500.0 / 950.0)
+    # Compared on the production run, as the choice compares them (both 4-GPU layouts: two copies each).
+    assert second["relative_to_first"] == second["production"]["tokens_per_s"] / first["production"]["tokens_per_s"]
+    assert second["relative_to_first"] == pytest.approx(500.0 / 950.0, rel=1e-3)
     # Why: the pruned layout was predicted faster (9000 vs 5000) and differs in ep; the reason it was not launched.
     assert "ep 2 instead of 4" in first["why"] and "not launched: predicted 9.9 GiB over the limit" in first["why"]
     assert first["binding"] in ("memory", "step time") and set(first["memory_gib"]) >= {"weights", "activations"}
     # 6.09 days (5.79 at the fastest run, 6.43 at the slowest), 1,170 GPU-hours, $2,339
     assert summary_line(block) == ("budget 1e+09 tokens on 8 GPUs: 6.09 days (5.79-6.43), 1,170 GPU-hours, $2,339 "
-                                   "(measured throughput)")
+                                   "(throughput measured on 4 GPUs, 0% of the step projected to 8 GPUs)")
     html = decision_section(SweepMeta(decision=block))
     assert "$" in html and "measured" in html and "1e+09 tokens" in html and first["why"][:40] in html
 
@@ -128,3 +132,29 @@ def test_fewer_budget_gpus_than_the_layout_is_said_not_divided_by_zero(tmp_path:
     assert block["layouts"][0]["projection"] == {
         "gpus": 2, "copies": 0, "note": "the production run's 2 GPUs are fewer than the layout's 4 GPUs"}
     assert yaml.safe_dump(block)  # plain data, as sweep.json and MLflow take it
+
+
+def test_the_decision_says_how_much_of_its_figure_is_projected_and_bands_it_with_the_estimators_error(
+        tmp_path: Path) -> None:
+    """Issue 53: the production figure was called measured, with the runs' band of a few percent, though part of its
+    step was the estimator's. Its measured and projected parts are named, and the band holds the projected part's
+    error."""
+    cfg = _cfg(tmp_path)
+    records = _records(cfg, "device")
+    cands = candidates(records, cfg)
+    # The sweep measured the data-parallel reduce far slower than the estimator's first guess.
+    slow_reduce = Calibration(step_term_factors={"dp": 2e5}, samples=3)
+    block = decision(cfg, cands, choose(cands, cfg), records, slow_reduce)
+    assert block is not None
+    made = block["layouts"][0]["production"]
+    extra = extra_step_s(cfg, cands[0].layout, slow_reduce)
+    assert made["measured_step_s"] == 1.0 and made["projected_step_s"] == extra > 0.05
+    assert made["projected_share"] == pytest.approx(extra / (1.0 + extra))
+    assert made["priced_by"] == "the calibrated estimator"
+    assert made["basis"] == f"measured on 4 GPUs, {extra / (1 + extra):.0%} of the step projected to 8 GPUs"
+    # The band: the slowest run with the projected part PROJECTED_STEP_ERROR slower, the fastest with it faster.
+    assert made["low"] == pytest.approx(2 * 900.0 / (1.0 + extra * (1 + PROJECTED_STEP_ERROR)))
+    assert made["high"] == pytest.approx(2 * 1000.0 / (1.0 + extra * (1 - PROJECTED_STEP_ERROR)))
+    assert made["tokens_per_s"] == pytest.approx(2 * 950.0 / (1.0 + extra))
+    html = decision_section(SweepMeta(decision=block))
+    assert made["basis"] in html and "projected" in html and "scale linearly" not in html

@@ -77,7 +77,7 @@ def test_the_decision_best_layout_and_exports_say_modelled_only_for_a_rehearsal(
     assert {e["tokens_per_s"]["basis"] for e in block["layouts"]} == {kind}
     assert block["layouts"][0]["tokens_per_s"]["median"] == 950.0  # the runs' figures, whatever their kind
     assert f", {kind} 1.0 GiB." in block["layouts"][0]["why"]
-    assert (summary_line(block) or "").endswith(f"({kind} throughput)")
+    assert (summary_line(block) or "").endswith(f"(throughput {kind} on 4 GPUs, 0% of the step projected to 8 GPUs)")
 
     document = best_layout_document(cfg, winner, None, cands, rehearsal)
     assert list(document)[0] == "rehearsal"

@@ -173,7 +173,7 @@ def test_the_estimator_prices_the_stages_a_layout_string_places() -> None:
 
 def test_optuna_can_name_every_layout_of_the_space(tmp_path: Path) -> None:
     # The study's categorical for pipeline_layout holds the generated strings: each layout's params map back to it.
-    from sweeper.search.study import LayoutStudy
+    from sweeper.search.propose.study import LayoutStudy
 
     cfg = _deepseek(pp=[8, 16], vpp=[1, 2, 4])
     layouts = enumerate_layouts(cfg)

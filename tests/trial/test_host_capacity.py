@@ -192,6 +192,25 @@ def test_a_trial_that_just_ended_is_not_read_as_another_jobs(monkeypatch) -> Non
     handle.taken = (2.0, 2.0)  # its placement group is made
     assert host.held_by_others() == 0
     host.release(slot)  # the trial ended; Ray has not freed the group yet
+    assert host.held_by_others() == 0  # not said to be another job's
+    assert not host.fits(Layout(world_size=4, gbs=8))  # but not reserved either until Ray says it is free
+    handle.taken = (0.0, 0.0)  # Ray freed it
     assert host.held_by_others() == 0 and host.fits(Layout(world_size=4, gbs=8))
+    handle.taken = (2.0, 2.0)
     monkeypatch.setattr(host_module, "RELEASE_GRACE_S", 0.0)  # still taken after the grace: another job's now
     assert host.held_by_others() == 2
+
+
+def test_a_trial_that_just_ended_and_was_freed_is_not_counted_twice(monkeypatch) -> None:
+    """Seen on a ray start node: the reference ended, Ray freed its GPU at once, another job held 3 of the 4; counting
+    the ended trial as the sweep's as well made 2 GPUs look free, and a 2-GPU placement timed out after 240 s."""
+    monkeypatch.setattr(host_module, "CAPACITY_SNAPSHOT_S", 0.0)
+    handle = OneNodeHandle(4, 8.0)
+    host = TrialHost(_one_node(4), handle)  # type: ignore[arg-type]
+    slot = host.reserve(Layout(world_size=1, gbs=8))
+    assert slot is not None
+    handle.taken = (4.0, 4.0)  # its group and another job's 3 GPUs
+    host.release(slot)
+    handle.taken = (3.0, 3.0)  # Ray freed the ended trial's GPU at once
+    assert not host.fits(Layout(world_size=2, gbs=8))  # one GPU is free, not two
+    assert host.fits(Layout(world_size=1, gbs=8))

@@ -11,7 +11,7 @@ from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.schema import MODELLED, REHEARSAL_NOTE
 from sweeper.search.decide.candidates import Candidate
-from sweeper.search.decide.objective import copies, objective_name, production_gpus
+from sweeper.search.decide.objective import PROJECTED_STEP_ERROR, copies, objective_name, production_gpus, projection
 from sweeper.search.decide.verdicts import stall_ratio, step_time_drift
 
 
@@ -39,6 +39,8 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
     result = chosen_by.result
     layout = winner.layout
     production = cfg.production_layout(layout) or layout  # what the exports launch (issue 43)
+    step = result.metrics.step_time_s
+    made = projection(cfg, layout, step, winner.calibration) if step else None
     return {
         "rehearsal": f"{MODELLED}: {REHEARSAL_NOTE}" if rehearsal else False,
         "name": cfg.name,
@@ -63,6 +65,11 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
             "production_gpus": production_gpus(cfg),
             "copies": copies(cfg, layout),
             "median": winner.median(cfg),
+            # How much of the median run's production step is the estimator's, not measured (issue 53)
+            "measured_on_gpus": layout.world_size,
+            "projected_share": made.projected_share if made else None,
+            "projected_step_s": made.projected_step_s if made else None,
+            "projected_error": PROJECTED_STEP_ERROR,
             "runs": [{"phase": r.phase, "attempt": r.attempt, "projected": v,
                       "measured": getattr(r.result.metrics, cfg.search.objective)}
                      for r, v in zip(winner.runs, winner.values(cfg), strict=True)],

@@ -1,12 +1,18 @@
 """The candidates: stable explored trials with their confirmation runs, ranked on the objective, and the winner
-chosen among them (``choose``). What makes a run stable or a confirmation good is ``decide.verdicts``."""
+chosen among them (``choose``). What makes a run stable or a confirmation good is ``decide.verdicts``.
+
+Trials whose layouts the production run runs alike (TP1-DP8 on 8 GPUs and TP1-DP16 on 16 are both TP1-DP1024 on
+1,024) are one candidate (issue 53): the trial of the largest W stands for it, since the less of its production step
+is projected (``objective.extra_step_s``), the more of it was measured."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from sweeper.config.schema import SweepConfig
+from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialRecord
 from sweeper.search.decide.objective import objective_value
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, good_confirmation, is_stable
@@ -22,6 +28,8 @@ class Candidate:
     confirmations: list[TrialRecord] = field(default_factory=list)
     # Every confirmation attempt, the ones lost to faults that were not the layout's included (best_layout.yaml)
     attempts: list[TrialRecord] = field(default_factory=list)
+    # The sweep's step-time calibration the production run's larger data parallelism is priced with (objective)
+    calibration: Calibration | None = None
 
     @property
     def runs(self) -> list[TrialRecord]:
@@ -34,7 +42,7 @@ class Candidate:
 
     def values(self, cfg: SweepConfig) -> list[float]:
         """The objective of each run: projected to the production run (``search.objective``)."""
-        return [objective_value(r.result, cfg, self.layout) for r in self.runs]
+        return [objective_value(r.result, cfg, self.layout, self.calibration) for r in self.runs]
 
     def median(self, cfg: SweepConfig) -> float:
         """The median objective over its runs: what the choice compares."""
@@ -50,7 +58,8 @@ class Candidate:
         return bool(self.confirmations) and all(good_confirmation(r.result, cfg) for r in self.confirmations)
 
 
-def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> int:
+def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig,
+                               calibration: Calibration | None = None) -> int:
     """Explored trials that ended (the layout's own outcome, not an infrastructure failure) since the best stable
     objective last improved; 0 until a trial is stable."""
     best: float | None = None
@@ -58,7 +67,8 @@ def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> 
     for rec in records:
         if rec.phase != "explore" or rec.attempt < 1 or rec.result.failure_kind in NOT_THE_LAYOUTS:
             continue
-        value = objective_value(rec.result, cfg, Layout.from_dict(rec.layout)) if is_stable(rec.result, cfg) else None
+        layout = Layout.from_dict(rec.layout)
+        value = objective_value(rec.result, cfg, layout, calibration) if is_stable(rec.result, cfg) else None
         if value is not None and (best is None or value > best):
             best, since = value, 0
         elif best is not None:
@@ -66,21 +76,33 @@ def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig) -> 
     return since
 
 
-def candidates(records: list[TrialRecord], cfg: SweepConfig) -> list[Candidate]:
-    """Stable explored trials, best first, with their confirmation records attached."""
+def candidates(records: list[TrialRecord], cfg: SweepConfig,
+               calibration: Calibration | None = None) -> list[Candidate]:
+    """Stable explored trials, one per production layout (the largest W's), best first, with their confirmation
+    records attached; ``calibration``: the sweep's current one, which prices their projection."""
     explore: dict[int, Candidate] = {}
     confirms: dict[int, list[TrialRecord]] = {}
     for rec in records:
         if rec.phase == "confirm":
             confirms.setdefault(rec.number, []).append(rec)
         elif is_stable(rec.result, cfg):
-            explore[rec.number] = Candidate(rec.number, Layout.from_dict(rec.layout), rec)
+            explore[rec.number] = Candidate(rec.number, Layout.from_dict(rec.layout), rec, calibration=calibration)
+    explore = {c.number: c for c in _one_per_production_layout(explore.values(), cfg)}
     for number, recs in confirms.items():
         if number in explore:
             explore[number].attempts = recs
             # a lost node says nothing: the run is made again
             explore[number].confirmations = [r for r in recs if r.result.failure_kind not in NOT_THE_LAYOUTS]
-    return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg, c.layout))
+    return sorted(explore.values(), key=lambda c: -objective_value(c.explore.result, cfg, c.layout, calibration))
+
+
+def _one_per_production_layout(cands: Iterable[Candidate], cfg: SweepConfig) -> list[Candidate]:
+    """The trial of the largest W for each production layout (of equal W, the earliest: the layout explored again
+    keeps its first number, so they are one trial)."""
+    kept: dict[Layout, Candidate] = {}
+    for cand in sorted(cands, key=lambda c: (-c.layout.world_size, c.number)):
+        kept.setdefault(cfg.production_layout(cand.layout) or cand.layout, cand)
+    return list(kept.values())
 
 
 def confirm_attempts(records: list[TrialRecord], number: int) -> tuple[int, int]:

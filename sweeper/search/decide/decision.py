@@ -5,10 +5,13 @@ Throughput is the measured median over a layout's runs (exploration and confirma
 as the band) when the trials ran on the cluster's GPUs. A CPU sweep measured the CPU, not the GPUs the budget will
 run on: there the basis is the estimator's prediction for the configured cluster (calibrated when the sweep
 calibrated it), with the band ``estimate.throughput_low`` .. ``throughput_high`` (how far measured runs have lain
-from predictions). The production run puts ``budget.gpus / gpus`` copies of the layout side by side (data
-parallel), assumed to scale linearly: the projection is the time at the measured rate, not a promise about the
-all-reduce at that size. A rehearsal's trials were modelled, not measured: its basis is "modelled" (issue 54),
-its figures the rehearsal's modelled runs.
+from predictions). The production run puts ``N // W`` copies of the layout side by side (data parallel): its step
+is the measured step plus what the larger data parallelism costs, priced by the estimator under the sweep's
+calibration (``objective.Projection``). ``production`` says which part is measured (on the trial's W GPUs) and which
+projected (to the production run's N), and its band holds both: the runs' spread on the measured part and the
+estimator's held-out step-time error (``objective.PROJECTED_STEP_ERROR``) on the projected part (issue 53). A
+rehearsal's trials were modelled, not measured: its basis is "modelled" (issue 54), its figures the rehearsal's
+modelled runs.
 
 The "why" is one paragraph per layout: its predicted memory breakdown on the worst pipeline rank, the binding
 constraint (memory when the peak is close to the stability limit, else step time), and what it traded: the layout
@@ -27,7 +30,14 @@ from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import MODELLED, TrialRecord
 from sweeper.search.decide.candidates import Candidate
-from sweeper.search.decide.objective import copies, production_gpus, production_rate
+from sweeper.search.decide.objective import (
+    PROJECTED_STEP_ERROR,
+    copies,
+    objective_value,
+    production_gpus,
+    production_rate,
+    projection,
+)
 from sweeper.search.decide.verdicts import is_stable
 from sweeper.space.axes import SEARCHED
 from sweeper.space.layout import Layout
@@ -59,19 +69,20 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     estimator = Estimator.for_config(cfg, calibration)
     predicted = [estimator(cand.layout) for cand in chosen]
     rates = [_throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
-    lead = rates[0]["median"]
+    productions = [production(cfg, cand.layout, rate, calibration) for cand, rate in zip(chosen, rates, strict=True)]
+    lead = productions[0]["tokens_per_s"]
     layouts = []
-    for rank, (cand, estimated, rate) in enumerate(zip(chosen, predicted, rates, strict=True)):
+    for rank, (cand, estimated, rate, made) in enumerate(zip(chosen, predicted, rates, productions, strict=True)):
         entry: dict[str, Any] = {
             "number": cand.number, "layout": cand.layout.short(), "gpus": cand.layout.world_size,
             "role": "winner" if winner is not None and rank == 0 else "runner-up", "tokens_per_s": rate,
-            "relative_to_first": rate["median"] / lead if lead else None,
+            # on the production run, as the choice compares them (not the trials' own rates on their W GPUs)
+            "relative_to_first": made["tokens_per_s"] / lead if lead else None,
+            "production": made,
         }
-        entry["production"] = {"gpus": production_gpus(cfg), "copies": copies(cfg, cand.layout),
-                               "tokens_per_s": production_rate(cfg, cand.layout, rate["median"], rate["step_time_s"])}
         if cfg.budget is not None:
-            entry["projection"] = projection(cfg, cand.layout, rate)
-        entry.update(_why(cfg, cand, records, estimated, MODELLED if rehearsal else "measured"))
+            entry["projection"] = budget_projection(cfg, cand.layout, made)
+        entry.update(_why(cfg, cand, records, estimated, MODELLED if rehearsal else "measured", calibration))
         layouts.append(entry)
     return {"budget": None if cfg.budget is None else cfg.budget.model_dump(), "layouts": layouts}
 
@@ -87,17 +98,51 @@ def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibrat
         steps = [v for v in cand.measured("step_time_s") if v > 0]
         return {"basis": MODELLED if rehearsal else "measured", "median": statistics.median(values),
                 "low": min(values), "high": max(values), "runs": len(values),
-                "step_time_s": statistics.median(steps) if steps else None}
+                "step_time_s": statistics.median(steps) if steps else None, "on_gpus": cand.layout.world_size}
     predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
     return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
-            "high": predicted * cfg.estimate.throughput_high, "runs": 0, "step_time_s": estimated.step_time_s}
+            "high": predicted * cfg.estimate.throughput_high, "runs": 0, "step_time_s": estimated.step_time_s,
+            "on_gpus": cand.layout.world_size}
 
 
-def projection(cfg: SweepConfig, layout: Layout, rate: dict[str, Any]) -> dict[str, Any]:
-    """Days, GPU-hours and cost of ``budget.tokens`` on the production run (``search.objective``'s projection: the
-    layout's copies on N GPUs, slowed by the larger data parallelism) at the rate's median, with its band (slow end,
-    fast end)."""
+def production(cfg: SweepConfig, layout: Layout, rate: dict[str, Any],
+               calibration: Calibration | None) -> dict[str, Any]:
+    """The rate on the production run's N GPUs: the trial's (``rate``, on its W GPUs) times the copies, its step
+    lengthened by the larger data parallelism's cost as the estimator prices it; how much of the step is measured
+    and how much projected; the band: the runs' spread on the measured part, ``PROJECTED_STEP_ERROR`` on the
+    projected part."""
+    gpus, k = production_gpus(cfg), copies(cfg, layout)
+    out: dict[str, Any] = {"gpus": gpus, "copies": k, "tokens_per_s": 0.0, "low": 0.0, "high": 0.0}
+    step = rate.get("step_time_s")
+    if k == 0:
+        return out
+
+    def at(tokens_per_s: float) -> float:
+        return production_rate(cfg, layout, tokens_per_s, step, calibration=calibration)
+
+    out.update(tokens_per_s=at(rate["median"]), low=at(rate["low"]), high=at(rate["high"]))
+    if step:
+        made = projection(cfg, layout, step, calibration)
+        out["low"], out["high"] = made.band(out["low"])[0], made.band(out["high"])[1]
+        out.update(step_time_s=made.step_s, measured_step_s=made.measured_step_s,
+                   projected_step_s=made.projected_step_s, projected_share=made.projected_share,
+                   projected_error=PROJECTED_STEP_ERROR,
+                   priced_by="the calibrated estimator" if made.calibrated else "the uncalibrated estimator")
+    out["basis"] = production_basis(rate["basis"], layout.world_size, gpus, out.get("projected_share", 0.0))
+    return out
+
+
+def production_basis(basis: str, trial_gpus: int, gpus: int, projected_share: float) -> str:
+    """What a production figure is, e.g. ``measured on 8 GPUs, 57% of the step projected to 1024 GPUs``."""
+    if trial_gpus == gpus:
+        return f"{basis} on the production run's {gpus} GPUs"
+    return f"{basis} on {trial_gpus} GPUs, {projected_share:.0%} of the step projected to {gpus} GPUs"
+
+
+def budget_projection(cfg: SweepConfig, layout: Layout, made: dict[str, Any]) -> dict[str, Any]:
+    """Days, GPU-hours and cost of ``budget.tokens`` on the production run (``production``: the layout's copies on N
+    GPUs, slowed by the larger data parallelism) at its median, with its band (slow end, fast end)."""
     budget = cfg.budget
     assert budget is not None
     gpus, layout_gpus, k = production_gpus(cfg), layout.world_size, copies(cfg, layout)
@@ -108,8 +153,8 @@ def projection(cfg: SweepConfig, layout: Layout, rate: dict[str, Any]) -> dict[s
     if gpus % layout_gpus:
         out["note"] = (f"{gpus} GPUs hold {k} copies of the {layout_gpus}-GPU layout; "
                        f"{gpus - k * layout_gpus} stay idle (counted in the cost)")
-    for name, key in (("", "median"), ("_slow", "low"), ("_fast", "high")):
-        tokens_per_s = production_rate(cfg, layout, rate[key], rate.get("step_time_s"))
+    for name, key in (("", "tokens_per_s"), ("_slow", "low"), ("_fast", "high")):
+        tokens_per_s = made[key]
         seconds = budget.tokens / tokens_per_s if tokens_per_s > 0 else float("inf")
         out["days" + name] = seconds / SECONDS_PER_DAY
         out["gpu_hours" + name] = gpus * seconds / 3600.0
@@ -119,7 +164,7 @@ def projection(cfg: SweepConfig, layout: Layout, rate: dict[str, Any]) -> dict[s
 
 
 def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicted: Estimate,
-         measured_as: str) -> dict[str, Any]:
+         measured_as: str, calibration: Calibration | None = None) -> dict[str, Any]:
     """``measured_as``: what the runs' figures are, "measured" or "modelled" (a rehearsal's)."""
     parts = {label: round(sum(predicted.breakdown.get(k, 0.0) for k in keys), 2) for label, keys in _PARTS}
     limit = cfg.memory_limit_gib
@@ -143,8 +188,8 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicte
                          "and a faster layout would spend the spare memory (fewer model-parallel ranks, larger "
                          "micro-batches, less recompute).")
     # Compared on the predictions the sweep launched with (the records'), so that every layout is priced alike.
-    own = (cand.explore.predicted or {}).get("tokens_per_s") or predicted.tokens_per_s or 0.0
-    traded = _traded(cfg, cand, records, float(own), measured_as)
+    traded = _traded(cfg, cand, records, _predicted_production(cfg, cand.layout, cand.explore.predicted, predicted),
+                     measured_as, calibration)
     sentences.append(traded)
     terms = predicted.step_time_terms_s
     if terms and predicted.step_time_s:
@@ -156,26 +201,39 @@ def _why(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], predicte
             "step_time_terms_s": {k: round(v, 6) for k, v in terms.items()}, "why": " ".join(sentences)}
 
 
-def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float, measured_as: str) -> str:
-    """The layout of the same size the estimator ranked fastest above this one, and why the sweep did not take it."""
-    faster: dict[Layout, TrialRecord] = {}
+def _predicted_production(cfg: SweepConfig, layout: Layout, recorded: dict[str, Any] | None,
+                          fallback: Estimate | None = None) -> float:
+    """The estimator's tokens/s for ``layout`` on the production run, from the prediction a record launched with
+    (``fallback``: the decision's own, where the record has none)."""
+    tokens = (recorded or {}).get("tokens_per_s") or (fallback.tokens_per_s if fallback else None)
+    step = (recorded or {}).get("step_time_s") or (fallback.step_time_s if fallback else None)
+    if not isinstance(tokens, (int, float)) or not isinstance(step, (int, float)) or tokens <= 0 or step <= 0:
+        return 0.0
+    return production_rate(cfg, layout, float(tokens), float(step))
+
+
+def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: float, measured_as: str,
+            calibration: Calibration | None = None) -> str:
+    """The layout of the same size the estimator ranked fastest above this one on the production run, and why the
+    sweep did not take it."""
+    faster: dict[Layout, tuple[TrialRecord, float]] = {}
     for rec in records:
         lo = rec.layout
-        tokens = (rec.predicted or {}).get("tokens_per_s")
-        if lo.get("gpus") != cand.layout.world_size or not isinstance(tokens, (int, float)) or tokens <= own:
-            continue
-        if rec.number == cand.number:
+        if lo.get("gpus") != cand.layout.world_size or rec.number == cand.number:
             continue
         key = Layout.from_dict(lo)
+        theirs = _predicted_production(cfg, key, rec.predicted)
+        if theirs <= own:
+            continue
         # The attempt that says the most: a launched one over a refusal, the latest of equals.
-        if key not in faster or rec.attempt >= faster[key].attempt:
-            faster[key] = rec
+        if key not in faster or rec.attempt >= faster[key][0].attempt:
+            faster[key] = (rec, theirs)
     if not faster:
-        return "No layout of this size that the sweep tried was predicted faster."
-    other, best = max(faster.items(), key=lambda kv: (kv[1].predicted or {}).get("tokens_per_s") or 0.0)
+        return "No layout of this size that the sweep tried was predicted faster on the production run."
+    other, (best, theirs) = max(faster.items(), key=lambda kv: kv[1][1])
     diff = ", ".join(f"{a.name} {a.value(other)} instead of {a.value(cand.layout)}" for a in SEARCHED
                      if a.name != "gpus" and a.value(other) != a.value(cand.layout))
-    gain = ((best.predicted or {}).get("tokens_per_s") or 0.0) / own - 1 if own else 0.0
+    gain = theirs / own - 1 if own else 0.0
     result = best.result
     if result.status == "pruned":
         why = f"it was not launched: {result.error}"
@@ -185,16 +243,16 @@ def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: 
         peak = result.metrics.peak_memory_gib
         why = (f"it passed but was not stable (peak {peak:.1f} GiB over the {cfg.memory_limit_gib:.1f} GiB limit, or "
                "a TP group across nodes)" if peak is not None else "it passed but was not stable")
-    else:
-        measured = result.metrics.tokens_per_s or 0.0
-        mine = statistics.median(cand.measured("tokens_per_s"))
-        if mine is not None and measured > mine:
-            why = (f"it {measured_as} faster in exploration ({measured:,.0f} tokens/s) but was not confirmed (a "
-                   "confirmation failed, drifted or was not run)")
+    else:  # both on the production run, as the choice compares them
+        n, unit = production_gpus(cfg), cfg.search.objective
+        measured, mine = objective_value(result, cfg, other, calibration), cand.median(cfg)
+        if measured > mine:
+            why = (f"it {measured_as} faster in exploration ({measured:,.0f} {unit} projected to {n} GPUs) but was "
+                   "not confirmed (a confirmation failed, drifted or was not run)")
         else:
-            why = f"it ran stable but {measured_as} slower ({measured:,.0f} tokens/s)"
-    return (f"It trades the estimator's faster {other.short()} ({diff or 'same axes'}; predicted {gain:+.0%}): "
-            f"{why.rstrip(': ')}.")
+            why = f"it ran stable but {measured_as} slower ({measured:,.0f} {unit} projected to {n} GPUs)"
+    return (f"It trades the estimator's faster {other.short()} ({diff or 'same axes'}; predicted {gain:+.0%} on the "
+            f"production run): {why.rstrip(': ')}.")
 
 
 def summary_line(block: dict[str, Any] | None) -> str | None:
@@ -209,4 +267,4 @@ def summary_line(block: dict[str, Any] | None) -> str | None:
     cost = f", ${r(p['cost_usd'])}" if "cost_usd" in p else ""
     return (f"budget {budget['tokens']:.3g} tokens on {p['gpus']} GPUs: {r(p['days'])} days "
             f"({r(p['days_fast'])}-{r(p['days_slow'])}), {r(p['gpu_hours'])} GPU-hours{cost} "
-            f"({first['tokens_per_s']['basis']} throughput)")
+            f"(throughput {first['production']['basis']})")

@@ -8,22 +8,37 @@ time of the production layout over the trial layout's, added to the measured ste
 more ranks, the distributed optimizer's smaller shard). Comparing raw tokens/s instead lets a 16-GPU layout at 1.8x
 an 8-GPU one's tokens/s win, where the 8-GPU layout doubled would train faster.
 
+The difference is priced with the sweep's current calibration (issue 53: ``dp``, ``edp`` and ``pp_p2p`` are fitted
+terms of ``estimate.step_fit``), handed in by whoever holds it (``run.state``'s Calibrator); without one (``plan``, a
+CPU sweep whose factors are its CPU's) it is the uncalibrated estimator's. That part of the figure is projected, not
+measured: ``Projection`` says how much, with the estimator's error on it (``PROJECTED_STEP_ERROR``).
+
 The search (what Optuna is told, the refit model's proposals), the choice, the report's decision and
 ``best_layout.yaml`` all rank by ``objective_value``; ``search.objective: tflops_per_gpu`` is per GPU already, so
-only the larger data parallelism's cost applies to it.
+only the larger data parallelism's cost and the GPUs the copies leave idle (N not a multiple of W) apply to it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from sweeper.config.schema import SweepConfig
 from sweeper.errors import LayoutError
 from sweeper.estimate import Estimate, Estimator
+from sweeper.estimate.calibration import Calibration
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 
-# Predicted step-time differences per (estimator inputs, layout, N): candidates() re-ranks every stable record on each
-# event, and the estimator is the same for the whole sweep.
-_EXTRA_S: dict[tuple[str, Layout, int], float] = {}
+# The estimator's median step-time error on layouts it was not fitted on (docs/benchmarks.md, "step time calibrated
+# term by term": 4.2-13.5% per published group from 3 of its trials; the defaults with each family held out: 11.3%):
+# the largest, as the relative error of the projected part of a production figure.
+PROJECTED_STEP_ERROR = 0.135
+
+# Predicted step-time differences per (estimator inputs, calibration, layout, N): candidates() re-ranks every stable
+# record on each event; the calibration moves with each measured trial, so the memo is dropped when it grows large.
+_EXTRA_S: dict[tuple[str, str, Layout, int], float] = {}
+_EXTRA_S_MAX = 200_000
+_ESTIMATORS: dict[tuple[str, str], Estimator] = {}
 _INPUT_KEYS: dict[int, tuple[SweepConfig, str]] = {}
 
 
@@ -44,16 +59,23 @@ def production_layout(cfg: SweepConfig, layout: Layout) -> Layout | None:
     return cfg.production_layout(layout)
 
 
-def extra_step_s(cfg: SweepConfig, layout: Layout) -> float:
-    """What the production layout's step costs over the trial layout's, as the estimator prices both (seconds)."""
+def extra_step_s(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None) -> float:
+    """What the production layout's step costs over the trial layout's, as the estimator prices both (seconds),
+    under ``calibration`` (the sweep's current one; None: uncalibrated)."""
     k = copies(cfg, layout)
     if k <= 1:  # the production run is the trial's layout itself, or holds none
         return 0.0
-    key = (_inputs_key(cfg), layout, k)
+    inputs, calibrated = _inputs_key(cfg), repr(calibration)
+    key = (inputs, calibrated, layout, k)
     if key not in _EXTRA_S:
+        if len(_EXTRA_S) > _EXTRA_S_MAX:
+            _EXTRA_S.clear()
+            _ESTIMATORS.clear()
         production = production_layout(cfg, layout)
         assert production is not None
-        estimator = Estimator.for_config(cfg)
+        estimator = _ESTIMATORS.get((inputs, calibrated))
+        if estimator is None:
+            estimator = _ESTIMATORS[(inputs, calibrated)] = Estimator.for_config(cfg, calibration)
         try:
             trial_s, production_s = estimator(layout).step_time_s, estimator(production).step_time_s
         except (LayoutError, ValueError):  # a layout the estimator cannot price: projected without the difference
@@ -72,17 +94,51 @@ def _inputs_key(cfg: SweepConfig) -> str:
     return held[1]
 
 
+@dataclass(frozen=True)
+class Projection:
+    """A trial's step on the production run: the part its run measured (on its own W GPUs) and the part the
+    estimator priced (the larger data parallelism, ``extra_step_s``), with that part's error."""
+
+    measured_step_s: float
+    projected_step_s: float
+    calibrated: bool  # the projected part was priced with the sweep's calibration
+
+    @property
+    def step_s(self) -> float:
+        return self.measured_step_s + self.projected_step_s
+
+    @property
+    def projected_share(self) -> float:
+        """How much of the production step (and so of its rate) is the estimator's, not measured."""
+        return self.projected_step_s / self.step_s if self.step_s > 0 else 0.0
+
+    def band(self, rate: float) -> tuple[float, float]:
+        """``rate`` (the projection at this step) with the projected part ``PROJECTED_STEP_ERROR`` slower, faster."""
+        low, high = (self.step_s / (self.measured_step_s + self.projected_step_s * (1 + sign * PROJECTED_STEP_ERROR))
+                     for sign in (1, -1))
+        return rate * low, rate * high
+
+
+def projection(cfg: SweepConfig, layout: Layout, step_time_s: float,
+               calibration: Calibration | None = None) -> Projection:
+    """How the production step of a trial of ``layout`` that measured ``step_time_s`` is made up."""
+    calibrated = calibration is not None and bool(calibration.step_term_factors or calibration.samples)
+    return Projection(step_time_s, extra_step_s(cfg, layout, calibration), calibrated)
+
+
 def production_rate(cfg: SweepConfig, layout: Layout, rate: float, step_time_s: float | None,
-                    per_gpu: bool = False) -> float:
-    """A trial's rate projected to the production run: times the copies for a whole-layout rate (tokens/s), as it is
-    for a per-GPU one (``per_gpu``: TFLOP/s per GPU), slowed by the larger data parallelism's extra step time."""
+                    per_gpu: bool = False, calibration: Calibration | None = None) -> float:
+    """A trial's rate projected to the production run: times the copies for a whole-layout rate (tokens/s), times
+    the share of the N GPUs the copies use for a per-GPU one (``per_gpu``: TFLOP/s per GPU, the idle GPUs counted),
+    slowed by the larger data parallelism's extra step time (priced under ``calibration``)."""
     k = copies(cfg, layout)
     if k == 0 or rate <= 0:
         return 0.0
     slowdown = 1.0
     if step_time_s:
-        slowdown = step_time_s / (step_time_s + extra_step_s(cfg, layout))
-    return rate * (1 if per_gpu else k) * slowdown
+        slowdown = step_time_s / (step_time_s + extra_step_s(cfg, layout, calibration))
+    scale = k * layout.world_size / production_gpus(cfg) if per_gpu else k
+    return rate * scale * slowdown
 
 
 def predicted_objective(cfg: SweepConfig, layout: Layout, predicted: Estimate | None) -> float | None:
@@ -102,11 +158,13 @@ def projected(cfg: SweepConfig, layout: Layout, tokens_per_s: float, step_time_s
     return production_rate(cfg, layout, rate, step_time_s, per_gpu=per_gpu)
 
 
-def objective_value(result: TrialResult, cfg: SweepConfig, layout: Layout) -> float:
-    """The objective of a trial of ``layout``: its measured ``search.objective`` projected to the production run."""
+def objective_value(result: TrialResult, cfg: SweepConfig, layout: Layout,
+                    calibration: Calibration | None = None) -> float:
+    """The objective of a trial of ``layout``: its measured ``search.objective`` projected to the production run,
+    the larger data parallelism priced under ``calibration`` (the sweep's current one)."""
     measured = float(getattr(result.metrics, cfg.search.objective) or 0.0)
     return production_rate(cfg, layout, measured, result.metrics.step_time_s,
-                           per_gpu=cfg.search.objective == "tflops_per_gpu")
+                           per_gpu=cfg.search.objective == "tflops_per_gpu", calibration=calibration)
 
 
 def objective_name(cfg: SweepConfig) -> str:
@@ -114,5 +172,6 @@ def objective_name(cfg: SweepConfig) -> str:
     return f"{cfg.search.objective} on the production run's {production_gpus(cfg)} GPUs"
 
 
-__all__ = ["copies", "extra_step_s", "objective_name", "objective_value", "predicted_objective", "production_gpus",
-           "production_layout", "production_rate", "projected"]
+__all__ = ["PROJECTED_STEP_ERROR", "Projection", "copies", "extra_step_s", "objective_name", "objective_value",
+           "predicted_objective", "production_gpus", "production_layout", "production_rate", "projected",
+           "projection"]

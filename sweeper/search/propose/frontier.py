@@ -15,7 +15,8 @@ from typing import Any, Callable
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibrator import Calibrator
-from sweeper.plan.assess import PlanEntry, assess, assess_all, reassess
+from sweeper.estimate.term_table import TermTable
+from sweeper.plan.assess import PlanEntry, assess, assess_tabled, repredict
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
@@ -53,6 +54,8 @@ class Frontier:
         self._plan: list[PlanEntry] = []
         self._plan_calibration: object = self  # no plan made yet (never a calibration)
         self._estimator: Estimator | None = None  # the space's, under the plan's calibration
+        self._table: TermTable | None = None  # the valid layouts' terms, which a calibration only scales
+        self._pruned: dict[Layout, tuple[Estimate, str, dict[str, Any]]] = {}  # by layout: prediction, reason, JSON
         self.launchable = self._launchable()
 
     @property
@@ -63,16 +66,20 @@ class Frontier:
     def _assessed(self) -> list[PlanEntry]:
         """Every layout's rules and prediction under the current calibration: predicted again only when the
         calibration changed (a new object), by the same estimator recalibrated (its memos kept), with the rules'
-        verdicts kept; a measured trial's memory evidence or dominance changes verdicts, not predictions."""
+        verdicts kept; a measured trial's memory evidence or dominance changes verdicts, not predictions. The
+        prediction is one vectorised pass over the valid layouts' term table (issue 54), built again only when the
+        calibration changes what the terms are (the MoE hot-rank factor sizes the activations)."""
         current = self.calibrator.current
         if current is self._plan_calibration:
             return self._plan
-        if self._estimator is None:
-            self._plan = assess_all(self.cfg, self._layouts, current)
+        if self._estimator is None or self._table is None:
+            self._plan, self._table = assess_tabled(self.cfg, self._layouts, current)
             self._estimator = Estimator.for_config(self.cfg, current)
         else:
-            self._estimator = self._estimator.recalibrated(current)
-            self._plan = reassess(self._plan, self._estimator)
+            if not self._table.serves(self._estimator, current):
+                self._estimator = self._estimator.recalibrated(current)
+                self._table = TermTable.build(self._estimator, self._table.layouts)
+            self._plan = repredict(self._plan, self._table, current)
         self._plan_calibration = current
         return self._plan
 
@@ -89,7 +96,7 @@ class Frontier:
                 continue
             why = self.memory_verdict(e)
             if why is not None:
-                pruned.append({"layout": e.layout.short(), **e.predicted.to_json(), "reason": why})
+                pruned.append(self._pruned_json(e, why))
                 continue
             backend_says = self.handle.unsupported(self.cfg.model, e.layout)
             if backend_says:
@@ -106,6 +113,17 @@ class Frontier:
         meta.unsupported = unsupported
         self.dir.write_meta(meta)
         return sorted(entries, key=lambda e: -(predicted_objective(self.cfg, e.layout, e.predicted) or 0.0))
+
+    def _pruned_json(self, entry: PlanEntry, why: str) -> dict[str, Any]:
+        """sweep.json's ``memory_pruned`` element of ``entry``: kept while its prediction and reason are the same
+        objects (an event that changes no calibration leaves tens of thousands of them as they were; issue 54)."""
+        kept = self._pruned.get(entry.layout)
+        if kept is not None and kept[0] is entry.predicted and kept[1] == why:
+            return kept[2]
+        assert entry.predicted is not None
+        element = {"layout": entry.layout.short(), **entry.predicted.to_json(), "reason": why}
+        self._pruned[entry.layout] = (entry.predicted, why, element)
+        return element
 
     def raw_estimate(self, layout: Layout) -> Estimate:
         if layout not in self.raw:

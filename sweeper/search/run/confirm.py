@@ -25,7 +25,7 @@ def confirm(sweep: SweepState) -> None:
     budget = 2 * wanted  # candidates tried (their first confirmation launched)
     passed_over: set[int] = set()  # candidates the capacity alive can never hold
     while wanted and not sweep.stop.is_set():
-        cands = candidates(sweep.records, sweep.cfg)
+        cands = candidates(sweep.records, sweep.cfg, sweep.calibrator.current)
         good = [c for c in cands if c.confirmed(sweep.cfg)]
         pending = {r.number for r in sweep.scheduler.in_flight if r.phase == "confirm"}
         head = _next(sweep, cands, pending, passed_over) if len(good) + len(pending) < wanted else None

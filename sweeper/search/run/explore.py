@@ -105,7 +105,7 @@ def budget_left(sweep: SweepState) -> bool:
     if sweep.launched + waiting >= sweep.max_trials:
         return False
     if sweep.stopped_early is None and sweep.cfg.search.patience is not None:
-        stale = trials_without_improvement(sweep.records, sweep.cfg)
+        stale = trials_without_improvement(sweep.records, sweep.cfg, sweep.calibrator.current)
         if stale >= sweep.cfg.search.patience:
             sweep.stopped_early = (f"stopped exploring: {stale} trials without a better stable layout "
                                   f"(search.patience {sweep.cfg.search.patience})")

@@ -16,7 +16,7 @@ from sweeper.search.run.state import SweepState, now
 
 
 def finish(sweep: SweepState, status: str) -> int:
-    cands = candidates(sweep.records, sweep.cfg)
+    cands = candidates(sweep.records, sweep.cfg, sweep.calibrator.current)
     # Only a sweep that ran to its end has a winner: an interrupted or failed one has confirmed whatever happened to
     # run before it stopped (``--resume`` finishes it), so nothing is exported under the winner's name.
     winner = choose(cands, sweep.cfg, confirmed_only=sweep.cfg.search.confirm_top > 0) if status == "finished" else None

@@ -5,7 +5,8 @@ confirmation of each batch, micro-batch size and precision (``ensure_trajectory`
 Its GPUs are waited for as any trial's (``run.capacity``) and a fault that is not the layout's (a node lost, a rank
 that could not start) is retried as a trial's is (``MAX_ATTEMPTS``). When it still cannot be made, no trial could
 be stable: with ``search.require_equivalence`` on (the default) the sweep stops before its first trial, with exit 1
-and one line, instead of spending its budget on trials that cannot win.
+and one line, instead of spending its budget on trials that cannot win. A reference layout that fails for its own
+reasons (out of memory: the estimator let it through inside its error band) gives way to the next simplest layout.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from sweeper.trial.reference import (
     TrajectoryKey,
     existing_reference,
     read_trajectory,
-    reference_layout,
+    reference_layouts,
     run_reference,
     run_trajectory,
     trajectory_file,
@@ -31,6 +32,10 @@ from sweeper.trial.reference import (
     trajectory_layout,
     written_layout,
 )
+
+# Layouts tried for the reference when each fails for its own reasons (out of memory inside the estimator's band):
+# the simplest without and with full recompute, then the next simplest likewise.
+LAYOUTS_TRIED = 4
 
 
 def make_reference(sweep: SweepState) -> None:
@@ -55,17 +60,32 @@ def make_reference(sweep: SweepState) -> None:
 
 
 def _made(sweep: SweepState, folder: Path) -> ReferenceOutcome:
-    """Wait for the reference layout's GPUs, make it, retry faults that are not the layout's."""
-    layout = reference_layout(sweep.cfg, sweep.handle)
-    if layout is None:
-        return ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
+    """Wait for the reference layout's GPUs, make it, retry faults that are not the layout's; a layout that fails
+    for its own reasons (out of memory) gives way to the next candidate (``trial.reference.reference_layouts``:
+    itself with full recompute, then the next simplest), up to ``LAYOUTS_TRIED``."""
+    outcome = ReferenceOutcome(None, None, NO_REFERENCE_LAYOUT)
+    for tried, layout in enumerate(reference_layouts(sweep.cfg, sweep.handle)):
+        if tried == LAYOUTS_TRIED or sweep.stop.is_set():
+            break
+        if tried:
+            console.print(f"[yellow]equivalence[/] {outcome.note.removeprefix('equivalence gate off: ')}; "
+                          f"{layout.short()} makes the reference instead", important=True)
+        outcome, kind = _made_in(sweep, folder, layout)
+        if outcome.path is not None or kind in NOT_THE_LAYOUTS or kind is None:
+            return outcome
+    return outcome
+
+
+def _made_in(sweep: SweepState, folder: Path, layout: Layout) -> tuple[ReferenceOutcome, str | None]:
+    """The reference made in ``layout`` (waiting for its GPUs, retrying faults that are not its own), and the failure
+    kind of its last attempt (None: made, or the sweep stopped)."""
     attempts: dict[str, int] = {}
     outcome = ReferenceOutcome(None, layout, "equivalence gate off: the sweep was stopped before the reference")
     while not sweep.stop.is_set():
         never = sweep.capacity.never(layout)
         if never is not None:
             return ReferenceOutcome(None, layout, f"equivalence gate off: the reference {layout.short()} can never "
-                                    f"be placed: {never}")
+                                    f"be placed: {never}"), "infra"
         slot = sweep.handle.reserve(layout)
         if slot is None:
             sweep.capacity.idle("the equivalence reference", layout)
@@ -75,14 +95,16 @@ def _made(sweep: SweepState, folder: Path) -> ReferenceOutcome:
         finally:
             sweep.handle.release(slot)
         kind = result.failure_kind
-        if outcome.path is not None or kind not in NOT_THE_LAYOUTS or sweep.stop.is_set():
-            return outcome
+        if outcome.path is not None or sweep.stop.is_set():
+            return outcome, None
+        if kind not in NOT_THE_LAYOUTS:
+            return outcome, kind
         attempts[kind] = attempts.get(kind, 0) + 1
         if attempts[kind] >= MAX_ATTEMPTS[kind]:
-            return outcome
+            return outcome, kind
         console.print(f"[yellow]equivalence[/] the reference {layout.short()} failed for reasons not its layout's "
                       f"({kind}: {result.error}); it runs again (attempt {attempts[kind] + 1})", important=True)
-    return outcome
+    return outcome, None
 
 
 def ensure_trajectory(sweep: SweepState, layout: Layout) -> None:

@@ -256,7 +256,8 @@ class SweepState:
     def outcome(self, result: TrialResult, layout: Layout) -> tuple[float | None, bool]:
         """What Optuna is told of an ended attempt: its objective (0 when not stable; None when the attempt said
         nothing about the layout) and whether its region is infeasible."""
-        value = objective_value(result, self.cfg, layout) if is_stable(result, self.cfg) else 0.0
+        stable = is_stable(result, self.cfg)
+        value = objective_value(result, self.cfg, layout, self.calibrator.current) if stable else 0.0
         infeasible = result.failure_kind in ("oom", "checkpoint_host_oom", "invalid_layout", "unsupported") or (
             result.passed and not is_stable(result, self.cfg))
         return None if result.failure_kind in NOT_THE_LAYOUTS else value, infeasible
@@ -274,7 +275,7 @@ class SweepState:
     def print_progress(self, line: bool = True) -> None:
         """The progress summary and the running trials: the live table on a terminal; ``line``: also as a plain
         line otherwise (and in sweep.log)."""
-        best = candidates(self.records, self.cfg)
+        best = candidates(self.records, self.cfg, self.calibrator.current)
         top = (best[0].layout.short(), best[0].values(self.cfg)[0]) if best else None
         summary = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top,
                                      others=self.scheduler.host.held_by_others(),

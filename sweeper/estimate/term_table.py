@@ -1,0 +1,199 @@
+"""The term table: every layout's uncalibrated memory parts and step-time terms as arrays, so a new calibration
+re-predicts a whole space in one vectorised pass instead of one ``Estimator`` call per layout (issue 54).
+
+A calibration changes factors on fixed terms: the model state's parts times ``state_factor``, forward/backward's
+times ``activation_factor``, an overhead added to the reserved peak, each step-time term times its efficiency
+factor. The table keeps, per pipeline stage of every layout, the nine memory parts at factor 1 (in GiB; GIB is a
+power of two, so ``factor * (bytes / GIB)`` is bit for bit the estimator's ``factor * bytes / GIB``), and per layout
+the step terms as columns (zero where a layout lacks a term). ``estimates`` then evaluates the estimator's own
+formulas (``Estimator.__call__``, ``StageMemory``, ``StepTerms.seconds``) in the same order of operations, so its
+figures equal a fresh prediction's exactly (``tests/estimate/test_term_table.py`` checks a whole space).
+
+What a calibration may change that the table cannot follow: the MoE hot-rank factor, which sizes the activations
+themselves; ``serves`` says no then, and the caller builds a new table.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+
+from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, STEP_KEYS, Calibration
+from sweeper.estimate.estimator import Estimate, Estimator, non_torch_gib
+from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
+from sweeper.space.layout import Layout
+
+# The memory parts in ``_combine_stages``'s order (a breakdown's keys keep it), the model state's first.
+PARTS = ("weights", "grads", "optimizer", "fp8_weights", "workspaces", "grad_copies", "activations", "transient",
+         "logits")
+_STATE_COLS = [PARTS.index(k) for k in STATE_KEYS]
+_DYNAMIC_COLS = [PARTS.index(k) for k in DYNAMIC_KEYS]
+_STEP_COLS = [PARTS.index(k) for k in STEP_KEYS]
+_SCALED_BY_STATE = frozenset((*STATE_KEYS, *STEP_KEYS))  # the rest scale with the activation factor
+
+
+def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
+    """One order of every term name in which each layout's own terms keep their order (a sum over the columns then
+    adds each layout's terms as its dict did: the zeros of the terms it lacks add nothing). Were two layouts ever to
+    order two terms differently, the first seen goes first: their sums then differ from the estimator's in the last
+    bit at most, and the whole-space test says so."""
+    after: dict[str, set[str]] = {}
+    for keys in names:
+        for i, k in enumerate(keys):
+            after.setdefault(k, set()).update(keys[:i])
+    order: list[str] = []
+    placed: set[str] = set()
+    while len(order) < len(after):
+        ready = [k for k in after if k not in placed and after[k] <= placed] or [k for k in after if k not in placed]
+        first = min(ready, key=list(after).index)  # first seen first: a stable, readable order
+        order.append(first)
+        placed.add(first)
+    return order
+
+
+def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndarray]:
+    columns = _column_order([list(d) for d in dicts])
+    index = {t: j for j, t in enumerate(columns)}
+    matrix = np.zeros((len(dicts), len(columns)))
+    for i, d in enumerate(dicts):
+        for t, s in d.items():
+            matrix[i, index[t]] = s
+    return columns, matrix
+
+
+def _weighted_sum(matrix: np.ndarray, factors: np.ndarray) -> np.ndarray:
+    """``sum(f[t] * x[t] for t in terms)`` per row, column by column as Python's ``sum`` adds them."""
+    total = np.zeros(matrix.shape[0])
+    for j in range(matrix.shape[1]):
+        total = total + factors[j] * matrix[:, j]
+    return total
+
+
+@contextmanager
+def without_cycle_collection() -> Iterator[None]:
+    """Python's cycle collector paused: making tens of thousands of Estimates and plan entries (none of them in a
+    cycle) starts it, and its full pass walks the driver's whole heap (1.2 million objects on the DeepSeek-V3 space:
+    1.0 s of a 1.25 s re-prediction, 0.26 s without it)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+@dataclass(frozen=True)
+class TermTable:
+    """The valid layouts of a space with their memory parts (one row per pipeline stage) and step-time terms."""
+
+    layouts: tuple[Layout, ...]
+    hot_rank_factor: float  # the MoE hot-rank factor the activations were sized with
+    fragmentation: float
+    band_divisors: tuple[float, float]  # memory_band's: the band's ends are the worst peak over these
+    limit_gib: float
+    # Per stage row: the nine parts at factor 1 (GiB), micro-batches in flight, pipeline rank, owning layout.
+    parts: np.ndarray  # (stages, 9)
+    in_flight: np.ndarray
+    rank: np.ndarray
+    owner: np.ndarray
+    first_stage: np.ndarray  # (layouts,) index of each layout's first stage row
+    non_torch: np.ndarray  # (layouts,)
+    stage_terms: tuple[str, ...]
+    stage_matrix: np.ndarray  # (layouts, stage terms): seconds per micro-batch of the slowest stage
+    step_terms_names: tuple[str, ...]
+    step_matrix: np.ndarray  # (layouts, step terms): seconds once per step
+    microbatches: np.ndarray
+    bubble_slots: np.ndarray
+    tokens: np.ndarray  # tokens per step (global batch x sequence)
+    terms: tuple[StepTerms, ...]  # each layout's own, handed on in its Estimate
+
+    @classmethod
+    def build(cls, estimator: Estimator, layouts: Sequence[Layout]) -> TermTable:
+        """The table of ``layouts`` (valid ones: their sizes divide) under ``estimator``'s model and settings."""
+        rows: list[list[float]] = []
+        in_flight: list[float] = []
+        rank: list[int] = []
+        owner: list[int] = []
+        first: list[int] = []
+        terms: list[StepTerms] = []
+        for i, lo in enumerate(layouts):
+            first.append(len(rows))
+            stages, step = estimator.terms(lo)
+            terms.append(step)
+            for r, stage in enumerate(stages):
+                parts = stage.parts
+                rows.append([parts[k] for k in PARTS])
+                in_flight.append(stage.in_flight_microbatches)
+                rank.append(r)
+                owner.append(i)
+        stage_names, stage_matrix = _terms_matrix([t.stage for t in terms])
+        step_names, step_matrix = _terms_matrix([t.step for t in terms])
+        constants = estimator.constants
+        return cls(
+            layouts=tuple(layouts), hot_rank_factor=estimator.hot_rank_factor(estimator.calibration),
+            fragmentation=constants.allocator_fragmentation,
+            band_divisors=(1 + constants.memory_over_prediction, 1 - constants.memory_under_prediction),
+            limit_gib=estimator.limit_gib,
+            parts=np.array(rows, dtype=float).reshape(len(rows), len(PARTS)), in_flight=np.array(in_flight),
+            rank=np.array(rank), owner=np.array(owner, dtype=np.intp), first_stage=np.array(first, dtype=np.intp),
+            non_torch=np.array([non_torch_gib(lo, constants) for lo in layouts]),
+            stage_terms=tuple(stage_names), stage_matrix=stage_matrix, step_terms_names=tuple(step_names),
+            step_matrix=step_matrix, microbatches=np.array([t.microbatches for t in terms], dtype=float),
+            bubble_slots=np.array([t.bubble_slots for t in terms]),
+            tokens=np.array([lo.gbs * estimator.seq_length for lo in layouts], dtype=float), terms=tuple(terms),
+        )
+
+    def serves(self, estimator: Estimator, calibration: Calibration | None) -> bool:
+        """The table can re-predict under ``calibration``: the activations were sized with its hot-rank factor."""
+        return estimator.hot_rank_factor(calibration) == self.hot_rank_factor
+
+    def estimates(self, calibration: Calibration | None) -> list[Estimate]:
+        """Every layout's ``Estimate`` under ``calibration``, equal to what ``Estimator`` (recalibrated) predicts."""
+        cal = calibration or Calibration()
+        factors = np.array([cal.state_factor if k in _SCALED_BY_STATE else cal.activation_factor for k in PARTS])
+        parts = factors * self.parts  # (f * bytes / GIB) exactly: GIB is a power of two
+        state = _weighted_sum(parts[:, _STATE_COLS], np.ones(len(_STATE_COLS)))
+        dynamic = np.maximum(_weighted_sum(parts[:, _DYNAMIC_COLS], np.ones(len(_DYNAMIC_COLS))),
+                             _weighted_sum(parts[:, _STEP_COLS], np.ones(len(_STEP_COLS))))
+        allocated = state + dynamic
+        reserved = state + self.fragmentation * dynamic
+        if calibration is not None:
+            reserved = reserved + calibration.overhead_gib
+        # The worst stage: the first with the largest reserved peak (the estimator keeps the first on a tie).
+        worst_reserved = np.maximum.reduceat(reserved, self.first_stage)
+        is_worst = reserved == worst_reserved[self.owner]
+        worst = np.minimum.reduceat(np.where(is_worst, np.arange(len(reserved)), len(reserved)), self.first_stage)
+
+        step_f = np.array([cal.step_factor(t) for t in self.stage_terms])
+        per_microbatch = _weighted_sum(self.stage_matrix, step_f)
+        slots = self.microbatches + cal.step_factor(PP_BUBBLE) * self.bubble_slots
+        once = _weighted_sum(self.step_matrix, np.array([cal.step_factor(t) for t in self.step_terms_names]))
+        seconds = per_microbatch * slots + once
+        with np.errstate(divide="ignore"):
+            tokens_per_s = self.tokens / seconds
+
+        low, high = worst_reserved / self.band_divisors[0], worst_reserved / self.band_divisors[1]
+        fits = worst_reserved + self.non_torch <= self.limit_gib
+        may_fit = low + self.non_torch <= self.limit_gib
+        # Plain Python values for the Estimates (a list per column is far faster to walk than numpy scalars).
+        worst_parts = parts[worst].tolist()
+        fragmentation = (reserved[worst] - allocated[worst]).tolist()
+        columns = zip(worst_parts, fragmentation, self.non_torch.tolist(), self.rank[worst].tolist(),
+                      self.in_flight[worst].tolist(), worst_reserved.tolist(), low.tolist(), high.tolist(),
+                      fits.tolist(), may_fit.tolist(), seconds.tolist(), tokens_per_s.tolist(), self.terms)
+        out = []
+        with without_cycle_collection():
+            for row, frag, non_torch, r, flight, mem, lo, hi, fit, may, sec, tps, terms in columns:
+                breakdown = dict(zip(PARTS, row))
+                breakdown.update(fragmentation=frag, non_torch=non_torch, pipeline_rank=float(r),
+                                 in_flight_microbatches=flight)
+                out.append(Estimate(memory_gib=mem, fits=fit, step_time_s=sec,
+                                    tokens_per_s=tps if sec > 0 else None, breakdown=breakdown,
+                                    memory_band_gib=(lo, hi), may_fit=may, step_terms=terms,
+                                    step_factor=cal.step_factor))
+        return out

@@ -1,0 +1,102 @@
+"""The term table (issue 54): a recalibration as one vectorised pass equals a fresh prediction, layout by layout,
+over whole spaces; the frontier re-predicts through it."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig
+from sweeper.estimate import Calibration, Estimator
+from sweeper.estimate.calibrator import Calibrator
+from sweeper.estimate.step_time import PP_BUBBLE
+from sweeper.estimate.term_table import TermTable
+from sweeper.plan.assess import assess_all, assess_tabled
+from sweeper.plan.space import enumerate_layouts
+from sweeper.record.sweepdir import SweepDir
+from sweeper.search.propose.frontier import Frontier
+
+ROOT = Path(__file__).resolve().parents[2]
+WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 2,040 valid, MoE + Mamba
+DEEPSEEK = ROOT / "search_spaces" / "deepseek_v3_1024.yaml"
+
+
+def _calibrations(table: TermTable) -> list[Calibration | None]:
+    return [
+        None,
+        Calibration(activation_factor=1.37, state_factor=0.71, overhead_gib=2.3, step_time_factor=1.21, samples=4,
+                    step_term_factors={PP_BUBBLE: 1.3, table.stage_terms[0]: 0.77, table.step_terms_names[-1]: 2.0}),
+        Calibration(activation_factor=0.52, state_factor=1.4, overhead_gib=-0.4, step_time_factor=0.8, samples=2),
+    ]
+
+
+def _equal_to_fresh(cfg: SweepConfig) -> None:
+    valid = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.valid]
+    table = TermTable.build(Estimator.for_config(cfg), valid)
+    worst_ranks = set()
+    for calibration in _calibrations(table):
+        fresh = Estimator.for_config(cfg, calibration)
+        got = table.estimates(calibration)
+        assert len(got) == len(valid)
+        for layout, estimate in zip(valid, got):
+            want = fresh(layout)
+            assert estimate == want, layout.short()  # every figure bit for bit, the breakdown's too
+            assert estimate.to_json() == want.to_json(), layout.short()
+        worst_ranks.add(tuple(e.breakdown["pipeline_rank"] for e in got))
+    assert len(worst_ranks) > 1, "the calibrations should move some layout's worst pipeline stage"
+
+
+def test_recalibrated_predictions_equal_fresh_ones_over_a_whole_space() -> None:
+    _equal_to_fresh(load_config(WIDE))
+
+
+@pytest.mark.slow
+def test_recalibrated_predictions_equal_fresh_ones_over_the_deepseek_v3_space() -> None:
+    _equal_to_fresh(load_config(DEEPSEEK))  # 198,720 layouts, 53,739 valid; about a minute
+
+
+def test_a_new_hot_rank_factor_is_a_new_table() -> None:
+    cfg = load_config(WIDE)
+    estimator = Estimator.for_config(cfg)
+    table = TermTable.build(estimator, [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)[:200]) if e.valid])
+    assert table.serves(estimator, Calibration(state_factor=0.8))
+    assert not table.serves(estimator, Calibration(moe_hot_rank_factor=3.0))
+
+
+def test_plan_through_the_table_equals_the_layout_by_layout_plan() -> None:
+    cfg = load_config(WIDE)
+    layouts = enumerate_layouts(cfg)
+    calibration = Calibration(activation_factor=1.2, state_factor=0.9, overhead_gib=1.0, step_time_factor=1.1)
+    tabled, _ = assess_tabled(cfg, layouts, calibration)
+    assert [e.to_json() for e in tabled] == [e.to_json() for e in assess_all(cfg, layouts, calibration)]
+
+
+class _EverythingSupported:
+    """Stand-in for the trial host (a unit test of the frontier, no Ray): every layout is supported."""
+
+    def unsupported(self, model: object, layout: object) -> None:
+        return None
+
+
+def test_the_frontier_repredicts_a_recalibrated_space_as_a_fresh_assessment() -> None:
+    cfg = load_config(WIDE)
+    with tempfile.TemporaryDirectory() as tmp:
+        host = _EverythingSupported()
+        frontier = Frontier(cfg, host, Calibrator(cfg, Path(tmp)), SweepDir(Path(tmp)), [],  # type: ignore[arg-type]
+                            lambda layout: False)
+        for calibration in (Calibration(activation_factor=1.5, state_factor=0.6, step_time_factor=1.3),
+                            Calibration(activation_factor=1.1, moe_hot_rank_factor=2.5)):  # a new table
+            frontier.calibrator.current = calibration
+            frontier.launchable = frontier._launchable()  # what learn() does on a change
+            fresh = assess_all(cfg, enumerate_layouts(cfg), calibration)
+            assert [e.to_json() for e in frontier.assessed] == [e.to_json() for e in fresh]
+
+
+def test_the_columns_keep_every_layouts_order_of_terms() -> None:
+    from sweeper.estimate.term_table import _column_order
+
+    assert _column_order([["a", "b", "d"], ["a", "c", "d"], ["b", "c"]]) == ["a", "b", "c", "d"]
+    assert _column_order([["x", "y"], ["y", "x"]]) == ["x", "y"]  # conflicting: the first seen first, none lost
