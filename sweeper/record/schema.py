@@ -256,7 +256,8 @@ class SweepMeta(BaseModel):
     # (sweeper/search/decide/checkpoints.py)
     checkpoints: dict[str, Any] | None = None
     # What the sweep's earlier driver runs spent of its budget (issue 51): {"wall_s", "gpu_s", "waited_s"}, written
-    # with every recorded attempt, so a --resume (a preempted or requeued driver) continues the budget, not restarts it.
+    # with a recorded attempt at most every SPENT_EVERY_S (search/run/state.py) and when the sweep ends, so a
+    # --resume (a preempted or requeued driver) continues the budget, not restarts it.
     spent: dict[str, float] | None = None
 
     @property

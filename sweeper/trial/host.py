@@ -129,7 +129,7 @@ class TrialHost:
         now = time.monotonic()
         if self._snapshot is None or now - self._snapshot[0] >= CAPACITY_SNAPSHOT_S:
             nodes = {n.node_id: (n.label, rank_slots(n.gpus, n.cpus)) for n in self.handle.nodes()}
-            self._others = self._held_by_others(nodes)
+            self._others, self._others_shown = self._held_by_others(nodes)
             self._snapshot = (now, nodes)
             self._changes += 1
         sim = self.handle.simulated
@@ -137,13 +137,13 @@ class TrialHost:
         # (asked on every call: it is the driver's own table, and a lost node must not be reserved again).
         return {node: info for node, info in self._snapshot[1].items() if sim is None or sim.node_for(node) is not None}
 
-    def _held_by_others(self, nodes: dict[str, tuple[str, int]]) -> dict[str, int]:
-        """Rank slots another job holds on each node (issue 46): what Ray says is taken there (GPUs, or the CPUs a
-        rank needs beside its GPU), less what this sweep holds (its trials' reservations, its warm ranks idle or
-        leased, and for ``RELEASE_GRACE_S`` the trials that just ended, whose placement groups Ray frees a moment
-        after their removal: issue 51 saw them read as another job's, and the sweep wait for them). A reservation
-        whose placement group Ray has not made yet counts as this sweep's, so the difference never goes below
-        zero."""
+    def _held_by_others(self, nodes: dict[str, tuple[str, int]]) -> tuple[dict[str, int], dict[str, int]]:
+        """Rank slots another job holds on each node (issue 46), twice: what reservations go by (what Ray says is
+        taken there, GPUs or the CPUs a rank needs beside its GPU, less what this sweep holds: its trials'
+        reservations, its warm ranks idle or leased), and what the sweep says other jobs hold (less, too, for
+        ``RELEASE_GRACE_S``, the trials that just ended, whose placement groups Ray frees a moment after their
+        removal: issue 51 saw them read as another job's). A reservation whose placement group Ray has not made yet
+        counts as this sweep's, so the difference never goes below zero."""
         available = self.handle.available()
         warm = self.pool.held_per_node() if self.pool is not None else {}
         now = time.monotonic()
@@ -161,8 +161,7 @@ class TrialHost:
         # sweep's too would count them twice and reserve GPUs another job holds (a placement then times out, seen
         # on a ray start node with another job holding 3 of 4 GPUs). The grace only keeps them from being *said*
         # to be another job's (``held_by_others``).
-        self._others_shown = shown
-        return others
+        return others, shown
 
     def capacity_total(self) -> int:
         """Ranks the alive nodes hold at once: their GPUs, fewer on a node with fewer CPUs for Ray than GPUs."""

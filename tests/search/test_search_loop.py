@@ -794,8 +794,8 @@ def test_a_reference_whose_gpus_other_jobs_hold_is_made_once_they_free_up(
     _fast_polls(monkeypatch)
     cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 2, "confirm_top": 1}})
     host = StandInHost(delay=0.1)
-    host.hold_others(2, 1.5)  # every GPU held by another job for the sweep's first 1.5 s
     sweep = make_sweep(cfg, host)
+    host.hold_others(2, 1.5)  # every GPU held by another job for the sweep's first 1.5 s (its set-up done)
     assert sweep.run() == 0
     assert sweep.reference is not None
     meta = SweepDir(tmp_path / "sweep").read_meta()

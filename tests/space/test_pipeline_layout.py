@@ -5,13 +5,11 @@ holds only the embedding or the loss, and the enumeration of ``space.pipeline_la
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,6 +21,7 @@ from sweeper.plan import rules
 from sweeper.plan.space import enumerate_layouts, pipeline_layout_values
 from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.space.pipeline import accounted_split, balanced_layout, check_layout, stage_layers
+from tests.space.cpu_trial import ENV, assert_trial_passes, write_space
 
 ROOT = Path(__file__).resolve().parents[2]
 H100x8 = ClusterConfig(nodes=128, gpus_per_node=8, gpu_memory_gib=80, compute_capability="9.0")
@@ -132,29 +131,12 @@ def test_a_generated_layout_trains_on_the_cpu_backend(tmp_path: Path) -> None:
     equivalence gate against the one-rank reference and reloads its checkpoint."""
     text = balanced_layout(5, 2, 2)
     assert text == "E|(tt|)*2tL"
-    path = tmp_path / "layout.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "generated-layout",
-        "model": {"preset": "tiny-gpt", "num_layers": 5},
-        "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gib": 16, "compute_capability": "9.0",
-                    "simulate": True},
-        "training": {"seq_length": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1, "checkpoint": True,
-                     "trial_timeout_s": 600},
-        "space": {"gpus": [2], "pp": [2], "vpp": [2], "precision": ["fp32"]},
-    }))
+    path = write_space(tmp_path, "generated-layout", 5, 2, {"pp": [2], "vpp": [2]})
     planned = json.loads(subprocess.run(
         [sys.executable, "-m", "sweeper", "plan", str(path), "--json"], cwd=tmp_path, capture_output=True, text=True,
-        timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True).stdout)
+        timeout=300, env=ENV, check=True).stdout)
     assert [(e["layout"]["vpp"], e["layout"].get("pipeline_layout")) for e in planned if e["valid"]] == [(2, text)]
-    proc = subprocess.run(
-        [sys.executable, "-m", "sweeper", "trial", str(path), "--layout", f"gpus=2,pp=2,pipeline_layout={text}",
-         "--json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout)
-    assert result["status"] == "passed", f"[{result['failure_kind']}] {result['error']}"
-    assert result["checks"]["checkpoint_reloaded"] is True
-    assert result["checks"]["equivalence_rel_err"] is not None and result["checks"]["equivalence_rel_err"] < 1e-4
+    assert_trial_passes(tmp_path, path, f"gpus=2,pp=2,pipeline_layout={text}")
 
 
 def test_the_estimator_prices_the_stages_a_layout_string_places() -> None:

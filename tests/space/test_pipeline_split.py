@@ -3,10 +3,6 @@ pipeline_model_parallel_layout, in the placement, the plan verdict, the exports 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +13,7 @@ from sweeper.config.schema import layout_from_string
 from sweeper.plan.assess import build_plan
 from sweeper.space.layout import Layout, PipelineSplit
 from sweeper.space.pipeline import stage_layers
+from tests.space.cpu_trial import assert_trial_passes, write_space
 
 ROOT = Path(__file__).resolve().parents[2]
 ACCOUNTED = PipelineSplit(embedding=True, loss=True)
@@ -73,21 +70,5 @@ def test_an_accounted_split_trains_on_the_cpu_backend(tmp_path: Path) -> None:
     the loss accounted (16 slots, 2 per virtual stage, 1 on the two ends). A real 4-rank megatron-core trial builds
     it (TransformerConfig's account_for_* options), passes the equivalence gate against the one-rank reference
     and reloads its checkpoint."""
-    path = tmp_path / "split.yaml"
-    path.write_text(yaml.safe_dump({
-        "name": "accounted-split",
-        "model": {"preset": "tiny-gpt", "num_layers": 14},
-        "cluster": {"nodes": 1, "gpus_per_node": 4, "gpu_memory_gib": 16, "compute_capability": "9.0",
-                    "simulate": True},
-        "training": {"seq_length": 32, "global_batch_size": 8, "steps": 2, "warmup_steps": 1, "checkpoint": True,
-                     "trial_timeout_s": 600},
-        "space": {"gpus": [4], "pp": [4], "vpp": [2], "precision": ["fp32"]},
-    }))
-    proc = subprocess.run(
-        [sys.executable, "-m", "sweeper", "trial", str(path), "--layout", "gpus=4,pp=4,vpp=2,mbs=1", "--json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = json.loads(proc.stdout)
-    assert result["status"] == "passed", f"[{result['failure_kind']}] {result['error']}"
-    assert result["checks"]["checkpoint_reloaded"] is True
-    assert result["checks"]["equivalence_rel_err"] is not None and result["checks"]["equivalence_rel_err"] < 1e-4
+    path = write_space(tmp_path, "accounted-split", 14, 4, {"pp": [4], "vpp": [2]})
+    assert_trial_passes(tmp_path, path, "gpus=4,pp=4,vpp=2,mbs=1")

@@ -37,35 +37,35 @@ def stall_ratio(result: TrialResult) -> float | None:
     return m.step_time_p90_s / m.step_time_median_s
 
 
-def unsteady_text(result: TrialResult, cfg: SweepConfig) -> str:
-    """What made a run unsteady, in words (the drift, the stalls, or both)."""
-    parts = []
+def unsteady_reasons(result: TrialResult, cfg: SweepConfig) -> list[str]:
+    """What made a run unsteady, in words: its step time drifted, or it stalls, past the limits
+    (``search.confirm_max_step_time_drift``, ``search.confirm_max_step_time_p90``); empty when neither."""
+    reasons = []
     drift = step_time_drift(result, cfg.training.warmup_steps)
     if drift is not None and drift > cfg.search.confirm_max_step_time_drift:
-        parts.append(f"the last quarter of its steps took {drift:.2f}x the first "
-                     f"(search.confirm_max_step_time_drift {cfg.search.confirm_max_step_time_drift:g})")
+        reasons.append(f"the last quarter of its steps took {drift:.2f}x the first "
+                       f"(search.confirm_max_step_time_drift {cfg.search.confirm_max_step_time_drift:g})")
     stall = stall_ratio(result)
     if stall is not None and stall > cfg.search.confirm_max_step_time_p90:
-        parts.append(f"its steps' 90th percentile is {stall:.2f}x their median: it stalls "
-                     f"(search.confirm_max_step_time_p90 {cfg.search.confirm_max_step_time_p90:g})")
-    return "; ".join(parts) or "steady"
+        reasons.append(f"its steps' 90th percentile is {stall:.2f}x their median: it stalls "
+                       f"(search.confirm_max_step_time_p90 {cfg.search.confirm_max_step_time_p90:g})")
+    return reasons
 
 
 def steady(result: TrialResult, cfg: SweepConfig) -> bool:
     """The step time neither drifted nor stalled past the limits (``search.confirm_max_step_time_drift``,
     ``search.confirm_max_step_time_p90``). On the CPU backend (host memory) trials share the machine's cores, so
     another trial starting slows this one: both are recorded there, not held against the layout."""
-    if result.memory_kind == "host":
-        return True
-    drift = step_time_drift(result, cfg.training.warmup_steps)
-    stall = stall_ratio(result)
-    return (drift is None or drift <= cfg.search.confirm_max_step_time_drift) and (
-        stall is None or stall <= cfg.search.confirm_max_step_time_p90)
+    return result.memory_kind == "host" or not unsteady_reasons(result, cfg)
 
 
 # Failures that say nothing about the layout: the infrastructure (a node or rank lost) or a bug in sweeper itself
 # (internal).
 NOT_THE_LAYOUTS = ("infra", "internal")
+
+# The notes ``attribute`` adds when it moves a failure to or from the layout.
+HANG_WITH_NODE_LOST = "a hang while one of its nodes was lost: the node's, not the layout's"
+CRASHED_AGAIN = "a rank failed on a live node on {n} attempts: the layout's"
 
 
 def attribute(result: TrialResult, earlier: list[TrialResult]) -> TrialResult:
@@ -84,9 +84,6 @@ def attribute(result: TrialResult, earlier: list[TrialResult]) -> TrialResult:
         return result
     return replace(result, failure_kind="crash", notes=[*result.notes, CRASHED_AGAIN.format(n=before + 1)])
 
-
-HANG_WITH_NODE_LOST = "a hang while one of its nodes was lost: the node's, not the layout's"
-CRASHED_AGAIN = "a rank failed on a live node on {n} attempts: the layout's"
 
 
 # The note a sweep adds to a trial it ran without its equivalence reference (the reference could not be made).

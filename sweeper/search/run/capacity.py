@@ -27,7 +27,7 @@ class CapacityWait:
 
     def __init__(self, host: Host, stop: threading.Event, clock: Callable[[], float]) -> None:
         self.host, self.stop, self.clock = host, stop, clock
-        self._said: dict[str, float] = {}  # what was said -> when (the clock's seconds)
+        self._said: dict[str, float] = {}  # what waits -> when it was last said (the clock's seconds)
         self.waited_s = 0.0  # how long phases waited with nothing of their own running (sweep.json)
         self._lacks: dict[Layout, tuple[float, str | None]] = {}  # layout -> (when asked, what the nodes lack)
 
@@ -54,9 +54,9 @@ class CapacityWait:
         line = (f"[yellow]waiting[/] {what} {layout.short()} waits for {layout.world_size} GPUs: "
                 + (f"{others} GPUs held by other jobs" if others else "not free yet (nodes starting or just released)")
                 + f", {self.host.capacity_total()} alive")
-        now = self.clock()
-        if now - self._said.get(line, -SAY_EVERY_S) >= SAY_EVERY_S:
-            self._said[line] = now
+        now, key = self.clock(), f"{what} {layout.short()}"  # once a minute per waiting thing, however others change
+        if now - self._said.get(key, -SAY_EVERY_S) >= SAY_EVERY_S:
+            self._said[key] = now
             console.print(line, important=True)
         before = self.clock()
         advance = getattr(self.host, "advance", None)

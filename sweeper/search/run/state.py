@@ -32,7 +32,7 @@ from sweeper.search.decide.verdicts import (
     held_to_trajectory,
     is_stable,
     steady,
-    unsteady_text,
+    unsteady_reasons,
 )
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
 # A failure that says nothing about the layout (decide.candidates.NOT_THE_LAYOUTS): Optuna is told nothing (FAIL);
 # the layout runs again as a new attempt, up to these many attempts.
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
+SPENT_EVERY_S = 30.0  # sweep.json's ``spent`` is written with an attempt at most this often (``save_spent``)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class SweepState:
         # The budget spent by the driver runs before this one (--resume): wall time, busy GPU-seconds, waits.
         before = self.dir.read_meta().spent or {}
         self.spent_before = {key: float(before.get(key, 0.0)) for key in ("wall_s", "gpu_s", "waited_s")}
+        self._spent_saved = -SPENT_EVERY_S  # when save_spent last wrote (monotonic): the first attempt saves
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
@@ -140,6 +142,12 @@ class SweepState:
                 "waited_s": self.spent_before["waited_s"] + self.capacity.waited_s}
 
     def save_spent(self) -> None:
+        """sweep.json's ``spent``, at most every SPENT_EVERY_S: a recorded attempt's hot path would otherwise read
+        and write the whole of sweep.json (megabytes on a 1,024-GPU space, seconds per event), and a driver killed
+        between two saves loses at most that much of its budget's count. ``finish`` writes it last."""
+        if time.monotonic() - self._spent_saved < SPENT_EVERY_S:
+            return
+        self._spent_saved = time.monotonic()
         meta = self.dir.read_meta()
         meta.spent = self.spent()
         self.dir.write_meta(meta)
@@ -228,8 +236,9 @@ class SweepState:
         console.print(f"[{colour}]{result.status}[/] #{run.number}.{run.attempt} {run.layout.short()} {outcome}",
                       important=not result.passed)
         if run.phase == "confirm" and result.passed and not steady(result, self.cfg):
-            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: {unsteady_text(result, self.cfg)}"
-                          ": not confirmed", important=True)
+            why = "; ".join(unsteady_reasons(result, self.cfg))
+            console.print(f"[yellow]unsteady[/] #{run.number}.{run.attempt} confirm: {why}: not confirmed",
+                          important=True)
         for warning in result.placement_warnings:
             console.print(f"[yellow]placement[/] #{run.number}.{run.attempt}: {warning}"
                           + ("" if self.cfg.search.allow_cross_node_tp else
