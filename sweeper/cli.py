@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--address", help=ADDRESS_HELP)
     search.add_argument("--inject", action="append", default=[], metavar="SPEC",
                         help="fault injection on simulated clusters: node-loss@trial=N, node-join@trial=N, "
-                        "hang@trial=N, nan@trial=N, kill-rank@trial=N (repeatable)")
+                        "hang@trial=N, nan@trial=N, kill-rank@trial=N, drift@trial=N (repeatable)")
     search.add_argument("--proxy", action="store_true", help=PROXY_HELP)
     search.add_argument("--rehearse", action="store_true",
                         help="rehearse the sweep: the real driver against trials modelled from the estimator on the "

@@ -18,7 +18,8 @@ from sweeper.space.layout import Layout
 # "swap_shards" (equivalence gate tests): after the reference is loaded, every tensor-parallel group rotates its
 # shards of the first decoder layer's fc1 weight (collective, so inject_rank is ignored): a wrong layout.
 # "bug" (tests of failure classification): sweeper's own build path raises a TypeError, as a sweeper bug would.
-Inject = Literal["nan", "hang", "crash", "swap_shards", "bug"]
+# "drift" (trajectory check tests): inject_rank's gradient scaled from a later step on (smoke.DRIFT_FROM_STEP).
+Inject = Literal["nan", "hang", "crash", "swap_shards", "bug", "drift"]
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,9 @@ class TrialResult:
     # "Mamba fast path missing", and the trial folder holding every rank's log.
     memory_kind: Literal["device", "host"] | None = None
     losses: list[float] = field(default_factory=list)
+    # Each step's gradient norm (Megatron's, the same on every rank): with ``losses`` the trajectory a confirmation
+    # is held against (search/decide/verdicts.py ``diverged``).
+    grad_norms: list[float] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     trial_dir: str | None = None
     # Seconds per phase of the smoke run (init, build, equivalence, steps, checkpoint_save, checkpoint_load): the

@@ -142,6 +142,7 @@ def aggregate(
         backend=reports[0].backend if reports else "none",
         memory_kind=("device" if "device" in memory_kinds else "host") if reports else None,
         losses=_losses(reports),
+        grad_norms=_grad_norms(reports),
         notes=all_notes,
         trial_dir=trial_dir,
         timings_s=_timings(reports),
@@ -296,6 +297,11 @@ def _losses(reports: list[RankReport]) -> list[float]:
     # Only last-pipeline-stage ranks compute the loss; they agree with each other, so the first one with a
     # loss history is the trial's.
     return next((list(r.losses) for r in reports if r.losses), [])
+
+
+def _grad_norms(reports: list[RankReport]) -> list[float]:
+    # Megatron's optimizer reduces the norm over every model-parallel group, so every rank reports the same one.
+    return next((list(r.grad_norms) for r in reports if r.grad_norms), [])
 
 
 def _checks(outcomes: list[RankOutcome], world_size: int) -> TrialChecks:

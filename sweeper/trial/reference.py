@@ -15,9 +15,9 @@ import json
 import math
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from sweeper.config.schema import SweepConfig
 from sweeper.models.proxy import is_proxy
@@ -31,6 +31,84 @@ from sweeper.trial.proxy_run import proxy_run_layout
 
 PLACE_TIMEOUT_S = 120.0
 NO_REFERENCE_LAYOUT = "equivalence gate off: no layout of this space can hold the reference"
+
+
+class TrajectoryKey(NamedTuple):
+    """What a confirmation's trajectory depends on beyond the reference weights and the steps: the global batch its
+    run trains on, how it is cut into micro-batches (a MoE's load-balancing loss is a micro-batch's: two sequences
+    in one micro-batch are not two in two) and the precision."""
+
+    gbs: int
+    mbs: int
+    precision: str
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """The reference layout's loss and gradient norm at each step of a confirmation's run: the same reference
+    weights, global batch and micro-batches (the data is drawn per global sequence, whatever the layout, and each
+    data-parallel rank's micro-batches are contiguous slices, so one rank at the same micro-batch size forms the same
+    ones), steps and precision; made once per sweep and key and kept beside the reference (``trajectory_file``)."""
+
+    layout: str  # Layout.short() of the run that made it
+    precision: str
+    gbs: int
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def trajectory_key(cfg: SweepConfig, layout: Layout) -> TrajectoryKey:
+    """The key of ``layout``'s confirmation: the batch its run trains on (a proxy trial's share, ``proxy_run``)."""
+    run = proxy_run_layout(layout) if is_proxy(cfg.model) else layout
+    return TrajectoryKey(run.gbs, run.mbs, layout.precision)
+
+
+def written_layout(folder: Path) -> Layout | None:
+    """The layout that wrote the reference in ``folder`` (its reference.json), or None when unreadable."""
+    try:
+        return Layout.from_dict(json.loads((folder / REFERENCE_FILE).read_text())["layout"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def trajectory_file(folder: Path, key: TrajectoryKey, steps: int) -> Path:
+    return folder / f"trajectory-gbs{key.gbs}-mbs{key.mbs}-{key.precision}-{steps}steps.json"
+
+
+def read_trajectory(path: Path) -> Trajectory | None:
+    try:
+        return Trajectory(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def run_trajectory(cfg: SweepConfig, host: Host, folder: Path, layout: Layout, steps: int,
+                   slot: Reservation) -> tuple[Trajectory | None, TrialResult]:
+    """Run ``layout`` (``trajectory_layout``) for ``steps`` steps from the reference in ``folder`` on GPUs already
+    reserved, and keep its trajectory there (None: the run failed)."""
+    short = cfg.model_copy(update={"training": cfg.training.model_copy(update={"checkpoint": False})})
+    path = trajectory_file(folder, TrajectoryKey(layout.gbs, layout.mbs, layout.precision), steps)
+    result = host.run_trial(short, layout, folder.parent / f"{path.stem}-run", reservation=slot, steps=steps,
+                            reference=str(folder))
+    if not result.passed or len(result.losses) != steps or len(result.grad_norms) != steps:
+        return None, result
+    made = Trajectory(layout.short(), layout.precision, layout.gbs, result.losses, result.grad_norms)
+    path.write_text(json.dumps(asdict(made)))
+    return made, result
+
+
+def trajectory_layout(cfg: SweepConfig, reference: Layout, key: TrajectoryKey) -> Layout | None:
+    """The reference layout at a confirmation's batch, micro-batch size and precision; None when its data
+    parallelism cannot split that batch. A proxy run caps its micro-batches per data-parallel rank, so for a proxy
+    model the reference layout takes as many data-parallel copies as its own proxy run needs to keep the whole
+    share (data parallelism alone: the simplest proven axis, and the run passes the gate itself)."""
+    most = key.gbs // key.mbs if is_proxy(cfg.model) else 1
+    for copies in range(1, most + 1):
+        layout = replace(reference, world_size=reference.world_size * copies, gbs=key.gbs, mbs=key.mbs,
+                         precision=key.precision)
+        if layout.num_microbatches and (not is_proxy(cfg.model) or proxy_run_layout(layout).gbs == key.gbs):
+            return layout
+    return None
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,7 @@ from sweeper.trial.forked import RankDied
 from sweeper.trial.pool import STOP_CONFIRM_S, RankPool, Warm
 
 DEFAULT_BACKEND = "sweeper.backends.megatron:run_rank"
-BACKEND_INJECTS = ("nan", "hang", "crash", "swap_shards")  # done inside a rank by the backend
+BACKEND_INJECTS = ("nan", "hang", "crash", "swap_shards", "drift")  # done inside a rank by the backend
 RUNNER_INJECTS = ("node-loss",)  # done by the runner (simulated clusters only)
 COLLATERAL_GRACE_S = 5.0  # after a comm error or a dead rank, how long to wait for the rank that caused it
 # A rank killed by Ray's memory monitor: its node's host memory ran out (the ranks' sum, not one GPU's share). The
@@ -103,8 +103,8 @@ def run_trial(
     """Run one smoke trial; never raises for a trial failure (the TrialResult says what failed and why).
 
     ``timeout_s`` bounds the whole trial, placement included (default ``cfg.training.trial_timeout_s``).
-    ``inject``: ``nan`` / ``hang`` / ``crash`` (done by the backend in ``inject_rank``), ``swap_shards`` (a wrong
-    layout: every TP group rotates its shards after the reference is loaded) or ``node-loss`` (the
+    ``inject``: ``nan`` / ``hang`` / ``crash`` / ``drift`` (done by the backend in ``inject_rank``), ``swap_shards``
+    (a wrong layout: every TP group rotates its shards after the reference is loaded) or ``node-loss`` (the
     runner kills the simulated node hosting ``inject_rank`` once all ranks run). ``cancel``: set it from another
     thread to stop the trial (Ctrl-C of a sweep); the ranks are killed and the result is ``infra``/cancelled.
     ``nodes``: Ray node ids, one per placement bundle, chosen by the sweep's scheduler (None: Ray chooses).

@@ -204,7 +204,7 @@ def _tp2_grads(rank: int) -> dict[str, Any]:
         batches = steps.micro_batches(seed=3, step=1, layout=layout, seq_length=32, vocab_size=256,
                                       device=torch.device("cpu"))
         losses = get_forward_backward_func()(  # runs finalize_model_grads (the SP norm-grad all-reduce) itself
-            forward_step_func=partial(steps._forward_step, False), data_iterator=iter(batches),
+            forward_step_func=partial(steps._forward_step, False, 1.0), data_iterator=iter(batches),
             model=built.model[0], num_microbatches=1, seq_length=32, micro_batch_size=1, forward_only=False,
         )
         norms = {n: p for n, p in built.model[0].named_parameters() if "layernorm" in n}

@@ -725,8 +725,8 @@ def test_the_forward_step_gives_megatrons_combined_1f1b_schedule_its_schedule_pl
     batch = steps.Batch(torch.zeros(1, 4, dtype=torch.long), torch.ones(1, 4, dtype=torch.long),
                         torch.arange(4).unsqueeze(0))
     model = PlanningModel()
-    plan, loss = steps._forward_step(False, iter([batch]), model, return_schedule_plan=True)
-    assert plan == "schedule plan" and loss is steps._loss_func
+    plan, loss = steps._forward_step(False, 1.0, iter([batch]), model, return_schedule_plan=True)
+    assert plan == "schedule plan" and loss.func is steps._loss_func
     assert model.call[2] is None and model.call[3] is batch.labels
 
 

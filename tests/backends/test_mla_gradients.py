@@ -56,7 +56,7 @@ def _gradients(rank: int, spec: ModelSpec, tp: int, sp: bool, megatron_local_spe
     seqs = torch.randint(0, VOCAB, (1, SEQ + 1), generator=gen)
     batch = steps.Batch(seqs[:, :-1], seqs[:, 1:].contiguous(), torch.arange(SEQ).unsqueeze(0))
     get_forward_backward_func()(  # finalize_model_grads included (the SP all-reduce of duplicated weights)
-        forward_step_func=partial(steps._forward_step, False), data_iterator=iter([batch]),
+        forward_step_func=partial(steps._forward_step, False, 1.0), data_iterator=iter([batch]),
         model=built.model[0], num_microbatches=1, seq_length=SEQ, micro_batch_size=1, forward_only=False,
     )
     group = parallel_state.get_tensor_model_parallel_group()

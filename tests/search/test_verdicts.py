@@ -3,9 +3,19 @@
 
 from __future__ import annotations
 
+import math
+
 from sweeper.record.schema import GATE_SKIPPED, TrialChecks, TrialMetrics, TrialResult
-from sweeper.search.decide.verdicts import GATE_OFF, attribute, proven
+from sweeper.search.decide.verdicts import (
+    GATE_OFF,
+    TRAJECTORY_BAND,
+    attribute,
+    held_to_trajectory,
+    proven,
+    trajectory_rel_errs,
+)
 from sweeper.trial.aggregate import RANK_FAULT
+from sweeper.trial.reference import Trajectory
 from sweeper.trial.runner import NODE_LOST, PLACEMENT_TIMEOUT
 
 
@@ -76,3 +86,46 @@ def test_steps_that_stall_one_in_four_measure_slower_than_steady_ones_of_the_sam
     stalling.checks = steady_run.checks = TrialChecks(True, True, True, True, True, True)
     stalling.status = steady_run.status = "passed"
     assert good_confirmation(steady_run, cfg) and not good_confirmation(stalling, cfg)
+
+
+# -- the confirmation's trajectory held against the reference layout's (issue 53) --------------------------------
+
+def _trajectory(losses: list[float], norms: list[float], precision: str = "fp32") -> Trajectory:
+    return Trajectory(layout="TP1-PP1-DP1-MBS1-fp32", precision=precision, gbs=8, losses=losses, grad_norms=norms)
+
+
+def _confirmation(losses: list[float], norms: list[float]) -> TrialResult:
+    return TrialResult(status="passed", losses=losses, grad_norms=norms)
+
+
+REF_LOSSES = [2.0, 1.9, 1.8, 1.7, 1.6, 1.5]
+REF_NORMS = [1.0, 0.9, 0.8, 0.8, 0.7, 0.7]
+
+
+def test_a_trajectory_within_the_band_passes_with_a_note_saying_how_close() -> None:
+    close = [v * (1 + 0.3 * TRAJECTORY_BAND["fp32"]) for v in REF_LOSSES]
+    held = held_to_trajectory(_confirmation(close, REF_NORMS), _trajectory(REF_LOSSES, REF_NORMS))
+    assert held.passed and "within the fp32 band" in held.notes[-1]
+
+
+def test_a_gradient_that_leaves_the_band_fails_the_confirmation_naming_the_step() -> None:
+    norms = REF_NORMS[:3] + [v * 1.02 for v in REF_NORMS[3:]]  # a drift from step 4 on
+    held = held_to_trajectory(_confirmation(REF_LOSSES, norms), _trajectory(REF_LOSSES, REF_NORMS))
+    assert not held.passed and held.failure_kind == "equivalence"
+    assert held.error is not None and "at step 4 (of 6)" in held.error
+
+
+def test_a_band_is_per_precision_and_an_unmeasured_one_is_not_held() -> None:
+    off = [v * 1.01 for v in REF_LOSSES]  # 1%: beyond FP32's band, within BF16's
+    assert not held_to_trajectory(_confirmation(off, REF_NORMS), _trajectory(REF_LOSSES, REF_NORMS)).passed
+    assert held_to_trajectory(_confirmation(off, REF_NORMS), _trajectory(REF_LOSSES, REF_NORMS, "bf16")).passed
+    fp8 = held_to_trajectory(_confirmation(off, REF_NORMS), _trajectory(REF_LOSSES, REF_NORMS, "fp8"))
+    assert fp8.passed and "no measured band for precision fp8" in fp8.notes[-1]
+
+
+def test_a_non_finite_step_is_beyond_any_band_and_a_failed_run_is_left_alone() -> None:
+    assert trajectory_rel_errs([1.0, math.nan], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0]) == [0.0, math.inf]
+    failed = TrialResult(status="failed", failure_kind="oom", error="out of memory")
+    assert held_to_trajectory(failed, _trajectory(REF_LOSSES, REF_NORMS)) is failed
+    passed = _confirmation(REF_LOSSES, REF_NORMS)
+    assert held_to_trajectory(passed, None) is passed  # no reference trajectory: nothing to hold it against

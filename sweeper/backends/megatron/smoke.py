@@ -58,6 +58,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 INJECT_STEP = 2  # fault injection fires at the second training step (steps count from 1)
+# Fault injection "drift": from this step on, the injected rank's loss (so its share of the gradient, before the
+# data-parallel reduction) is scaled by DRIFT_SCALE. The gate (before the steps) cannot see it; the step's gradient
+# norm moves by about (DRIFT_SCALE - 1) / DP, the loss only from the next step on, slowly.
+DRIFT_FROM_STEP = 3
+DRIFT_SCALE = 1.05
 _log = logging.getLogger("sweeper.smoke")
 
 
@@ -228,6 +233,7 @@ def _smoke(
         result = train_step(
             built, layout, batches, request.seq_length,
             poison=is_injected and request.inject == "nan" and step == INJECT_STEP,
+            drift=DRIFT_SCALE if is_injected and request.inject == "drift" and step >= DRIFT_FROM_STEP else 1.0,
         )
         if cuda:
             torch.cuda.synchronize()
@@ -399,6 +405,9 @@ def _inject(request: SmokeRequest, report: RankReport) -> None:
         os._exit(17)
     if request.inject == "nan":
         _log.warning("fault injection: rank %d poisons its output with NaN at step %d", report.rank, INJECT_STEP)
+    if request.inject == "drift":
+        _log.warning("fault injection: rank %d scales its gradient by %g from step %d", report.rank, DRIFT_SCALE,
+                     DRIFT_FROM_STEP)
 
 
 def _injected_bug(layout: Layout) -> None:

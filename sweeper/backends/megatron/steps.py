@@ -1,10 +1,12 @@
 """One training step of the smoke run: synthetic batches, Megatron's pipeline schedule, optimizer step.
 
-Batches are random token sequences, deterministic in (seed, step, data-parallel rank, micro-batch): every
-data-parallel replica sees its own micro-batches while the TP/CP/PP ranks of one replica see the same ones, as
-Megatron's data loader arranges; each CP rank then keeps its load-balanced part of the sequence (chunks i and
-2*CP-1-i). The loss is averaged over micro-batches on the last pipeline stage, then over data-parallel replicas
-and shared with every rank, so all ranks report the same loss and stop together on NaN.
+Batches are random token sequences, deterministic in (seed, step, the sequence's index in the step's global
+batch): every data-parallel replica takes its contiguous slice of the global batch while the TP/CP/PP ranks of one
+replica see the same one, as Megatron's data loader arranges; each CP rank then keeps its load-balanced part of the
+sequence (chunks i and 2*CP-1-i). Every layout of one global batch therefore trains on the same data, so two
+layouts' loss and gradient-norm trajectories can be compared step by step (the confirmation's trajectory check).
+The loss is averaged over micro-batches on the last pipeline stage, then over data-parallel replicas and shared with
+every rank, so all ranks report the same loss and stop together on NaN.
 """
 
 from __future__ import annotations
@@ -36,18 +38,27 @@ class Batch:
 def micro_batches(
     *, seed: int, step: int, layout: Layout, seq_length: int, vocab_size: int, device: torch.device
 ) -> list[Batch]:
-    """This rank's micro-batches of one step (identical on the TP/CP/PP ranks of one data-parallel replica)."""
-    dp_rank = parallel_state.get_data_parallel_rank()
+    """This rank's micro-batches of one step (identical on the TP/CP/PP ranks of one data-parallel replica): its
+    data-parallel rank's slice of the step's global batch, whatever the layout."""
+    first = parallel_state.get_data_parallel_rank() * layout.mbs * layout.num_microbatches
     out = []
     for index in range(layout.num_microbatches):
-        gen = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + dp_rank) * 10_007 + index)
-        seqs = torch.randint(0, vocab_size, (layout.mbs, seq_length + 1), generator=gen)
+        seqs = torch.stack([
+            global_sequence(seed, step, first + index * layout.mbs + j, seq_length, vocab_size)
+            for j in range(layout.mbs)
+        ])
         positions = torch.arange(seq_length).unsqueeze(0).expand(layout.mbs, -1)
         out.append(Batch(seqs[:, :-1].to(device), seqs[:, 1:].contiguous().to(device), positions.to(device)))
     return out
 
 
-def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def global_sequence(seed: int, step: int, index: int, seq_length: int, vocab_size: int) -> torch.Tensor:
+    """Sequence ``index`` of step ``step``'s global batch: ``seq_length + 1`` tokens (inputs and shifted labels)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + step) * 10_000_019 + index)
+    return torch.randint(0, vocab_size, (seq_length + 1,), generator=gen)
+
+
+def _loss_func(drift: float, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     # Megatron's legacy two-value form: the schedule divides by the number of micro-batches and multiplies by the
     # CP size (DDP then averages gradients over DP x CP), so a CP rank returns its share of the sequence mean:
     # its tokens' mean / CP (equal token counts per CP rank).
@@ -57,7 +68,9 @@ def _loss_func(output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tens
     reported = loss.detach().clone()
     if cp_size > 1:
         torch.distributed.all_reduce(reported, group=parallel_state.get_context_parallel_group())
-    return loss, {"lm loss": reported}
+    # Fault injection "drift": this rank's gradient contribution scaled before the data-parallel reduction (the
+    # replicas stay identical, the reported loss is the true one): a slow numerical fault no single step shows.
+    return (loss * drift if drift != 1.0 else loss), {"lm loss": reported}
 
 
 def _on_this_cp_rank(batch: Batch) -> Batch:
@@ -70,7 +83,7 @@ def _on_this_cp_rank(batch: Batch) -> Batch:
     return Batch(parts["tokens"], parts["labels"], parts["position_ids"])
 
 
-def _forward_step(poison: bool, data_iterator: Iterator[Batch], model: torch.nn.Module,
+def _forward_step(poison: bool, drift: float, data_iterator: Iterator[Batch], model: torch.nn.Module,
                   return_schedule_plan: bool = False) -> tuple[Any, Any]:
     batch = _on_this_cp_rank(next(data_iterator))
     if return_schedule_plan:
@@ -79,14 +92,14 @@ def _forward_step(poison: bool, data_iterator: Iterator[Batch], model: torch.nn.
         # output, as Megatron-LM's pretrain_gpt forward step gives it; a step without the keyword raised TypeError
         # there (issue 44, item 1). The plan runs the same forward; fault injection poisons the plain output only.
         plan = model.build_schedule_plan(batch.tokens, batch.position_ids, None, labels=batch.labels)  # type: ignore[operator]
-        return plan, _loss_func
+        return plan, partial(_loss_func, drift)
     # attention_mask None: the local and TE attention apply the causal mask themselves.
     output = model(batch.tokens, batch.position_ids, None, labels=batch.labels)
     if poison:
         # Fault injection: a real NaN in this stage's output (loss on the last stage, activations elsewhere)
         # that flows through the rest of the computation to the loss and gradient norm checks.
         output = output * float("nan")
-    return output, _loss_func
+    return output, partial(_loss_func, drift)
 
 
 @dataclass(frozen=True)
@@ -97,17 +110,19 @@ class StepResult:
 
 
 def train_step(
-    built: Built, layout: Layout, batches: list[Batch], seq_length: int, *, poison: bool = False
+    built: Built, layout: Layout, batches: list[Batch], seq_length: int, *, poison: bool = False, drift: float = 1.0
 ) -> StepResult:
-    """Forward + backward over every micro-batch, gradient sync, optimizer step (see check_finite)."""
-    loss = forward_backward(built, batches, seq_length, layout.mbs, poison=poison)
+    """Forward + backward over every micro-batch, gradient sync, optimizer step (see check_finite). ``drift``
+    (fault injection): this rank's loss is scaled by it for the backward pass."""
+    loss = forward_backward(built, batches, seq_length, layout.mbs, poison=poison, drift=drift)
     success, grad_norm, _ = built.optimizer.step()
     norm = float(grad_norm) if grad_norm is not None else math.nan
     return StepResult(loss=loss, grad_norm=norm, skipped=not success)
 
 
 def forward_backward(
-    built: Built, batches: list[Batch], seq_length: int, micro_batch_size: int, *, poison: bool = False
+    built: Built, batches: list[Batch], seq_length: int, micro_batch_size: int, *, poison: bool = False,
+    drift: float = 1.0,
 ) -> float:
     """Zeroed gradients, then forward + backward over ``batches`` and gradient sync (no optimizer step): the
     main gradients are ready for the optimizer. Returns the shared loss (see _shared_loss)."""
@@ -118,7 +133,7 @@ def forward_backward(
     # The interleaved schedule wants one iterator per model chunk; each chunk consumes the same micro-batches.
     iterators: Any = [iter(batches) for _ in built.model] if len(built.model) > 1 else iter(batches)
     losses = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, poison),
+        forward_step_func=partial(_forward_step, poison, drift),
         data_iterator=iterators,
         model=built.model if len(built.model) > 1 else built.model[0],
         num_microbatches=len(batches),

@@ -1,15 +1,18 @@
-"""Every verdict on a measured run, in one place: passed and stable (``is_stable``), steady (``steady``), what a
-failure says about the layout (``NOT_THE_LAYOUTS``). The candidates, the frontier, the confirmation and the choice of
+"""Every verdict on a measured run, in one place: passed and stable (``is_stable``), steady (``steady``), a
+confirmation's trajectory held against the reference layout's (``held_to_trajectory``), what a failure says about
+the layout (``NOT_THE_LAYOUTS``). The candidates, the frontier, the confirmation and the choice of
 the winner all ask here."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import replace
 
 from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import GATE_SKIPPED, TrialResult
 from sweeper.trial.aggregate import RANK_FAULT
+from sweeper.trial.reference import Trajectory
 from sweeper.trial.runner import NODE_LOST
 
 MIN_STEPS_FOR_DRIFT = 8  # fewer timed steps than this: too few for two quarters to mean anything
@@ -119,3 +122,63 @@ def good_confirmation(result: TrialResult, cfg: SweepConfig) -> bool:
     routing stress, no TP across nodes) and steady. The confirmation phase and the choice of the winner both ask
     this, so a run that passed but is not stable neither fills a confirmation slot nor wins."""
     return is_stable(result, cfg) and steady(result, cfg)
+
+
+# How far a correct layout's loss and gradient-norm trajectory strays from the reference layout's on the same data,
+# global batch and starting weights, by precision: the largest per-step relative difference (loss or gradient
+# norm) a layout that passed every check measured over 12 steps on the CPU backend, times TRAJECTORY_MARGIN, rounded
+# up to one significant figure (tests/data/trajectory_band.json, scripts/measure_trajectory_band.py: tiny-gpt and
+# tiny-moe, TP2+SP, PP2, DP2, EP2 and two four-rank layouts; tests/backends/test_trajectory_band.py holds the values
+# to it; docs/how-it-works.md). A precision not measured here (FP16, FP8, FP4: no CPU run) is compared and
+# recorded, not held against the layout.
+TRAJECTORY_MARGIN = 3.0
+TRAJECTORY_BAND: dict[str, float] = {
+    # Worst 2.4e-7 (tiny-moe PP2): rounding only, no growth over the steps.
+    "fp32": 8e-7,
+    # Worst 1.0e-2 (tiny-moe EP2 at four ranks): MoE routing ties flip in BF16 and the paths part.
+    "bf16": 4e-2,
+}
+TRAJECTORY_UNMEASURED = "trajectory compared, not held: no measured band for precision {precision}"
+
+
+def trajectory_rel_errs(losses: list[float], grad_norms: list[float], ref_losses: list[float],
+                        ref_grad_norms: list[float]) -> list[float]:
+    """Each step's relative difference from the reference trajectory: the larger of the loss's and the gradient
+    norm's (inf where a value is not finite), over the steps both ran."""
+    def rel(value: float, ref: float) -> float:
+        if not (math.isfinite(value) and math.isfinite(ref)):
+            return math.inf
+        return abs(value - ref) / max(abs(ref), 1e-12)
+
+    steps = min(len(losses), len(grad_norms), len(ref_losses), len(ref_grad_norms))
+    return [max(rel(losses[i], ref_losses[i]), rel(grad_norms[i], ref_grad_norms[i])) for i in range(steps)]
+
+
+def diverged(result: TrialResult, reference: Trajectory, band: float) -> str | None:
+    """Why the run's trajectory left the reference's (naming the first step beyond ``band``), or None."""
+    errs = trajectory_rel_errs(result.losses, result.grad_norms, reference.losses, reference.grad_norms)
+    step = next((i for i, err in enumerate(errs) if err > band), None)
+    if step is None:
+        return None
+    return (f"its loss and gradient-norm trajectory left the reference layout {reference.layout}'s at step "
+            f"{step + 1} (of {len(errs)}): loss {result.losses[step]:.6g} vs {reference.losses[step]:.6g}, gradient "
+            f"norm {result.grad_norms[step]:.6g} vs {reference.grad_norms[step]:.6g}, relative difference "
+            f"{errs[step]:.3g} > the {reference.precision} band {band:g} (same data, global batch and weights)")
+
+
+def held_to_trajectory(result: TrialResult, reference: Trajectory | None) -> TrialResult:
+    """A confirmation held against the reference layout's trajectory: failed (kind ``equivalence``: the layout
+    computes another training run than the proven one) when it left the precision's band, naming the step; a note
+    saying how close it stayed otherwise. Unchanged when it did not pass or there is no reference trajectory."""
+    if not result.passed or reference is None:
+        return result
+    band = TRAJECTORY_BAND.get(reference.precision)
+    if band is None:
+        return replace(result, notes=[*result.notes, TRAJECTORY_UNMEASURED.format(precision=reference.precision)])
+    why = diverged(result, reference, band)
+    if why is not None:
+        return replace(result, status="failed", failure_kind="equivalence", error=why)
+    errs = trajectory_rel_errs(result.losses, result.grad_norms, reference.losses, reference.grad_norms)
+    return replace(result, notes=[*result.notes, f"trajectory within the {reference.precision} band {band:g} of the "
+                                  f"reference layout {reference.layout}'s over {len(errs)} steps (largest relative "
+                                  f"difference {max(errs, default=0.0):.3g})"])

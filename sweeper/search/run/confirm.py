@@ -3,7 +3,8 @@ them confirmed (``Candidate.confirmed``: every confirmation run stable and stead
 by).
 
 A candidate whose confirmation says something about the layout and does not confirm (it failed, ran over the memory
-headroom under routing stress, or drifted) is dropped and the next one is tried: at most 2 x confirm_top candidates.
+headroom under routing stress, its loss and gradient-norm trajectory left the reference layout's, or its step time
+drifted) is dropped and the next one is tried: at most 2 x confirm_top candidates.
 A confirmation lost to a fault that is not the layout's (a node, a placement timeout) is made again, up to the
 attempts an exploration gets, and spends none of that budget. Its GPUs are waited for as exploration's are
 (``run.capacity``): held by other jobs, they free up; a candidate the capacity alive can never hold is passed over,
@@ -15,6 +16,7 @@ from __future__ import annotations
 from sweeper.search.console import console
 from sweeper.search.decide.candidates import Candidate, candidates, confirm_attempts
 from sweeper.search.run.explore import wall_time_spent
+from sweeper.search.run.reference import ensure_trajectory
 from sweeper.search.run.state import MAX_ATTEMPTS, SweepState
 
 
@@ -35,6 +37,7 @@ def confirm(sweep: SweepState) -> None:
                 console.print(f"[yellow]not confirmed[/] #{head.number} {head.layout.short()}: the capacity alive can "
                               f"never hold it ({never}); the next candidate is tried", important=True)
                 continue
+            ensure_trajectory(sweep, head.layout)  # what the confirmation's whole run is held against
             slot = sweep.handle.reserve(head.layout, alone=sweep.confirm_alone())
             if slot is not None:
                 budget -= 0 if retry else 1

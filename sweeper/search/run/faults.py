@@ -1,5 +1,7 @@
 """Fault injection for the reliability tests (``search --inject KIND@trial=N``, simulated clusters only): which
-fault the N-th launched trial gets. The trial runner and the simulated cluster carry the faults out."""
+fault the N-th launched trial gets. The trial runner and the simulated cluster carry the faults out. ``drift`` is
+the layout's own numerical fault (one rank's gradient scaled from a later step on, backends/megatron/smoke.py), so
+every run of that trial has it, its confirmation too (the trajectory check's test); the others hit its first run."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from dataclasses import dataclass
 
 from sweeper.errors import UsageError
 
-INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank")
+INJECT_KINDS = ("node-loss", "node-join", "hang", "nan", "kill-rank", "drift")
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """The equivalence reference: made once before the first trial, loaded (resharded) by every trial's gate
-(``trial.reference``).
+(``trial.reference``); and the reference layout's trajectory a confirmation is held against, made before the first
+confirmation of each batch, micro-batch size and precision (``ensure_trajectory``).
 
 Its GPUs are waited for as any trial's (``run.capacity``) and a fault that is not the layout's (a node lost, a rank
 that could not start) is retried as a trial's is (``MAX_ATTEMPTS``). When it still cannot be made, no trial could
@@ -19,9 +20,17 @@ from sweeper.space.layout import Layout
 from sweeper.trial.reference import (
     NO_REFERENCE_LAYOUT,
     ReferenceOutcome,
+    Trajectory,
+    TrajectoryKey,
     existing_reference,
+    read_trajectory,
     reference_layouts,
     run_reference,
+    run_trajectory,
+    trajectory_file,
+    trajectory_key,
+    trajectory_layout,
+    written_layout,
 )
 
 # Layouts tried for the reference when each fails for its own reasons (out of memory inside the estimator's band):
@@ -96,3 +105,56 @@ def _made_in(sweep: SweepState, folder: Path, layout: Layout) -> tuple[Reference
         console.print(f"[yellow]equivalence[/] the reference {layout.short()} failed for reasons not its layout's "
                       f"({kind}: {result.error}); it runs again (attempt {attempts[kind] + 1})", important=True)
     return outcome, None
+
+
+def ensure_trajectory(sweep: SweepState, layout: Layout) -> None:
+    """Before ``layout``'s confirmation: the reference layout's loss and gradient-norm trajectory over the
+    confirmation's steps, on its global batch and micro-batches and in its precision, from the reference's weights
+    (kept beside the reference, so ``--resume`` reuses it). Waited for and retried as the reference is; when it
+    cannot be made the confirmation is not held against one (the console says why)."""
+    key = trajectory_key(sweep.cfg, layout)
+    if sweep.reference is None or sweep.options.rehearse or key in sweep.trajectories:
+        return
+    folder, steps = Path(sweep.reference), sweep.confirm_steps
+    made = read_trajectory(trajectory_file(folder, key, steps))
+    if made is None:
+        made, why = _made_trajectory(sweep, folder, key, steps)
+        if made is None:
+            console.print(f"[yellow]trajectory[/] confirmations at global batch {key.gbs}, micro-batch {key.mbs}, "
+                          f"{key.precision} are not held against the reference layout's trajectory: {why}",
+                          important=True)
+        else:
+            console.print(f"[blue]trajectory[/] reference {made.layout}: {steps} steps, loss "
+                          f"{made.losses[0]:.4f} -> {made.losses[-1]:.4f}")
+    sweep.trajectories[key] = made
+
+
+def _made_trajectory(sweep: SweepState, folder: Path, key: TrajectoryKey,
+                     steps: int) -> tuple[Trajectory | None, str]:
+    written = written_layout(folder)
+    layout = written and trajectory_layout(sweep.cfg, written, key)
+    if not layout:
+        return None, "the reference layout cannot run that batch in those micro-batches"
+    attempts: dict[str, int] = {}
+    while not sweep.stop.is_set():
+        never = sweep.capacity.never(layout)
+        if never is not None:
+            return None, f"its run {layout.short()} can never be placed: {never}"
+        slot = sweep.handle.reserve(layout)
+        if slot is None:
+            if sweep.scheduler.in_flight:
+                sweep.wait_one()
+            else:
+                sweep.capacity.idle("the reference trajectory", layout)
+            continue
+        try:
+            made, result = run_trajectory(sweep.cfg, sweep.handle, folder, layout, steps, slot)
+        finally:
+            sweep.handle.release(slot)
+        if made is not None:
+            return made, ""
+        kind = result.failure_kind or "infra"
+        attempts[kind] = attempts.get(kind, 0) + 1
+        if kind not in NOT_THE_LAYOUTS or attempts[kind] >= MAX_ATTEMPTS[kind]:
+            return None, f"its run {layout.short()} failed ({kind}: {result.error})"
+    return None, "the sweep was stopped"

@@ -25,7 +25,15 @@ from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import objective_value
-from sweeper.search.decide.verdicts import GATE_OFF, NOT_THE_LAYOUTS, attribute, is_stable, steady, unsteady_reasons
+from sweeper.search.decide.verdicts import (
+    GATE_OFF,
+    NOT_THE_LAYOUTS,
+    attribute,
+    held_to_trajectory,
+    is_stable,
+    steady,
+    unsteady_reasons,
+)
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
 from sweeper.search.propose.study import LayoutStudy, Mode
@@ -35,6 +43,7 @@ from sweeper.search.run.repeated import RepeatedFailure
 from sweeper.search.run.scheduler import Running, Scheduler
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host, Reservation
+from sweeper.trial.reference import Trajectory, TrajectoryKey, trajectory_key
 
 if TYPE_CHECKING:
     from sweeper.record.tracking import Tracker
@@ -86,7 +95,7 @@ class SweepState:
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
         search = cfg.search
-        confirm_runs = search.confirm_top * (search.confirm_steps or 2 * cfg.training.steps) / cfg.training.steps
+        confirm_runs = search.confirm_top * self.confirm_steps / cfg.training.steps
         self.progress = Progress(self.max_trials, search.objective, self.t0, confirm_runs, self.scheduler.now,
                                  modelled=options.rehearse, production_gpus=cfg.production_gpus)
         # A simulated cluster's ranks share this host's cores: the step-time model prices that (search.propose.refit).
@@ -112,6 +121,10 @@ class SweepState:
         mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
         self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self.frontier.order())
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run.reference)
+        # The reference layout's trajectory per batch a confirmation is held against (run.reference.ensure_trajectory;
+        # None: it could not be made, the confirmation is not held).
+        self.trajectories: dict[TrajectoryKey, Trajectory | None] = {}
+        self.drifting: set[int] = set()  # trials injected with "drift" (--inject drift@trial=N)
         # What a phase does with an ended attempt of its own, after it is recorded (``wait_one``).
         self.ended_handlers: dict[Phase, Callable[[Running, TrialResult], None]] = {}
 
@@ -149,6 +162,10 @@ class SweepState:
         alone = self.cfg.search.confirm_alone
         return not self.handle.simulated if alone is None else alone
 
+    @property
+    def confirm_steps(self) -> int:
+        return self.cfg.search.confirm_steps or 2 * self.cfg.training.steps
+
     def parallel_cap(self) -> int:
         cap = self.options.parallel or (self.cfg.search.parallel if self.cfg.search.parallel != "auto" else 0)
         return cap or 1_000_000
@@ -159,6 +176,9 @@ class SweepState:
         if phase == "explore":
             self.counted.add(number)
         inject = injection_for(self.options.injections, self.launched if first else -1)
+        if inject == "drift" or number in self.drifting:  # a layout's own fault: every run of the trial has it
+            self.drifting.add(number)
+            inject = "drift"
         if inject == "node-join":
             console.print(f"[magenta]inject node-join[/]: node {self.handle.add_node()} added")
             inject = None
@@ -167,7 +187,7 @@ class SweepState:
             proposal.set_user_attr("attempt", attempt)
         run_id = self.tracker.start_trial(number, attempt, layout, phase, predicted)
         run = Running(number, attempt, phase, layout, proposal, predicted, run_id, now(), slot)
-        steps = (self.cfg.search.confirm_steps or 2 * self.cfg.training.steps) if phase == "confirm" else None
+        steps = self.confirm_steps if phase == "confirm" else None
         self.scheduler.submit(run, cfg=self.cfg, layout=layout, trial_dir=self.dir.trial_dir(number, attempt, phase),
                               inject=inject, steps=steps, reference=self.reference,
                               routing_stress=phase == "confirm")  # finalists only (issue 17)
@@ -194,6 +214,8 @@ class SweepState:
                                     and r.phase == run.phase and r.attempt >= 1])
         if result is not as_run:
             console.print(f"[yellow]fault[/] #{run.number}.{run.attempt}: {result.notes[-1]}", important=True)
+        if run.phase == "confirm":  # the whole run against the proven layout's, not only the gate's one step
+            result = held_to_trajectory(result, self.trajectories.get(trajectory_key(self.cfg, run.layout)))
         killed = self.stop.is_set() and result.failure_kind in ("infra", "timeout", None)
         self.tracker.finish_trial(run.run_id, result, killed=killed)  # no run id: started while MLflow was behind
         record = TrialRecord(
