@@ -252,6 +252,11 @@ class SearchConfig(_Strict):
     the layout: it stalls (allocator retries near the memory limit, MoE imbalance spikes), and a production run pays
     every stall. A GPU's steps spread by a few percent; one step in four taking 1.25x or more is a stall, not noise.
     Explored trials record it (``step_time_p90_s``) without failing on it."""
+    confirm_at_scale: bool = True
+    """The winner's last confirmation runs its production layout itself (its copies side by side as one run of N
+    GPUs, the production batch) where the cluster alive can hold N, else at the largest data parallelism it can hold;
+    that run's measurement is the winner's figure (none of its step projected at N), and a layout that fails at
+    scale does not win (issue 53). false: the figure is projected from the trials' size."""
     routing_stress_steps: int = Field(2, ge=0)
     """A confirmation of a MoE layout with EP > 1 ends with this many steps routing every token to one expert, then
     this many to one EP rank's experts; its peak memory under stress must keep the headroom too (0: none)."""
@@ -370,7 +375,13 @@ class SweepConfig(_Strict):
         with the trial's micro-batches: the global batch scaled alike, which is the production run's when the trial
         ran its share of it (``trial_global_batch``); None when the production run holds no copy."""
         k = self.copies(layout.world_size)
-        return replace(layout, world_size=layout.world_size * k, gbs=layout.gbs * k) if k else None
+        return scaled_layout(layout, k) if k else None
+
+    def at_scale_layouts(self, layout: Layout) -> list[Layout]:
+        """The layout on more GPUs as the production run scales it, largest first: the production layout, then
+        fewer copies side by side (each data-parallel rank with the trial's micro-batches); empty when the
+        production run holds at most one copy."""
+        return [scaled_layout(layout, k) for k in range(self.copies(layout.world_size), 1, -1)]
 
     def production_batch_reason(self, world_size: int) -> str | None:
         """Why layouts of ``world_size`` GPUs cannot run the production batch in equal shares, or None."""
@@ -441,3 +452,8 @@ def check_address_override(cluster: ClusterConfig, address: str | None) -> None:
     if cluster.simulate is True and address != "auto":
         raise UsageError(f"--address: {address!r} cannot be combined with cluster.simulate: true "
                          "(a simulated cluster is started on this machine)")
+
+
+def scaled_layout(layout: Layout, copies: int) -> Layout:
+    """``copies`` of ``layout`` side by side as one run: the data parallelism and the global batch times as many."""
+    return replace(layout, world_size=layout.world_size * copies, gbs=layout.gbs * copies)

@@ -105,3 +105,44 @@ def test_a_gpu_peak_counts_the_memory_outside_torchs_allocator(tmp_path: Path) -
     assert not is_stable(result, cfg)
     result.metrics.non_torch_memory_gib, result.metrics.stress_peak_memory_gib = 0.5, 3.2
     assert not is_stable(result, cfg)
+
+
+def test_a_run_at_scale_is_the_figure_and_a_failure_at_scale_does_not_win(tmp_path: Path) -> None:
+    # Selection test data (not trials), issue 53: on the quickstart's 4 GPUs (N), a 2-GPU winner ran as the
+    # production run itself (2 copies as one 4-GPU run, the production batch): that measurement, not the 2-GPU
+    # runs' projection, is its figure; a layout whose run at scale failed is not confirmed.
+    cfg = _cfg(tmp_path)
+    small, other = (layout_from_string(cfg, text) for text in ("gpus=2,pp=2,mbs=2", "gpus=2,ep=2,mbs=2"))
+    (at_scale,) = cfg.at_scale_layouts(small)
+    assert at_scale.world_size == 4 and at_scale.dp == 2 * small.dp and at_scale.gbs == 2 * small.gbs
+    assert at_scale == cfg.production_layout(small)
+
+    def result(tokens: float, passed: bool = True) -> TrialResult:
+        made = _result([1.0] * 14, tokens)
+        if not passed:
+            made.status, made.failure_kind, made.error = "failed", "crash", "a rank died (test data)"
+        return made
+
+    records = [
+        TrialRecord(1, small.to_dict(), _result([1.0] * 6, 900.0)),
+        TrialRecord(1, small.to_dict(), result(880.0), phase="confirm"),
+        TrialRecord(2, other.to_dict(), _result([1.0] * 6, 850.0)),
+        TrialRecord(2, other.to_dict(), result(840.0), phase="confirm"),
+        TrialRecord(1, at_scale.to_dict(), result(1500.0), phase="confirm", attempt=2),
+    ]
+    cands = {c.number: c for c in candidates(records, cfg)}
+    first = cands[1]
+    assert first.at_scale is records[4] and first.trial_runs == records[:2]
+    assert first.figure(cfg) == 1500.0  # measured on the production run's 4 GPUs: nothing projected
+    # its 2-GPU runs (900 and 880), each doubled and slowed by the larger data parallelism the estimator prices
+    assert 0.95 * 1780.0 < first.median(cfg) < 1780.0  # the mean of an even count's middle two
+    winner = choose(list(cands.values()), cfg)
+    assert winner is not None and winner.number == 2  # 2 x 840 projected beats the 1,500 measured at scale
+    doc = best_layout_document(cfg, first, None)
+    assert doc["objective"]["figure"] == 1500.0 and doc["objective"]["measured_on_gpus"] == 4
+    assert doc["objective"]["at_scale"]["gpus"] == 4 and doc["measured_run"] == {"phase": "confirm", "attempt": 2}
+    assert doc["objective"]["projected_share"] == 0.0
+    # A failure at scale (the layout's) un-confirms it, whatever its trial-size runs measured.
+    records[4] = TrialRecord(1, at_scale.to_dict(), result(0.0, passed=False), phase="confirm", attempt=2)
+    first = next(c for c in candidates(records, cfg) if c.number == 1)
+    assert not first.confirmed(cfg) and first.at_scale is None and first.figure(cfg) == first.median(cfg)

@@ -13,6 +13,7 @@ from sweeper.record.schema import MODELLED, REHEARSAL_NOTE
 from sweeper.search.decide.candidates import Candidate
 from sweeper.search.decide.objective import PROJECTED_STEP_ERROR, copies, objective_name, production_gpus, projection
 from sweeper.search.decide.verdicts import stall_ratio, step_time_drift
+from sweeper.space.layout import Layout
 
 
 def checkpoint_moves(cands: list[Candidate]) -> dict[str, Any]:
@@ -35,12 +36,13 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
                          cands: list[Candidate] | None = None, rehearsal: bool = False) -> dict[str, Any]:
     """``rehearsal``: the runs were modelled (a rehearsal): the document says so at its top, and its "measured"
     figures are the modelled runs' (issue 54)."""
-    chosen_by = winner.median_run(cfg)  # the run whose objective is the median that chose the winner
+    chosen_by = winner.figure_run(cfg)  # the run whose figure chose the winner: its run at scale, else its median
     result = chosen_by.result
     layout = winner.layout
+    measured_on = Layout.from_dict(chosen_by.layout)  # the trial's, or more GPUs at scale (issue 53)
     production = cfg.production_layout(layout) or layout  # what the exports launch (issue 43)
     step = result.metrics.step_time_s
-    made = projection(cfg, layout, step, winner.calibration) if step else None
+    made = projection(cfg, measured_on, step, winner.calibration) if step else None
     return {
         "rehearsal": f"{MODELLED}: {REHEARSAL_NOTE}" if rehearsal else False,
         "name": cfg.name,
@@ -58,19 +60,25 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
         "measured_run": {"phase": chosen_by.phase, "attempt": chosen_by.attempt},
         "measured_median_over_runs": {
             cfg.search.objective: statistics.median(winner.measured(cfg.search.objective)),
-            "runs": len(winner.runs),
+            "runs": len(winner.trial_runs),
         },
         "objective": {
             "name": objective_name(cfg),
             "production_gpus": production_gpus(cfg),
             "copies": copies(cfg, layout),
-            "median": winner.median(cfg),
-            # How much of the median run's production step is the estimator's, not measured (issue 53)
-            "measured_on_gpus": layout.world_size,
+            "median": winner.median(cfg),  # over its runs on the trial's GPUs, each projected
+            "figure": winner.figure(cfg),  # what chose it: its run at scale where it has one, else the median
+            # How much of the figure's production step is the estimator's, not measured (issue 53): none when the
+            # winner ran as the production run (search.confirm_at_scale)
+            "measured_on_gpus": measured_on.world_size,
+            "at_scale": None if winner.at_scale is None else {
+                "gpus": measured_on.world_size, "layout_string": measured_on.to_string(),
+                "attempt": chosen_by.attempt, "global_batch_size": measured_on.gbs},
             "projected_share": made.projected_share if made else None,
             "projected_step_s": made.projected_step_s if made else None,
             "projected_error": PROJECTED_STEP_ERROR,
-            "runs": [{"phase": r.phase, "attempt": r.attempt, "projected": v,
+            "runs": [{"phase": r.phase, "attempt": r.attempt, "gpus": Layout.from_dict(r.layout).world_size,
+                      "projected": v,
                       "measured": getattr(r.result.metrics, cfg.search.objective)}
                      for r, v in zip(winner.runs, winner.values(cfg), strict=True)],
         },

@@ -3,7 +3,9 @@ chosen among them (``choose``). What makes a run stable or a confirmation good i
 
 Trials whose layouts the production run runs alike (TP1-DP8 on 8 GPUs and TP1-DP16 on 16 are both TP1-DP1024 on
 1,024) are one candidate (issue 53): the trial of the largest W stands for it, since the less of its production step
-is projected (``objective.extra_step_s``), the more of it was measured."""
+is projected (``objective.extra_step_s``), the more of it was measured. A candidate that ran at scale
+(``search.confirm_at_scale``: its production layout itself on N GPUs, or the most copies the cluster held) has that
+run's measurement as its figure (``Candidate.figure``), what the choice compares."""
 
 from __future__ import annotations
 
@@ -33,29 +35,59 @@ class Candidate:
 
     @property
     def runs(self) -> list[TrialRecord]:
-        """The runs that measured it: the exploration, then its confirmations."""
+        """The runs that measured it: the exploration, then its confirmations (at scale too)."""
         return [self.explore, *self.confirmations]
 
+    @property
+    def trial_runs(self) -> list[TrialRecord]:
+        """The runs on the trial's own W GPUs: the exploration and its confirmations at that size."""
+        return [r for r in self.runs if run_gpus(r) == self.layout.world_size]
+
+    @property
+    def at_scale(self) -> TrialRecord | None:
+        """Its passed confirmation on more GPUs than the trial's, the largest (``search.confirm_at_scale``: the
+        production layout itself, or the largest data parallelism the cluster held), or None."""
+        larger = [r for r in self.confirmations if r.result.passed and run_gpus(r) > self.layout.world_size]
+        return max(larger, key=run_gpus, default=None)
+
     def measured(self, metric: str) -> list[float]:
-        """A metric as each run measured it (the trial's own size, not projected)."""
-        return [float(getattr(r.result.metrics, metric) or 0.0) for r in self.runs]
+        """A metric as each run on the trial's GPUs measured it (its own size, not projected)."""
+        return [float(getattr(r.result.metrics, metric) or 0.0) for r in self.trial_runs]
+
+    def value(self, run: TrialRecord, cfg: SweepConfig) -> float:
+        """The objective of one of its runs, projected from that run's own size to the production run."""
+        return objective_value(run.result, cfg, Layout.from_dict(run.layout), self.calibration)
 
     def values(self, cfg: SweepConfig) -> list[float]:
-        """The objective of each run: projected to the production run (``search.objective``)."""
-        return [objective_value(r.result, cfg, self.layout, self.calibration) for r in self.runs]
+        """The objective of each run (``runs``), projected to the production run (``search.objective``)."""
+        return [self.value(r, cfg) for r in self.runs]
 
     def median(self, cfg: SweepConfig) -> float:
-        """The median objective over its runs: what the choice compares."""
-        return statistics.median(self.values(cfg))
+        """The median objective over its runs on the trial's GPUs, each projected to the production run."""
+        return statistics.median(self.value(r, cfg) for r in self.trial_runs)
 
-    def median_run(self, cfg: SweepConfig) -> TrialRecord:
-        """The run whose objective is the median's (the lower middle one of an even count)."""
-        ranked = sorted(zip(self.values(cfg), range(len(self.runs))))
-        return self.runs[ranked[(len(ranked) - 1) // 2][1]]
+    def figure(self, cfg: SweepConfig) -> float:
+        """What the choice compares: its run at scale's objective where it has one (measured on the production
+        run's N GPUs, or the nearest the cluster held), else the median over its runs on the trial's GPUs."""
+        at_scale = self.at_scale
+        return self.value(at_scale, cfg) if at_scale is not None else self.median(cfg)
+
+    def figure_run(self, cfg: SweepConfig) -> TrialRecord:
+        """The run its figure is: the run at scale, else the one whose objective is the median of its runs on the
+        trial's GPUs (the lower middle one of an even count)."""
+        if self.at_scale is not None:
+            return self.at_scale
+        ranked = sorted((self.value(r, cfg), i) for i, r in enumerate(self.trial_runs))
+        return self.trial_runs[ranked[(len(ranked) - 1) // 2][1]]
 
     def confirmed(self, cfg: SweepConfig) -> bool:
         """It has confirmation runs and every one confirms (``verdicts.good_confirmation``)."""
         return bool(self.confirmations) and all(good_confirmation(r.result, cfg) for r in self.confirmations)
+
+
+def run_gpus(run: TrialRecord) -> int:
+    """The GPUs a run ran on (its own layout's: a confirmation at scale runs more than its trial)."""
+    return Layout.from_dict(run.layout).world_size
 
 
 def trials_without_improvement(records: list[TrialRecord], cfg: SweepConfig,
@@ -113,6 +145,6 @@ def confirm_attempts(records: list[TrialRecord], number: int) -> tuple[int, int]
 
 def choose(cands: list[Candidate], cfg: SweepConfig, confirmed_only: bool = True) -> Candidate | None:
     """The winner: among confirmed candidates (``Candidate.confirmed``; with ``confirmed_only`` off, every stable
-    candidate whose confirmations, if any, confirm), the best median objective."""
+    candidate whose confirmations, if any, confirm), the best figure (``Candidate.figure``)."""
     ok = [c for c in cands if c.confirmed(cfg) or (not confirmed_only and not c.confirmations)]
-    return max(ok, key=lambda c: c.median(cfg), default=None)
+    return max(ok, key=lambda c: c.figure(cfg), default=None)

@@ -1,17 +1,19 @@
 """The decision (issue 18): for the winner and the runners-up, what training the budget would take and why each
 layout is what it is.
 
-Throughput is the measured median over a layout's runs (exploration and confirmations, their minimum and maximum
-as the band) when the trials ran on the cluster's GPUs. A CPU sweep measured the CPU, not the GPUs the budget will
-run on: there the basis is the estimator's prediction for the configured cluster (calibrated when the sweep
-calibrated it), with the band ``estimate.throughput_low`` .. ``throughput_high`` (how far measured runs have lain
-from predictions). The production run puts ``N // W`` copies of the layout side by side (data parallel): its step
-is the measured step plus what the larger data parallelism costs, priced by the estimator under the sweep's
-calibration (``objective.Projection``). ``production`` says which part is measured (on the trial's W GPUs) and which
-projected (to the production run's N), and its band holds both: the runs' spread on the measured part and the
-estimator's held-out step-time error (``objective.PROJECTED_STEP_ERROR``) on the projected part (issue 53). A
-rehearsal's trials were modelled, not measured: its basis is "modelled" (issue 54), its figures the rehearsal's
-modelled runs.
+Throughput is the measured median over a layout's runs on its trial's GPUs (exploration and confirmations, their
+minimum and maximum as the band) when the trials ran on the cluster's GPUs; a layout that ran at scale
+(``search.confirm_at_scale``: its production layout on N GPUs, or the most copies the cluster held) has that run's
+measurement instead, none or less of its production step projected (issue 53). A CPU sweep measured the CPU, not the
+GPUs the budget will run on: there the basis is the estimator's prediction for the configured cluster (calibrated
+when the sweep calibrated it), with the band ``estimate.throughput_low`` .. ``throughput_high`` (how far measured
+runs have lain from predictions). The production run puts ``N // W`` copies of the layout side by side (data
+parallel): its step is the measured step plus what the larger data parallelism costs, priced by the estimator under
+the sweep's calibration (``objective.Projection``). ``production`` says which part is measured (on the W GPUs the
+figure ran on) and which projected (to the production run's N), and its band holds both: the runs' spread on the
+measured part and the estimator's held-out step-time error (``objective.PROJECTED_STEP_ERROR``) on the projected
+part (issue 53). A rehearsal's trials were modelled, not measured: its basis is "modelled" (issue 54), its figures
+the rehearsal's modelled runs.
 
 The "why" is one paragraph per layout: its predicted memory breakdown on the worst pipeline rank, the binding
 constraint (memory when the peak is close to the stability limit, else step time), and what it traded: the layout
@@ -64,12 +66,13 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     if winner is None and not cands:
         return None
     ranked = sorted((c for c in cands if winner is None or c.number != winner.number),
-                    key=lambda c: -c.median(cfg))
+                    key=lambda c: -c.figure(cfg))
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
     estimator = Estimator.for_config(cfg, calibration)
     predicted = [estimator(cand.layout) for cand in chosen]
     rates = [_throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
-    productions = [production(cfg, cand.layout, rate, calibration) for cand, rate in zip(chosen, rates, strict=True)]
+    productions = [production(cfg, _measured_layout(cand, cfg), rate, calibration)
+                   for cand, rate in zip(chosen, rates, strict=True)]
     lead = productions[0]["tokens_per_s"]
     layouts = []
     for rank, (cand, estimated, rate, made) in enumerate(zip(chosen, predicted, rates, productions, strict=True)):
@@ -91,14 +94,23 @@ def _measured_on_gpus(cand: Candidate) -> bool:
     return cand.explore.result.memory_kind == "device"
 
 
+def _measured_layout(cand: Candidate, cfg: SweepConfig) -> Layout:
+    """The layout its figure was measured on: its run at scale's (issue 53), else its trial's."""
+    at_scale = cand.at_scale
+    return Layout.from_dict(at_scale.layout) if at_scale is not None and _measured_on_gpus(cand) else cand.layout
+
+
 def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibration: Calibration | None,
                 rehearsal: bool) -> dict[str, Any]:
     if _measured_on_gpus(cand):  # a rehearsal models its runs on the cluster's GPUs: their figures, modelled
-        values = [v for v in cand.measured("tokens_per_s") if v > 0]
-        steps = [v for v in cand.measured("step_time_s") if v > 0]
+        at_scale = cand.at_scale  # its figure is that one run's, on more GPUs than its trial's
+        metrics = [at_scale.result.metrics] if at_scale is not None else [r.result.metrics for r in cand.trial_runs]
+        values = [m.tokens_per_s for m in metrics if m.tokens_per_s and m.tokens_per_s > 0]
+        steps = [m.step_time_s for m in metrics if m.step_time_s and m.step_time_s > 0]
         return {"basis": MODELLED if rehearsal else "measured", "median": statistics.median(values),
                 "low": min(values), "high": max(values), "runs": len(values),
-                "step_time_s": statistics.median(steps) if steps else None, "on_gpus": cand.layout.world_size}
+                "step_time_s": statistics.median(steps) if steps else None,
+                "on_gpus": _measured_layout(cand, cfg).world_size}
     predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
     return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
@@ -245,7 +257,7 @@ def _traded(cfg: SweepConfig, cand: Candidate, records: list[TrialRecord], own: 
                "a TP group across nodes)" if peak is not None else "it passed but was not stable")
     else:  # both on the production run, as the choice compares them
         n, unit = production_gpus(cfg), cfg.search.objective
-        measured, mine = objective_value(result, cfg, other, calibration), cand.median(cfg)
+        measured, mine = objective_value(result, cfg, other, calibration), cand.figure(cfg)
         if measured > mine:
             why = (f"it {measured_as} faster in exploration ({measured:,.0f} {unit} projected to {n} GPUs) but was "
                    "not confirmed (a confirmation failed, drifted or was not run)")

@@ -31,7 +31,7 @@ def space_params(cfg: SweepConfig) -> dict[str, Any]:
 def sweep_metrics(records: list[TrialRecord], winner: Candidate | None, cfg: SweepConfig,
                   scheduling_efficiency: float | None) -> dict[str, float]:
     """The winner's measured metrics under the child runs' names (so parent runs of several sweeps compare
-    column by column), its median objective over its runs, and the sweep's counts."""
+    column by column), its figure on the production run (``Candidate.figure``), and the sweep's counts."""
     explore = [r for r in records if r.phase == "explore"]
     out: dict[str, float] = {
         "trials_launched": float(len({r.number for r in explore if r.attempt >= 1})),
@@ -42,10 +42,10 @@ def sweep_metrics(records: list[TrialRecord], winner: Candidate | None, cfg: Swe
     if scheduling_efficiency is not None:
         out["scheduling_efficiency"] = scheduling_efficiency
     if winner is not None:
-        # The run whose objective is the median that chose the winner, not the exploration alone.
-        out.update({k: float(v) for k, v in vars(winner.median_run(cfg).result.metrics).items() if v is not None})
+        # The run whose figure chose the winner (its run at scale, else its median run), not the exploration alone.
+        out.update({k: float(v) for k, v in vars(winner.figure_run(cfg).result.metrics).items() if v is not None})
         out[f"{cfg.search.objective}_median"] = statistics.median(winner.measured(cfg.search.objective))
-        out[f"production_{cfg.search.objective}_median"] = winner.median(cfg)
+        out[f"production_{cfg.search.objective}"] = winner.figure(cfg)
         out["best_trial"] = float(winner.number)
     return out
 

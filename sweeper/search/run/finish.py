@@ -30,7 +30,7 @@ def finish(sweep: SweepState, status: str) -> int:
     meta.status, meta.ended_at = status, now()
     meta.best = None if winner is None else {
         "number": winner.number, "layout": winner.layout.short(),
-        sweep.cfg.search.objective: winner.median(sweep.cfg)}
+        sweep.cfg.search.objective: winner.figure(sweep.cfg)}
     meta.scheduling_efficiency = sweep.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
     meta.spent = sweep.spent()
     meta.stopped_early = sweep.halted or sweep.stopped_early
