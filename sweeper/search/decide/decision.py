@@ -68,7 +68,7 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
     estimator = Estimator.for_config(cfg, calibration)
     predicted = [estimator(cand.layout) for cand in chosen]
-    rates = [_throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
+    rates = [throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
     productions = [production(cfg, cand.layout, rate, calibration) for cand, rate in zip(chosen, rates, strict=True)]
     lead = productions[0]["tokens_per_s"]
     layouts = []
@@ -91,8 +91,10 @@ def _measured_on_gpus(cand: Candidate) -> bool:
     return cand.explore.result.memory_kind == "device"
 
 
-def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibration: Calibration | None,
-                rehearsal: bool) -> dict[str, Any]:
+def throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibration: Calibration | None,
+               rehearsal: bool) -> dict[str, Any]:
+    """A candidate's rate on its own W GPUs as the decision reports it: its runs' median and spread when they ran on
+    the cluster's GPUs (a rehearsal's modelled ones), else the estimator's prediction for the cluster's GPUs."""
     if _measured_on_gpus(cand):  # a rehearsal models its runs on the cluster's GPUs: their figures, modelled
         values = [v for v in cand.measured("tokens_per_s") if v > 0]
         steps = [v for v in cand.measured("step_time_s") if v > 0]
