@@ -400,7 +400,7 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     by_production: dict[Layout, Layout] = {}
     with without_cycle_collection():
-        for trial in sorted(enumerate_layouts(new), key=lambda lo: -lo.world_size):
+        for trial in sorted(enumerate_layouts(_largest_sizes(new)), key=lambda lo: -lo.world_size):
             if assess(new, trial, checker=checker, predict=False).reasons or trial.short() in unsupported:
                 continue
             layout = new.production_layout(trial)
@@ -443,6 +443,21 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
     counts = {"valid": len(by_production), "launched_not_stable": len(by_production) - len(layouts),
               "predicted": len(layouts), "over_memory": len(layouts) - len(fitting)}
     return rows, counts
+
+
+def _largest_sizes(cfg: SweepConfig) -> SweepConfig:
+    """``cfg`` with only the largest trial size of each production world size (W x N' // W): the trials of smaller
+    sizes run the same production layouts (a space of powers of two: 64 to 1,024 GPUs all make the 1,024-GPU run),
+    and a layout valid on fewer GPUs is valid on more that are a multiple of them; enumerating them all was most of
+    a 1,024-GPU space's replan. A trial suggested for a predicted layout is then of the largest size."""
+    largest: dict[int, int] = {}
+    for w in cfg.world_sizes:
+        world = w * cfg.copies(w)
+        if world:
+            largest[world] = max(largest.get(world, 0), w)
+    if not largest:
+        return cfg
+    return cfg.model_copy(update={"space": cfg.space.model_copy(update={"gpus": sorted(largest.values())})})
 
 
 def describe_moves(row: Row) -> str:
