@@ -1,4 +1,4 @@
-"""Command line: ``python -m sweeper {plan,trial,migrate,search,report,replan,doctor}`` per docs/ARCHITECTURE.md's contract.
+"""Command line: ``python -m sweeper {plan,trial,migrate,search,report,replan,doctor}`` per docs/ARCHITECTURE.md.
 
 User errors (bad YAML, bad layout strings, impossible clusters, missing files) exit 2 with one line on stderr
 and write nothing; a cluster that does not answer exits 1 with one line. Both are ``sweeper.errors.SweeperError``
@@ -64,6 +64,7 @@ example:
   sweeper plan quickstart                      # every layout, valid or not, with predicted memory
   sweeper trial quickstart --layout tp=2,ep=2  # one smoke run
   sweeper search quickstart                    # the sweep; the winner in sweeps/<name>/best_layout.yaml
+  sweeper replan sweeps/quickstart --gpus 8    # the finished sweep re-ranked for an 8-GPU production run
 
 exit codes: 0 done (search: a stable layout found), 1 failed (search: none stable; trial: the layout failed),
 2 bad input (one line naming the field), 130 interrupted.

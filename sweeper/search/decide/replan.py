@@ -259,7 +259,8 @@ def replan(folder: SweepFolder, gpus: int, top: int = TOP) -> Replan:
         return memo[layout]
 
     cands = candidates(folder.records, cfg, folder.calibration)
-    measured, refused = [], []
+    measured: list[Row] = []
+    refused: list[dict[str, Any]] = []
     for cand in cands:
         row, reason = _measured_row(folder, new, cand, checker, predict)
         if row is None:
@@ -275,7 +276,7 @@ def replan(folder: SweepFolder, gpus: int, top: int = TOP) -> Replan:
     winner = _choose(measured, cfg)
     predicted, unmeasured = _predicted_rows(folder, new, set(kept), predict, top)
     if not measured and not predicted:
-        reason = refused[0]["reason"] if refused else "no layout of the space is valid there"
+        reason = str(refused[0]["reason"]) if refused else "no layout of the space is valid there"
         raise UsageError(f"--gpus {gpus}: no layout of the sweep can run on {gpus} GPUs ({reason})")
     rows = sorted([*measured, *predicted], key=lambda r: -r.tokens_per_s)  # every measured one, the best predicted
     budget_tokens = cfg.budget.tokens if cfg.budget is not None else None
