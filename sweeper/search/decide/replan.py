@@ -40,6 +40,7 @@ from sweeper.record.sweepdir import SweepDir
 from sweeper.search.decide.candidates import Candidate, candidates
 from sweeper.search.decide.decision import SECONDS_PER_DAY, production, throughput
 from sweeper.search.decide.objective import PROJECTED_STEP_ERROR, copies, objective_value, projection
+from sweeper.search.decide.verdicts import is_stable
 from sweeper.space.layout import Layout
 
 # How the outputs name the step-time terms that move with the production run's size.
@@ -396,7 +397,8 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
                     top: int) -> tuple[list[Row], dict[str, int]]:
     """The best ``top`` production layouts at N' the sweep never measured, predicted through one term table."""
     cfg = folder.cfg
-    tried = {Layout.from_dict(r.layout) for r in folder.records if r.attempt >= 1 or r.result.status != "pruned"}
+    tried = {Layout.from_dict(r.layout) for r in folder.records
+             if r.phase == "explore" and r.result.status != "pruned" and not is_stable(r.result, cfg)}
     unsupported = {str(u.get("layout")) for u in (folder.meta.unsupported or []) if isinstance(u, dict)}
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     by_production: dict[Layout, Layout] = {}
@@ -408,8 +410,8 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
             if layout is None or layout in measured or layout in by_production:
                 continue
             by_production[layout] = trial
-        # A layout the sweep launched at any size and did not find stable is not a prediction to trust blindly:
-        # its trial's own outcome stands (the report says why); it is left out here.
+        # A layout the sweep launched and did not find stable (failed, over the memory limit) is not predicted
+        # again: its trial's outcome stands (the report says why).
         launched = {new.production_layout(replace(t, gbs=new.trial_global_batch(t.world_size))) for t in tried}
         layouts = [lo for lo in by_production if lo not in launched]
         estimator = Estimator.for_config(cfg, folder.calibration)
