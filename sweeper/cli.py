@@ -1,4 +1,4 @@
-"""Command line: ``python -m sweeper {plan,trial,migrate,search,report,doctor}`` per docs/ARCHITECTURE.md's contract.
+"""Command line: ``python -m sweeper {plan,trial,migrate,search,report,replan,doctor}`` per docs/ARCHITECTURE.md.
 
 User errors (bad YAML, bad layout strings, impossible clusters, missing files) exit 2 with one line on stderr
 and write nothing; a cluster that does not answer exits 1 with one line. Both are ``sweeper.errors.SweeperError``
@@ -64,6 +64,7 @@ example:
   sweeper plan quickstart                      # every layout, valid or not, with predicted memory
   sweeper trial quickstart --layout tp=2,ep=2  # one smoke run
   sweeper search quickstart                    # the sweep; the winner in sweeps/<name>/best_layout.yaml
+  sweeper replan sweeps/quickstart --gpus 8    # the finished sweep re-ranked for an 8-GPU production run
 
 exit codes: 0 done (search: a stable layout found), 1 failed (search: none stable; trial: the layout failed),
 2 bad input (one line naming the field), 130 interrupted.
@@ -165,6 +166,19 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="re-render the report of a sweep folder")
     report.add_argument("dir", type=Path, help="a sweep folder (sweeps/<name>/, or a search's --out)")
     report.set_defaults(func=cmd_report)
+
+    replan = sub.add_parser("replan", help="re-rank a finished sweep's layouts for a production run of another "
+                            "GPU count (the measured ones projected, the others predicted); writes nothing to it")
+    replan.add_argument("dir", type=Path, help="a finished sweep folder (sweeps/<name>/, or a search's --out)")
+    replan.add_argument("--gpus", type=int, help="N: the production run's GPUs (the same as --set budget.gpus=N)")
+    replan.add_argument("--json", action="store_true", help=JSON_HELP)
+    replan.add_argument("--out", type=Path, help="also write the replan to FILE: YAML for .yaml/.yml, else JSON "
+                        "(the --json object)")
+    replan.add_argument("--top", type=int, default=10, help="layouts shown in the table (default 10)")
+    replan.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a budget field of the sweep's YAML (repeatable): budget.gpus, budget.tokens, "
+                        "budget.gpu_hour_usd")
+    replan.set_defaults(func=cmd_replan)
 
     doctor = sub.add_parser("doctor", help="check every node of the cluster before any trial")
     doctor.add_argument("space", type=Path, help=SPACE_HELP)
@@ -362,6 +376,50 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = render_report(args.dir)
     print(path)
+    return EXIT_OK
+
+
+# -- replan -------------------------------------------------------------------------------------------------------
+def cmd_replan(args: argparse.Namespace) -> int:
+    if args.top < 1:
+        raise UsageError(f"--top: must be a positive integer, got {args.top}")
+    gpus, overrides = args.gpus, []
+    for item in args.set:  # budget.gpus is N itself; the other budget fields go over the sweep's YAML
+        name, _, value = item.partition("=")
+        if name.strip() != "budget.gpus":
+            overrides.append(item)
+            continue
+        try:
+            given = int(value)
+        except ValueError:
+            raise UsageError(f"--set {item}: budget.gpus must be an integer") from None
+        if gpus is not None and gpus != given:
+            raise UsageError(f"--set {item}: contradicts --gpus {gpus}")
+        gpus = given
+    if gpus is None:
+        raise UsageError("replan: --gpus N (or --set budget.gpus=N) is required")
+    if args.out is not None and not args.out.parent.is_dir():
+        raise UsageError(f"--out {args.out}: no such folder {args.out.parent}")
+    from sweeper.search.decide.replan import open_sweep, replan
+
+    result = replan(open_sweep(args.dir, overrides), gpus, top=args.top)
+    document = result.to_json()
+    if args.out is not None:
+        import yaml
+
+        from sweeper.config.files import write_atomic
+
+        text = (yaml.safe_dump(document, sort_keys=False, width=120) if args.out.suffix in (".yaml", ".yml")
+                else json.dumps(document, indent=2) + "\n")
+        write_atomic(args.out, text)
+    if args.json:
+        print(json.dumps(document))
+    else:
+        from sweeper.ui.views import print_replan
+
+        print_replan(result, top=args.top)
+        if args.out is not None:
+            print(f"written: {args.out}", file=sys.stderr)
     return EXIT_OK
 
 

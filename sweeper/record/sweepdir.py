@@ -22,6 +22,8 @@ from sweeper.record.schema import SweepMeta, TrialRecord
 # in DeepSeek-V3's 1,024-GPU space), rewritten whenever the verdicts change: one compact entry per line, through
 # json's C encoder (its indented one is pure Python, 0.5 s a write there).
 PER_LAYOUT = ("memory_pruned", "dominated", "unsupported")
+# space.yaml's header: one line per --set item the sweep was started with, applied over the YAML below it.
+SET_HEADER = "# applied over this file: --set "
 
 
 def meta_text(data: dict[str, Any]) -> str:
@@ -67,6 +69,11 @@ class SweepDir:
 
     def read_trials(self) -> list[TrialRecord]:
         return read_trials(self.trials)[0]
+
+    def space_overrides(self) -> list[str]:
+        """The ``--set`` items the sweep was started with (space.yaml's header)."""
+        text = self.space.read_text(encoding="utf-8") if self.space.is_file() else ""
+        return [line[len(SET_HEADER):] for line in text.splitlines() if line.startswith(SET_HEADER)]
 
     def read_meta(self) -> SweepMeta:
         """sweep.json; an empty one when it is missing or unreadable."""

@@ -18,7 +18,7 @@ from sweeper.errors import EXIT_FAILED, LayoutError, UsageError
 from sweeper.models.proxy import is_proxy
 from sweeper.record.lock import DriverLock
 from sweeper.record.schema import is_rehearsal
-from sweeper.record.sweepdir import SweepDir
+from sweeper.record.sweepdir import SET_HEADER, SweepDir
 from sweeper.search.console import console, quiet_libraries, sweep_log
 from sweeper.search.decide.summary import space_params
 from sweeper.search.run.sweep import SearchOptions, Sweep, now
@@ -53,7 +53,7 @@ def run_search(cfg: SweepConfig, options: SearchOptions) -> int:
                           cfg.tracking.connect_timeout_s, say=lambda line: console.print(line, important=True))
         sweep_dir.create()
         if options.space is not None and not options.resume:
-            header = "".join(f"# applied over this file: --set {item}\n" for item in options.overrides)
+            header = "".join(f"{SET_HEADER}{item}\n" for item in options.overrides)
             write_atomic(sweep_dir.space, header + options.space.read_text())
         with sweep_log(sweep_dir.root, options.verbosity, options.display):
             return _run(cfg, options, sweep_dir, tracker)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -13,6 +13,9 @@ from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
 from sweeper.search.decide.objective import predicted_objective, production_gpus
 from sweeper.space.layout import Layout
+
+if TYPE_CHECKING:
+    from sweeper.search.decide.replan import Replan
 
 console = Console()
 
@@ -160,3 +163,50 @@ def print_migration(migration: Any) -> None:
     for key, value in rows:
         table.add_row(key, str(value))
     console.print(table)
+
+
+def print_replan(plan: Replan, top: int = 10) -> None:
+    """``sweeper replan``: the layouts at N', best first (every measured one the choice may take, the best
+    predicted), what each figure is, and what changed from the sweep's N."""
+    from sweeper.search.decide.replan import calibration_line, describe_moves
+
+    folder, n = plan.folder, plan.gpus
+    kind = " [magenta](modelled: a rehearsal, not measured)[/]" if folder.rehearsal else ""
+    console.print(f"[bold]{folder.cfg.name}[/] replanned from {plan.original_gpus} to [bold]{n}[/] GPUs{kind}: "
+                  f"global batch {folder.cfg.training.global_batch_size}, priced with {calibration_line(folder)}")
+    shown = plan.rows[:top]
+    for extra in (plan.winner, plan.original):
+        if extra is not None and extra not in shown:
+            shown.append(extra)
+    days = folder.cfg.budget is not None
+    table = Table(title=f"layouts as a {n}-GPU production run runs them, best first (tokens/s on {n} GPUs)")
+    names = [r.layout.short() for r in shown]
+    table.add_column("layout on N GPUs", no_wrap=True, min_width=max((len(x) for x in names), default=6))
+    for col in ("trial", "figure", "micro-batches", f"tokens/s on {n}", "mem GiB", *(("days",) if days else ())):
+        table.add_column(col, justify="right", no_wrap=True)
+    table.add_column("what changed vs the sweep's winner / note")
+    lead = plan.original.tokens_per_s if plan.original is not None else None
+    for name, row in zip(names, shown, strict=True):
+        trial = "-" if row.number is None else f"#{row.number} on {row.trial.world_size}"
+        role = ("[green]choice[/] " if row is plan.winner else "") + ("sweep's winner " if row is plan.original
+                                                                      else "")
+        versus = f"{row.tokens_per_s / lead - 1:+.0%} vs the sweep's winner" if lead and row is not plan.original \
+            else ""
+        note = row.needs_trial and f"[yellow]needs a trial[/]: {row.needs_trial}"
+        text = "; ".join(x for x in (role.strip(), versus, describe_moves(row), *row.notes, note or "") if x)
+        figure = row.kind + ("" if row.number is None else (", confirmed" if row.confirmed else ", unconfirmed"))
+        table.add_row(name, trial, figure, str(row.microbatches), f"{row.tokens_per_s:,.0f}",
+                      f"{row.predicted.memory_gib:.1f}", *((_num(row.days, "{:.1f}"),) if days else ()), text)
+    # as print_plan: the table keeps its width where stdout is piped or narrow; the last column wraps
+    Console(width=max(console.width, _table_width(table, names) + 40), force_terminal=console.is_terminal,
+            no_color=console.no_color).print(table)
+    for refused in plan.refused:
+        console.print(f"[yellow]cannot run on {n} GPUs[/]: trial #{refused['number']} ({refused['gpus']} GPUs): "
+                      f"{refused['reason']}")
+    u = plan.unmeasured
+    console.print(f"never measured: {u['predicted']} valid production layouts predicted ({u['over_memory']} over the "
+                  f"memory limit), {u['launched_not_stable']} left out (the sweep launched them and they were not "
+                  f"stable); --json lists the rows shown")
+    colour = "yellow" if plan.winner_changed else "green"
+    console.print(f"[{colour}]{'the choice changes' if plan.winner_changed else 'the choice stays'}[/]: {plan.why}")
+    console.print(f"replanned in {plan.seconds:.2f} s; nothing was written to {folder.root}")

@@ -70,8 +70,8 @@ def decision(cfg: SweepConfig, cands: list[Candidate], winner: Candidate | None,
     chosen = ([winner] if winner is not None else []) + ranked[: RUNNERS_UP + (winner is None)]
     estimator = Estimator.for_config(cfg, calibration)
     predicted = [estimator(cand.layout) for cand in chosen]
-    rates = [_throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
-    productions = [production(cfg, _measured_layout(cand, cfg), rate, calibration)
+    rates = [throughput(cfg, cand, p, calibration, rehearsal) for cand, p in zip(chosen, predicted, strict=True)]
+    productions = [production(cfg, measured_layout(cand), rate, calibration)
                    for cand, rate in zip(chosen, rates, strict=True)]
     lead = productions[0]["tokens_per_s"]
     layouts = []
@@ -94,14 +94,17 @@ def _measured_on_gpus(cand: Candidate) -> bool:
     return cand.explore.result.memory_kind == "device"
 
 
-def _measured_layout(cand: Candidate, cfg: SweepConfig) -> Layout:
+def measured_layout(cand: Candidate) -> Layout:
     """The layout its figure was measured on: its run at scale's (issue 53), else its trial's."""
     at_scale = cand.at_scale
     return Layout.from_dict(at_scale.layout) if at_scale is not None and _measured_on_gpus(cand) else cand.layout
 
 
-def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibration: Calibration | None,
-                rehearsal: bool) -> dict[str, Any]:
+def throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibration: Calibration | None,
+               rehearsal: bool) -> dict[str, Any]:
+    """A candidate's rate as the decision reports it, on the GPUs its figure ran on (``measured_layout``: its
+    trial's W, or its run at scale's): its runs' median and spread when they ran on the cluster's GPUs (a
+    rehearsal's modelled ones), else the estimator's prediction for the cluster's GPUs."""
     if _measured_on_gpus(cand):  # a rehearsal models its runs on the cluster's GPUs: their figures, modelled
         at_scale = cand.at_scale  # its figure is that one run's, on more GPUs than its trial's
         metrics = [at_scale.result.metrics] if at_scale is not None else [r.result.metrics for r in cand.trial_runs]
@@ -110,7 +113,7 @@ def _throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibrat
         return {"basis": MODELLED if rehearsal else "measured", "median": statistics.median(values),
                 "low": min(values), "high": max(values), "runs": len(values),
                 "step_time_s": statistics.median(steps) if steps else None,
-                "on_gpus": _measured_layout(cand, cfg).world_size}
+                "on_gpus": measured_layout(cand).world_size}
     predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
     return {"basis": basis, "median": predicted, "low": predicted * cfg.estimate.throughput_low,
