@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -39,7 +40,14 @@ def test_the_quickstart_sweeps_on_warm_cpu_ranks_with_a_cuda_torch(tmp_path: Pat
     records = [json.loads(line) for line in (tmp_path / "sweep" / "trials.jsonl").read_text().splitlines()]
     seen = [(r["number"], r["phase"], r["result"]["status"], r["result"].get("failure_kind"), r["result"].get("notes"),
              (r["result"].get("error") or "")[:600]) for r in records]
-    assert records and all(r["result"]["status"] == "passed" for r in records), seen
+    # Every trial ends passed. An attempt lost to the machine (infra: on a cold CI machine a warm rank importing a
+    # CUDA torch for the first time can outlast its start-up) is retried and says so; one that blames the CUDA build
+    # (NVML, the driver: the defect this test guards) fails it.
+    last = {(r["number"], r["phase"]): r["result"]["status"] for r in records}
+    assert records and set(last.values()) == {"passed"}, seen
+    lost = [r["result"] for r in records if r["result"]["status"] != "passed"]
+    assert all(r["failure_kind"] == "infra" and not re.search(r"nvml|cuda driver|no cuda gpus", r["error"] or "", re.I)
+               for r in lost), seen
     assert {r["result"]["backend"] for r in records} == {"megatron-core-cpu"}, seen
 
 
