@@ -1,4 +1,5 @@
-"""The default proposer (issue 54): the calibrated estimator's order, with a share of exploration where the fit is unsure.
+"""The default proposer (issue 54): the calibrated estimator's order, with a share of exploring turns where the fit is
+unsure.
 
 Every proposal is the untried launchable layout with the best objective as the sweep's step-time model predicts it
 (``refit.predicted_objective``: the estimator's terms, refitted after every measured trial by ``estimate.step_fit``),
@@ -61,7 +62,7 @@ class Ranked:
         if bar <= 0:
             return None
         spread: dict[Layout, float] = {}
-        for lo in untried:  # the spread only where the prediction leaves the layout a chance (it costs a solve each)
+        for lo in untried:
             if predicted[lo] > 0:
                 sd = self.model.log_sd(lo)
                 if math.log(predicted[lo]) + OPTIMISM * sd >= math.log(bar):
