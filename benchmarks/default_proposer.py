@@ -5,9 +5,9 @@ in one run.
 Proposers (each sweeper's LayoutStudy, replayed as ``search_efficiency.run_study`` replays a sweep: dominance, each
 trial told one of its layout's runs):
   ranked     the default (``sampler: auto`` on a space the budget does not cover; ``search.propose.ranked``): the
-             step-time model's order, refitted after every measured trial, EXPLORATION of the turns to the layout the
-             fit is least sure of
-  ranked-0   the same without exploration
+             step-time model's order, refitted after every measured trial, EXPLORATION of the turns (none: see
+             docs/benchmarks.md) to the layout the fit is least sure of
+  ranked+explore  the same with EXPLORING (every fourth turn) exploring
   prior      the estimator's own order, never refitted (the first guess alone)
   grid       the launchable layouts in the space's grid order (``sampler: grid``)
   tpe+refit  TPE with the refit model's greedy turns after two measured trials, opening with the estimator's two
@@ -54,7 +54,9 @@ from sweeper.config.load import load_config  # noqa: E402
 from sweeper.config.schema import SweepConfig  # noqa: E402
 from sweeper.search.propose.ranked import EXPLORATION  # noqa: E402
 
-PROPOSERS = {"ranked": ("ranked", EXPLORATION), "ranked-0": ("ranked", 0.0), "prior": ("prior", 0.0),
+# The share of exploring turns "ranked+explore" gives (every fourth turn), against the default's EXPLORATION.
+EXPLORING = 0.25
+PROPOSERS = {"ranked": ("ranked", EXPLORATION), "ranked+explore": ("ranked", EXPLORING), "prior": ("prior", 0.0),
              "grid": ("ordered", 0.0), "tpe+refit": ("tpe+refit", 0.0)}
 
 
@@ -78,7 +80,7 @@ def compare(name: str, cfg: SweepConfig, landscape: Callable[[int], Landscape], 
     print(f"{name}: {n} launchable, {land.kind} (the last replay's); target within {100 * max(0.03, land.noise):.1f}% "
           f"({time.perf_counter() - t0:.0f} s)")
     for k, v in counts.items():
-        print(f"  {k:9s} median {statistics.median(v):5.1f}  p90 {p90(v):5.1f}  at the limit {capped[k]:2d}  "
+        print(f"  {k:14s} median {statistics.median(v):5.1f}  p90 {p90(v):5.1f}  at the limit {capped[k]:2d}  "
               f"per seed {v}")
     pairs = list(zip(counts["ranked"], counts["prior"], strict=True))
     row["ranked_vs_prior"] = [sum(a < b for a, b in pairs), sum(a == b for a, b in pairs), sum(a > b for a, b in pairs)]

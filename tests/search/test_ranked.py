@@ -129,18 +129,18 @@ def test_a_resumed_ranked_study_keeps_its_turns_and_proposes_nothing_taken(fitte
     explores, as it would have), and proposes no layout the sweep already decided."""
     cfg, model, untried = fitted
     journal = tmp_path / "journal.log"
-    first = LayoutStudy(cfg, journal, "ranked", 0, untried, Ranked(cfg, model))
+    first = LayoutStudy(cfg, journal, "ranked", 0, untried, Ranked(cfg, model, exploration=0.25))
     decided: list[Layout] = []
     for _ in range(3):
         proposal = first.propose(decided.__contains__)
         assert proposal is not None and proposal.trial.user_attrs[PROPOSED_BY] == ORDER
         decided.append(proposal.layout)
         first.tell(proposal.trial, 1.0, infeasible=False)
-    again = LayoutStudy(cfg, journal, "ranked", 0, untried, Ranked(cfg, model))
+    again = LayoutStudy(cfg, journal, "ranked", 0, untried, Ranked(cfg, model, exploration=0.25))
     proposal = again.propose(decided.__contains__)
     assert proposal is not None and proposal.layout not in decided
     assert proposal.trial.user_attrs[PROPOSED_BY] == EXPLORE
-    assert Ranked(cfg, model)([lo for lo in untried if lo not in decided], 3) == (proposal.layout, EXPLORE)
+    assert Ranked(cfg, model, 0.25)([lo for lo in untried if lo not in decided], 3) == (proposal.layout, EXPLORE)
     assert len(again.study.trials) == 4
 
 
