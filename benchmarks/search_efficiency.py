@@ -21,6 +21,8 @@ opens without it). Strategies, each sweeper's LayoutStudy:
             a remaining launchable layout is declined (told to Optuna, not launched) and the nearest one proposed
   random  - uniformly random launchable layouts, without repetition
   grid    - launchable layouts in enumeration order (``sampler: grid``)
+  ranked  - the default since issue 54 (``search.propose.ranked``): the refit model's order from the first trial
+            (benchmarks/default_proposer.py compares it on rehearsed landscapes too)
 Prints, per strategy, the median over seeds of launched trials to reach 97% of the best and that as a share of
 the launchable layouts, and the TPE / random ratio. Goal (issue 5): best within 3% after <= 15% of the layouts.
 
@@ -231,16 +233,18 @@ def main() -> None:
 
     grid = run_study(cfg, land, target, 0, "ordered")
     cores = table["machine"]["cores"] if args.landscape else None
-    randoms, tpes, refits = [], [], []
+    randoms, tpes, refits, rankeds = [], [], [], []
     for seed in range(args.seeds):
+        rankeds.append(run_study(cfg, land, target, seed, "ranked", cores))  # the default since issue 54
         randoms.append(run_study(cfg, land, target, seed, "random"))
         tpes.append(run_study(cfg, land, target, seed, "tpe"))
         refits.append(run_study(cfg, land, target, seed, "tpe+refit", cores))
     tpe, rnd = statistics.median(o.launched for o in tpes), statistics.median(o.launched for o in randoms)
     ref = statistics.median(o.launched for o in refits)
-    rows = [("tpe+refit", ref), ("tpe", tpe), ("random", rnd), ("grid", grid.launched)]
+    rows = [("ranked", statistics.median(o.launched for o in rankeds)), ("tpe+refit", ref), ("tpe", tpe),
+            ("random", rnd), ("grid", grid.launched)]
     for name, count in rows:
-        print(f"{name:7s} median trials to the target: {count:6.1f}  ({100 * count / n:5.1f}% of launchable)")
+        print(f"{name:9s} median trials to the target: {count:6.1f}  ({100 * count / n:5.1f}% of launchable)")
     print(f"ratio tpe+refit/random: {ref / rnd:.2f} (goal <= 0.4); tpe/random: {tpe / rnd:.2f}; tpe+refit per seed: "
           f"{[o.launched for o in refits]}; tpe per seed: {[o.launched for o in tpes]}; random per seed: "
           f"{[o.launched for o in randoms]}")
