@@ -21,6 +21,8 @@ opens without it). Strategies, each sweeper's LayoutStudy:
             a remaining launchable layout is declined (told to Optuna, not launched) and the nearest one proposed
   random  - uniformly random launchable layouts, without repetition
   grid    - launchable layouts in enumeration order (``sampler: grid``)
+  ranked  - the default since issue 54 (``search.propose.ranked``): the refit model's order from the first trial
+            (benchmarks/default_proposer.py compares it on rehearsed landscapes too)
 Prints, per strategy, the median over seeds of launched trials to reach 97% of the best and that as a share of
 the launchable layouts, and the TPE / random ratio. Goal (issue 5): best within 3% after <= 15% of the layouts.
 
@@ -57,6 +59,7 @@ from sweeper.record.schema import TrialMetrics, TrialResult  # noqa: E402
 from sweeper.search.decide.objective import objective_name, objective_value, predicted_objective  # noqa: E402
 from sweeper.search.decide.verdicts import is_stable  # noqa: E402
 from sweeper.search.propose.dominance import Dominance  # noqa: E402
+from sweeper.search.propose.ranked import EXPLORATION, Ranked  # noqa: E402
 from sweeper.search.propose.refit import ACQUISITION, Acquisition, turn  # noqa: E402
 from sweeper.search.propose.study import LayoutStudy  # noqa: E402
 from sweeper.search.run.explore import prior_proposals  # noqa: E402
@@ -135,20 +138,33 @@ class Outcome:
     asks: int  # Optuna asks those proposals cost
     declined: int  # TPE draws not launched (infeasible or duplicate), told to Optuna without a launch
     order: list[tuple[Layout, bool]] = field(default_factory=list)  # each launched layout and whether it ran stable
+    reached: bool = True  # False: stopped at the launch limit before reaching the target
 
 
 def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode: str,
-              host_cores: int | None = None, acquisition: Acquisition = ACQUISITION) -> Outcome:
+              host_cores: int | None = None, acquisition: Acquisition = ACQUISITION,
+              exploration: float = EXPLORATION, limit: int | None = None) -> Outcome:
     """sweeper's LayoutStudy proposing among the launchable layouts (in enumeration order), as a sweep does.
     ``tpe+refit``: TPE with the sweep's refit step-time model (``search.propose.refit``) choosing its turns by
-    ``acquisition``."""
+    ``acquisition`` (``sampler: tpe``). ``ranked``: the default proposer (``search.propose.ranked``), the step-time
+    model refitted after every measured trial, ``exploration`` its share of exploring turns. ``prior``: the
+    estimator's own order, never refitted (a ranked study whose model is told nothing). ``limit``: stop after that
+    many launches even short of the target (``launched`` is then ``limit``, and ``reached`` False)."""
     rng = random.Random(seed)
     refit = None
-    if mode == "tpe+refit":
+    chooser = None
+    if mode in ("tpe+refit", "ranked", "prior"):
         refit = StepModel(Estimator.for_config(cfg, host_cores=host_cores))
+    if mode == "tpe+refit":
         mode = "tpe"
+    elif mode in ("ranked", "prior"):
+        chooser = Ranked(cfg, refit, exploration if mode == "ranked" else 0.0)  # type: ignore[arg-type]
+        if mode == "prior":
+            refit = None  # never told a trial: the estimator's order throughout
+        mode = "ranked"
     with tempfile.TemporaryDirectory() as tmp:
-        study = LayoutStudy(cfg, Path(tmp) / "journal.log", mode, seed, list(land.samples))  # type: ignore[arg-type]
+        study = LayoutStudy(cfg, Path(tmp) / "journal.log", mode, seed, list(land.samples),  # type: ignore[arg-type]
+                            chooser)
         if mode == "tpe":
             for layout in prior(cfg, land):
                 study.enqueue(layout)
@@ -175,11 +191,14 @@ def run_study(cfg: SweepConfig, land: Landscape, target: float, seed: int, mode:
             if refit is not None:
                 if land.trials and passed and result.metrics.step_time_s:
                     refit.add(layout, result.metrics.step_time_s)
-                choice = turn(refit, cfg, [lo for lo in land.samples if not taken(lo)], acquisition)
-                if choice is not None:
-                    study.enqueue(choice)
+                if chooser is None:
+                    choice = turn(refit, cfg, [lo for lo in land.samples if not taken(lo)], acquisition)
+                    if choice is not None:
+                        study.enqueue(choice)
             if land.value(layout) >= target:
                 break
+            if limit is not None and len(seen) >= limit:
+                return Outcome(len(seen), study.counts.asks, 0, order, reached=False)
         counts = study.counts
         return Outcome(len(seen), counts.asks, counts.infeasible + counts.duplicates, order)
 
@@ -214,16 +233,18 @@ def main() -> None:
 
     grid = run_study(cfg, land, target, 0, "ordered")
     cores = table["machine"]["cores"] if args.landscape else None
-    randoms, tpes, refits = [], [], []
+    randoms, tpes, refits, rankeds = [], [], [], []
     for seed in range(args.seeds):
+        rankeds.append(run_study(cfg, land, target, seed, "ranked", cores))  # the default since issue 54
         randoms.append(run_study(cfg, land, target, seed, "random"))
         tpes.append(run_study(cfg, land, target, seed, "tpe"))
         refits.append(run_study(cfg, land, target, seed, "tpe+refit", cores))
     tpe, rnd = statistics.median(o.launched for o in tpes), statistics.median(o.launched for o in randoms)
     ref = statistics.median(o.launched for o in refits)
-    rows = [("tpe+refit", ref), ("tpe", tpe), ("random", rnd), ("grid", grid.launched)]
+    rows = [("ranked", statistics.median(o.launched for o in rankeds)), ("tpe+refit", ref), ("tpe", tpe),
+            ("random", rnd), ("grid", grid.launched)]
     for name, count in rows:
-        print(f"{name:7s} median trials to the target: {count:6.1f}  ({100 * count / n:5.1f}% of launchable)")
+        print(f"{name:9s} median trials to the target: {count:6.1f}  ({100 * count / n:5.1f}% of launchable)")
     print(f"ratio tpe+refit/random: {ref / rnd:.2f} (goal <= 0.4); tpe/random: {tpe / rnd:.2f}; tpe+refit per seed: "
           f"{[o.launched for o in refits]}; tpe per seed: {[o.launched for o in tpes]}; random per seed: "
           f"{[o.launched for o in randoms]}")

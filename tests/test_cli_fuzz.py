@@ -206,7 +206,7 @@ BAD.update({
     "bool_list": _bad_list(st.one_of(st.integers(), st.floats(), text, st.none()), st.booleans()),
     "objective": st.one_of(text.filter(lambda t: t not in ("tokens_per_s", "tflops_per_gpu")), st.integers(),
                            st.none()),
-    "sampler": st.one_of(text.filter(lambda t: t not in ("auto", "grid", "tpe", "random")), st.integers(), st.none()),
+    "sampler": st.one_of(text.filter(lambda t: t not in ("auto", "ranked", "grid", "tpe", "random")), st.integers(), st.none()),
 })
 
 BAD["seeds"] = st.deferred(lambda: st.one_of(  # deferred: bad_assignments (--layout strings) is defined below

@@ -229,8 +229,10 @@ class SearchConfig(_Strict):
     memory_headroom: float = Field(0.10, ge=0.0, lt=1.0)
     """Share of each GPU's memory a stable layout leaves free (its peak stays under (1 - headroom) x
     cluster.gpu_memory_gib)."""
-    sampler: Literal["auto", "grid", "tpe", "random"] = "auto"
-    """Optuna's sampler; auto: every launchable layout when the budget covers them all, else TPE."""
+    sampler: Literal["auto", "ranked", "grid", "tpe", "random"] = "auto"
+    """How layouts are proposed; auto: every launchable layout when the budget covers them all, else ranked (the
+    calibrated estimator's order, refitted after every measured trial, with a share of exploring turns; issue 54);
+    tpe: Optuna's TPE with the refit model's turns (the default before issue 54)."""
     seed: int = 0
     """The sampler's seed."""
     seeds: list[str] = []

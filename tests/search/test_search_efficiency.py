@@ -25,7 +25,7 @@ def dense() -> tuple:
     return cfg, bench.measured_landscape(table, cfg)
 
 
-@pytest.mark.parametrize("mode", ["tpe", "random", "ordered"])
+@pytest.mark.parametrize("mode", ["tpe", "random", "ordered", "ranked"])
 def test_a_replay_never_launches_a_recompute_variant_of_a_layout_that_ran_stable(dense: tuple, mode: str) -> None:
     cfg, land = dense
     assert any(lo.recompute != "none" for lo in land.samples), "the dense landscape has a recompute axis"

@@ -7,6 +7,9 @@ there is no reason to let a sampler spend asks on the rest. How the next candida
   ordered - the next one in the given order (``sampler: grid``: the space's grid order; a space the budget
             covers: the sweep's packing order)
   random  - uniformly among the remaining candidates
+  ranked  - the one a ``Chooser`` names among the remaining candidates (``sampler: auto``'s default, issue 54:
+            ``search.propose.ranked``, the calibrated estimator's order with a share of exploration); the trial's
+            user attribute ``proposed_by`` says why it was chosen
   tpe     - multivariate TPE with the constant liar over the axes; a draw that is not a remaining candidate is
             told to Optuna (see ``_decline``) and replaced by the nearest remaining candidate, so each proposal
             costs at most two asks
@@ -42,7 +45,12 @@ PARAM: dict[str, str] = {axis: AXIS[axis].param for axis in AXES}
 PARAMS: frozenset[str] = frozenset(PARAM.values())
 # Optuna >= 5 constraint (Trial.set_constraint): > 0 infeasible (rule, predicted or measured OOM), <= 0 feasible.
 CONSTRAINT = "infeasible"
-Mode = Literal["ordered", "random", "tpe"]
+# A ranked proposal's user attribute: why the chooser named it (search.propose.ranked: "order" or "exploration").
+PROPOSED_BY = "proposed_by"
+Mode = Literal["ordered", "random", "ranked", "tpe"]
+# A ranked study's choice: (the remaining candidates, in the study's order; how many ranked choices the study made
+# before, a resumed one's included) -> (the layout, why it was chosen).
+Chooser = Callable[[Sequence[Layout], int], tuple[Layout, str]]
 
 
 @dataclass
@@ -61,16 +69,20 @@ class AskCounts:
 
 
 class LayoutStudy:
-    def __init__(self, cfg: SweepConfig, journal: Path, mode: Mode, seed: int, candidates: Sequence[Layout]) -> None:
+    def __init__(self, cfg: SweepConfig, journal: Path, mode: Mode, seed: int, candidates: Sequence[Layout],
+                 chooser: Chooser | None = None) -> None:
+        if (mode == "ranked") != (chooser is not None):
+            raise ValueError(f"a chooser is what a ranked study proposes by, and only a ranked one (mode {mode!r})")
         self.cfg = cfg
         self.mode = mode
+        self.chooser = chooser
         storage = JournalStorage(_journal_backend(journal))
         if mode == "tpe":
             sampler: optuna.samplers.BaseSampler = optuna.samplers.TPESampler(
                 seed=seed, multivariate=True, group=True, constant_liar=True, n_startup_trials=5
             )
         else:
-            # Every ordered or random proposal is an enqueued trial with all its params fixed, so the sampler is
+            # Every ordered, random or ranked proposal is an enqueued trial with all its params fixed, so the sampler is
             # never asked for a value; RandomSampler is the inert placeholder Optuna requires.
             sampler = optuna.samplers.RandomSampler(seed=seed)
         self.study = optuna.create_study(
@@ -131,6 +143,12 @@ class LayoutStudy:
             target = self._nearest(proposal.layout, left)
         elif self.mode == "random":
             target = self.rng.choice(left)
+        elif self.chooser is not None:
+            target, why = self.chooser(left, self._ranked_turns())
+            self.study.enqueue_trial(self.params_of(target))
+            proposal = self._ask()
+            proposal.trial.set_user_attr(PROPOSED_BY, why)
+            return proposal
         else:
             target = left[0]
         self.study.enqueue_trial(self.params_of(target))
@@ -168,6 +186,10 @@ class LayoutStudy:
         return out
 
     # -- internals -------------------------------------------------------------------------------------------------
+    def _ranked_turns(self) -> int:
+        """Ranked choices made so far, by this driver or one before it (the journal keeps their ``proposed_by``)."""
+        return sum(1 for t in self.study.get_trials(deepcopy=False) if PROPOSED_BY in t.user_attrs)
+
     def _ask(self) -> Proposal:
         trial = self.study.ask()
         self.counts.asks += 1

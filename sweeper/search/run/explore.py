@@ -89,7 +89,9 @@ def seed_queue(sweep: SweepState) -> None:
 
 def enqueue_probe(sweep: SweepState) -> None:
     """TPE mode: queue the launchable layout inside the error band with the lowest predicted memory, one at a
-    time, so that what the estimator cannot decide is measured (and calibrates it) early."""
+    time, so that what the estimator cannot decide is measured (and calibrates it) early. A ranked study (the
+    default) has no probe: its every proposal is its order's, and a layout in the band runs when its turn comes
+    (one that runs out of memory is memory evidence against the layouts it bounds)."""
     if sweep.study.mode != "tpe" or sweep.probe is not None:
         return
     band = [e for e in sweep.frontier.launchable if e.uncertain and not sweep.frontier.taken(e.layout)]

@@ -36,6 +36,7 @@ from sweeper.search.decide.verdicts import (
 )
 from sweeper.search.progress import Progress
 from sweeper.search.propose.frontier import Frontier, layout_key
+from sweeper.search.propose.ranked import Ranked
 from sweeper.search.propose.study import LayoutStudy, Mode
 from sweeper.search.run.capacity import CapacityWait
 from sweeper.search.run.faults import Injection, injection_for
@@ -118,8 +119,11 @@ class SweepState:
                 console.print(f"[red]space[/] no layout of the space can run: {count} of {len(self.frontier.assessed)}"
                               f" are refused because {reason} (sweeper plan lists every reason)", important=True)
         self.exhaustive = len(self.frontier.launchable) <= self.max_trials or cfg.search.sampler == "grid"
-        mode: Mode = "ordered" if self.exhaustive else "random" if cfg.search.sampler == "random" else "tpe"
-        self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self.frontier.order())
+        # auto and ranked: the calibrated estimator's order with exploration (search.propose.ranked, issue 54).
+        mode: Mode = ("ordered" if self.exhaustive else "random" if cfg.search.sampler == "random"
+                      else "tpe" if cfg.search.sampler == "tpe" else "ranked")
+        chooser = Ranked(cfg, self.calibrator.step) if mode == "ranked" else None
+        self.study = LayoutStudy(cfg, self.dir.journal, mode, cfg.search.seed, self.frontier.order(), chooser)
         self.reference: str | None = None  # the equivalence gate's reference checkpoint (set by run.reference)
         # The reference layout's trajectory per batch a confirmation is held against (run.reference.ensure_trajectory;
         # None: it could not be made, the confirmation is not held).

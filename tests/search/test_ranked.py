@@ -1,0 +1,152 @@
+"""The default proposer (search.propose.ranked, issue 54): the calibrated estimator's order, a share of exploring turns
+to the layout the fit is least sure of, and a ranked study that resumes where its journal left it.
+
+No trial runs here: the loops STAND IN for the sweep, telling the step-time model a synthetic measured step."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from sweeper.config.load import load_config
+from sweeper.config.schema import SweepConfig
+from sweeper.estimate import Estimator
+from sweeper.estimate.calibrator import Calibrator, Measured
+from sweeper.estimate.step_fit import StepModel
+from sweeper.plan.assess import assess_all
+from sweeper.plan.space import enumerate_layouts
+from sweeper.record.schema import TrialMetrics, TrialResult
+from sweeper.record.sweepdir import SweepDir
+from sweeper.search.propose.frontier import Frontier
+from sweeper.search.propose.ranked import EXPLORE, OPTIMISM, ORDER, Ranked, explores
+from sweeper.search.propose.refit import predicted_objective
+from sweeper.search.propose.study import PROPOSED_BY, LayoutStudy
+from sweeper.space.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
+QUICKSTART = ROOT / "search_spaces" / "quickstart.yaml"
+NEMOTRON = ROOT / "search_spaces" / "nemotron.yaml"  # a GPU cluster: the frontier ranks by the step model's pricing
+
+
+class _EverythingSupported:
+    """Stand-in for the trial host (the frontier asks it only whether a layout can run here): every layout can."""
+
+    def unsupported(self, model: object, layout: object) -> None:
+        return None
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SWEEPER_CACHE", str(tmp_path / "cache"))  # no stored calibration of the user's
+
+
+def launchable(cfg: SweepConfig) -> list[Layout]:
+    return [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.launchable]
+
+
+def test_explores_spreads_its_share_evenly() -> None:
+    assert [k for k in range(12) if explores(k, 0.25)] == [3, 7, 11]
+    assert not any(explores(k, 0.0) for k in range(100))
+    assert all(explores(k, 1.0) for k in range(10))
+
+
+def test_without_exploration_a_ranked_study_visits_the_frontiers_order_and_follows_its_refit(tmp_path: Path) -> None:
+    """Exploration 0: each proposal is the frontier's best predicted untried layout, before a trial is measured (the
+    estimator's own order) and after measured trials recalibrated it (the frontier re-ranked, the model refitted)."""
+    cfg = load_config(NEMOTRON)
+    calibrator = Calibrator(cfg, tmp_path, shared=False)
+    frontier = Frontier(cfg, _EverythingSupported(), calibrator, SweepDir(tmp_path), [],  # type: ignore[arg-type]
+                        lambda layout: False)
+    study = LayoutStudy(cfg, tmp_path / "journal.log", "ranked", 0, [e.layout for e in frontier.launchable],
+                        Ranked(cfg, calibrator.step, exploration=0.0))
+    order = [e.layout for e in frontier.launchable]
+    seen: list[Layout] = []
+    for _ in range(4):  # nothing measured: the estimator's order
+        proposal = study.propose(seen.__contains__)
+        assert proposal is not None and proposal.trial.user_attrs[PROPOSED_BY] == ORDER
+        seen.append(proposal.layout)
+        study.tell(proposal.trial, 1.0, infeasible=False)
+    assert seen == order[:4]
+    # The first four measured at 1.3, 0.9, 1.6 and 1.1 times their predicted step: the level and a term refitted.
+    for number, (layout, off) in enumerate(zip(seen, (1.3, 0.9, 1.6, 1.1), strict=True), 1):
+        step = off * calibrator.step.step_time_s(layout)
+        update = calibrator.add(layout, Measured(passed=True, step_time_s=step), number)
+        frontier.decide(layout)
+        frontier.learn(number, layout, TrialResult(status="passed", metrics=TrialMetrics(step_time_s=step)),
+                       update.changed)
+    assert calibrator.step.factors(), "a term was fitted on its own: the refit can change the order"
+    rest = [e.layout for e in frontier.launchable if not frontier.taken(e.layout)]
+    study.set_candidates(rest)
+    for _ in range(4):
+        proposal = study.propose(lambda lo: frontier.taken(lo) or lo in seen)
+        assert proposal is not None
+        seen.append(proposal.layout)
+        study.tell(proposal.trial, 1.0, infeasible=False)
+    assert seen[4:] == rest[:4]
+
+
+@pytest.fixture(scope="module")
+def fitted() -> tuple[SweepConfig, StepModel, list[Layout]]:
+    """The quickstart's step model on a simulated cluster after three measured trials, and the untried layouts."""
+    cfg = load_config(QUICKSTART)
+    model = StepModel(Estimator.for_config(cfg, host_cores=2))
+    layouts = launchable(cfg)
+    for layout, off in zip(layouts[:3], (1.5, 0.8, 2.5), strict=True):
+        model.add(layout, off * model.step_time_s(layout))
+    return cfg, model, layouts[3:]
+
+
+def test_an_exploring_turn_picks_the_layout_the_fit_is_least_sure_of(fitted: tuple) -> None:
+    cfg, model, untried = fitted
+    predicted = {lo: predicted_objective(model, lo, cfg) for lo in untried}
+    best = max(untried, key=predicted.__getitem__)
+    bar = math.log(max([*predicted.values(), *(predicted_objective(model, lo, cfg) for lo in model.layouts)]))
+    hopeful = {lo: model.log_sd(lo) for lo in untried
+               if math.log(predicted[lo]) + OPTIMISM * model.log_sd(lo) >= bar}
+    widest = max(hopeful, key=hopeful.__getitem__)
+    assert widest != best and hopeful[widest] > model.log_sd(best)  # the quickstart's fit does leave a doubt
+    ranked = Ranked(cfg, model, exploration=0.25)
+    assert ranked(untried, 2) == (best, ORDER)  # not an exploring turn
+    assert ranked(untried, 3) == (widest, EXPLORE)
+    assert Ranked(cfg, model, exploration=0.0)(untried, 3) == (best, ORDER)
+    # A layout that could not reach the best predicted even at OPTIMISM sds is never explored, however unsure.
+    hopeless = [lo for lo in untried if lo not in hopeful]
+    assert hopeless and ranked([best, *hopeless], 3) == (best, ORDER)
+
+
+def test_nothing_measured_leaves_nothing_to_explore() -> None:
+    cfg = load_config(QUICKSTART)
+    model = StepModel(Estimator.for_config(cfg, host_cores=2))
+    layouts = launchable(cfg)
+    best = max(layouts, key=lambda lo: predicted_objective(model, lo, cfg))
+    assert Ranked(cfg, model, exploration=1.0)(layouts, 0) == (best, ORDER)
+
+
+def test_a_resumed_ranked_study_keeps_its_turns_and_proposes_nothing_taken(fitted: tuple, tmp_path: Path) -> None:
+    """A driver killed after three ranked proposals: the resumed study counts them from the journal (its fourth turn
+    explores, as it would have), and proposes no layout the sweep already decided."""
+    cfg, model, untried = fitted
+    journal = tmp_path / "journal.log"
+    first = LayoutStudy(cfg, journal, "ranked", 0, untried, Ranked(cfg, model, exploration=0.25))
+    decided: list[Layout] = []
+    for _ in range(3):
+        proposal = first.propose(decided.__contains__)
+        assert proposal is not None and proposal.trial.user_attrs[PROPOSED_BY] == ORDER
+        decided.append(proposal.layout)
+        first.tell(proposal.trial, 1.0, infeasible=False)
+    again = LayoutStudy(cfg, journal, "ranked", 0, untried, Ranked(cfg, model, exploration=0.25))
+    proposal = again.propose(decided.__contains__)
+    assert proposal is not None and proposal.layout not in decided
+    assert proposal.trial.user_attrs[PROPOSED_BY] == EXPLORE
+    assert Ranked(cfg, model, 0.25)([lo for lo in untried if lo not in decided], 3) == (proposal.layout, EXPLORE)
+    assert len(again.study.trials) == 4
+
+
+def test_a_ranked_study_needs_its_chooser_and_only_it_does(tmp_path: Path) -> None:
+    cfg = load_config(QUICKSTART)
+    with pytest.raises(ValueError, match="chooser"):
+        LayoutStudy(cfg, tmp_path / "a.log", "ranked", 0, [])
+    with pytest.raises(ValueError, match="chooser"):
+        LayoutStudy(cfg, tmp_path / "b.log", "tpe", 0, [], Ranked(cfg, StepModel(Estimator.for_config(cfg))))
