@@ -14,6 +14,7 @@ from sweeper.config.schema import SweepConfig, layout_from_string
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates, choose
+from sweeper.search.decide.decision import decision
 from sweeper.search.decide.verdicts import step_time_drift
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,6 +143,13 @@ def test_a_run_at_scale_is_the_figure_and_a_failure_at_scale_does_not_win(tmp_pa
     assert doc["objective"]["figure"] == 1500.0 and doc["objective"]["measured_on_gpus"] == 4
     assert doc["objective"]["at_scale"]["gpus"] == 4 and doc["measured_run"] == {"phase": "confirm", "attempt": 2}
     assert doc["objective"]["projected_share"] == 0.0
+    made = decision(cfg, list(cands.values()), first, records)
+    assert made is not None
+    entry = made["layouts"][0]
+    assert entry["production"]["basis"] == "measured on the production run's 4 GPUs"
+    assert entry["production"]["projected_share"] == 0.0 and entry["production"]["tokens_per_s"] == 1500.0
+    # one run at scale: banded by the spread its 2-GPU runs showed around their median (880 and 900)
+    assert entry["production"]["low"] == 1500.0 * 880 / 890 and entry["production"]["high"] == 1500.0 * 900 / 890
     # A failure at scale (the layout's) un-confirms it, whatever its trial-size runs measured.
     records[4] = TrialRecord(1, at_scale.to_dict(), result(0.0, passed=False), phase="confirm", attempt=2)
     first = next(c for c in candidates(records, cfg) if c.number == 1)

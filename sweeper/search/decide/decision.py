@@ -104,15 +104,20 @@ def throughput(cfg: SweepConfig, cand: Candidate, estimated: Estimate, calibrati
                rehearsal: bool) -> dict[str, Any]:
     """A candidate's rate as the decision reports it, on the GPUs its figure ran on (``measured_layout``: its
     trial's W, or its run at scale's): its runs' median and spread when they ran on the cluster's GPUs (a
-    rehearsal's modelled ones), else the estimator's prediction for the cluster's GPUs."""
+    rehearsal's modelled ones), else the estimator's prediction for the cluster's GPUs. A run at scale is one run:
+    its band is the spread its runs on the trial's GPUs showed around their median (``runs``: 1)."""
     if _measured_on_gpus(cand):  # a rehearsal models its runs on the cluster's GPUs: their figures, modelled
+        trial = [r.result.metrics for r in cand.trial_runs]
+        values = [m.tokens_per_s for m in trial if m.tokens_per_s and m.tokens_per_s > 0]
+        steps = [m.step_time_s for m in trial if m.step_time_s and m.step_time_s > 0]
+        median, low, high = statistics.median(values), min(values), max(values)
         at_scale = cand.at_scale  # its figure is that one run's, on more GPUs than its trial's
-        metrics = [at_scale.result.metrics] if at_scale is not None else [r.result.metrics for r in cand.trial_runs]
-        values = [m.tokens_per_s for m in metrics if m.tokens_per_s and m.tokens_per_s > 0]
-        steps = [m.step_time_s for m in metrics if m.step_time_s and m.step_time_s > 0]
-        return {"basis": MODELLED if rehearsal else "measured", "median": statistics.median(values),
-                "low": min(values), "high": max(values), "runs": len(values),
-                "step_time_s": statistics.median(steps) if steps else None,
+        tokens = at_scale and at_scale.result.metrics.tokens_per_s
+        if at_scale is not None and tokens:
+            median, low, high = tokens, tokens * low / median, tokens * high / median
+            values, steps = [tokens], [at_scale.result.metrics.step_time_s or 0.0]
+        return {"basis": MODELLED if rehearsal else "measured", "median": median, "low": low, "high": high,
+                "runs": len(values), "step_time_s": statistics.median(steps) if any(steps) else None,
                 "on_gpus": measured_layout(cand).world_size}
     predicted = estimated.tokens_per_s or 0.0
     basis = "predicted (calibrated)" if calibration is not None and calibration.samples else "predicted"
