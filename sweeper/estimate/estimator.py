@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from operator import attrgetter
 from typing import Any, Concatenate, ParamSpec
 
@@ -92,7 +93,7 @@ class Estimate:
         fragmentation, and ``non_torch``: the CUDA context and NCCL buffers outside torch), as users compare them
         with their own torch.cuda figures."""
         parts = {k: round(v, 3) for k, v in self.breakdown.items() if k not in _NOT_GIB}
-        allocated = sum(v for k, v in self.breakdown.items() if k not in _NOT_GIB + ("fragmentation", "non_torch"))
+        allocated = sum(v for k, v in self.breakdown.items() if k not in _NOT_ALLOCATED)
         return {
             "memory_gib": round(self.memory_gib, 3),
             "allocated_gib": round(allocated, 3),
@@ -108,6 +109,7 @@ class Estimate:
 
 # Breakdown entries that are not sizes: which pipeline rank is the worst one, its micro-batches in flight.
 _NOT_GIB = ("pipeline_rank", "in_flight_microbatches")
+_NOT_ALLOCATED = (*_NOT_GIB, "fragmentation", "non_torch")  # and the parts outside allocated memory
 
 
 def _nccl_groups(layout: Layout) -> int:
@@ -161,16 +163,19 @@ class StageMemory:
     in_flight_microbatches: float
     params: StageParams  # the parameters this rank holds
     layer_activation_bytes: float = 0.0  # one decoder layer's activations per micro-batch (what offload moves)
-    # Weights, grads and optimizer state: made once, kept for the whole run.
-    state_gib: float = field(init=False, repr=False, compare=False)
-    # What the peak holds beyond the state: forward/backward's activations, transients and logits, or the optimizer
-    # step's grad copies, whichever is larger.
-    dynamic_gib: float = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        # Computed once here: ``estimate`` reads both several times for every stage of every layout of a space.
-        object.__setattr__(self, "state_gib", sum(self.parts[k] for k in STATE_KEYS))
-        object.__setattr__(self, "dynamic_gib", dynamic_gib(self.parts))
+    # Cached: ``estimate`` reads both several times for every stage of every layout of a space; the term table, which
+    # sums the parts itself over a whole space, never (issue 54).
+    @cached_property
+    def state_gib(self) -> float:
+        """Weights, grads and optimizer state: made once, kept for the whole run."""
+        return sum(self.parts[k] for k in STATE_KEYS)
+
+    @cached_property
+    def dynamic_gib(self) -> float:
+        """What the peak holds beyond the state: forward/backward's activations, transients and logits, or the
+        optimizer step's grad copies, whichever is larger."""
+        return dynamic_gib(self.parts)
 
     @property
     def between_steps_gib(self) -> float:

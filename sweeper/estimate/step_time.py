@@ -280,8 +280,9 @@ class StepTerms:
     def per_step(self, factors: Callable[[str], float] = lambda _: 1.0) -> dict[str, float]:
         """Seconds per step of each term (the bubble as its own term; zero terms left out): they sum to
         ``seconds(factors)``."""
-        out = {t: factors(t) * s * self.microbatches for t, s in self.stage.items()}
-        out[PP_BUBBLE] = factors(PP_BUBBLE) * self.bubble_slots * sum(factors(t) * s for t, s in self.stage.items())
+        stage = {t: factors(t) * s for t, s in self.stage.items()}
+        out = {t: s * self.microbatches for t, s in stage.items()}
+        out[PP_BUBBLE] = factors(PP_BUBBLE) * self.bubble_slots * sum(stage.values())
         out.update({t: factors(t) * s for t, s in self.step.items()})
         return {t: s for t, s in out.items() if s > 0}
 

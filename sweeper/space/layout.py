@@ -8,6 +8,8 @@ Megatron-LM command-line flags and to Megatron-Bridge overrides.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from operator import attrgetter
 from typing import Any, Literal
@@ -209,11 +211,15 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         """The contract's JSON layout object (plus the fields it needs to be rebuilt)."""
         out: dict[str, Any] = dict(zip(_DICT_KEYS, _dict_values(self)))
-        if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
-            out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
-                       pipeline_layout=self.pipeline_layout)
+        if self.writes_pipeline_keys:
+            out.update(zip(_PIPELINE_KEYS, _pipeline_values(self)))
         out.update(self._knobs())
         return out
+
+    @property
+    def writes_pipeline_keys(self) -> bool:
+        """``to_dict`` writes the pipeline-split options beside the uneven stage sizes (one of them is set)."""
+        return bool(self.account_for_embedding or self.account_for_loss or self.pipeline_layout)
 
     def _knobs(self) -> dict[str, Any]:
         """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
@@ -446,6 +452,40 @@ _DICT_KEYS: tuple[str, ...] = (*CONTRACT_KEYS, "gpus", "distributed_optimizer", 
                                "last_stage_layers")
 _dict_values = attrgetter(*CONTRACT_KEYS, "world_size", "distributed_optimizer", "first_stage_layers",
                           "last_stage_layers")
+# to_dict's keys for the pipeline-split options, written when one is set (``writes_pipeline_keys``).
+_PIPELINE_KEYS: tuple[str, ...] = ("account_for_embedding", "account_for_loss", "pipeline_layout")
+_pipeline_values = attrgetter(*_PIPELINE_KEYS)
+
+
+def layouts_json(layouts: Sequence[Layout]) -> list[str]:
+    """Each layout's ``to_dict`` as ``json.dumps`` spells it, for the many layouts of a plan at once: the layouts
+    that write the same keys (most of a space: no knob set) are encoded column by column, each distinct value of a
+    key once, instead of a dict and an encoder pass per layout (issue 54: 200k layouts in a DeepSeek-V3 plan)."""
+    out = [""] * len(layouts)
+    by_keys: dict[bool, list[int]] = {False: [], True: []}  # by writes_pipeline_keys: the layouts without knobs
+    for i, lo in enumerate(layouts):
+        if _knob_values(lo) == _KNOB_DEFAULT_VALUES:
+            by_keys[lo.writes_pipeline_keys].append(i)
+        else:
+            out[i] = json.dumps(lo.to_dict())
+    for pipeline, indices in by_keys.items():
+        if not indices:
+            continue
+        keys = (*_DICT_KEYS, *_PIPELINE_KEYS) if pipeline else _DICT_KEYS
+        rows = ([_dict_values(layouts[i]) + _pipeline_values(layouts[i]) for i in indices] if pipeline
+                else [_dict_values(layouts[i]) for i in indices])
+        template = "{" + ", ".join(f"{json.dumps(k)}: %s" for k in keys) + "}"
+        for i, text in zip(indices, map(template.__mod__, zip(*map(_encoded, zip(*rows)))), strict=True):
+            out[i] = text
+    return out
+
+
+def _encoded(column: Sequence[Any]) -> list[str]:
+    """Each value's JSON text, encoded once per distinct value (a column of one key holds a handful)."""
+    if len(set(map(type, column))) > 1:  # a dict would take True for 1: encode each value (never so in a plan)
+        return [json.dumps(v) for v in column]
+    text = {v: json.dumps(v) for v in set(column)}
+    return list(map(text.__getitem__, column))
 
 _PARSED = {a.name: a for a in PARSED}
 
