@@ -20,23 +20,18 @@ import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from operator import itemgetter
 
 import numpy as np
 
 from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, STEP_KEYS, Calibration
-from sweeper.estimate.estimator import Estimate, Estimator, non_torch_gib
+from sweeper.estimate.estimator import PARTS, Estimate, Estimator, non_torch_gib
 from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
 from sweeper.space.layout import Layout
 
-# The memory parts in ``_combine_stages``'s order (a breakdown's keys keep it), the model state's first.
-PARTS = ("weights", "grads", "optimizer", "fp8_weights", "workspaces", "grad_copies", "activations", "transient",
-         "logits")
 _STATE_COLS = [PARTS.index(k) for k in STATE_KEYS]
 _DYNAMIC_COLS = [PARTS.index(k) for k in DYNAMIC_KEYS]
 _STEP_COLS = [PARTS.index(k) for k in STEP_KEYS]
 _SCALED_BY_STATE = frozenset((*STATE_KEYS, *STEP_KEYS))  # the rest scale with the activation factor
-_part_values = itemgetter(*PARTS)
 
 
 def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
@@ -130,13 +125,12 @@ class TermTable:
         terms: list[StepTerms] = []
         for i, lo in enumerate(layouts):
             first.append(len(rows))
-            stages, step = estimator.terms(lo)
+            parts, flight, step = estimator.terms(lo)
             terms.append(step)
-            for r, stage in enumerate(stages):
-                rows.append(_part_values(stage.parts))
-                in_flight.append(stage.in_flight_microbatches)
-                rank.append(r)
-                owner.append(i)
+            rows += parts
+            in_flight += flight
+            rank += range(len(parts))
+            owner += [i] * len(parts)
         stage_names, stage_matrix = _terms_matrix([t.stage for t in terms])
         step_names, step_matrix = _terms_matrix([t.step for t in terms])
         constants = estimator.constants
