@@ -481,11 +481,16 @@ def layouts_json(layouts: Sequence[Layout]) -> list[str]:
 
 
 def _encoded(column: Sequence[Any]) -> list[str]:
-    """Each value's JSON text, encoded once per distinct value (a column of one key holds a handful)."""
-    if len(set(map(type, column))) > 1:  # a dict would take True for 1: encode each value (never so in a plan)
-        return [json.dumps(v) for v in column]
-    text = {v: json.dumps(v) for v in set(column)}
-    return list(map(text.__getitem__, column))
+    """Each value's JSON text. Numbers, booleans and None in one ``json.dumps`` of the column, split (their texts
+    hold no ", "); strings once per distinct value (a column of one key holds a handful)."""
+    distinct = set(column)  # would take True for 1: only strings are looked up in it
+    if not any(isinstance(v, str) for v in distinct):
+        return json.dumps(list(column))[1:-1].split(", ") if column else []
+    if all(isinstance(v, str) for v in distinct):
+        text = {v: json.dumps(v) for v in distinct}
+        return list(map(text.__getitem__, column))
+    return [json.dumps(v) for v in column]
+
 
 _PARSED = {a.name: a for a in PARSED}
 
