@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from operator import attrgetter
+from itertools import compress
+from operator import add, attrgetter, not_
 from typing import Any, Literal
 
 from sweeper.errors import LayoutError
@@ -219,7 +220,7 @@ class Layout:
     @property
     def writes_pipeline_keys(self) -> bool:
         """``to_dict`` writes the pipeline-split options beside the uneven stage sizes (one of them is set)."""
-        return bool(self.account_for_embedding or self.account_for_loss or self.pipeline_layout)
+        return any(_pipeline_values(self))
 
     def _knobs(self) -> dict[str, Any]:
         """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
@@ -462,18 +463,18 @@ def layouts_json(layouts: Sequence[Layout]) -> list[str]:
     that write the same keys (most of a space: no knob set) are encoded column by column, each distinct value of a
     key once, instead of a dict and an encoder pass per layout (issue 54: 200k layouts in a DeepSeek-V3 plan)."""
     out = [""] * len(layouts)
-    by_keys: dict[bool, list[int]] = {False: [], True: []}  # by writes_pipeline_keys: the layouts without knobs
-    for i, lo in enumerate(layouts):
-        if _knob_values(lo) == _KNOB_DEFAULT_VALUES:
-            by_keys[lo.writes_pipeline_keys].append(i)
-        else:
-            out[i] = json.dumps(lo.to_dict())
-    for pipeline, indices in by_keys.items():
+    plain = list(map(_KNOB_DEFAULT_VALUES.__eq__, map(_knob_values, layouts)))  # no knob set
+    pipeline = list(map(any, map(_pipeline_values, layouts)))  # writes_pipeline_keys
+    for i in compress(range(len(layouts)), map(not_, plain)):
+        out[i] = json.dumps(layouts[i].to_dict())
+    for written in (False, True):
+        indices = [i for i, (p, w) in enumerate(zip(plain, pipeline)) if p and w == written]
         if not indices:
             continue
-        keys = (*_DICT_KEYS, *_PIPELINE_KEYS) if pipeline else _DICT_KEYS
-        rows = ([_dict_values(layouts[i]) + _pipeline_values(layouts[i]) for i in indices] if pipeline
-                else [_dict_values(layouts[i]) for i in indices])
+        keys = (*_DICT_KEYS, *_PIPELINE_KEYS) if written else _DICT_KEYS
+        chosen = list(map(layouts.__getitem__, indices))
+        rows = (list(map(add, map(_dict_values, chosen), map(_pipeline_values, chosen))) if written
+                else list(map(_dict_values, chosen)))
         template = "{" + ", ".join(f"{json.dumps(k)}: %s" for k in keys) + "}"
         for i, text in zip(indices, map(template.__mod__, zip(*map(_encoded, zip(*rows)))), strict=True):
             out[i] = text
