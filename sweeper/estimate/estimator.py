@@ -266,6 +266,7 @@ class _Stages:
         self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
         self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
         self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+        self._stage_activations: dict[tuple, dict[tuple, StageActivations]] = {}  # stage_activations' stages by shape
         # Under this calibration's factors: the state parts by states key; the dynamic ones (``_dynamic_rows``) by
         # activations key, micro-batches, A2A overlap and offload. Layouts of other world sizes share both halves.
         self._state_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
@@ -292,7 +293,9 @@ class _Stages:
         if kept is None:
             shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration,
                                       self.run.recipe(lo.precision, self.compute_capability))
-            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
+            stages = self._stage_activations.setdefault(shape_axes, {})
+            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split,
+                                                                          constants, stages)
         shape, acts = kept
         params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
         params = self._params.get(params_key)
@@ -321,7 +324,7 @@ class _Stages:
         other = _Stages(self.model, self.seq_length, self.constants, calibration, self.compute_capability, self.run)
         other._params, other._states = self._params, self._states
         if _hot_rank(self.calibration) == _hot_rank(calibration):
-            other._activations = self._activations
+            other._activations, other._stage_activations = self._activations, self._stage_activations
         return other
 
 
@@ -373,6 +376,10 @@ def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[S
     return tuple(out)
 
 
+# A layout's blocks' step-time terms (block_seconds) and the pipeline stages made of them (slowest_stage's stages).
+_Blocks = tuple[dict[Block, dict[str, float]], dict[tuple, tuple[dict[str, float], float]]]
+
+
 class Estimator:
     """``estimate`` for the many layouts of one model, cluster and settings (a space): stage memory through one
     ``_Stages`` (its memos serve every layout), step time through the module's caches."""
@@ -402,7 +409,8 @@ class Estimator:
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
         self._links: dict[tuple, Links]  # by the sizes that set each group's span
-        self._blocks: dict[tuple, dict[Block, dict[str, float]]]  # block_seconds, by the fields it reads
+        # block_seconds and slowest_stage's stages of those blocks (its ``stages``), by the fields block_seconds reads
+        self._blocks: dict[tuple, _Blocks]
         self._slowest: dict[tuple, dict[str, float]]  # slowest_stage, by the fields it reads
         if kept is None:
             self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
@@ -437,8 +445,7 @@ class Estimator:
         """The MoE hot-rank factor this estimator's activations would be sized with under ``calibration``."""
         return effective_hot_rank(self.constants, calibration)
 
-    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, dict[Block, dict[str, float]]],
-                             dict[tuple, dict[str, float]]]:
+    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, _Blocks], dict[tuple, dict[str, float]]]:
         """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms."""
         return self._stages, self._links, self._blocks, self._slowest
 
@@ -522,11 +529,10 @@ class Estimator:
         stage_key = (*block_key, lo.pp, vpp, _split_fields(lo))
         slowest = self._slowest.get(stage_key)
         if slowest is None:
-            per_block = self._blocks.get(block_key)
-            if per_block is None:
-                per_block = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants)
-            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants,
-                                                               per_block)
+            blocks = self._blocks.get(block_key)
+            if blocks is None:
+                blocks = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants), {}
+            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants, *blocks)
         terms = step_time(model, inputs, self._device, links, tuple(p.dense for p in params),
                           tuple(p.expert for p in params), constants, slowest)
         if self.host_cores and lo.world_size > self.host_cores:
