@@ -19,9 +19,8 @@ from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
 from sweeper.space.layout import Layout
 
-# The contract's ``predicted`` of an entry without a prediction (an invalid layout): every field null.
-NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None,
-                 "memory_band_gib": None, "may_fit": None, "step_time_terms_s": None}
+_NO_PREDICTION = {"memory_gib": None, "fits": None, "step_time_s": None, "tokens_per_s": None,
+                  "memory_band_gib": None, "may_fit": None, "step_time_terms_s": None}
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class PlanEntry:
         return self.launchable and self.predicted is not None and self.predicted.uncertain
 
     def to_json(self) -> dict[str, Any]:
-        predicted = self.predicted.to_json() if self.predicted else NO_PREDICTION.copy()
+        predicted = self.predicted.to_json() if self.predicted else _NO_PREDICTION.copy()
         return {"layout": self.layout.to_dict(), "valid": not self.reasons, "reasons": self.reasons,
                 "predicted": predicted}
 

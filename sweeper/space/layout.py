@@ -8,11 +8,8 @@ Megatron-LM command-line flags and to Megatron-Bridge overrides.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from itertools import compress
-from operator import add, attrgetter, not_
+from operator import attrgetter
 from typing import Any, Literal
 
 from sweeper.errors import LayoutError
@@ -212,15 +209,11 @@ class Layout:
     def to_dict(self) -> dict[str, Any]:
         """The contract's JSON layout object (plus the fields it needs to be rebuilt)."""
         out: dict[str, Any] = dict(zip(_DICT_KEYS, _dict_values(self)))
-        if self.writes_pipeline_keys:
-            out.update(zip(_PIPELINE_KEYS, _pipeline_values(self)))
+        if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
+            out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
+                       pipeline_layout=self.pipeline_layout)
         out.update(self._knobs())
         return out
-
-    @property
-    def writes_pipeline_keys(self) -> bool:
-        """``to_dict`` writes the pipeline-split options beside the uneven stage sizes (one of them is set)."""
-        return any(_pipeline_values(self))
 
     def _knobs(self) -> dict[str, Any]:
         """The issue-18 knobs that differ from their defaults, under their axis keys (the defaults are left out, so
@@ -453,45 +446,6 @@ _DICT_KEYS: tuple[str, ...] = (*CONTRACT_KEYS, "gpus", "distributed_optimizer", 
                                "last_stage_layers")
 _dict_values = attrgetter(*CONTRACT_KEYS, "world_size", "distributed_optimizer", "first_stage_layers",
                           "last_stage_layers")
-# to_dict's keys for the pipeline-split options, written when one is set (``writes_pipeline_keys``).
-_PIPELINE_KEYS: tuple[str, ...] = ("account_for_embedding", "account_for_loss", "pipeline_layout")
-_pipeline_values = attrgetter(*_PIPELINE_KEYS)
-
-
-def layouts_json(layouts: Sequence[Layout]) -> list[str]:
-    """Each layout's ``to_dict`` as ``json.dumps`` spells it, for the many layouts of a plan at once: the layouts
-    that write the same keys (most of a space: no knob set) are encoded column by column, each distinct value of a
-    key once, instead of a dict and an encoder pass per layout (issue 54: 200k layouts in a DeepSeek-V3 plan)."""
-    out = [""] * len(layouts)
-    plain = list(map(_KNOB_DEFAULT_VALUES.__eq__, map(_knob_values, layouts)))  # no knob set
-    pipeline = list(map(any, map(_pipeline_values, layouts)))  # writes_pipeline_keys
-    for i in compress(range(len(layouts)), map(not_, plain)):
-        out[i] = json.dumps(layouts[i].to_dict())
-    for written in (False, True):
-        indices = [i for i, (p, w) in enumerate(zip(plain, pipeline)) if p and w == written]
-        if not indices:
-            continue
-        keys = (*_DICT_KEYS, *_PIPELINE_KEYS) if written else _DICT_KEYS
-        chosen = list(map(layouts.__getitem__, indices))
-        rows = (list(map(add, map(_dict_values, chosen), map(_pipeline_values, chosen))) if written
-                else list(map(_dict_values, chosen)))
-        template = "{" + ", ".join(f"{json.dumps(k)}: %s" for k in keys) + "}"
-        for i, text in zip(indices, map(template.__mod__, zip(*map(_encoded, zip(*rows)))), strict=True):
-            out[i] = text
-    return out
-
-
-def _encoded(column: Sequence[Any]) -> list[str]:
-    """Each value's JSON text. Numbers, booleans and None in one ``json.dumps`` of the column, split (their texts
-    hold no ", "); strings once per distinct value (a column of one key holds a handful)."""
-    distinct = set(column)  # would take True for 1: only strings are looked up in it
-    if not any(isinstance(v, str) for v in distinct):
-        return json.dumps(list(column))[1:-1].split(", ") if column else []
-    if all(isinstance(v, str) for v in distinct):
-        text = {v: json.dumps(v) for v in distinct}
-        return list(map(text.__getitem__, column))
-    return [json.dumps(v) for v in column]
-
 
 _PARSED = {a.name: a for a in PARSED}
 
