@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import repeat
 from operator import attrgetter
 from typing import Any, Concatenate, ParamSpec
 
@@ -91,23 +93,31 @@ class Estimate:
         show; ``memory_breakdown_gib`` the worst rank's components (its allocated parts, the allocator's
         fragmentation, and ``non_torch``: the CUDA context and NCCL buffers outside torch), as users compare them
         with their own torch.cuda figures."""
-        parts = {k: round(v, 3) for k, v in self.breakdown.items() if k not in _NOT_GIB}
-        allocated = sum(v for k, v in self.breakdown.items() if k not in _NOT_GIB + ("fragmentation", "non_torch"))
+        # The rounding as map(round, ...) over whole lists: a plan writes this for every valid layout (issue 54).
+        sizes = [k for k in self.breakdown if k not in _NOT_GIB]
+        values = [self.breakdown[k] for k in sizes]
+        allocated = sum(v for k, v in zip(sizes, values) if k not in _NOT_ALLOCATED)
+        terms = self.step_time_terms_s
         return {
             "memory_gib": round(self.memory_gib, 3),
             "allocated_gib": round(allocated, 3),
-            "memory_breakdown_gib": parts,
+            "memory_breakdown_gib": dict(zip(sizes, map(round, values, repeat(3)))),
             "fits": self.fits,
             "step_time_s": None if self.step_time_s is None else round(self.step_time_s, 4),
-            "step_time_terms_s": {k: round(v, 6) for k, v in self.step_time_terms_s.items()},
+            "step_time_terms_s": dict(zip(terms, map(round, terms.values(), repeat(6)))),
             "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
-            "memory_band_gib": [round(x, 3) for x in self.memory_band_gib],
+            "memory_band_gib": list(map(round, self.memory_band_gib, repeat(3))),
             "may_fit": self.may_fit,
         }
 
 
+# The memory parts of a stage, in the order a breakdown lists them: the model state's first (``_state_rows``), then
+# forward/backward's (``_dynamic_rows``).
+PARTS = ("weights", "grads", "optimizer", "fp8_weights", "workspaces", "grad_copies", "activations", "transient",
+         "logits")
 # Breakdown entries that are not sizes: which pipeline rank is the worst one, its micro-batches in flight.
 _NOT_GIB = ("pipeline_rank", "in_flight_microbatches")
+_NOT_ALLOCATED = (*_NOT_GIB, "fragmentation", "non_torch")  # and the parts outside allocated memory
 
 
 def _nccl_groups(layout: Layout) -> int:
@@ -161,16 +171,19 @@ class StageMemory:
     in_flight_microbatches: float
     params: StageParams  # the parameters this rank holds
     layer_activation_bytes: float = 0.0  # one decoder layer's activations per micro-batch (what offload moves)
-    # Weights, grads and optimizer state: made once, kept for the whole run.
-    state_gib: float = field(init=False, repr=False, compare=False)
-    # What the peak holds beyond the state: forward/backward's activations, transients and logits, or the optimizer
-    # step's grad copies, whichever is larger.
-    dynamic_gib: float = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        # Computed once here: ``estimate`` reads both several times for every stage of every layout of a space.
-        object.__setattr__(self, "state_gib", sum(self.parts[k] for k in STATE_KEYS))
-        object.__setattr__(self, "dynamic_gib", dynamic_gib(self.parts))
+    # Cached: ``estimate`` reads both several times for every stage of every layout of a space; the term table, which
+    # sums the parts itself over a whole space, never (issue 54).
+    @cached_property
+    def state_gib(self) -> float:
+        """Weights, grads and optimizer state: made once, kept for the whole run."""
+        return sum(self.parts[k] for k in STATE_KEYS)
+
+    @cached_property
+    def dynamic_gib(self) -> float:
+        """What the peak holds beyond the state: forward/backward's activations, transients and logits, or the
+        optimizer step's grad copies, whichever is larger."""
+        return dynamic_gib(self.parts)
 
     @property
     def between_steps_gib(self) -> float:
@@ -253,9 +266,23 @@ class _Stages:
         self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
         self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
         self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+        self._stage_activations: dict[tuple, dict[tuple, StageActivations]] = {}  # stage_activations' stages by shape
+        # Under this calibration's factors: the state parts by states key; the dynamic ones (``_dynamic_rows``) by
+        # activations key, micro-batches, A2A overlap and offload. Layouts of other world sizes share both halves.
+        self._state_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
+        self._dynamic_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
 
     def __call__(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
         """The activation shape of ``lo`` (its sizes divide: ``_check_divisible``) and its stages' memory."""
+        shape, params, state_rows, dynamic_rows = self.rows(lo)
+        return shape, tuple(StageMemory(dict(zip(PARTS, (*state, *dynamic[2:]))), dynamic[0], p, dynamic[1])
+                            for p, state, dynamic in zip(params, state_rows, dynamic_rows))
+
+    def rows(self, lo: Layout) -> tuple[ActivationShape, tuple[StageParams, ...], tuple[tuple[float, ...], ...],
+                                        tuple[tuple[float, ...], ...]]:
+        """``__call__``'s stages as plain rows: per stage its parameters, its model-state parts (``PARTS``' first
+        six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes, activations, transient, logits
+        in GiB)``."""
         model, constants = self.model, self.constants
         vpp = lo.vpp if lo.pp > 1 else 1
         split = _split_fields(lo)
@@ -266,17 +293,29 @@ class _Stages:
         if kept is None:
             shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration,
                                       self.run.recipe(lo.precision, self.compute_capability))
-            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split, constants)
+            stages = self._stage_activations.setdefault(shape_axes, {})
+            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split,
+                                                                          constants, stages)
         shape, acts = kept
         params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
         params = self._params.get(params_key)
         if params is None:
             params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
         states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
-        states = self._states.get(states_key)
-        if states is None:
-            states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability, self.run)
-        return shape, _combine_stages(model, lo, params, acts, states, constants, self._factors)
+        state_rows = self._state_rows.get(states_key)
+        if state_rows is None:
+            states = self._states.get(states_key)
+            if states is None:
+                states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability,
+                                                                  self.run)
+            state_rows = self._state_rows[states_key] = _state_rows(states, constants, self._factors.state_factor)
+        microbatches = _microbatches(lo)
+        dynamic_key = (acts_key, microbatches, lo.moe_a2a_overlap, lo.offload_layers)
+        dynamic_rows = self._dynamic_rows.get(dynamic_key)
+        if dynamic_rows is None:
+            dynamic_rows = self._dynamic_rows[dynamic_key] = _dynamic_rows(
+                model, lo, microbatches, acts, self._factors.activation_factor)
+        return shape, params, state_rows, dynamic_rows
 
     def recalibrated(self, calibration: Calibration | None) -> _Stages:
         """The same stages under another calibration, keeping what it does not change: the parameters and model
@@ -285,7 +324,7 @@ class _Stages:
         other = _Stages(self.model, self.seq_length, self.constants, calibration, self.compute_capability, self.run)
         other._params, other._states = self._params, self._states
         if _hot_rank(self.calibration) == _hot_rank(calibration):
-            other._activations = self._activations
+            other._activations, other._stage_activations = self._activations, self._stage_activations
         return other
 
 
@@ -304,15 +343,22 @@ def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: Estima
                                    compute_capability, run, lo.fsdp) for p in params)
 
 
-def _combine_stages(
-    model: ModelSpec, lo: Layout, params: tuple[StageParams, ...], acts: tuple[StageActivations, ...],
-    states: tuple[StateBytes, ...], constants: EstimatorConstants, calibration: Calibration,
-) -> tuple[StageMemory, ...]:
-    """One rank of every pipeline stage: its model state and its activations times the micro-batches in flight."""
+def _state_rows(states: tuple[StateBytes, ...], constants: EstimatorConstants, s: float,
+                ) -> tuple[tuple[float, ...], ...]:
+    """Each stage's model state in GiB, times the calibrated state factor ``s``: ``PARTS``' first six."""
+    return tuple((s * state.weights / GIB, s * state.grads / GIB, s * state.optimizer / GIB,
+                  s * state.fp8_weights / GIB, s * constants.workspace_gib, s * state.grad_copies / GIB)
+                 for state in states)
+
+
+def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[StageActivations, ...], f: float,
+                  ) -> tuple[tuple[float, ...], ...]:
+    """Each stage's activations times its micro-batches in flight: ``(in flight, one layer's activations in bytes,
+    activations, transient, logits)``, the last three in GiB times the calibrated activation factor ``f``. Reads of
+    ``lo`` PP, VPP, the A2A overlap and offload."""
     vpp = lo.vpp if lo.pp > 1 else 1
-    microbatches = _microbatches(lo)
     out = []
-    for rank, (p, a, state) in enumerate(zip(params, acts, states)):
+    for rank, a in enumerate(acts):
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         activations = a.per_microbatch * in_flight
         per_layer = a.per_microbatch / max(a.layers, 1)
@@ -325,20 +371,13 @@ def _combine_stages(
             # forward and backward; the one being copied out or back in is still on the device.
             activations -= per_layer * min(lo.offload_layers, a.layers) * in_flight
             activations += per_layer
-        s, f = calibration.state_factor, calibration.activation_factor
-        parts = {
-            "weights": s * state.weights / GIB,
-            "grads": s * state.grads / GIB,
-            "optimizer": s * state.optimizer / GIB,
-            "fp8_weights": s * state.fp8_weights / GIB,
-            "workspaces": s * constants.workspace_gib,
-            "grad_copies": s * state.grad_copies / GIB,
-            "activations": f * (activations + a.graph_static * in_flight) / GIB,
-            "transient": f * a.transient / GIB,
-            "logits": f * a.logits / GIB,
-        }
-        out.append(StageMemory(parts, in_flight, p, per_layer))
+        out.append((in_flight, per_layer, f * (activations + a.graph_static * in_flight) / GIB,
+                    f * a.transient / GIB, f * a.logits / GIB))
     return tuple(out)
+
+
+# A layout's blocks' step-time terms (block_seconds) and the pipeline stages made of them (slowest_stage's stages).
+_Blocks = tuple[dict[Block, dict[str, float]], dict[tuple, tuple[dict[str, float], float]]]
 
 
 class Estimator:
@@ -370,7 +409,8 @@ class Estimator:
         self._limit = memory_limit_gib(cluster.gpu_memory_gib, headroom)
         self._device = device_for(cluster.gpu_kind, cluster.compute_capability)
         self._links: dict[tuple, Links]  # by the sizes that set each group's span
-        self._blocks: dict[tuple, dict[Block, dict[str, float]]]  # block_seconds, by the fields it reads
+        # block_seconds and slowest_stage's stages of those blocks (its ``stages``), by the fields block_seconds reads
+        self._blocks: dict[tuple, _Blocks]
         self._slowest: dict[tuple, dict[str, float]]  # slowest_stage, by the fields it reads
         if kept is None:
             self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
@@ -405,8 +445,7 @@ class Estimator:
         """The MoE hot-rank factor this estimator's activations would be sized with under ``calibration``."""
         return effective_hot_rank(self.constants, calibration)
 
-    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, dict[Block, dict[str, float]]],
-                             dict[tuple, dict[str, float]]]:
+    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, _Blocks], dict[tuple, dict[str, float]]]:
         """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms."""
         return self._stages, self._links, self._blocks, self._slowest
 
@@ -433,7 +472,7 @@ class Estimator:
                     "in_flight_microbatches": stage.in_flight_microbatches,
                 }
 
-        terms = self._step_terms(lo, shape, stages)
+        terms = self._step_terms(lo, shape, tuple(st.params for st in stages), stages[0].layer_activation_bytes)
         seconds = terms.seconds(self._factor)
         tokens = lo.gbs * seq_length
         band = memory_band(worst_reserved, constants)
@@ -449,19 +488,22 @@ class Estimator:
             step_factor=self._factor,
         )
 
-    def terms(self, layout: Layout) -> tuple[tuple[StageMemory, ...], StepTerms]:
-        """``layout``'s stages at memory factors 1 and its uncalibrated step terms: what a calibration scales
-        (``term_table``)."""
+    def terms(self, layout: Layout) -> tuple[list[tuple[float, ...]], list[float], StepTerms]:
+        """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's
+        ``PARTS`` (GiB) and micro-batches in flight, and its uncalibrated step terms."""
         _check_divisible(layout, self.seq_length)
         if self._unit is None:
             hot = self.calibration.moe_hot_rank_factor if self.calibration else None
             self._unit = self._stages.recalibrated(Calibration(moe_hot_rank_factor=hot))
-        shape, stages = self._unit(layout)
-        return stages, self._step_terms(layout, shape, stages)
+        shape, params, state_rows, dynamic_rows = self._unit.rows(layout)
+        parts = [state + dynamic[2:] for state, dynamic in zip(state_rows, dynamic_rows)]
+        in_flight = [dynamic[0] for dynamic in dynamic_rows]
+        return parts, in_flight, self._step_terms(layout, shape, params, dynamic_rows[0][1])
 
-    def _step_terms(self, lo: Layout, shape: ActivationShape, stages: tuple[StageMemory, ...]) -> StepTerms:
-        """The layout's step time as uncalibrated terms (the stages give its parameters and, for offloading, a
-        layer's activations, which no calibration factor changes)."""
+    def _step_terms(self, lo: Layout, shape: ActivationShape, params: tuple[StageParams, ...],
+                    layer_activation_bytes: float) -> StepTerms:
+        """The layout's step time as uncalibrated terms (of the stages it reads their parameters and, for
+        offloading, the first stage's layer's activations, which no calibration factor changes)."""
         model, cluster, constants, seq_length = self.model, self.cluster, self.constants, self.seq_length
         ep, etp = shape.ep, shape.etp
         vpp = lo.vpp if lo.pp > 1 else 1
@@ -477,7 +519,7 @@ class Estimator:
             recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
             overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
             cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
-            offload_bytes_per_layer=stages[0].layer_activation_bytes if lo.offload_layers else 0.0,
+            offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
             fp8_recipe=self.run.recipe(lo.precision, cluster.compute_capability),
         )
         # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
@@ -487,13 +529,12 @@ class Estimator:
         stage_key = (*block_key, lo.pp, vpp, _split_fields(lo))
         slowest = self._slowest.get(stage_key)
         if slowest is None:
-            per_block = self._blocks.get(block_key)
-            if per_block is None:
-                per_block = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants)
-            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants,
-                                                               per_block)
-        terms = step_time(model, inputs, self._device, links, tuple(st.params.dense for st in stages),
-                          tuple(st.params.expert for st in stages), constants, slowest)
+            blocks = self._blocks.get(block_key)
+            if blocks is None:
+                blocks = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants), {}
+            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants, *blocks)
+        terms = step_time(model, inputs, self._device, links, tuple(p.dense for p in params),
+                          tuple(p.expert for p in params), constants, slowest)
         if self.host_cores and lo.world_size > self.host_cores:
             terms = terms.scaled(lo.world_size / self.host_cores)
         return terms

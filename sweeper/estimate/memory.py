@@ -483,33 +483,50 @@ def stage_activations(
     vpp: int,
     split: PipelineSplit,
     constants: EstimatorConstants,
+    stages: dict[tuple, StageActivations] | None = None,
 ) -> tuple[StageActivations, ...]:
+    """Each pipeline rank's activations. ``stages``: each stage's by its layer kinds and whether it holds the MTP
+    layers and the output layer, kept by the caller for every call with the same ``s`` (pipelines of other depths
+    repeat stages)."""
     per_layer = layer_activations(spec, s, constants)
-    blocks, rebuilt, kept_per_layer, dispatch = (per_layer.blocks, per_layer.rebuilt, per_layer.kept_per_layer,
-                                                 per_layer.dispatch)
+    if stages is None:
+        stages = {}
     out = []
     holder = mtp_rank(spec, pp, split)
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split)):
-        per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
-        if s.recompute == "full":
-            kept = sum(n for _, n in kinds) * kept_per_layer
-            transient = max((a for a, _ in per_kind), default=0.0)  # one layer rebuilt during its backward
-        else:
-            kept = sum(a * n for a, n in per_kind)
-            transient = max((sum(rebuilt.get(b, 0.0) for b in kind) for kind, _ in kinds), default=0.0)
-        if any("moe" in kind for kind, _ in kinds):
-            transient += dispatch
-        logits = 0.0
-        if rank == holder:  # each MTP layer's own logits and loss, kept for backward beside the model's
-            logits += spec.mtp_num_layers * s.tokens * padded_vocab_size(spec, s.tp) / s.tp \
-                * constants.logits_bytes_per_element
-        if rank == pp - 1:
-            logits += s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
-            # Final norm input and output (the output layer's input, gathered over SP for the vocab GEMM).
-            logits += s.tokens * spec.hidden_size * s.act_bytes * (1 / s.seq_div + 1)
-        layers = sum(n for _, n in kinds)
-        out.append(StageActivations(kept, transient, logits, layers, graph_static_bytes(spec, s, kinds, constants)))
+        key = (kinds, rank == holder, rank == pp - 1)
+        stage = stages.get(key)
+        if stage is None:
+            stage = stages[key] = _stage_activations(spec, s, per_layer, constants, *key)
+        out.append(stage)
     return tuple(out)
+
+
+def _stage_activations(spec: ModelSpec, s: ActivationShape, per_layer: LayerActivations,
+                       constants: EstimatorConstants, kinds: tuple, holder: bool, last: bool) -> StageActivations:
+    """One stage's activations (``stage_activations``): its layers of ``kinds``, the MTP layers' logits on their
+    ``holder`` and the output layer's on the ``last`` rank."""
+    blocks, rebuilt, kept_per_layer, dispatch = (per_layer.blocks, per_layer.rebuilt, per_layer.kept_per_layer,
+                                                 per_layer.dispatch)
+    per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
+    if s.recompute == "full":
+        kept = sum(n for _, n in kinds) * kept_per_layer
+        transient = max((a for a, _ in per_kind), default=0.0)  # one layer rebuilt during its backward
+    else:
+        kept = sum(a * n for a, n in per_kind)
+        transient = max((sum(rebuilt.get(b, 0.0) for b in kind) for kind, _ in kinds), default=0.0)
+    if any("moe" in kind for kind, _ in kinds):
+        transient += dispatch
+    logits = 0.0
+    if holder:  # each MTP layer's own logits and loss, kept for backward beside the model's
+        logits += spec.mtp_num_layers * s.tokens * padded_vocab_size(spec, s.tp) / s.tp \
+            * constants.logits_bytes_per_element
+    if last:
+        logits += s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
+        # Final norm input and output (the output layer's input, gathered over SP for the vocab GEMM).
+        logits += s.tokens * spec.hidden_size * s.act_bytes * (1 / s.seq_div + 1)
+    layers = sum(n for _, n in kinds)
+    return StageActivations(kept, transient, logits, layers, graph_static_bytes(spec, s, kinds, constants))
 
 
 def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, constants: EstimatorConstants) -> float:

@@ -280,8 +280,9 @@ class StepTerms:
     def per_step(self, factors: Callable[[str], float] = lambda _: 1.0) -> dict[str, float]:
         """Seconds per step of each term (the bubble as its own term; zero terms left out): they sum to
         ``seconds(factors)``."""
-        out = {t: factors(t) * s * self.microbatches for t, s in self.stage.items()}
-        out[PP_BUBBLE] = factors(PP_BUBBLE) * self.bubble_slots * sum(factors(t) * s for t, s in self.stage.items())
+        stage = {t: factors(t) * s for t, s in self.stage.items()}
+        out = {t: s * self.microbatches for t, s in stage.items()}
+        out[PP_BUBBLE] = factors(PP_BUBBLE) * self.bubble_slots * sum(stage.values())
         out.update({t: factors(t) * s for t, s in self.step.items()})
         return {t: s for t, s in out.items() if s > 0}
 
@@ -383,13 +384,17 @@ def _gemm_widths(spec: ModelSpec, block: str, x: TimeInputs) -> tuple[float, flo
 
 
 def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
-                  per_block: dict[Block, dict[str, float]] | None = None) -> dict[str, float]:
+                  per_block: dict[Block, dict[str, float]] | None = None,
+                  stages: dict[tuple, tuple[dict[str, float], float]] | None = None) -> dict[str, float]:
     """Seconds per micro-batch of the slowest pipeline stage, by term (compute and recompute after the TP split):
     its compute and its exposed tensor/context/expert-parallel communication. Reads what ``block_seconds`` reads
     (``per_block``: its result, when the caller keeps it), PP, VPP and the split: not the data-parallel side, the
-    micro-batch count or offload."""
+    micro-batch count or offload. ``stages``: each stage's terms and seconds by its layer kinds and heads, kept by
+    the caller for every call with the same ``per_block`` (pipelines of other depths repeat stages)."""
     if per_block is None:
         per_block = block_seconds(spec, x, device, links, constants)
+    if stages is None:
+        stages = {}
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     # The output layer runs in BF16 under every FP8/FP4 recipe: Megatron builds it as tensor_parallel's
     # ColumnParallelLinear, not a Transformer Engine module, so no fp8_autocast reaches it (DeepSeek-V3 keeps its
@@ -399,27 +404,38 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     slowest_s = -1.0
     holder = mtp_rank(spec, x.pp, x.split)
     for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
-        stage: dict[str, float] = {}
-        for kind, n in kinds:
-            for b in kind:
-                for term, s in per_block[b].items():
-                    stage[term] = stage.get(term, 0.0) + n * s
-        # The output layer's GEMM: the model's on the last rank, each MTP layer's again on the MTP rank (with its
-        # eh_proj, 2h -> h); the MTP transformer layer itself is one of the rank's kinds (stage_layer_kinds).
-        heads = (rank == x.pp - 1) + (spec.mtp_num_layers if rank == holder else 0)
-        if heads:
-            logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp) * heads
-            if rank == holder:
-                logits_flops += spec.mtp_num_layers * 2 * 2 * spec.hidden_size * spec.hidden_size
-            term = compute_term("logits", x.precision)
-            stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / logits_rate
-        for term in stage:
-            if term.startswith("compute.") or term == RECOMPUTE:
-                stage[term] /= x.tp
-        seconds = sum(stage.values())
+        stage_key = (kinds, rank == x.pp - 1, rank == holder)
+        kept = stages.get(stage_key)
+        if kept is None:
+            kept = stages[stage_key] = _stage_seconds(spec, x, per_block, kinds, *stage_key[1:], tokens, logits_rate)
+        stage, seconds = kept
         if seconds > slowest_s:
             slowest, slowest_s = stage, seconds
     return slowest
+
+
+def _stage_seconds(spec: ModelSpec, x: TimeInputs, per_block: dict[Block, dict[str, float]], kinds: tuple,
+                   last: bool, holder: bool, tokens: float, logits_rate: float) -> tuple[dict[str, float], float]:
+    """One pipeline stage's terms per micro-batch and their sum (``slowest_stage``): its layers of ``kinds``, and
+    the output layer on the ``last`` rank and the MTP heads on their ``holder``."""
+    stage: dict[str, float] = {}
+    for kind, n in kinds:
+        for b in kind:
+            for term, s in per_block[b].items():
+                stage[term] = stage.get(term, 0.0) + n * s
+    # The output layer's GEMM: the model's on the last rank, each MTP layer's again on the MTP rank (with its
+    # eh_proj, 2h -> h); the MTP transformer layer itself is one of the rank's kinds (stage_layer_kinds).
+    heads = last + (spec.mtp_num_layers if holder else 0)
+    if heads:
+        logits_flops = 2 * spec.hidden_size * padded_vocab_size(spec, x.tp) * heads
+        if holder:
+            logits_flops += spec.mtp_num_layers * 2 * 2 * spec.hidden_size * spec.hidden_size
+        term = compute_term("logits", x.precision)
+        stage[term] = stage.get(term, 0.0) + tokens * logits_flops * FWD_BWD_FACTOR / logits_rate
+    for term in stage:
+        if term.startswith("compute.") or term == RECOMPUTE:
+            stage[term] /= x.tp
+    return stage, sum(stage.values())
 
 
 def step_time(

@@ -15,6 +15,7 @@ themselves; ``serves`` says no then, and the caller builds a new table.
 
 from __future__ import annotations
 
+import functools
 import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -23,13 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, STEP_KEYS, Calibration
-from sweeper.estimate.estimator import Estimate, Estimator, non_torch_gib
+from sweeper.estimate.estimator import PARTS, Estimate, Estimator, non_torch_gib
 from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
 from sweeper.space.layout import Layout
 
-# The memory parts in ``_combine_stages``'s order (a breakdown's keys keep it), the model state's first.
-PARTS = ("weights", "grads", "optimizer", "fp8_weights", "workspaces", "grad_copies", "activations", "transient",
-         "logits")
 _STATE_COLS = [PARTS.index(k) for k in STATE_KEYS]
 _DYNAMIC_COLS = [PARTS.index(k) for k in DYNAMIC_KEYS]
 _STEP_COLS = [PARTS.index(k) for k in STEP_KEYS]
@@ -56,12 +54,16 @@ def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndarray]:
-    columns = _column_order([list(d) for d in dicts])
+    # The layouts of a space name a handful of distinct term lists: the rows of each are filled at once.
+    rows_of: dict[tuple[str, ...], list[int]] = {}
+    for i, d in enumerate(dicts):
+        rows_of.setdefault(tuple(d), []).append(i)
+    columns = _column_order(list(rows_of))
     index = {t: j for j, t in enumerate(columns)}
     matrix = np.zeros((len(dicts), len(columns)))
-    for i, d in enumerate(dicts):
-        for t, s in d.items():
-            matrix[i, index[t]] = s
+    for names, rows in rows_of.items():
+        if names:
+            matrix[np.ix_(rows, [index[t] for t in names])] = [list(dicts[i].values()) for i in rows]
     return columns, matrix
 
 
@@ -115,7 +117,7 @@ class TermTable:
     @classmethod
     def build(cls, estimator: Estimator, layouts: Sequence[Layout]) -> TermTable:
         """The table of ``layouts`` (valid ones: their sizes divide) under ``estimator``'s model and settings."""
-        rows: list[list[float]] = []
+        rows: list[tuple[float, ...]] = []
         in_flight: list[float] = []
         rank: list[int] = []
         owner: list[int] = []
@@ -123,14 +125,12 @@ class TermTable:
         terms: list[StepTerms] = []
         for i, lo in enumerate(layouts):
             first.append(len(rows))
-            stages, step = estimator.terms(lo)
+            parts, flight, step = estimator.terms(lo)
             terms.append(step)
-            for r, stage in enumerate(stages):
-                parts = stage.parts
-                rows.append([parts[k] for k in PARTS])
-                in_flight.append(stage.in_flight_microbatches)
-                rank.append(r)
-                owner.append(i)
+            rows += parts
+            in_flight += flight
+            rank += range(len(parts))
+            owner += [i] * len(parts)
         stage_names, stage_matrix = _terms_matrix([t.stage for t in terms])
         step_names, step_matrix = _terms_matrix([t.step for t in terms])
         constants = estimator.constants
@@ -186,6 +186,7 @@ class TermTable:
         columns = zip(worst_parts, fragmentation, self.non_torch.tolist(), self.rank[worst].tolist(),
                       self.in_flight[worst].tolist(), worst_reserved.tolist(), low.tolist(), high.tolist(),
                       fits.tolist(), may_fit.tolist(), seconds.tolist(), tokens_per_s.tolist(), self.terms)
+        step_factor = functools.cache(cal.step_factor)  # each layout's JSON asks it per term: once per name here
         out = []
         with without_cycle_collection():
             for row, frag, non_torch, r, flight, mem, lo, hi, fit, may, sec, tps, terms in columns:
@@ -195,5 +196,5 @@ class TermTable:
                 out.append(Estimate(memory_gib=mem, fits=fit, step_time_s=sec,
                                     tokens_per_s=tps if sec > 0 else None, breakdown=breakdown,
                                     memory_band_gib=(lo, hi), may_fit=may, step_terms=terms,
-                                    step_factor=cal.step_factor))
+                                    step_factor=step_factor))
         return out

@@ -34,14 +34,13 @@ def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
         pipeline = (axes["pp"], axes["vpp"], axes.pop("pipeline_layout"))
         if pipeline not in splits:
             splits[pipeline] = pipeline_splits(cfg.model, *pipeline)
+        gbs = batches.get(axes["world_size"]) or batches.setdefault(
+            axes["world_size"], cfg.trial_global_batch(axes["world_size"]))
         for split in splits[pipeline]:
-            fields_of = {**axes, **split}
-            key = tuple(sorted(fields_of.items()))  # the split follows from PP, VPP and the layout value
-            if key in seen:
-                continue
-            fields_of["gbs"] = batches.get(axes["world_size"]) or batches.setdefault(
-                axes["world_size"], cfg.trial_global_batch(axes["world_size"]))
-            seen[key] = Layout.from_checked({**defaults, **fields_of})
+            fields_of = {**defaults, **axes, **split, "gbs": gbs}
+            key = tuple(fields_of.values())  # in the order of ``defaults``, every field's: one key per layout
+            if key not in seen:
+                seen[key] = Layout.from_checked(fields_of)
     return list(seen.values())
 
 

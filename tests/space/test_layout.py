@@ -388,6 +388,17 @@ def test_enumerate_fills_uneven_split() -> None:
                                                                                    4: "Et*6|(t*7|)*2t*7L"}
 
 
+def test_enumerate_gives_a_layout_string_once_whatever_the_vpp_axis_and_auto_generate() -> None:
+    # A layout string sets its own VPP (stages / PP), so each vpp value of the axis gives it again, and auto's
+    # balanced string is the one listed: one layout each (the key is every field's value in order, issue 54).
+    cfg = SweepConfig(name="t", model=preset("deepseek-v2-lite"), cluster=ClusterConfig(nodes=2),
+                      space=SpaceConfig(pp=[2], vpp=[1, 2], pipeline_layout=["Et*13|t*14L", "auto"]))
+    layouts = enumerate_layouts(cfg)
+    assert len(layouts) == len(set(layouts)) == 3
+    assert [(lo.vpp, lo.pipeline_layout, lo.first_stage_layers) for lo in layouts] == [
+        (1, "Et*13|t*14L", None), (1, None, 14), (2, None, None)]
+
+
 def test_enumerate_builds_the_layouts_the_constructor_builds() -> None:
     # enumerate_layouts checks each axis value once and assembles the product's layouts from checked values.
     cfg = _cfg(tp=[1, 2], pp=[1, 2], recompute=["selective:core_attn", "full"], cuda_graph=["te:moe_router+attn"],
