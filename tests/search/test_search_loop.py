@@ -941,7 +941,10 @@ def test_a_confirmation_after_a_driver_death_does_not_reuse_the_dead_runs_folder
     second = make_sweep(confirming, StandInHost(delay=0.1), resume=True)
     assert second.run() == 0
     confirms = [r for r in second.records if r.phase == "confirm"]
-    assert [(r.number, r.attempt) for r in confirms] == [(best.number, 2)]
+    # its confirmation, then its run at scale (issue 53: its production layout on the cluster's GPUs), each in a
+    # folder of its own
+    assert [(r.number, r.attempt, r.layout["gpus"]) for r in confirms] == [
+        (best.number, 2, best.layout.world_size), (best.number, 3, cfg.production_gpus)]
     assert (dead / "rank0.log").read_text() == "the dead run's log\n"
 
 

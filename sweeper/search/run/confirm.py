@@ -19,6 +19,9 @@ another candidate's projection hands the choice to that one, which is run at sca
 
 from __future__ import annotations
 
+from typing import Any
+
+from sweeper.plan.assess import assess
 from sweeper.search.console import console
 from sweeper.search.decide.candidates import Candidate, candidates, choose, confirm_attempts, run_gpus
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS
@@ -54,11 +57,10 @@ def confirm(sweep: SweepState) -> None:
             slot = sweep.handle.reserve(layout, alone=sweep.confirm_alone())
             if slot is not None:
                 budget -= 0 if retry else 1
-                attempt = confirm_attempts(sweep.records, head.number)[0] + 1
+                attempt = max((r.attempt for r in head.attempts), default=0) + 1
                 while sweep.dir.trial_dir(head.number, attempt, "confirm").exists():
                     attempt += 1  # a confirmation running when a driver died left its folder, and no record
-                predicted = head.explore.predicted if layout == head.layout else None
-                sweep.launch(layout, head.number, attempt, "confirm", None, predicted, slot)
+                sweep.launch(layout, head.number, attempt, "confirm", None, _predicted(sweep, head, layout), slot)
                 continue
             if not sweep.scheduler.in_flight:
                 if wall_time_spent(sweep):
@@ -105,3 +107,12 @@ def _at_scale_next(sweep: SweepState, cands: list[Candidate],
                       f"production run's {sweep.cfg.production_gpus} GPUs: confirmed at {target.short()}, the rest "
                       "projected with the calibration that run refits")
     return winner, target
+
+
+def _predicted(sweep: SweepState, head: Candidate, layout: Layout) -> dict[str, Any] | None:
+    """What the confirmation's record says was predicted: its trial's prediction, or (at scale) the estimator's for
+    the layout it runs."""
+    if layout == head.layout:
+        return head.explore.predicted
+    made = assess(sweep.cfg, layout).predicted
+    return made.to_json() if made is not None else None
