@@ -19,6 +19,7 @@ report).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,10 @@ class MemoryEvidence:
     limit_gib: float  # (1 - memory_headroom) * gpu_memory_gib
     fitted: list[Measured] = field(default_factory=list)  # passed, device peak under the limit
     ran_out: list[Measured] = field(default_factory=list)  # failed with kind oom
+    # The most a fitted trial and the least an OOM trial was predicted to need: every layout of the space is asked
+    # on every event, and most have no proof either way (a scan of every trial each: growing with the sweep)
+    _most_fitted_gib: float = field(default=-math.inf, repr=False)
+    _least_oom_gib: float = field(default=math.inf, repr=False)
 
     def add(self, number: int, layout: str, raw: Estimate, result: Any) -> bool:
         """Remember a finished trial (a TrialResult) as evidence about layouts predicted near it; True when it is
@@ -52,19 +57,25 @@ class MemoryEvidence:
         seen = Measured(number, layout, raw.memory_gib, peak, gib_parts(raw))
         if result.passed and result.memory_kind == "device" and peak is not None and peak <= self.limit_gib:
             self.fitted.append(seen)
+            self._most_fitted_gib = max(self._most_fitted_gib, seen.predicted_gib)
         elif result.failure_kind == "oom":
             self.ran_out.append(seen)
+            self._least_oom_gib = min(self._least_oom_gib, seen.predicted_gib)
         else:
             return False
         return True
 
     def proof_of_fit(self, raw: Estimate) -> Measured | None:
         """A measured trial that passed although predicted to need at least as much as ``raw``."""
+        if raw.memory_gib > self._most_fitted_gib:
+            return None
         return next((m for m in self.fitted if m.predicted_gib >= raw.memory_gib), None)
 
     def proof_of_oom(self, raw: Estimate) -> Measured | None:
         """A trial that ran out of memory although predicted to need no more than ``raw``, in total and in every part
         of the breakdown."""
+        if raw.memory_gib < self._least_oom_gib:
+            return None
         parts = gib_parts(raw)
         return next((m for m in self.ran_out if m.predicted_gib <= raw.memory_gib
                      and all(parts.get(k, 0.0) >= v for k, v in m.parts_gib.items())), None)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.calibrator import Calibrator, Measured
 from sweeper.plan.assess import PlanEntry, invalid_reasons
-from sweeper.record.schema import Phase, TrialRecord, TrialResult
+from sweeper.record.schema import Phase, SweepMeta, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decide.candidates import candidates
@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 # A failure that says nothing about the layout (decide.candidates.NOT_THE_LAYOUTS): Optuna is told nothing (FAIL);
 # the layout runs again as a new attempt, up to these many attempts.
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
-SPENT_EVERY_S = 30.0  # sweep.json's ``spent`` is written with an attempt at most this often (``save_spent``)
+# sweep.json is written with the sweep's progress (``spent``, the frontier's per-layout lists) at most this often
+# (``save_progress``), and whole when a phase ends the sweep
+SAVE_EVERY_S = 30.0
 
 
 @dataclass
@@ -81,7 +83,7 @@ class SweepState:
         # The budget spent by the driver runs before this one (--resume): wall time, busy GPU-seconds, waits.
         before = self.dir.read_meta().spent or {}
         self.spent_before = {key: float(before.get(key, 0.0)) for key in ("wall_s", "gpu_s", "waited_s")}
-        self._spent_saved = -SPENT_EVERY_S  # when save_spent last wrote (monotonic): the first attempt saves
+        self._saved_at: float | None = None  # when save_progress last wrote sweep.json (monotonic)
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
@@ -97,8 +99,9 @@ class SweepState:
         self.stopped_early: str | None = None
         self.repeated = RepeatedFailure()
         self.halted: str | None = None  # why the sweep stopped itself (a cause that is not transient)
-        self.frontier = Frontier(cfg, handle, self.calibrator, self.dir, self.records, self.scheduler.is_running)
-        skipped = self.dir.read_meta().unsupported or []
+        self.frontier = Frontier(cfg, handle, self.calibrator, self.records, self.scheduler.is_running)
+        self.save_progress()  # the verdict lists of the space as the sweep starts
+        skipped = self.frontier.unsupported
         if skipped:
             console.print(f"[yellow]backend[/] {len(skipped)} valid layouts cannot run here and are not proposed "
                           f"(sweep.json unsupported), e.g. {skipped[0]['layout']}: {skipped[0]['reason']}")
@@ -128,16 +131,23 @@ class SweepState:
         return {"wall_s": self.wall_s(), "gpu_s": self.gpu_s(),
                 "waited_s": self.spent_before["waited_s"] + self.capacity.waited_s}
 
-    def save_spent(self) -> None:
-        """sweep.json's ``spent``, at most every SPENT_EVERY_S: a recorded attempt's hot path would otherwise read
-        and write the whole of sweep.json (megabytes on a 1,024-GPU space, seconds per event), and a driver killed
-        between two saves loses at most that much of its budget's count. ``finish`` writes it last."""
-        if time.monotonic() - self._spent_saved < SPENT_EVERY_S:
-            return
-        self._spent_saved = time.monotonic()
+    def progress_meta(self) -> SweepMeta:
+        """sweep.json as the sweep stands: the budget spent and the frontier's per-layout lists."""
         meta = self.dir.read_meta()
         meta.spent = self.spent()
-        self.dir.write_meta(meta)
+        for key, entries in self.frontier.verdict_lists().items():
+            setattr(meta, key, entries)
+        return meta
+
+    def save_progress(self) -> None:
+        """sweep.json with the sweep's progress, at most every SAVE_EVERY_S: written on every event it cost seconds
+        on a 1,024-GPU space (the JSON of tens of thousands of pruned layouts, megabytes written). What a driver
+        killed between two saves loses is at most that much of its budget's count and lists the frontier makes
+        again from trials.jsonl on ``--resume``; the phases that end the sweep write it whole."""
+        if self._saved_at is not None and time.monotonic() - self._saved_at < SAVE_EVERY_S:
+            return
+        self.dir.write_meta(self.progress_meta())
+        self._saved_at = time.monotonic()
 
     @property
     def launched(self) -> int:
@@ -203,7 +213,6 @@ class SweepState:
         )
         self.dir.append_trial(record)
         self.records.append(record)
-        self.save_spent()
         if self.tracker.behind:  # the tracking server went away: logged from the records once it answers
             self.tracker.catch_up(self.records)
         colour = "green" if result.passed else "red"
@@ -230,6 +239,7 @@ class SweepState:
             console.print(f"[yellow]estimator[/] {update.warning}", important=True)
         if self.frontier.learn(run.number, run.layout, result, update.changed):
             self.study.set_candidates(self.frontier.order())
+        self.save_progress()
         self.print_progress()
         halt = None if self.stop.is_set() else self.repeated.add(layout_key(run.layout.to_dict()), run.attempt,
                                                                   as_run)
@@ -300,7 +310,7 @@ class SweepState:
     def abandon(self) -> None:
         """A second Ctrl-C: the sweep stops without waiting for its trials (the caller's shutdown kills them). What
         was recorded stays; sweep.json and MLflow say the sweep was interrupted, and ``--resume`` continues it."""
-        meta = self.dir.read_meta()
+        meta = self.progress_meta()
         meta.status, meta.ended_at = "interrupted", now()
         self.dir.write_meta(meta)
         self.tracker.kill_sweep()
