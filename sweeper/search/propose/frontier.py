@@ -55,6 +55,11 @@ class Frontier:
         self._estimator: Estimator | None = None  # the space's, under the plan's calibration
         self._table: TermTable | None = None  # the valid layouts' terms, which a calibration only scales
         self._pruned: dict[Layout, tuple[Estimate, str, dict[str, Any]]] = {}  # by layout: prediction, reason, JSON
+        # Asked of every candidate on every event (issue 54), so kept per layout: its key, the backend's answer, its
+        # predicted objective under the prediction it was computed for
+        self._keys: dict[Layout, tuple[Any, ...]] = {}
+        self._unsupported: dict[Layout, str | None] = {}
+        self._objective: dict[Layout, tuple[Estimate, float]] = {}
         # The last assessment's pruned (entry, reason), dominated and unsupported layouts (``verdict_lists``)
         self._verdicts: tuple[list[tuple[PlanEntry, str]], list[dict[str, Any]], list[dict[str, Any]]] = [], [], []
         self.launchable = self._launchable()
@@ -102,7 +107,9 @@ class Frontier:
             if why is not None:
                 pruned.append((e, why))
                 continue
-            backend_says = self.handle.unsupported(self.cfg.model, e.layout)
+            if e.layout not in self._unsupported:  # a backend's support of a layout is fixed for the sweep
+                self._unsupported[e.layout] = self.handle.unsupported(self.cfg.model, e.layout)
+            backend_says = self._unsupported[e.layout]
             if backend_says:
                 unsupported.append({"layout": e.layout.short(), "reason": backend_says})
                 continue
@@ -112,7 +119,17 @@ class Frontier:
             elif inferred is None:
                 entries.append(e)
         self._verdicts = pruned, dominated, unsupported
-        return sorted(entries, key=lambda e: -(predicted_objective(self.cfg, e.layout, e.predicted) or 0.0))
+        return sorted(entries, key=self._predicted_objective, reverse=True)
+
+    def _predicted_objective(self, entry: PlanEntry) -> float:
+        """The entry's predicted objective (0 when none), kept while its prediction is the same object."""
+        kept = self._objective.get(entry.layout)
+        if kept is not None and kept[0] is entry.predicted:
+            return kept[1]
+        assert entry.predicted is not None
+        value = predicted_objective(self.cfg, entry.layout, entry.predicted) or 0.0
+        self._objective[entry.layout] = (entry.predicted, value)
+        return value
 
     @property
     def unsupported(self) -> list[dict[str, Any]]:
@@ -165,11 +182,18 @@ class Frontier:
 
     def taken(self, layout: Layout) -> bool:
         """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
-        return layout_key(layout.to_dict()) in self.decided or self._running(layout)
+        return self._key(layout) in self.decided or self._running(layout)
 
     def decide(self, layout: Layout) -> None:
         """The layout has its verdict: never proposed again in this sweep."""
-        self.decided.add(layout_key(layout.to_dict()))
+        self.decided.add(self._key(layout))
+
+    def _key(self, layout: Layout) -> tuple[Any, ...]:
+        """``layout_key`` of the layout, kept (a proposal asks ``taken`` of every launchable layout)."""
+        key = self._keys.get(layout)
+        if key is None:
+            key = self._keys[layout] = layout_key(layout.to_dict())
+        return key
 
     def assess(self, layout: Layout) -> tuple[PlanEntry, Refusal | None]:
         """The layout's plan entry as it stands now, and why it may not run (None: it may)."""
