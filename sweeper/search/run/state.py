@@ -42,9 +42,13 @@ if TYPE_CHECKING:
 # A failure that says nothing about the layout (decide.candidates.NOT_THE_LAYOUTS): Optuna is told nothing (FAIL);
 # the layout runs again as a new attempt, up to these many attempts.
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
-# sweep.json is written with the sweep's progress (``spent``, the frontier's per-layout lists) at most this often
-# (``save_progress``), and whole when a phase ends the sweep
+# sweep.json is written with the sweep's progress (``spent``, the frontier's per-layout lists; ``save_progress``) at
+# most every SAVE_EVERY_S, less often while a write would take over SAVE_SHARE of the driver's CPU since the last
+# one (DeepSeek-V3's 1,024-GPU space: 38 MB, 4 s of CPU), but at least every SAVE_AT_LEAST_S; whole when a phase ends
+# the sweep.
 SAVE_EVERY_S = 30.0
+SAVE_SHARE = 0.1
+SAVE_AT_LEAST_S = 300.0
 
 
 @dataclass
@@ -83,7 +87,8 @@ class SweepState:
         # The budget spent by the driver runs before this one (--resume): wall time, busy GPU-seconds, waits.
         before = self.dir.read_meta().spent or {}
         self.spent_before = {key: float(before.get(key, 0.0)) for key in ("wall_s", "gpu_s", "waited_s")}
-        self._saved_at: float | None = None  # when save_progress last wrote sweep.json (monotonic)
+        # When save_progress last wrote sweep.json (monotonic), the driver's CPU seconds then, and the write's CPU
+        self._saved: tuple[float, float, float] | None = None
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
@@ -140,14 +145,20 @@ class SweepState:
         return meta
 
     def save_progress(self) -> None:
-        """sweep.json with the sweep's progress, at most every SAVE_EVERY_S: written on every event it cost seconds
-        on a 1,024-GPU space (the JSON of tens of thousands of pruned layouts, megabytes written). What a driver
-        killed between two saves loses is at most that much of its budget's count and lists the frontier makes
-        again from trials.jsonl on ``--resume``; the phases that end the sweep write it whole."""
-        if self._saved_at is not None and time.monotonic() - self._saved_at < SAVE_EVERY_S:
-            return
+        """sweep.json with the sweep's progress, at most every SAVE_EVERY_S and within SAVE_SHARE of the driver's
+        CPU (written on every event it cost seconds on a 1,024-GPU space: the JSON of tens of thousands of pruned
+        layouts, megabytes written), at least every SAVE_AT_LEAST_S. What a driver killed between two saves loses
+        is that much of its budget's count and lists the frontier makes again from trials.jsonl on ``--resume``;
+        the phases that end the sweep write it whole."""
+        if self._saved is not None:
+            at, cpu_then, cost = self._saved
+            waited = time.monotonic() - at
+            if waited < SAVE_EVERY_S or (waited < SAVE_AT_LEAST_S
+                                         and time.process_time() - cpu_then < cost / SAVE_SHARE):
+                return
+        started = time.process_time()
         self.dir.write_meta(self.progress_meta())
-        self._saved_at = time.monotonic()
+        self._saved = (time.monotonic(), time.process_time(), time.process_time() - started)
 
     @property
     def launched(self) -> int:
