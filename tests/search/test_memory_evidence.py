@@ -74,3 +74,23 @@ def test_an_oom_prunes_only_layouts_that_need_as_much_in_every_part() -> None:
     more_of_each = _estimate(99.0, parts={"weights": 31.0, "activations": 68.0, "pipeline_rank": 3.0})
     why = evidence.verdict(more_of_each, more_of_each)
     assert why is not None and "#7" in why and "every part" in why
+
+
+def test_a_layout_asked_again_is_checked_against_the_trials_added_since_with_the_same_answers() -> None:
+    """Issue 54: every layout is asked on every event; a layout's proof is looked for among the OOM trials added
+    since it was last asked, and its line written again only for a new prediction, with the answers of a fresh look."""
+    evidence = MemoryEvidence(LIMIT)
+    raw, predicted = _estimate(98.0), _estimate(98.0)
+    assert evidence.verdict(predicted, raw) is None  # in the band, no OOM yet
+    evidence.add(6, "TP1-PP1-EP2", _estimate(97.0, parts={"weights": 50.0}), _oom())  # a part over this layout's
+    evidence.add(7, "TP1-PP1-EP4", _estimate(95.0), _oom())
+    evidence.add(8, "TP1-PP1-EP8", _estimate(90.0), _oom())
+    why = evidence.verdict(predicted, raw)
+    assert why is not None and "#7" in why  # the first OOM trial that proves it, as a fresh look finds
+    assert evidence.verdict(predicted, raw) == why == MemoryEvidence(LIMIT, ran_out=evidence.ran_out,
+                                                                     _least_oom_gib=90.0).verdict(predicted, raw)
+    over = _estimate(110.0)
+    first = evidence.verdict(over, over)
+    assert first is not None and evidence.verdict(over, over) is first  # the same prediction: the same line
+    recalibrated = _estimate(120.0)
+    assert "120.0 GiB" in (evidence.verdict(recalibrated, over) or "")
