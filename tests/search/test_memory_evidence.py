@@ -94,3 +94,19 @@ def test_a_layout_asked_again_is_checked_against_the_trials_added_since_with_the
     assert first is not None and evidence.verdict(over, over) is first  # the same prediction: the same line
     recalibrated = _estimate(120.0)
     assert "120.0 GiB" in (evidence.verdict(recalibrated, over) or "")
+
+
+def test_a_fit_proof_is_looked_for_among_the_trials_added_since() -> None:
+    evidence = MemoryEvidence(LIMIT)
+    raw = _estimate(112.0)
+    evidence.add(1, "a", _estimate(100.0), _passed(80.0))
+    evidence.add(2, "b", _estimate(120.0), _passed(80.0))  # predicted to need more, and fitted: a proof
+    assert evidence.verdict(raw, raw) is None
+    assert evidence.proof_of_fit(raw) is evidence.fitted[1]
+    evidence.add(3, "c", _estimate(130.0), _passed(80.0))
+    assert evidence.proof_of_fit(raw) is evidence.fitted[1]  # the first proof stays the one a fresh look finds
+    alone = MemoryEvidence(LIMIT)
+    alone.add(1, "a", _estimate(100.0), _passed(80.0))
+    assert alone.verdict(raw, raw) is not None
+    alone.add(4, "d", _estimate(115.0), _passed(80.0))
+    assert alone.verdict(raw, raw) is None  # a proof added after the layout was asked

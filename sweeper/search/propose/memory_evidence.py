@@ -49,10 +49,11 @@ class MemoryEvidence:
     # on every event, and most have no proof either way (a scan of every trial each: growing with the sweep)
     _most_fitted_gib: float = field(default=-math.inf, repr=False)
     _least_oom_gib: float = field(default=math.inf, repr=False)
-    # Per uncalibrated prediction (one per layout, by id): it, how many OOM trials it was checked against and the
-    # proof found. The lists only grow, so a layout is checked against the trials added since (issue 54: a scan of
-    # every OOM trial for every layout in the band, on every event, grew with the sweep).
+    # Per uncalibrated prediction (one per layout, by id): it, how many OOM (fitted) trials it was checked against
+    # and the proof found. The lists only grow, so a layout is checked against the trials added since (issue 54: a
+    # scan of every such trial for every layout, on every event, grew with the sweep).
     _oom_checked: dict[int, tuple[Estimate, int, Measured | None]] = field(default_factory=dict, repr=False)
+    _fit_checked: dict[int, tuple[Estimate, int, Measured | None]] = field(default_factory=dict, repr=False)
     # Per uncalibrated prediction: the calibrated prediction its "exceeds the limit" line was written for, and it
     _exceeds: dict[int, tuple[Estimate, str]] = field(default_factory=dict, repr=False)
 
@@ -75,7 +76,12 @@ class MemoryEvidence:
         """A measured trial that passed although predicted to need at least as much as ``raw``."""
         if raw.memory_gib > self._most_fitted_gib:
             return None
-        return next((m for m in self.fitted if m.predicted_gib >= raw.memory_gib), None)
+        kept = self._fit_checked.get(id(raw))
+        checked, proof = (kept[1], kept[2]) if kept is not None and kept[0] is raw else (0, None)
+        if proof is None and checked < len(self.fitted):
+            proof = next((m for m in self.fitted[checked:] if m.predicted_gib >= raw.memory_gib), None)
+        self._fit_checked[id(raw)] = (raw, len(self.fitted), proof)
+        return proof
 
     def proof_of_oom(self, raw: Estimate) -> Measured | None:
         """A trial that ran out of memory although predicted to need no more than ``raw``, in total and in every part
