@@ -12,8 +12,10 @@ the events that do change the calibration (on GPUs, nearly every passed trial: i
 both): "fresh" assesses the space again with a new estimator (rules and estimator for every layout, as before issue
 46), "recalibrated" keeps the rules' verdicts and re-predicts the valid layouts with the estimator recalibrated (its
 memos kept; issue 46), "term table" re-predicts them in one vectorised pass over their term table (issue 54, what the
-frontier does now); the re-prediction alone and the whole event (re-prediction, verdicts, sweep.json) are timed, and
-the table's predictions checked equal to the recalibrated estimator's. One proposal (the next launchable layout not
+frontier does now); the re-prediction alone and the whole event (re-prediction, verdicts) are timed, and
+the table's predictions checked equal to the recalibrated estimator's. sweep.json is no part of an event (the sweep
+writes it at most every 30 s, issue 54): writing it with the per-layout lists after a calibration change is timed
+on its own. One proposal (the next launchable layout not
 yet taken) is timed too. Prints CPU seconds and the ratios.
 
     python benchmarks/driver_events.py [--events 5] [--space search_spaces/deepseek_v3_1024.yaml] [--no-fresh]
@@ -74,8 +76,7 @@ def main() -> None:
     cfg = config(args.space)
     with tempfile.TemporaryDirectory() as tmp:
         started = cpu()
-        frontier = Frontier(cfg, StandInHandle(), Calibrator(cfg, Path(tmp)), SweepDir(Path(tmp)), [],
-                            lambda layout: False)
+        frontier = Frontier(cfg, StandInHandle(), Calibrator(cfg, Path(tmp)), [], lambda layout: False)
         build_s = cpu() - started
         layouts = len(frontier._layouts)  # noqa: SLF001 - the benchmark reads the frontier's space
         launchable = list(frontier.launchable)
@@ -97,7 +98,8 @@ def main() -> None:
             started = cpu()
             frontier.learn(200 + i, entry.layout, result, calibration_changed=False)  # "after": the plan kept
             after.append(cpu() - started)
-        fresh, recalibrated, tabled, event = [], [], [], []
+        fresh, recalibrated, tabled, event, saved = [], [], [], [], []
+        sweep_dir = SweepDir(Path(tmp))
         for i in range(args.events):
             entry = launchable[(i * 7919) % len(launchable)]
             result = TrialResult(status="passed", metrics=TrialMetrics(peak_memory_gib=1.0, tokens_per_s=1.0,
@@ -121,6 +123,12 @@ def main() -> None:
             started = cpu()
             frontier.learn(300 + i, entry.layout, result, calibration_changed=True)
             event.append(cpu() - started)
+            started = cpu()  # what the sweep writes at most every SAVE_EVERY_S (search/run/state.py: save_progress)
+            meta = sweep_dir.read_meta()
+            for key, entries in frontier.verdict_lists().items():
+                setattr(meta, key, entries)
+            sweep_dir.write_meta(meta)
+            saved.append(cpu() - started)
             if not args.no_fresh:
                 frontier.calibrator.current = Calibration(activation_factor=1.0 + 0.01 * i, state_factor=0.97)
                 frontier._estimator = None  # noqa: SLF001 - "fresh": a new estimator, every layout's rules
@@ -132,6 +140,9 @@ def main() -> None:
         print(f"per calibration change (median of {args.events}), re-predicting the {len(plan) - len(invalid):,} valid "
               f"layouts: recalibrated estimator {r:.2f} s CPU, term table {t:.2f} s CPU: {r / t:.1f}x less "
               f"(equal predictions); the whole event with the table {e:.2f} s CPU")
+        size = (Path(tmp) / "sweep.json").stat().st_size / 1e6
+        print(f"  sweep.json with the lists after a calibration change (the sweep writes it at most every 30 s, not "
+              f"per event): {statistics.median(saved):.2f} s CPU, {size:.1f} MB")
         if fresh:
             f = statistics.median(fresh)
             print(f"  fresh assessment of the space (rules, a new estimator and table) {f:.2f} s CPU: {f / e:.1f}x "

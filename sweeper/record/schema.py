@@ -238,6 +238,7 @@ class SweepMeta(BaseModel):
     mlflow: dict[str, Any] | None = None  # tracking_uri, experiment, parent_run_id
     best: dict[str, Any] | None = None  # number, layout (short name), the objective's median
     reference: dict[str, Any] | None = None  # the equivalence gate's reference checkpoint
+    # The per-layout lists are written with the sweep's progress at most every SAVE_EVERY_S and when it ends
     memory_pruned: list[dict[str, Any]] | None = None  # layouts never launched on memory grounds (issue 13)
     dominated: list[dict[str, Any]] | None = None  # layouts a measured trial made not worth running (issue 15)
     # valid layouts the cluster's backend cannot run ({layout, reason}: "... unsupported on this backend (...)")
@@ -256,7 +257,7 @@ class SweepMeta(BaseModel):
     # (sweeper/search/decide/checkpoints.py)
     checkpoints: dict[str, Any] | None = None
     # What the sweep's earlier driver runs spent of its budget (issue 51): {"wall_s", "gpu_s", "waited_s"}, written
-    # with a recorded attempt at most every SPENT_EVERY_S (search/run/state.py) and when the sweep ends, so a
+    # with a recorded attempt at most every SAVE_EVERY_S (search/run/state.py) and when the sweep ends, so a
     # --resume (a preempted or requeued driver) continues the budget, not restarts it.
     spent: dict[str, float] | None = None
 

@@ -2,7 +2,8 @@
 
 ``trials.jsonl`` is appended one whole line per write and fsync'd, so a killed driver leaves at most a torn last
 line, which readers skip. Everything else (sweep.json, best_layout.yaml, the report) is written to a temporary
-file in the same folder and renamed over the old one.
+file in the same folder and renamed over the old one. ``sweep.json`` is read from the file once per ``SweepDir`` and
+held: the driver holding ``driver.lock`` is its only writer, so what it last wrote is what the file says.
 """
 
 from __future__ import annotations
@@ -26,8 +27,11 @@ PER_LAYOUT = ("memory_pruned", "dominated", "unsupported")
 SET_HEADER = "# applied over this file: --set "
 
 
-def meta_text(data: dict[str, Any]) -> str:
-    """sweep.json's text: indented, each per-layout list one entry per line."""
+def meta_text(meta: SweepMeta) -> str:
+    """sweep.json's text: indented, each per-layout list one entry per line. The lists' entries are JSON already
+    (plain dicts the frontier built), so they skip pydantic's serializer (seconds for tens of thousands of entries)."""
+    data = meta.model_dump(mode="json", exclude_unset=True, exclude=set(PER_LAYOUT))
+    data.update({key: getattr(meta, key) for key in PER_LAYOUT if key in meta.model_fields_set})
     lists = {key: data[key] for key in PER_LAYOUT if data.get(key)}
     marked = {key: f"\0{key}" if key in lists else value for key, value in data.items()}
     text = json.dumps(marked, indent=2, default=str)
@@ -47,6 +51,7 @@ class SweepDir:
         self.space = root / "space.yaml"  # the search YAML the sweep was started with, as given
         self.trial_dirs = root / "trials"
         self.lock = root / LOCK_FILE  # held by the one driver writing this folder (issue 43)
+        self._meta: SweepMeta | None = None  # sweep.json as last read or written through this object
 
     def exists(self) -> bool:
         return self.trials.exists() or self.meta.exists()
@@ -76,11 +81,15 @@ class SweepDir:
         return [line[len(SET_HEADER):] for line in text.splitlines() if line.startswith(SET_HEADER)]
 
     def read_meta(self) -> SweepMeta:
-        """sweep.json; an empty one when it is missing or unreadable."""
-        return read_meta(self.meta) or SweepMeta()
+        """sweep.json; an empty one when it is missing or unreadable. Read from the file the first time, then the
+        object last read or written (a 14 MB sweep.json took seconds to parse and validate on every event)."""
+        if self._meta is None:
+            self._meta = read_meta(self.meta) or SweepMeta()
+        return self._meta
 
     def write_meta(self, meta: SweepMeta) -> None:
-        write_atomic(self.meta, meta_text(meta.to_json()))
+        write_atomic(self.meta, meta_text(meta))
+        self._meta = meta
 
     def write_best(self, data: dict[str, Any], exports: dict[str, str], executable: set[str]) -> None:
         """best_layout.yaml and the winner's exports beside it (``executable``: the names of scripts)."""

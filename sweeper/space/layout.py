@@ -114,6 +114,18 @@ class Layout:
             raise LayoutError(f"pipeline_layout: must be a Megatron layout string without commas, e.g. "
                               f"'Et|(tt|)*62tL', got {self.pipeline_layout!r}")
 
+    def __hash__(self) -> int:
+        """The fields' hash (those ``==`` compares), computed once and kept: the driver hashes every candidate layout
+        several times per event (dict and set lookups over DeepSeek-V3's 9,435 launchable layouts were a fifth of its
+        time, issue 54). A pickled Layout leaves it behind: another process hashes strings with another seed."""
+        kept: int | None = self.__dict__.get("_hash")
+        if kept is None:
+            kept = self.__dict__["_hash"] = hash(_compared(self))
+        return kept
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     @classmethod
     def from_checked(cls, fields: dict[str, Any]) -> Layout:
         """The Layout of every field's value, each one already checked and canonical (a value that went through the
@@ -405,6 +417,9 @@ class Layout:
         if self.flex_backend:
             out.update(moe_flex_dispatcher_backend=self.flex_backend, moe_router_dtype="fp32")
         return out
+
+
+_compared = attrgetter(*(f.name for f in fields(Layout) if f.compare))
 
 
 def _unless(value: Any, omit: Any) -> Any:

@@ -133,6 +133,8 @@ class TrialHost:
             self._snapshot = (now, nodes)
             self._changes += 1
         sim = self.handle.simulated
+        if sim is None:  # the snapshot as read (fits asks per candidate: a copy each time cost seconds per event)
+            return self._snapshot[1]
         # Ray marks a killed node dead only after its health checks time out; a simulated cluster knows at once
         # (asked on every call: it is the driver's own table, and a lost node must not be reserved again).
         return {node: info for node, info in self._snapshot[1].items() if sim is None or sim.node_for(node) is not None}

@@ -16,7 +16,6 @@ from sweeper.estimate.step_time import PP_BUBBLE
 from sweeper.estimate.term_table import TermTable
 from sweeper.plan.assess import assess_all, assess_tabled
 from sweeper.plan.space import enumerate_layouts
-from sweeper.record.sweepdir import SweepDir
 from sweeper.search.propose.frontier import Frontier
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,8 +84,7 @@ def test_the_frontier_repredicts_a_recalibrated_space_as_a_fresh_assessment() ->
     cfg = load_config(WIDE)
     with tempfile.TemporaryDirectory() as tmp:
         host = _EverythingSupported()
-        frontier = Frontier(cfg, host, Calibrator(cfg, Path(tmp)), SweepDir(Path(tmp)), [],  # type: ignore[arg-type]
-                            lambda layout: False)
+        frontier = Frontier(cfg, host, Calibrator(cfg, Path(tmp)), [], lambda layout: False)  # type: ignore[arg-type]
         for calibration in (Calibration(activation_factor=1.5, state_factor=0.6, step_time_factor=1.3),
                             Calibration(activation_factor=1.1, moe_hot_rank_factor=2.5)):  # a new table
             frontier.calibrator.current = calibration

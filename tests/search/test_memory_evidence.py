@@ -74,3 +74,39 @@ def test_an_oom_prunes_only_layouts_that_need_as_much_in_every_part() -> None:
     more_of_each = _estimate(99.0, parts={"weights": 31.0, "activations": 68.0, "pipeline_rank": 3.0})
     why = evidence.verdict(more_of_each, more_of_each)
     assert why is not None and "#7" in why and "every part" in why
+
+
+def test_a_layout_asked_again_is_checked_against_the_trials_added_since_with_the_same_answers() -> None:
+    """Issue 54: every layout is asked on every event; a layout's proof is looked for among the OOM trials added
+    since it was last asked, and its line written again only for a new prediction, with the answers of a fresh look."""
+    evidence = MemoryEvidence(LIMIT)
+    raw, predicted = _estimate(98.0), _estimate(98.0)
+    assert evidence.verdict(predicted, raw) is None  # in the band, no OOM yet
+    evidence.add(6, "TP1-PP1-EP2", _estimate(97.0, parts={"weights": 50.0}), _oom())  # a part over this layout's
+    evidence.add(7, "TP1-PP1-EP4", _estimate(95.0), _oom())
+    evidence.add(8, "TP1-PP1-EP8", _estimate(90.0), _oom())
+    why = evidence.verdict(predicted, raw)
+    assert why is not None and "#7" in why  # the first OOM trial that proves it, as a fresh look finds
+    assert evidence.verdict(predicted, raw) == why == MemoryEvidence(LIMIT, ran_out=evidence.ran_out,
+                                                                     _least_oom_gib=90.0).verdict(predicted, raw)
+    over = _estimate(110.0)
+    first = evidence.verdict(over, over)
+    assert first is not None and evidence.verdict(over, over) is first  # the same prediction: the same line
+    recalibrated = _estimate(120.0)
+    assert "120.0 GiB" in (evidence.verdict(recalibrated, over) or "")
+
+
+def test_a_fit_proof_is_looked_for_among_the_trials_added_since() -> None:
+    evidence = MemoryEvidence(LIMIT)
+    raw = _estimate(112.0)
+    evidence.add(1, "a", _estimate(100.0), _passed(80.0))
+    evidence.add(2, "b", _estimate(120.0), _passed(80.0))  # predicted to need more, and fitted: a proof
+    assert evidence.verdict(raw, raw) is None
+    assert evidence.proof_of_fit(raw) is evidence.fitted[1]
+    evidence.add(3, "c", _estimate(130.0), _passed(80.0))
+    assert evidence.proof_of_fit(raw) is evidence.fitted[1]  # the first proof stays the one a fresh look finds
+    alone = MemoryEvidence(LIMIT)
+    alone.add(1, "a", _estimate(100.0), _passed(80.0))
+    assert alone.verdict(raw, raw) is not None
+    alone.add(4, "d", _estimate(115.0), _passed(80.0))
+    assert alone.verdict(raw, raw) is None  # a proof added after the layout was asked

@@ -912,6 +912,29 @@ def test_the_budget_spent_survives_resume(tmp_path: Path, make_sweep: Callable[.
     assert SweepDir(tmp_path / "sweep").read_meta().spent["gpu_s"] >= spent["gpu_s"]
 
 
+def test_sweep_json_is_written_with_the_progress_not_with_every_trial(
+        tmp_path: Path, make_sweep: Callable[..., Sweep], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before (issue 54): every ended trial read sweep.json, had pydantic validate and dump it whole and wrote it: on
+    DeepSeek-V3's 1,024-GPU space 38 MB and seconds per event. Now the driver holds it and writes it with the
+    progress at most every SAVE_EVERY_S, and whole, lists included, when the sweep ends."""
+    import sweeper.search.run.state as state
+
+    monkeypatch.setattr(state, "SAVE_EVERY_S", 3600.0)
+    cfg = _load(tmp_path, {**SPACE, "search": {"max_trials": 4, "confirm_top": 0}})
+    sweep = make_sweep(cfg, StandInHost(delay=0.05))
+    writes: list[str | None] = []
+    write = sweep.dir.write_meta
+    monkeypatch.setattr(sweep.dir, "write_meta", lambda meta: (writes.append(meta.status), write(meta)))
+    assert sweep.run() == 0
+    assert len([r for r in _explore_records(sweep) if r.result.status != "pruned"]) == 4
+    # The equivalence reference's note (make_sweep's sweep.json has no status) and the end: none per trial.
+    assert writes == [None, "finished"]
+    on_disk = SweepMeta.from_json(json.loads(sweep.dir.meta.read_text()))
+    lists = sweep.frontier.verdict_lists()
+    assert on_disk.memory_pruned == lists["memory_pruned"] and on_disk.dominated == lists["dominated"]
+    assert on_disk.spent is not None and on_disk.spent["wall_s"] > 0 and on_disk.status == "finished"
+
+
 def test_an_interrupted_sweep_writes_no_best_layout(
         cfg: SweepConfig, tmp_path: Path, make_sweep: Callable[..., Sweep]) -> None:
     """Before: an interrupted sweep exported whatever happened to be confirmed when it stopped."""

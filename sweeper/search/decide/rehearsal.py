@@ -84,7 +84,8 @@ def summary(host: RehearsalHost, records: list[TrialRecord], cfg: SweepConfig,
 
     scored = [(v, lo) for lo in valid if (v := modelled(lo)) is not None]
     best, best_layout = max(scored, key=lambda p: p[0], default=(None, None))
-    launchable_best = max((v for v, lo in scored if lo in set(launchable)), default=None)
+    proposable = set(launchable)  # once: built per layout it took minutes on DeepSeek-V3's space (issue 54)
+    launchable_best = max((v for v, lo in scored if lo in proposable), default=None)
     explored = [r for r in records if r.phase == "explore" and r.attempt >= 1]
     reached = None
     if best is not None:

@@ -31,6 +31,9 @@ class Dominance:
     def __init__(self) -> None:
         self._oom: dict[Layout, Decided] = {}  # layout with mbs=1 -> the smallest micro-batch measured OOM
         self._plain: dict[Layout, Decided] = {}  # layout with recompute=none -> a stable trial of it
+        # layout -> (it with mbs=1, it with recompute=none): the frontier asks every candidate on every event, and
+        # building a Layout (validated) for each cost seconds per event on a 1,024-GPU space
+        self._variants: dict[Layout, tuple[Layout, Layout]] = {}
 
     def add(self, number: int, layout: Layout, result: TrialResult, stable: bool) -> bool:
         """Learn from one recorded trial; True when it dominates layouts it did not before."""
@@ -47,12 +50,17 @@ class Dominance:
 
     def verdict(self, layout: Layout) -> str | None:
         """Why a measured trial makes ``layout`` not worth running, or None."""
-        oom = self._oom.get(replace(layout, mbs=1)) if self._oom else None  # a Layout is costly to build
+        if not self._oom and not self._plain:
+            return None
+        variants = self._variants.get(layout)
+        if variants is None:
+            variants = self._variants[layout] = (replace(layout, mbs=1), replace(layout, recompute="none"))
+        oom = self._oom.get(variants[0]) if self._oom else None
         if oom is not None and layout.mbs > oom.mbs:
             return (f"dominated: micro-batch {oom.mbs} of this layout ran out of memory (trial #{oom.number} "
                     f"{oom.layout}), and activations only grow with the micro-batch")
         if layout.recompute != "none" and self._plain:
-            plain = self._plain.get(replace(layout, recompute="none"))
+            plain = self._plain.get(variants[1])
             if plain is not None:
                 return (f"dominated: the same layout without recompute is stable (trial #{plain.number} "
                         f"{plain.layout}); recompute would only cost throughput")

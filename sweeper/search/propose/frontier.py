@@ -19,7 +19,6 @@ from sweeper.estimate.term_table import TermTable
 from sweeper.plan.assess import PlanEntry, assess, assess_tabled, repredict
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
-from sweeper.record.sweepdir import SweepDir
 from sweeper.search.decide.objective import predicted_objective
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, is_stable
 from sweeper.search.propose.dominance import Dominance
@@ -38,9 +37,9 @@ def layout_key(layout: dict[str, Any]) -> tuple[Any, ...]:
 class Frontier:
     """The layouts a proposal may name (``launchable``, fastest predicted first) and why every other one may not."""
 
-    def __init__(self, cfg: SweepConfig, handle: Host, calibrator: Calibrator, sweep_dir: SweepDir,
-                 records: list[TrialRecord], running: Callable[[Layout], bool]) -> None:
-        self.cfg, self.handle, self.calibrator, self.dir = cfg, handle, calibrator, sweep_dir
+    def __init__(self, cfg: SweepConfig, handle: Host, calibrator: Calibrator, records: list[TrialRecord],
+                 running: Callable[[Layout], bool]) -> None:
+        self.cfg, self.handle, self.calibrator = cfg, handle, calibrator
         self._running = running
         # A resumed sweep (perhaps with sweeper fixed) runs again what failed for reasons not the layout's.
         self.decided = {layout_key(r.layout) for r in records if r.result.failure_kind not in NOT_THE_LAYOUTS}
@@ -56,6 +55,13 @@ class Frontier:
         self._estimator: Estimator | None = None  # the space's, under the plan's calibration
         self._table: TermTable | None = None  # the valid layouts' terms, which a calibration only scales
         self._pruned: dict[Layout, tuple[Estimate, str, dict[str, Any]]] = {}  # by layout: prediction, reason, JSON
+        # Asked of every candidate on every event (issue 54), so kept per layout: its key, the backend's answer, its
+        # predicted objective under the prediction it was computed for
+        self._keys: dict[Layout, tuple[Any, ...]] = {}
+        self._unsupported: dict[Layout, str | None] = {}
+        self._objective: dict[Layout, tuple[Estimate, float]] = {}
+        # The last assessment's pruned (entry, reason), dominated and unsupported layouts (``verdict_lists``)
+        self._verdicts: tuple[list[tuple[PlanEntry, str]], list[dict[str, Any]], list[dict[str, Any]]] = [], [], []
         self.launchable = self._launchable()
 
     @property
@@ -87,18 +93,23 @@ class Frontier:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
         band and the measured trials, ``sweeper.search.propose.memory_evidence``), no measured trial dominates them
         (``sweeper.search.propose.dominance``), and this backend can run them; best predicted objective first.
-        Everything else is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory go
-        to sweep.json's ``memory_pruned``, the dominated ones to its ``dominated``, and both to the report)."""
+        Everything else is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory,
+        the dominated and the unsupported ones are kept for sweep.json's lists, ``verdict_lists``, and the report)."""
         plan = self._assessed()
-        entries, pruned, dominated, unsupported = [], [], [], []
+        entries: list[PlanEntry] = []
+        pruned: list[tuple[PlanEntry, str]] = []
+        dominated: list[dict[str, Any]] = []
+        unsupported: list[dict[str, Any]] = []
         for e in plan:
             if not e.valid or e.predicted is None:
                 continue
             why = self.memory_verdict(e)
             if why is not None:
-                pruned.append(self._pruned_json(e, why))
+                pruned.append((e, why))
                 continue
-            backend_says = self.handle.unsupported(self.cfg.model, e.layout)
+            if e.layout not in self._unsupported:  # a backend's support of a layout is fixed for the sweep
+                self._unsupported[e.layout] = self.handle.unsupported(self.cfg.model, e.layout)
+            backend_says = self._unsupported[e.layout]
             if backend_says:
                 unsupported.append({"layout": e.layout.short(), "reason": backend_says})
                 continue
@@ -107,12 +118,32 @@ class Frontier:
                 dominated.append({"layout": e.layout.short(), "reason": inferred})
             elif inferred is None:
                 entries.append(e)
-        meta = self.dir.read_meta()
-        meta.memory_pruned = sorted(pruned, key=lambda p: p["memory_gib"])
-        meta.dominated = dominated
-        meta.unsupported = unsupported
-        self.dir.write_meta(meta)
-        return sorted(entries, key=lambda e: -(predicted_objective(self.cfg, e.layout, e.predicted) or 0.0))
+        self._verdicts = pruned, dominated, unsupported
+        return sorted(entries, key=self._predicted_objective, reverse=True)
+
+    def _predicted_objective(self, entry: PlanEntry) -> float:
+        """The entry's predicted objective (0 when none), kept while its prediction is the same object."""
+        kept = self._objective.get(entry.layout)
+        if kept is not None and kept[0] is entry.predicted:
+            return kept[1]
+        assert entry.predicted is not None
+        value = predicted_objective(self.cfg, entry.layout, entry.predicted) or 0.0
+        self._objective[entry.layout] = (entry.predicted, value)
+        return value
+
+    @property
+    def unsupported(self) -> list[dict[str, Any]]:
+        """The valid layouts this backend cannot run, ``{layout, reason}`` (sweep.json ``unsupported``)."""
+        return self._verdicts[2]
+
+    def verdict_lists(self) -> dict[str, list[dict[str, Any]]]:
+        """sweep.json's per-layout lists as the frontier last assessed them: ``memory_pruned`` (least memory
+        first), ``dominated``, ``unsupported``. Built when sweep.json is written, not on every event: the JSON of
+        tens of thousands of pruned layouts took a second after each calibration change (issue 54)."""
+        pruned, dominated, unsupported = self._verdicts
+        elements = [self._pruned_json(e, why) for e, why in pruned]
+        return {"memory_pruned": sorted(elements, key=lambda p: p["memory_gib"]), "dominated": dominated,
+                "unsupported": unsupported}
 
     def _pruned_json(self, entry: PlanEntry, why: str) -> dict[str, Any]:
         """sweep.json's ``memory_pruned`` element of ``entry``: kept while its prediction and reason are the same
@@ -151,11 +182,18 @@ class Frontier:
 
     def taken(self, layout: Layout) -> bool:
         """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
-        return layout_key(layout.to_dict()) in self.decided or self._running(layout)
+        return self._key(layout) in self.decided or self._running(layout)
 
     def decide(self, layout: Layout) -> None:
         """The layout has its verdict: never proposed again in this sweep."""
-        self.decided.add(layout_key(layout.to_dict()))
+        self.decided.add(self._key(layout))
+
+    def _key(self, layout: Layout) -> tuple[Any, ...]:
+        """``layout_key`` of the layout, kept (a proposal asks ``taken`` of every launchable layout)."""
+        key = self._keys.get(layout)
+        if key is None:
+            key = self._keys[layout] = layout_key(layout.to_dict())
+        return key
 
     def assess(self, layout: Layout) -> tuple[PlanEntry, Refusal | None]:
         """The layout's plan entry as it stands now, and why it may not run (None: it may)."""

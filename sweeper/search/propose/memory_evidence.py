@@ -19,6 +19,7 @@ report).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,17 @@ class MemoryEvidence:
     limit_gib: float  # (1 - memory_headroom) * gpu_memory_gib
     fitted: list[Measured] = field(default_factory=list)  # passed, device peak under the limit
     ran_out: list[Measured] = field(default_factory=list)  # failed with kind oom
+    # The most a fitted trial and the least an OOM trial was predicted to need: every layout of the space is asked
+    # on every event, and most have no proof either way (a scan of every trial each: growing with the sweep)
+    _most_fitted_gib: float = field(default=-math.inf, repr=False)
+    _least_oom_gib: float = field(default=math.inf, repr=False)
+    # Per uncalibrated prediction (one per layout, by id): it, how many OOM (fitted) trials it was checked against
+    # and the proof found. The lists only grow, so a layout is checked against the trials added since (issue 54: a
+    # scan of every such trial for every layout, on every event, grew with the sweep).
+    _oom_checked: dict[int, tuple[Estimate, int, Measured | None]] = field(default_factory=dict, repr=False)
+    _fit_checked: dict[int, tuple[Estimate, int, Measured | None]] = field(default_factory=dict, repr=False)
+    # Per uncalibrated prediction: the calibrated prediction its "exceeds the limit" line was written for, and it
+    _exceeds: dict[int, tuple[Estimate, str]] = field(default_factory=dict, repr=False)
 
     def add(self, number: int, layout: str, raw: Estimate, result: Any) -> bool:
         """Remember a finished trial (a TrialResult) as evidence about layouts predicted near it; True when it is
@@ -52,36 +64,59 @@ class MemoryEvidence:
         seen = Measured(number, layout, raw.memory_gib, peak, gib_parts(raw))
         if result.passed and result.memory_kind == "device" and peak is not None and peak <= self.limit_gib:
             self.fitted.append(seen)
+            self._most_fitted_gib = max(self._most_fitted_gib, seen.predicted_gib)
         elif result.failure_kind == "oom":
             self.ran_out.append(seen)
+            self._least_oom_gib = min(self._least_oom_gib, seen.predicted_gib)
         else:
             return False
         return True
 
     def proof_of_fit(self, raw: Estimate) -> Measured | None:
         """A measured trial that passed although predicted to need at least as much as ``raw``."""
-        return next((m for m in self.fitted if m.predicted_gib >= raw.memory_gib), None)
+        if raw.memory_gib > self._most_fitted_gib:
+            return None
+        kept = self._fit_checked.get(id(raw))
+        checked, proof = (kept[1], kept[2]) if kept is not None and kept[0] is raw else (0, None)
+        if proof is None and checked < len(self.fitted):
+            proof = next((m for m in self.fitted[checked:] if m.predicted_gib >= raw.memory_gib), None)
+        self._fit_checked[id(raw)] = (raw, len(self.fitted), proof)
+        return proof
 
     def proof_of_oom(self, raw: Estimate) -> Measured | None:
         """A trial that ran out of memory although predicted to need no more than ``raw``, in total and in every part
         of the breakdown."""
-        parts = gib_parts(raw)
-        return next((m for m in self.ran_out if m.predicted_gib <= raw.memory_gib
-                     and all(parts.get(k, 0.0) >= v for k, v in m.parts_gib.items())), None)
+        if raw.memory_gib < self._least_oom_gib:
+            return None
+        kept = self._oom_checked.get(id(raw))
+        checked, proof = (kept[1], kept[2]) if kept is not None and kept[0] is raw else (0, None)
+        if proof is None and checked < len(self.ran_out):
+            parts = gib_parts(raw)
+            proof = next((m for m in self.ran_out[checked:] if m.predicted_gib <= raw.memory_gib
+                          and all(parts.get(k, 0.0) >= v for k, v in m.parts_gib.items())), None)
+        self._oom_checked[id(raw)] = (raw, len(self.ran_out), proof)
+        return proof
 
     def verdict(self, predicted: Estimate, raw: Estimate) -> str | None:
         """None when the layout may be launched on memory grounds, else why it is pruned (one line).
         ``predicted`` is the (calibrated) estimate the sweep uses, ``raw`` the uncalibrated one."""
         if predicted.fits:
             return None
-        low, high = predicted.memory_band_gib
-        band = f"predicted {predicted.memory_gib:.1f} GiB per GPU (error band {low:.1f}-{high:.1f} GiB)"
         if predicted.may_fit:
             oom = self.proof_of_oom(raw)
             if oom is None:
                 return None
-            return (f"{band} is at least what trial #{oom.number} ({oom.layout}) was predicted to need "
+            return (f"{_band(predicted)} is at least what trial #{oom.number} ({oom.layout}) was predicted to need "
                     f"({oom.predicted_gib:.1f} GiB), in every part, and that trial ran out of memory (inferred)")
         if self.proof_of_fit(raw) is not None:
             return None
-        return f"{band} exceeds {self.limit_gib:.1f} GiB even at the band's lower end"
+        kept = self._exceeds.get(id(raw))
+        if kept is None or kept[0] is not predicted:  # written again only when the calibration changed
+            kept = self._exceeds[id(raw)] = (
+                predicted, f"{_band(predicted)} exceeds {self.limit_gib:.1f} GiB even at the band's lower end")
+        return kept[1]
+
+
+def _band(predicted: Estimate) -> str:
+    low, high = predicted.memory_band_gib
+    return f"predicted {predicted.memory_gib:.1f} GiB per GPU (error band {low:.1f}-{high:.1f} GiB)"

@@ -92,6 +92,7 @@ class LayoutStudy:
         self.choices = _choices(cfg)
         self.rng = random.Random(seed)
         self.counts = AskCounts()
+        self._coords: dict[Layout, tuple[int, ...]] = {}  # each candidate's indices along the axes' value lists
         self.set_candidates(candidates)
         # Layouts outside the candidates already told infeasible (a resumed study keeps what it learned).
         self.told_infeasible = {
@@ -102,7 +103,8 @@ class LayoutStudy:
     def set_candidates(self, candidates: Sequence[Layout]) -> None:
         """The layouts proposals are drawn from, in the order ``ordered`` mode visits them."""
         self.candidates = list(dict.fromkeys(candidates))
-        self._coords = {lo: self._coordinates(lo) for lo in self.candidates}
+        known = self._coords  # a layout's coordinates never change; the candidates are set again on every event
+        self._coords = {lo: known[lo] if lo in known else self._coordinates(lo) for lo in self.candidates}
 
     # -- layouts <-> Optuna params ---------------------------------------------------------------------------------
     def params_of(self, layout: Layout) -> dict[str, Any]:

@@ -20,7 +20,7 @@ def finish(sweep: SweepState, status: str) -> int:
     # Only a sweep that ran to its end has a winner: an interrupted or failed one has confirmed whatever happened to
     # run before it stopped (``--resume`` finishes it), so nothing is exported under the winner's name.
     winner = choose(cands, sweep.cfg, confirmed_only=sweep.cfg.search.confirm_top > 0) if status == "finished" else None
-    meta = sweep.dir.read_meta()
+    meta = sweep.progress_meta()
     rehearsal = bool(meta.rehearsal)  # every output of a rehearsal says its figures were modelled (issue 54)
     if winner is not None:
         sweep.dir.write_best(best_layout_document(sweep.cfg, winner, sweep.tracker.tracking_uri, cands, rehearsal),
@@ -32,7 +32,6 @@ def finish(sweep: SweepState, status: str) -> int:
         "number": winner.number, "layout": winner.layout.short(),
         sweep.cfg.search.objective: winner.figure(sweep.cfg)}
     meta.scheduling_efficiency = sweep.scheduler.busy_gpu_s / (elapsed * gpus) if elapsed > 0 else None
-    meta.spent = sweep.spent()
     meta.stopped_early = sweep.halted or sweep.stopped_early
     meta.decision = decision(sweep.cfg, cands, winner, sweep.records, sweep.calibrator.current, rehearsal=rehearsal)
     meta.calibration = sweep.calibrator.report.lines() if sweep.calibrator.report else [

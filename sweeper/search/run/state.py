@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.calibrator import Calibrator, Measured
 from sweeper.plan.assess import PlanEntry, invalid_reasons
-from sweeper.record.schema import Phase, TrialRecord, TrialResult
+from sweeper.record.schema import Phase, SweepMeta, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
 from sweeper.search.decide.candidates import candidates
@@ -52,7 +52,13 @@ if TYPE_CHECKING:
 # A failure that says nothing about the layout (decide.candidates.NOT_THE_LAYOUTS): Optuna is told nothing (FAIL);
 # the layout runs again as a new attempt, up to these many attempts.
 MAX_ATTEMPTS = {"infra": 3, "internal": 2}
-SPENT_EVERY_S = 30.0  # sweep.json's ``spent`` is written with an attempt at most this often (``save_spent``)
+# sweep.json is written with the sweep's progress (``spent``, the frontier's per-layout lists; ``save_progress``) at
+# most every SAVE_EVERY_S, less often while a write would take over SAVE_SHARE of the driver's CPU since the last
+# one (DeepSeek-V3's 1,024-GPU space: 38 MB, 4 s of CPU), but at least every SAVE_AT_LEAST_S; whole when a phase ends
+# the sweep.
+SAVE_EVERY_S = 30.0
+SAVE_SHARE = 0.1
+SAVE_AT_LEAST_S = 300.0
 
 
 @dataclass
@@ -91,7 +97,8 @@ class SweepState:
         # The budget spent by the driver runs before this one (--resume): wall time, busy GPU-seconds, waits.
         before = self.dir.read_meta().spent or {}
         self.spent_before = {key: float(before.get(key, 0.0)) for key in ("wall_s", "gpu_s", "waited_s")}
-        self._spent_saved = -SPENT_EVERY_S  # when save_spent last wrote (monotonic): the first attempt saves
+        # When save_progress last wrote sweep.json (monotonic), the driver's CPU seconds then, and the write's CPU
+        self._saved: tuple[float, float, float] | None = None
         self.counted = {r.number for r in self.records if r.phase == "explore" and r.attempt >= 1}
         self.resumed: dict[tuple[Any, ...], tuple[int, int]] = {}  # layout -> (number, attempt) running at a crash
         self.next_number = 1 + max((r.number for r in self.records), default=0)
@@ -107,8 +114,9 @@ class SweepState:
         self.stopped_early: str | None = None
         self.repeated = RepeatedFailure()
         self.halted: str | None = None  # why the sweep stopped itself (a cause that is not transient)
-        self.frontier = Frontier(cfg, handle, self.calibrator, self.dir, self.records, self.scheduler.is_running)
-        skipped = self.dir.read_meta().unsupported or []
+        self.frontier = Frontier(cfg, handle, self.calibrator, self.records, self.scheduler.is_running)
+        self.save_progress()  # the verdict lists of the space as the sweep starts
+        skipped = self.frontier.unsupported
         if skipped:
             console.print(f"[yellow]backend[/] {len(skipped)} valid layouts cannot run here and are not proposed "
                           f"(sweep.json unsupported), e.g. {skipped[0]['layout']}: {skipped[0]['reason']}")
@@ -145,16 +153,29 @@ class SweepState:
         return {"wall_s": self.wall_s(), "gpu_s": self.gpu_s(),
                 "waited_s": self.spent_before["waited_s"] + self.capacity.waited_s}
 
-    def save_spent(self) -> None:
-        """sweep.json's ``spent``, at most every SPENT_EVERY_S: a recorded attempt's hot path would otherwise read
-        and write the whole of sweep.json (megabytes on a 1,024-GPU space, seconds per event), and a driver killed
-        between two saves loses at most that much of its budget's count. ``finish`` writes it last."""
-        if time.monotonic() - self._spent_saved < SPENT_EVERY_S:
-            return
-        self._spent_saved = time.monotonic()
+    def progress_meta(self) -> SweepMeta:
+        """sweep.json as the sweep stands: the budget spent and the frontier's per-layout lists."""
         meta = self.dir.read_meta()
         meta.spent = self.spent()
-        self.dir.write_meta(meta)
+        for key, entries in self.frontier.verdict_lists().items():
+            setattr(meta, key, entries)
+        return meta
+
+    def save_progress(self) -> None:
+        """sweep.json with the sweep's progress, at most every SAVE_EVERY_S and within SAVE_SHARE of the driver's
+        CPU (written on every event it cost seconds on a 1,024-GPU space: the JSON of tens of thousands of pruned
+        layouts, megabytes written), at least every SAVE_AT_LEAST_S. What a driver killed between two saves loses
+        is that much of its budget's count and lists the frontier makes again from trials.jsonl on ``--resume``;
+        the phases that end the sweep write it whole."""
+        if self._saved is not None:
+            at, cpu_then, cost = self._saved
+            waited = time.monotonic() - at
+            if waited < SAVE_EVERY_S or (waited < SAVE_AT_LEAST_S
+                                         and time.process_time() - cpu_then < cost / SAVE_SHARE):
+                return
+        started = time.process_time()
+        self.dir.write_meta(self.progress_meta())
+        self._saved = (time.monotonic(), time.process_time(), time.process_time() - started)
 
     @property
     def launched(self) -> int:
@@ -229,7 +250,6 @@ class SweepState:
         )
         self.dir.append_trial(record)
         self.records.append(record)
-        self.save_spent()
         if self.tracker.behind:  # the tracking server went away: logged from the records once it answers
             self.tracker.catch_up(self.records)
         colour = "green" if result.passed else "red"
@@ -256,6 +276,7 @@ class SweepState:
             console.print(f"[yellow]estimator[/] {update.warning}", important=True)
         if self.frontier.learn(run.number, run.layout, result, update.changed):
             self.study.set_candidates(self.frontier.order())
+        self.save_progress()
         self.print_progress()
         halt = None if self.stop.is_set() else self.repeated.add(layout_key(run.layout.to_dict()), run.attempt,
                                                                   as_run)
@@ -326,7 +347,7 @@ class SweepState:
     def abandon(self) -> None:
         """A second Ctrl-C: the sweep stops without waiting for its trials (the caller's shutdown kills them). What
         was recorded stays; sweep.json and MLflow say the sweep was interrupted, and ``--resume`` continues it."""
-        meta = self.dir.read_meta()
+        meta = self.progress_meta()
         meta.status, meta.ended_at = "interrupted", now()
         self.dir.write_meta(meta)
         self.tracker.kill_sweep()
