@@ -27,15 +27,21 @@ class Progress:
     production_gpus: int = 0
 
     def line(self, records: list[TrialRecord], running: int, launched: int, best: tuple[str, float] | None,
-             others: int = 0, waiting: bool = False) -> str:
-        """``others``: GPUs other jobs hold on the sweep's nodes; ``waiting``: a trial waits for GPUs."""
+             others: int = 0, waiting: bool = False, at_scale_gpus: int = 0) -> str:
+        """``others``: GPUs other jobs hold on the sweep's nodes; ``waiting``: a trial waits for GPUs;
+        ``at_scale_gpus``: the best's figure was measured by its run at scale on that many GPUs (issue 53)."""
         explore = [r for r in records if r.phase == "explore"]
         passed = sum(1 for r in explore if r.result.status == "passed")
         failed = sum(1 for r in explore if r.result.status == "failed")
         pruned = sum(1 for r in explore if r.result.status == "pruned")
         elapsed = self.clock() - self.started
-        kinds = [k for k in ("modelled" if self.modelled else "",
-                             f"projected to {self.production_gpus} GPUs" if self.production_gpus else "") if k]
+        measured = "modelled" if self.modelled else "measured"
+        if at_scale_gpus and at_scale_gpus >= self.production_gpus:
+            kinds = [f"{measured} on the production run's {at_scale_gpus} GPUs"]
+        else:
+            kinds = [k for k in (f"{measured} on {at_scale_gpus} GPUs" if at_scale_gpus else
+                                 "modelled" if self.modelled else "",
+                                 f"projected to {self.production_gpus} GPUs" if self.production_gpus else "") if k]
         best_text = (f"best {best[0]} {best[1]:,.1f} {self.objective}" + (f" ({', '.join(kinds)})" if kinds else "")
                      if best else "no stable layout yet")
         held = ""

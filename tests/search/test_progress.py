@@ -30,3 +30,15 @@ def test_the_eta_counts_the_trials_left_the_running_one_and_the_confirmation() -
     assert progress.line(records, running=1, launched=3, best=("TP1", 5.0)).endswith("ETA ~4m00s")
     confirming = records + [_record(4, 80), _record(2, 120, phase="confirm")]
     assert progress.line(confirming, running=0, launched=4, best=("TP1", 5.0)).endswith("budget 4/4 trials")
+
+
+def test_the_best_measured_at_scale_says_where_it_was_measured() -> None:
+    # issue 53: after the winner's run at scale, its figure is that run's, not a projection
+    progress = Progress(max_trials=4, objective="tokens_per_s", started=0.0, clock=lambda: 60.0, production_gpus=16)
+    line = progress.line([], running=0, launched=4, best=("TP1-PP2", 1234.5), at_scale_gpus=16)
+    assert "best TP1-PP2 1,234.5 tokens_per_s (measured on the production run's 16 GPUs) |" in line
+    nearest = progress.line([], running=0, launched=4, best=("TP1-PP2", 1234.5), at_scale_gpus=8)
+    assert "(measured on 8 GPUs, projected to 16 GPUs) |" in nearest
+    modelled = Progress(max_trials=4, objective="tokens_per_s", started=0.0, clock=lambda: 60.0, production_gpus=16,
+                        modelled=True)
+    assert "(modelled on the production run's 16 GPUs)" in modelled.line([], 0, 4, ("TP1-PP2", 1.0), at_scale_gpus=16)

@@ -124,7 +124,7 @@ def ensure_trajectory(sweep: SweepState, layout: Layout) -> None:
                           f"{key.precision} are not held against the reference layout's trajectory: {why}",
                           important=True)
         else:
-            console.print(f"[blue]trajectory[/] reference {made.layout}: {steps} steps, loss "
+            console.print(f"[blue]trajectory[/] reference {made.layout} on global batch {key.gbs}: {steps} steps, loss "
                           f"{made.losses[0]:.4f} -> {made.losses[-1]:.4f}")
     sweep.trajectories[key] = made
 

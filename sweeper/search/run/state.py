@@ -23,7 +23,7 @@ from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import Phase, SweepMeta, TrialRecord, TrialResult
 from sweeper.record.sweepdir import SweepDir
 from sweeper.search.console import Display, Verbosity, console
-from sweeper.search.decide.candidates import candidates
+from sweeper.search.decide.candidates import candidates, run_gpus
 from sweeper.search.decide.objective import objective_value
 from sweeper.search.decide.verdicts import (
     GATE_OFF,
@@ -310,10 +310,14 @@ class SweepState:
         """The progress summary and the running trials: the live table on a terminal; ``line``: also as a plain
         line otherwise (and in sweep.log)."""
         best = candidates(self.records, self.cfg, self.calibrator.current)
-        top = (best[0].layout.short(), best[0].values(self.cfg)[0]) if best else None
+        lead = max(best, key=lambda c: c.figure(self.cfg)) if any(c.confirmations for c in best) else (
+            best[0] if best else None)  # exploring: the best explored; confirming: the best figure (issue 53)
+        top = (lead.layout.short(), lead.figure(self.cfg)) if lead is not None else None
+        at_scale = lead.at_scale if lead is not None else None
         summary = self.progress.line(self.records, len(self.scheduler.in_flight), self.launched, top,
                                      others=self.scheduler.host.held_by_others(),
-                                     waiting=bool(self.scheduler.waiting))
+                                     waiting=bool(self.scheduler.waiting),
+                                     at_scale_gpus=run_gpus(at_scale) if at_scale is not None else 0)
         running = [{"trial": f"{r.number}.{r.attempt}", "phase": r.phase, "layout": r.layout.short(),
                     "gpus": r.layout.world_size, "nodes": ",".join(r.slot.labels) if r.slot else "",
                     "elapsed_s": self.scheduler.now() - r.started} for r in self.scheduler.in_flight]
