@@ -47,8 +47,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from proposer_comparison import MEASURED, deepseek_slice, p90, rehearsed_landscape  # noqa: E402
-from search_efficiency import Landscape, measured_landscape, run_study  # noqa: E402
+from proposer_comparison import deepseek_slice, measured_landscapes, p90, rehearsed_landscape  # noqa: E402
+from search_efficiency import Landscape, run_study  # noqa: E402
 
 from sweeper.config.load import load_config  # noqa: E402
 from sweeper.config.schema import SweepConfig  # noqa: E402
@@ -102,12 +102,8 @@ def main() -> None:
 
     rows = []
     if args.only != "rehearsed":
-        for path in MEASURED:
-            table = json.loads((ROOT / path).read_text())
-            cfg = load_config(ROOT / table["space"])
-            land = measured_landscape(table, cfg)
-            rows.append(compare(Path(path).stem, cfg, lambda _, land=land: land, args.seeds,
-                                table["machine"]["cores"], args.limit))
+        for name, cfg, land, cores in measured_landscapes():
+            rows.append(compare(name, cfg, lambda _, land=land: land, args.seeds, cores, args.limit))
     if args.only != "measured":
         for label, cfg in (("nemotron", load_config(ROOT / "search_spaces/nemotron.yaml")),
                            ("deepseek_v3 slice", deepseek_slice())):

@@ -31,7 +31,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import optuna
@@ -96,6 +96,14 @@ def deepseek_slice() -> SweepConfig:
     return cfg.model_copy(update={"space": cfg.space.model_copy(update=DEEPSEEK_SLICE)})
 
 
+def measured_landscapes() -> Iterator[tuple[str, SweepConfig, Landscape, int | None]]:
+    """Each measured landscape (``MEASURED``): its name, the space's config, the landscape and the machine's cores."""
+    for path in MEASURED:
+        table = json.loads((ROOT / path).read_text())
+        cfg = load_config(ROOT / table["space"])
+        yield Path(path).stem, cfg, measured_landscape(table, cfg), table["machine"]["cores"]
+
+
 def p90(values: list[int]) -> float:
     return statistics.quantiles(values, n=10, method="inclusive")[-1]
 
@@ -138,12 +146,8 @@ def main() -> None:
 
     rows = []
     if args.only != "rehearsed":
-        for path in MEASURED:
-            table = json.loads((ROOT / path).read_text())
-            cfg = load_config(ROOT / table["space"])
-            land = measured_landscape(table, cfg)
-            rows.append(compare(Path(path).stem, cfg, lambda _, land=land: land, args.seeds,
-                                table["machine"]["cores"]))
+        for name, cfg, land, cores in measured_landscapes():
+            rows.append(compare(name, cfg, lambda _, land=land: land, args.seeds, cores))
     if args.only != "measured":
         for label, cfg in (("nemotron", load_config(ROOT / "search_spaces/nemotron.yaml")),
                            ("deepseek_v3 slice", deepseek_slice())):
