@@ -7,37 +7,22 @@ and best_layout.yaml."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
 from sweeper.space.layout import Layout
+from tests.search.test_trajectory_e2e import tiny_gpt_search
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
 def test_the_winner_runs_as_the_production_run_and_that_measurement_is_its_figure(tmp_path: Path) -> None:
-    doc = {
-        "name": f"at-scale-{tmp_path.name}"[:90],
-        "model": "tiny-gpt",
-        "cluster": {"nodes": 4, "gpus_per_node": 1, "gpu_memory_gib": 4, "compute_capability": "9.0"},
-        "training": {"seq_length": 32, "global_batch_size": 8, "steps": 3, "warmup_steps": 1, "checkpoint": False,
-                     "trial_timeout_s": 240},
-        "space": {"gpus": [2], "tp": [1], "pp": [1, 2], "mbs": [1], "precision": ["fp32"]},
-        "search": {"max_trials": 2, "confirm_top": 1, "parallel": 2, "sampler": "grid"},
-    }
-    space = tmp_path / "space.yaml"
-    space.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    # the two-rank layouts on 4 simulated nodes of one GPU: N = 4, two copies of each
+    proc, records = tiny_gpt_search(tmp_path, 4, 8, {"confirm_top": 1, "parallel": 2})
     said = proc.stdout[-4000:] + proc.stderr[-3000:]
     assert proc.returncode == 0, said
-    records = [json.loads(line) for line in (tmp_path / "sweep" / "trials.jsonl").read_text().splitlines()]
     confirms = [r for r in records if r["phase"] == "confirm"]
     at_scale = [r for r in confirms if Layout.from_dict(r["layout"]).world_size == 4]
     assert len(at_scale) == 1 and at_scale[0]["result"]["status"] == "passed", said

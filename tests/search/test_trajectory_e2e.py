@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -22,23 +23,33 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
 
 
-def test_a_slow_drift_the_gate_passes_fails_the_confirmation_naming_its_step(tmp_path: Path) -> None:
+def tiny_gpt_search(tmp_path: Path, nodes: int, gbs: int, search: dict[str, Any],
+                    *extra: str) -> tuple[subprocess.CompletedProcess[str], list[dict[str, Any]]]:
+    """``sweeper search`` of the tiny GPT's FP32 two-rank layouts (DP2 and PP2) on ``nodes`` simulated nodes of one
+    GPU, or one node of two: what it said and its trial records."""
     doc = {
-        "name": f"trajectory-{tmp_path.name}"[:90],
+        "name": f"e2e-{tmp_path.name}"[:90],
         "model": "tiny-gpt",
-        "cluster": {"nodes": 1, "gpus_per_node": 2, "gpu_memory_gib": 4, "compute_capability": "9.0"},
-        "training": {"seq_length": 32, "global_batch_size": 4, "steps": 3, "warmup_steps": 1, "checkpoint": False,
+        "cluster": {"nodes": nodes, "gpus_per_node": 2 if nodes == 1 else 1, "gpu_memory_gib": 4,
+                    "compute_capability": "9.0"},
+        "training": {"seq_length": 32, "global_batch_size": gbs, "steps": 3, "warmup_steps": 1, "checkpoint": False,
                      "trial_timeout_s": 240},
-        # Two layouts of two ranks (DP2 and PP2), both confirmed: the first launched one drifts.
         "space": {"gpus": [2], "tp": [1], "pp": [1, 2], "mbs": [1], "precision": ["fp32"]},
-        "search": {"max_trials": 2, "confirm_top": 2, "parallel": 1, "sampler": "grid"},
+        "search": {"max_trials": 2, "sampler": "grid", **search},
     }
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump(doc))
-    proc = subprocess.run([sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep",
-                           "--inject", "drift@trial=1"], cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    proc = subprocess.run([sys.executable, "-m", "sweeper", "search", str(space), "--out", "sweep", *extra],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    records = [json.loads(line) for line in (tmp_path / "sweep" / "trials.jsonl").read_text().splitlines()]
+    trials = tmp_path / "sweep" / "trials.jsonl"
+    records = [json.loads(line) for line in trials.read_text().splitlines()] if trials.is_file() else []
+    return proc, records
+
+
+def test_a_slow_drift_the_gate_passes_fails_the_confirmation_naming_its_step(tmp_path: Path) -> None:
+    # Two layouts of two ranks (DP2 and PP2), both confirmed: the first launched one drifts.
+    proc, records = tiny_gpt_search(tmp_path, 1, 4, {"confirm_top": 2, "parallel": 1}, "--inject", "drift@trial=1")
     explored = sorted((r for r in records if r["phase"] == "explore"), key=lambda r: r["started_at"])
     assert len(explored) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     drifting = explored[0]["number"]
