@@ -18,7 +18,6 @@ from sweeper.estimate.step_fit import StepModel
 from sweeper.plan.assess import assess_all
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialMetrics, TrialResult
-from sweeper.record.sweepdir import SweepDir
 from sweeper.search.propose.frontier import Frontier
 from sweeper.search.propose.ranked import EXPLORE, OPTIMISM, ORDER, Ranked, explores
 from sweeper.search.propose.refit import predicted_objective
@@ -57,8 +56,7 @@ def test_without_exploration_a_ranked_study_visits_the_frontiers_order_and_follo
     estimator's own order) and after measured trials recalibrated it (the frontier re-ranked, the model refitted)."""
     cfg = load_config(NEMOTRON)
     calibrator = Calibrator(cfg, tmp_path, shared=False)
-    frontier = Frontier(cfg, _EverythingSupported(), calibrator, SweepDir(tmp_path), [],  # type: ignore[arg-type]
-                        lambda layout: False)
+    frontier = Frontier(cfg, _EverythingSupported(), calibrator, [], lambda layout: False)  # type: ignore[arg-type]
     study = LayoutStudy(cfg, tmp_path / "journal.log", "ranked", 0, [e.layout for e in frontier.launchable],
                         Ranked(cfg, calibrator.step, exploration=0.0))
     order = [e.layout for e in frontier.launchable]
