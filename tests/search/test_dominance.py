@@ -42,3 +42,22 @@ def test_passing_over_the_headroom_or_with_recompute_dominates_nothing() -> None
     assert not d.add(2, _lo(tp=2, recompute="full"), PASSED, stable=True)
     assert d.verdict(_lo(tp=2, recompute="selective")) is None
     assert not d.add(3, _lo(tp=2), TrialResult(status="failed", failure_kind="nan", error="nan"), stable=False)
+
+
+def test_a_stable_layout_dominates_its_smaller_twins_of_the_same_production_layout() -> None:
+    # issue 53: TP1-DP2 on 2 GPUs and TP1-DP4 on 4 are one production layout on 8; the larger trial stands for both
+    def production(lo: Layout) -> Layout:
+        k = 8 // lo.world_size
+        return Layout(world_size=8, gbs=lo.gbs * k, tp=lo.tp, pp=lo.pp, mbs=lo.mbs)
+
+    d = Dominance(production)
+    small, large = Layout(world_size=2, gbs=4), Layout(world_size=4, gbs=8)
+    assert d.add(7, large, PASSED, stable=True)
+    assert "trial #7" in (d.verdict(small) or "") and "stable on 4 GPUs" in (d.verdict(small) or "")
+    assert d.verdict(large) is None  # itself
+    assert d.verdict(Layout(world_size=2, gbs=4, pp=2)) is None  # another production layout
+    assert d.verdict(Layout(world_size=8, gbs=16)) is None  # a larger twin says more: not dominated
+    failed = Dominance(production)
+    failed.add(8, large, OOM, stable=False)
+    assert failed.verdict(small) is None  # only a stable trial stands for its twins
+    assert Dominance().verdict(small) is None  # off without the production run's shape

@@ -45,7 +45,7 @@ class Frontier:
         self.decided = {layout_key(r.layout) for r in records if r.result.failure_kind not in NOT_THE_LAYOUTS}
         self.evidence = MemoryEvidence(cfg.memory_limit_gib)
         self.raw: dict[Layout, Estimate] = {}  # uncalibrated predictions, the evidence's common scale
-        self.dominance = Dominance()
+        self.dominance = Dominance(cfg.production_layout)
         for r in records:  # a resumed sweep knows again what its measured trials decided
             if r.attempt >= 1:
                 self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
