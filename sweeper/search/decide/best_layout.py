@@ -10,7 +10,7 @@ from sweeper.export.bridge import dotted_overrides
 from sweeper.export.megatron_lm import layout_args
 from sweeper.models.proxy import PROXY_NOTE, is_proxy
 from sweeper.record.schema import MODELLED, REHEARSAL_NOTE
-from sweeper.search.decide.candidates import Candidate
+from sweeper.search.decide.candidates import Candidate, run_gpus
 from sweeper.search.decide.objective import PROJECTED_STEP_ERROR, copies, objective_name, production_gpus, projection
 from sweeper.search.decide.verdicts import stall_ratio, step_time_drift
 from sweeper.space.layout import Layout
@@ -77,7 +77,7 @@ def best_layout_document(cfg: SweepConfig, winner: Candidate, mlflow_uri: str | 
             "projected_share": made.projected_share if made else None,
             "projected_step_s": made.projected_step_s if made else None,
             "projected_error": PROJECTED_STEP_ERROR,
-            "runs": [{"phase": r.phase, "attempt": r.attempt, "gpus": Layout.from_dict(r.layout).world_size,
+            "runs": [{"phase": r.phase, "attempt": r.attempt, "gpus": run_gpus(r),
                       "projected": v,
                       "measured": getattr(r.result.metrics, cfg.search.objective)}
                      for r, v in zip(winner.runs, winner.values(cfg), strict=True)],
