@@ -17,6 +17,7 @@ from sweeper.search.console import console
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS
 from sweeper.search.run.state import MAX_ATTEMPTS, SweepState
 from sweeper.space.layout import Layout
+from sweeper.trial.protocol import Reservation
 from sweeper.trial.reference import (
     NO_REFERENCE_LAYOUT,
     ReferenceOutcome,
@@ -82,14 +83,12 @@ def _made_in(sweep: SweepState, folder: Path, layout: Layout) -> tuple[Reference
     attempts: dict[str, int] = {}
     outcome = ReferenceOutcome(None, layout, "equivalence gate off: the sweep was stopped before the reference")
     while not sweep.stop.is_set():
-        never = sweep.capacity.never(layout)
+        slot, never = _reserved(sweep, layout, "the equivalence reference")
         if never is not None:
             return ReferenceOutcome(None, layout, f"equivalence gate off: the reference {layout.short()} can never "
                                     f"be placed: {never}"), "infra"
-        slot = sweep.handle.reserve(layout)
         if slot is None:
-            sweep.capacity.idle("the equivalence reference", layout)
-            continue
+            break
         try:
             outcome, result = run_reference(sweep.cfg, sweep.handle, folder, layout, slot)
         finally:
@@ -137,16 +136,11 @@ def _made_trajectory(sweep: SweepState, folder: Path, key: TrajectoryKey,
         return None, "the reference layout cannot run that batch in those micro-batches"
     attempts: dict[str, int] = {}
     while not sweep.stop.is_set():
-        never = sweep.capacity.never(layout)
+        slot, never = _reserved(sweep, layout, "the reference trajectory")
         if never is not None:
             return None, f"its run {layout.short()} can never be placed: {never}"
-        slot = sweep.handle.reserve(layout)
         if slot is None:
-            if sweep.scheduler.in_flight:
-                sweep.wait_one()
-            else:
-                sweep.capacity.idle("the reference trajectory", layout)
-            continue
+            break
         try:
             made, result = run_trajectory(sweep.cfg, sweep.handle, folder, layout, steps, slot)
         finally:
@@ -158,3 +152,21 @@ def _made_trajectory(sweep: SweepState, folder: Path, key: TrajectoryKey,
         if kind not in NOT_THE_LAYOUTS or attempts[kind] >= MAX_ATTEMPTS[kind]:
             return None, f"its run {layout.short()} failed ({kind}: {result.error})"
     return None, "the sweep was stopped"
+
+
+def _reserved(sweep: SweepState, layout: Layout, what: str) -> tuple[Reservation | None, str | None]:
+    """``layout``'s GPUs, waited for as a trial's are (the sweep's own runs ended and recorded meanwhile, else the
+    capacity's idle wait): (the reservation, None); (None, why) when the capacity alive can never hold it; (None,
+    None) when the sweep stopped."""
+    while not sweep.stop.is_set():
+        never = sweep.capacity.never(layout)
+        if never is not None:
+            return None, never
+        slot = sweep.handle.reserve(layout)
+        if slot is not None:
+            return slot, None
+        if sweep.scheduler.in_flight:
+            sweep.wait_one()
+        else:
+            sweep.capacity.idle(what, layout)
+    return None, None
