@@ -11,9 +11,10 @@ compare with interleaved runs:
 from __future__ import annotations
 
 import gc
-import json
 import sys
 import time
+
+import orjson
 
 T = time.process_time
 START = T()
@@ -44,7 +45,7 @@ def main() -> int:
     entries = sorted(repredict(judged, table, None), key=_order)
     spent["predictions + order"] = T() - t
     t = T()
-    text = json.dumps([e.to_json() for e in entries], check_circular=False)  # as cmd_plan writes it
+    text = orjson.dumps([e.to_json() for e in entries]).decode()  # as cmd_plan writes it
     spent["JSON"] = T() - t
     print(f"{len(layouts)} layouts, {len(table.layouts)} valid, {len(text) / 1e6:.0f} MB of JSON; CPU s: "
           + ", ".join(f"{k} {v:.2f}" for k, v in spent.items()) + f"; total {sum(spent.values()):.2f}")

@@ -233,9 +233,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if calibrated:  # on stderr: --json keeps stdout one JSON array
             print(calibrated, file=sys.stderr)
         if args.json:
-            # One line; json.dumps (unlike json.dump to a stream) takes the C encoder: 11k layouts in 0.1 s. The
-            # entries are fresh trees, so the encoder's check for circular references is only cost.
-            sys.stdout.write(json.dumps([e.to_json() for e in entries], check_circular=False) + "\n")
+            # One line, through orjson: the DeepSeek-V3 space's 145 MB in 0.2 s CPU, json.dumps's C encoder 1.9 s
+            # (issue 54). Its text differs from json.dumps's only in spacing (none) and in how a float's exponent is
+            # written (1e-5, not 1e-05): the same values.
+            import orjson
+
+            sys.stdout.write(orjson.dumps([e.to_json() for e in entries]).decode() + "\n")
             return EXIT_OK
         from sweeper.ui.views import print_plan
 

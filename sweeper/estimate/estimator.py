@@ -284,23 +284,7 @@ class _Stages:
         six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes, activations, transient, logits
         in GiB)``."""
         model, constants = self.model, self.constants
-        vpp = lo.vpp if lo.pp > 1 else 1
-        split = _split_fields(lo)
-        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
-        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
-        acts_key = (*shape_axes, lo.pp, vpp, split)
-        kept = self._activations.get(acts_key)
-        if kept is None:
-            shape = _activation_shape(model, lo, self.seq_length, constants, self.calibration,
-                                      self.run.recipe(lo.precision, self.compute_capability))
-            stages = self._stage_activations.setdefault(shape_axes, {})
-            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split,
-                                                                          constants, stages)
-        shape, acts = kept
-        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
-        params = self._params.get(params_key)
-        if params is None:
-            params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
+        acts_key, shape, acts, params_key, params = self._shape_and_params(lo)
         states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
         state_rows = self._state_rows.get(states_key)
         if state_rows is None:
@@ -316,6 +300,38 @@ class _Stages:
             dynamic_rows = self._dynamic_rows[dynamic_key] = _dynamic_rows(
                 model, lo, microbatches, acts, self._factors.activation_factor)
         return shape, params, state_rows, dynamic_rows
+
+    def step_inputs(self, lo: Layout) -> tuple[ActivationShape, tuple[StageParams, ...], float]:
+        """What the step time reads of the stages: the activation shape, each stage's parameters and, for
+        offloading, the first stage's layer's activations in bytes (``rows`` without the memory parts)."""
+        if lo.offload_layers:
+            shape, params, _, dynamic_rows = self.rows(lo)
+            return shape, params, dynamic_rows[0][1]
+        _, shape, _, _, params = self._shape_and_params(lo)
+        return shape, params, 0.0
+
+    def _shape_and_params(self, lo: Layout) -> tuple[tuple, ActivationShape, tuple[StageActivations, ...], tuple,
+                                                      tuple[StageParams, ...]]:
+        """The layout's activation shape and its stages' activations per micro-batch, and its stages' parameters,
+        each with its memo key."""
+        model = self.model
+        vpp = lo.vpp if lo.pp > 1 else 1
+        split = _split_fields(lo)
+        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
+        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
+        acts_key = (*shape_axes, lo.pp, vpp, split)
+        kept = self._activations.get(acts_key)
+        if kept is None:
+            shape = _activation_shape(model, lo, self.seq_length, self.constants, self.calibration,
+                                      self.run.recipe(lo.precision, self.compute_capability))
+            stages = self._stage_activations.setdefault(shape_axes, {})
+            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split,
+                                                                          self.constants, stages)
+        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
+        params = self._params.get(params_key)
+        if params is None:
+            params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
+        return acts_key, kept[0], kept[1], params_key, params
 
     def recalibrated(self, calibration: Calibration | None) -> _Stages:
         """The same stages under another calibration, keeping what it does not change: the parameters and model
@@ -380,6 +396,11 @@ def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[S
 _Blocks = tuple[dict[Block, dict[str, float]], dict[tuple, tuple[dict[str, float], float]]]
 
 
+# ``Estimator.for_config``'s estimators, by config object and host cores: the config held keeps its id from reuse.
+_FOR_CONFIG: dict[tuple[int, int | None], tuple[SweepConfig, Estimator]] = {}
+_FOR_CONFIG_MAX = 4
+
+
 class Estimator:
     """``estimate`` for the many layouts of one model, cluster and settings (a space): stage memory through one
     ``_Stages`` (its memos serve every layout), step time through the module's caches."""
@@ -425,7 +446,23 @@ class Estimator:
     def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None,
                    host_cores: int | None = None) -> Estimator:
         """The estimator of a sweep's model, cluster and settings (the YAML's ``estimate:``, ``run:`` and memory
-        headroom)."""
+        headroom). Estimators of one config object share their memos (``recalibrated``): a plan, its production
+        runs' step times and a sweep's calibrations each ask for one, and price the same stages (issue 54). A loaded
+        config never changes (a change is ``model_copy``'s new object), so the object itself is the key."""
+        key = (id(cfg), host_cores)
+        held = _FOR_CONFIG.get(key)
+        if held is not None and held[0] is cfg:
+            return held[1] if calibration is held[1].calibration else held[1].recalibrated(calibration)
+        made = cls.new_for_config(cfg, calibration, host_cores)
+        if len(_FOR_CONFIG) >= _FOR_CONFIG_MAX:  # the oldest config's memos go (a test run loads hundreds)
+            del _FOR_CONFIG[next(iter(_FOR_CONFIG))]
+        _FOR_CONFIG[key] = (cfg, made)
+        return made
+
+    @classmethod
+    def new_for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None,
+                       host_cores: int | None = None) -> Estimator:
+        """``for_config``'s estimator made afresh, with memos of its own (what the tests compare shared ones with)."""
         return cls(cfg.model, cfg.cluster, cfg.training.seq_length, constants=cfg.estimate,
                    headroom=cfg.search.memory_headroom, calibration=calibration, run=cfg.run, host_cores=host_cores)
 
@@ -487,6 +524,14 @@ class Estimator:
             step_terms=terms,
             step_factor=self._factor,
         )
+
+    def step_time_s(self, layout: Layout) -> float:
+        """``self(layout).step_time_s`` without the memory verdict: what comparing two layouts' steps needs (the
+        production run's larger data parallelism over its trial's, ``objective.extra_step_s``, for every layout of a
+        plan)."""
+        _check_divisible(layout, self.seq_length)
+        shape, params, layer_activation_bytes = self._stages.step_inputs(layout)
+        return self._step_terms(layout, shape, params, layer_activation_bytes).seconds(self._factor)
 
     def terms(self, layout: Layout) -> tuple[list[tuple[float, ...]], list[float], StepTerms]:
         """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's

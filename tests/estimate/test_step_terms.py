@@ -231,7 +231,7 @@ def test_a_recalibrated_estimator_predicts_what_a_new_one_does() -> None:
         estimator(layout)  # the memos filled under no calibration
     for calibration in calibrations:
         estimator = estimator.recalibrated(calibration)
-        fresh = Estimator.for_config(cfg, calibration)
+        fresh = Estimator.new_for_config(cfg, calibration)
         for layout in layouts:
             kept, made = estimator(layout), fresh(layout)
             assert kept == made and kept.step_time_terms_s == made.step_time_terms_s, (layout.short(), calibration)

@@ -37,7 +37,7 @@ def _equal_to_fresh(cfg: SweepConfig) -> None:
     table = TermTable.build(Estimator.for_config(cfg), valid)
     worst_ranks = set()
     for calibration in _calibrations(table):
-        fresh = Estimator.for_config(cfg, calibration)
+        fresh = Estimator.new_for_config(cfg, calibration)
         got = table.estimates(calibration)
         assert len(got) == len(valid)
         for layout, estimate in zip(valid, got):

@@ -77,9 +77,9 @@ def extra_step_s(cfg: SweepConfig, layout: Layout, calibration: Calibration | No
         if estimator is None:
             estimator = _ESTIMATORS[(inputs, calibrated)] = Estimator.for_config(cfg, calibration)
         try:
-            trial_s, production_s = estimator(layout).step_time_s, estimator(production).step_time_s
+            trial_s, production_s = estimator.step_time_s(layout), estimator.step_time_s(production)
         except (LayoutError, ValueError):  # a layout the estimator cannot price: projected without the difference
-            trial_s = production_s = None
+            trial_s = production_s = 0.0
         _EXTRA_S[key] = max(0.0, production_s - trial_s) if trial_s and production_s else 0.0
     return _EXTRA_S[key]
 
