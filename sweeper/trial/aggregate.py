@@ -31,6 +31,7 @@ from sweeper.space.layout import Layout
 # that could not start, cancellation). Whether the layout caused it is decided over attempts
 # (``search.decide.verdicts.attribute``): once its node is known alive, the second time is the layout's.
 RANK_FAULT = "rank_fault"
+NODE_LOST = "node_lost"  # a note: one of the trial's nodes was lost while it ran (the runner's)
 
 # Lower explains more. Kinds not listed (a rank's own failure) rank 0.
 _COLLATERAL_RANK = {"infra": 1, "comm_error": 2, "timeout": 3}

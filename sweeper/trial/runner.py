@@ -54,7 +54,7 @@ from sweeper.space.environment import EnvVar, megatron_environment
 from sweeper.space.layout import Layout
 from sweeper.trial import stacks
 from sweeper.trial.actor import CPU_RANK_ENV, RankActor, RankSlot
-from sweeper.trial.aggregate import RankOutcome, aggregate, is_collateral
+from sweeper.trial.aggregate import NODE_LOST, RankOutcome, aggregate, is_collateral
 from sweeper.trial.forked import RankDied
 from sweeper.trial.pool import STOP_CONFIRM_S, RankPool, Warm
 
@@ -69,7 +69,6 @@ HOST_OUT_OF_MEMORY = "host out of memory"
 # node the trial ran on was lost (the layout runs again, elsewhere or later).
 PLACEMENT_TIMEOUT = "placement_timeout"
 CANCELLED = "cancelled"
-NODE_LOST = "node_lost"
 CHECKS_PROBE_S = 5.0  # how long unreported ranks get to say what they had proven before they are stopped
 
 

@@ -11,9 +11,8 @@ from dataclasses import replace
 
 from sweeper.config.schema import SweepConfig
 from sweeper.record.schema import GATE_SKIPPED, TrialResult
-from sweeper.trial.aggregate import RANK_FAULT
+from sweeper.trial.aggregate import NODE_LOST, RANK_FAULT
 from sweeper.trial.reference import Trajectory
-from sweeper.trial.runner import NODE_LOST
 
 MIN_STEPS_FOR_DRIFT = 8  # fewer timed steps than this: too few for two quarters to mean anything
 
