@@ -50,6 +50,13 @@ class Candidate:
         larger = [r for r in self.confirmations if r.result.passed and run_gpus(r) > self.layout.world_size]
         return max(larger, key=run_gpus, default=None)
 
+    @property
+    def figure_runs(self) -> list[TrialRecord]:
+        """The runs its figure is made of: its run at scale, where it has one, else its runs on the trial's GPUs
+        (``figure``, the decision's measured layout, ``sweeper replan``'s starting point)."""
+        at_scale = self.at_scale
+        return [at_scale] if at_scale is not None else self.trial_runs
+
     def measured(self, metric: str) -> list[float]:
         """A metric as each run on the trial's GPUs measured it (its own size, not projected)."""
         return [float(getattr(r.result.metrics, metric) or 0.0) for r in self.trial_runs]
@@ -69,16 +76,14 @@ class Candidate:
     def figure(self, cfg: SweepConfig) -> float:
         """What the choice compares: its run at scale's objective where it has one (measured on the production
         run's N GPUs, or the nearest the cluster held), else the median over its runs on the trial's GPUs."""
-        at_scale = self.at_scale
-        return self.value(at_scale, cfg) if at_scale is not None else self.median(cfg)
+        return statistics.median(self.value(r, cfg) for r in self.figure_runs)
 
     def figure_run(self, cfg: SweepConfig) -> TrialRecord:
-        """The run its figure is: the run at scale, else the one whose objective is the median of its runs on the
-        trial's GPUs (the lower middle one of an even count)."""
-        if self.at_scale is not None:
-            return self.at_scale
-        ranked = sorted((self.value(r, cfg), i) for i, r in enumerate(self.trial_runs))
-        return self.trial_runs[ranked[(len(ranked) - 1) // 2][1]]
+        """The run its figure is: the one whose objective is the median of ``figure_runs`` (the lower middle one of
+        an even count; the run at scale where it has one)."""
+        runs = self.figure_runs
+        ranked = sorted((self.value(r, cfg), i) for i, r in enumerate(runs))
+        return runs[ranked[(len(ranked) - 1) // 2][1]]
 
     def confirmed(self, cfg: SweepConfig) -> bool:
         """It has confirmation runs and every one confirms (``verdicts.good_confirmation``)."""

@@ -364,7 +364,7 @@ def _objective(folder: SweepFolder, new: SweepConfig, cand: Candidate, layout: L
     base = cfg.production_layout(cand.layout)
     after = predict(layout)
     values = []
-    for run in [cand.at_scale] if cand.at_scale is not None else cand.trial_runs:
+    for run in cand.figure_runs:
         ran = Layout.from_dict(run.layout)  # the trial's, or more GPUs at scale
         step = run.result.metrics.step_time_s
         if not step:
