@@ -441,6 +441,9 @@ class Estimator:
             self._stages = stages.recalibrated(calibration)
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
         self._unit: _Stages | None = None  # the stages at memory factors 1 (unit_stages)
+        # step_time_s by layout: a plan's production layouts repeat (every world size of a layout's family scales to
+        # the same production layout)
+        self._step_s: dict[Layout, float] = {}
 
     @classmethod
     def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None,
@@ -529,9 +532,13 @@ class Estimator:
         """``self(layout).step_time_s`` without the memory verdict: what comparing two layouts' steps needs (the
         production run's larger data parallelism over its trial's, ``objective.extra_step_s``, for every layout of a
         plan)."""
-        _check_divisible(layout, self.seq_length)
-        shape, params, layer_activation_bytes = self._stages.step_inputs(layout)
-        return self._step_terms(layout, shape, params, layer_activation_bytes).seconds(self._factor)
+        kept = self._step_s.get(layout)
+        if kept is None:
+            _check_divisible(layout, self.seq_length)
+            shape, params, layer_activation_bytes = self._stages.step_inputs(layout)
+            kept = self._step_s[layout] = self._step_terms(layout, shape, params, layer_activation_bytes).seconds(
+                self._factor)
+        return kept
 
     def terms(self, layout: Layout) -> tuple[list[tuple[float, ...]], list[float], StepTerms]:
         """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's
