@@ -550,10 +550,7 @@ class Estimator:
         shape, params, state_rows, dynamic_rows = self._unit.rows(layout)
         parts = [state + dynamic[2:] for state, dynamic in zip(state_rows, dynamic_rows)]
         in_flight = [dynamic[0] for dynamic in dynamic_rows]
-        step = self._step_terms(layout, shape, params, dynamic_rows[0][1])
-        if layout not in self._step_s:  # ``step_time_s`` of it, which a plan's order by objective asks next
-            self._step_s[layout] = step.seconds(self._factor)
-        return parts, in_flight, step
+        return parts, in_flight, self._step_terms(layout, shape, params, dynamic_rows[0][1])
 
     def _step_terms(self, lo: Layout, shape: ActivationShape, params: tuple[StageParams, ...],
                     layer_activation_bytes: float) -> StepTerms:
