@@ -8,9 +8,12 @@ same global batch (the data is drawn by global sequence index, so every layout s
 holds, per layout and precision, each step's relative difference from the one-rank run of the same precision
 (max of loss and gradient norm) and its maximum: the band ``search/decide/verdicts.TRAJECTORY_BAND`` is set from
 the worst layout that passed every check of its run (a failed one is listed with its failure, not counted).
-Ranks run without Ray, through the test helper ``tests/backends/megatron_ranks.py``.
+Ranks run without Ray, through the test helper ``tests/backends/megatron_ranks.py``, which checks no layout rule:
+so each layout is held to sweeper's rules here first, and one they refuse is listed under ``refused`` with the
+rule's reason instead of run (the MoE's TP2+SP at ETP 1 below megatron-core 0.19, whose experts' gradients
+Megatron reduces over the wrong group: rules.expert_grads_reduced_over_expert_dp; its TP2+SP row is ETP = TP).
 
-    python scripts/measure_trajectory_band.py --out tests/data/trajectory_band.json     # ~10 min on 2 cores
+    python scripts/measure_trajectory_band.py --out tests/data/trajectory_band.json     # 3-5 min on 2 cores
 """
 
 from __future__ import annotations
@@ -31,11 +34,15 @@ sys.path.insert(0, str(ROOT / "tests" / "backends"))
 
 from megatron_ranks import run_ranks, smoke_request  # noqa: E402
 
+from sweeper.config.schema import ClusterConfig  # noqa: E402
+from sweeper.models.catalog import preset  # noqa: E402
+from sweeper.plan.rules import check  # noqa: E402
 from sweeper.search.decide.verdicts import trajectory_rel_errs  # noqa: E402
 from sweeper.space.layout import Layout  # noqa: E402
 
 SEQ = 64
 GBS = 8  # the quickstart's global batch
+CLUSTER = ClusterConfig(nodes=1, gpus_per_node=4, simulate=True)  # what the rules hold the layouts to
 
 
 def layouts(model: str, precision: str) -> dict[str, Layout]:
@@ -43,6 +50,10 @@ def layouts(model: str, precision: str) -> dict[str, Layout]:
     out = {"tp2-sp": Layout(tp=2, sp=True, **two), "pp2": Layout(pp=2, **two), "dp2": Layout(**two)}  # type: ignore[arg-type]
     four = dict(world_size=4, gbs=GBS, precision=precision)
     if model == "tiny-moe":
+        # TP2+SP with the experts over the same TP ranks (ETP = TP, Megatron-LM's default), and at ETP 1 (Bridge's
+        # default) where the installed megatron-core reduces its experts' gradients right (the rules say).
+        out["tp2-sp"] = Layout(tp=2, etp=2, sp=True, **two)  # type: ignore[arg-type]
+        out["tp2-sp-etp1"] = Layout(tp=2, sp=True, **two)  # type: ignore[arg-type]
         out["ep2"] = Layout(ep=2, **two)  # type: ignore[arg-type]
         out["ep2-dp2"] = Layout(ep=2, **four)  # type: ignore[arg-type]
     else:
@@ -80,8 +91,13 @@ def main() -> None:
             for precision in args.precisions:
                 base = trajectory(root, f"one-{precision}", model, Layout(world_size=1, gbs=GBS, precision=precision),
                                   args.steps, reference_checkpoint=str(reference))
-                rows = {}
+                rows, refused = {}, {}
                 for name, layout in layouts(model, precision).items():
+                    reasons = check(preset(model), layout, CLUSTER, SEQ)
+                    if reasons:
+                        refused[name] = {"layout": layout.short(), "reason": reasons[0]}
+                        print(f"{model} {precision} {layout.short()}: refused by the rules ({reasons[0]})", flush=True)
+                        continue
                     run = trajectory(root, f"{name}-{precision}", model, layout, args.steps,
                                      reference_checkpoint=str(reference))
                     errs = trajectory_rel_errs(run.get("losses", []), run.get("grad_norms", []), base["losses"],
@@ -92,7 +108,8 @@ def main() -> None:
                     rows[name] = {"layout": layout.short(), "max_rel_err": max(errs), "per_step": errs, **run}
                     print(f"{model} {precision} {layout.short()}: max {max(errs):.3g} "
                           f"(last step {errs[-1]:.3g})", flush=True)
-                table.setdefault(model, {})[precision] = {"reference_layout": base, "layouts": rows}
+                table.setdefault(model, {})[precision] = {"reference_layout": base, "layouts": rows,
+                                                          **({"refused": refused} if refused else {})}
     # The band's basis: layouts that passed every check of their run (one that failed is not known-correct).
     worst = {p: max(row["max_rel_err"] for m in table.values() for row in m[p]["layouts"].values()
                     if not row.get("failed")) for p in args.precisions}

@@ -168,6 +168,9 @@ def test_expert_replicas_that_drift_apart_are_reported_as_divergence(tmp_path: P
     _assert_failed(reports, "replica_divergence")
     for r in reports:
         assert "mlp.experts.local_experts" in r.error and "expert-data-parallel group (global ranks [0, 1])" in r.error
+        # The cause named, Megatron's (tests/backends/test_expert_grads_etp.py locates it per gradient).
+        assert "Megatron reduced the expert gradients over the data-parallel group" in r.error
+        assert "NVIDIA/Megatron-LM#5916" in r.error and "expert_grads_reduced_over_expert_dp" in r.error
         assert r.error == reports[0].error  # one verdict on every rank
         assert all(getattr(r.checks, k) for k in ("process_group", "model_built", "forward_backward", "finite"))
         assert r.checks.replicas_consistent is False and r.checks.checkpoint_saved is False

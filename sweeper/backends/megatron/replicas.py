@@ -11,7 +11,9 @@ The replica groups here come from Megatron's parallel_state and from where a par
 parameter of an experts module is an expert parameter), never from the flags DDP used to reduce it, so a
 mis-tagged parameter is compared across the group it really belongs to. Each rank reduces every parameter to an
 exact integer checksum of its bits (no rounding: replicas are equal bit for bit or not at all), the checksums are
-all-gathered per group, and the first difference is reported on every rank.
+all-gathered per group, and the first difference is reported on every rank. Where DDP's own tag shows why (an
+expert weight reduced as a dense one over a data-parallel group that is not its expert-data-parallel group:
+megatron-core below 0.19 at EP 1 with ETP != TP), the report names that cause, Megatron's.
 
 Megatron-FSDP keeps one shard of each parameter per data-parallel rank: the full weights are all-gathered first
 (``_fsdp_replicated_params``) and compared across the groups that still hold copies.
@@ -59,6 +61,7 @@ def check_replicas(built: Built, step: int, device: torch.device) -> int:
     Returns how many replicated tensors this rank compared (0 when nothing is replicated, e.g. one rank)."""
     members = _replicated_params(built)
     local_bad: list[str] = []
+    causes: list[str] = []
     compared = 0
     for key, kind in _KINDS.items():
         group = kind.group()
@@ -70,19 +73,42 @@ def check_replicas(built: Built, step: int, device: torch.device) -> int:
         torch.distributed.all_gather(gathered, sums, group=group)
         compared += len(params)
         ranks = torch.distributed.get_process_group_ranks(group)
-        for i, (name, _) in enumerate(params):
+        for i, (name, param) in enumerate(params):
             if any(not torch.equal(other[i], gathered[0][i]) for other in gathered[1:]):
                 local_bad.append(f"{name} differs across its {kind.name} group (global ranks {ranks})")
-    findings: list[tuple[str | None, int, int] | None] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(findings, (local_bad[0] if local_bad else None, len(local_bad), compared))
+                if key == "edp" and _reduced_over_dense_group(param, ranks):
+                    causes.append(_DENSE_EXPERT_CAUSE)
+    findings: list[tuple[str | None, int, int, str | None] | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(
+        findings, (local_bad[0] if local_bad else None, len(local_bad), compared, causes[0] if causes else None))
     bad = [(rank, f) for rank, f in enumerate(findings) if f is not None and f[1]]
     if bad:
-        rank, (first, count, total) = bad[0]
+        rank, (first, count, total, cause) = bad[0]
+        # A known cause before the count: the failure's one line is capped at 400 characters (failures.one_line).
         raise ReplicaDivergenceError(
-            f"replica divergence after step {step}: {first}; rank {rank} has {count} of {total} replicated "
-            f"tensors differing from their copies"
+            f"replica divergence after step {step}: {first}; " + (f"{cause}; " if cause else "")
+            + f"rank {rank} has {count} of {total} replicated tensors differing from their copies"
         )
     return compared
+
+
+# Megatron's defect, not the layout's arithmetic (the same run on GPUs diverges alike): megatron-core below 0.19 tags
+# every expert linear dense when expert_model_parallel_size is 1 (``param.allreduce = not EP > 1`` in
+# tensor_parallel/layers.py ColumnParallelLinear/RowParallelLinear.__init__ and extensions/transformer_engine.py
+# TELinear/TEGroupedLinear), so DDP reduces its gradient over the data-parallel group; with ETP != TP that is not
+# the expert-data-parallel group and each copy keeps part of the gradient (tests/backends/test_expert_grads_etp.py).
+# Fixed in 0.19 (NVIDIA/Megatron-LM#5916, ``use_expert_pgs``); the rule refuses the layout before launch below it.
+_DENSE_EXPERT_CAUSE = ("Megatron reduced the expert gradients over the data-parallel group (EP 1, ETP != TP: "
+                       "NVIDIA/Megatron-LM#5916, rule expert_grads_reduced_over_expert_dp)")
+
+
+def _reduced_over_dense_group(param: torch.Tensor, edp_ranks: list[int]) -> bool:
+    """Whether DDP took this expert weight for a dense one (``allreduce`` true: reduced over the data-parallel
+    group) while its expert-data-parallel group is another group: then its copies never shared a gradient."""
+    if not getattr(param, "allreduce", True):
+        return False
+    dp_ranks = torch.distributed.get_process_group_ranks(ps.get_data_parallel_group(with_context_parallel=True))
+    return sorted(dp_ranks) != sorted(edp_ranks)
 
 
 def _replicated_params(built: Built) -> dict[str, list[tuple[str, torch.Tensor]]]:
