@@ -354,6 +354,14 @@ class StepModel:
         """The layout's step time as the current calibration predicts it."""
         return self.terms(layout).seconds(self.factor)
 
+    def refit_seconds(self, terms: StepTerms) -> float:
+        """Uncalibrated terms priced with what the measured trials changed of each factor: the current factor over
+        the one the model started from (all 1.0 before a trial is measured; the level's ratio on every term after a
+        fit of the level alone)."""
+        if not self.samples:
+            return terms.seconds()
+        return terms.seconds(lambda t: self.factor(t) / self.start.factor(t))
+
     def raw_seconds(self, sample: StepSample) -> float:
         """A sample's uncalibrated step time (the stored shape taken out again)."""
         return sample.terms.weighted(lambda t: 1.0 / self._base(t)).seconds()
