@@ -177,3 +177,32 @@ def test_one_measured_trial_keeps_the_estimators_order(space: Path, host_cores: 
     scaled = {lo.short(): predicted_objective(model, lo, cfg) * off / prior[lo] for lo in layouts}
     assert all(math.isclose(r, 1.0, rel_tol=1e-9) for r in scaled.values()), \
         sorted(scaled.items(), key=lambda kv: abs(kv[1] - 1))[-3:]
+
+
+def test_a_refit_ranks_by_its_freed_terms_only_once_they_out_predict_the_level_alone() -> None:
+    """Issue 54, the dense GPT's CPU landscape: three trials (two BF16 layouts, then an FP32 one twice as fast as its
+    BF16 twin, which the estimator prices alike) let the fit free a term, the bubble, to explain a cost it has no
+    term for; ranked by that fit, the pipelined FP32 layout the estimator ranked fourth (the landscape's best) fell
+    below a BF16 layout. Freed terms that have predicted no trial rank nothing: the order stays the prior's, scaled by
+    the level alone, until they predict a trial they had not seen better than the level alone does."""
+    cfg = load_config(ROOT / "benchmarks" / "spaces" / "landscape_dense.yaml")
+    layouts = launchable(cfg)
+    model = StepModel(Estimator.for_config(cfg, host_cores=2))
+    prior = {lo: predicted_objective(model, lo, cfg) for lo in layouts}
+    by_name = {lo.short(): lo for lo in layouts}
+    # The landscape's measured steps (tests/data/landscape_dense.json, medians at the trial's share of the batch).
+    for name, step in (("TP2-PP1-DP1-SP-MBS4-bf16", 0.336), ("TP1-PP2-DP1-MBS4-bf16", 0.338),
+                       ("TP2-PP1-DP1-SP-MBS4-fp32", 0.169)):
+        model.add(by_name[name], step)
+    assert model.fit.factors, "the fit freed a term"
+    assert not model.refit_leads and model.held_out == {"refit": 0.0, "level": 0.0}
+    ratios = [predicted_objective(model, lo, cfg) / prior[lo] for lo in layouts]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)  # the prior's order: every layout scaled alike
+    best, bf16 = by_name["TP1-PP2-DP1-MBS4-fp32"], by_name["TP1-PP1-DP2-MBS2-bf16"]
+    assert prior[best] > prior[bf16] and model.step_time_s(best) > model.step_time_s(bf16)  # the fit would swap them
+    # A fourth trial the freed terms predicted exactly, the level alone 20 % off: from then on they rank.
+    fourth = by_name["TP1-PP2-DP1-MBS4-RC-full-bf16"]
+    assert model.ranking_step_s(fourth) < 0.85 * model.step_time_s(fourth)
+    model.add(fourth, model.step_time_s(fourth))
+    assert model.refit_leads and model.held_out["refit"] == pytest.approx(0.0, abs=1e-20)
+    assert all(model.ranking_step_s(lo) == model.step_time_s(lo) for lo in layouts)

@@ -36,19 +36,20 @@ ACQUISITION: Acquisition = "greedy"
 
 
 def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> float:
-    """The sweep's objective as the refit model predicts it (``search.objective``): the trial's step time as the
-    model predicts it, projected to the production run the way a measured trial's is (``objective.projected``), so
-    that a proposal is ranked on the same scale as the measured layouts it must beat. (Predicting the production
-    layout's step instead priced it on a simulated cluster as N ranks sharing the host's cores: every layout smaller
-    than N looked that many times slower than its measured projection, and the quickstart's refit took 10 trials to
-    the best instead of 5.) The production run's extra step (``objective.extra_step_s``: the estimator's terms of the
-    production layout less the trial's) is priced with what the refit learnt of those terms since its start
-    (``StepModel.refit_seconds``): as the objective prices it before a trial is measured, so that the first order is the
-    estimator's, and a fit of the level alone, which scales every layout's step alike, scales the extra step alike and
-    keeps that order (issue 54: left at the estimator's price, a level of 300 on the CPU landscapes made the extra step
-    a 300th of what the prior weighed it at, and the dense GPT's order changed after one trial). 0.0 where the
-    production run holds no copy of the layout (``production_rate``)."""
-    step = model.step_time_s(layout)
+    """The sweep's objective as the refit model predicts it (``search.objective``): the trial's step time as the model
+    ranks it (``StepModel.ranking_step_s``: by the freed terms' factors once they have predicted measured trials better
+    than the level alone, until then by the estimator's shape at that level), projected to the production run the way a
+    measured trial's is (``objective.projected``), so that a proposal is ranked on the same scale as the measured
+    layouts it must beat. (Predicting the production layout's step instead priced it on a simulated cluster as N ranks
+    sharing the host's cores: every layout smaller than N looked that many times slower than its measured projection,
+    and the quickstart's refit took 10 trials to the best instead of 5.) The production run's extra step
+    (``objective.extra_step_s``: the estimator's terms of the production layout less the trial's) is priced with what
+    the refit learnt of those terms since its start (``StepModel.refit_seconds``): as the objective prices it before a
+    trial is measured, so that the first order is the estimator's, and a fit of the level alone, which scales every
+    layout's step alike, scales the extra step alike and keeps that order (issue 54: left at the estimator's price, a
+    level of 300 on the CPU landscapes made the extra step a 300th of what the prior weighed it at, and the dense GPT's
+    order changed after one trial). 0.0 where the production run holds no copy of the layout (``production_rate``)."""
+    step = model.ranking_step_s(layout)
     if step <= 0 or not copies(cfg, layout):
         return 0.0
     per_gpu = cfg.search.objective == "tflops_per_gpu"  # as objective.projected: per GPU is in proportion
