@@ -16,8 +16,8 @@ deviations; where none could, or nothing is measured yet (no spread), the turn k
 ``benchmarks/default_proposer.py`` measures it against the estimator's order never refitted, the space's grid order and
 TPE with the refit's turns (``sampler: tpe``, the default before) on the measured CPU landscapes and on rehearsed GPU
 ones whose truth carries the estimator's held-out error (docs/benchmarks.md). Exploring every fourth turn took more
-trials than not exploring on three of the four landscapes that finished (a trial more on both quickstart landscapes
-and on rehearsed Nemotron, one fewer on the dense GPT), so the default explores none: the rehearsal draws each layout's
+trials than not exploring on all four landscapes that finished (a trial more on each CPU landscape at the median, 1.5
+more on rehearsed Nemotron), so the default explores none: the rehearsal draws each layout's
 error on its own, which no measured neighbour can reveal, and on the CPU landscapes the fourth ordered turn already
 finds the best. The exploring turn stays, tested, for a cluster whose errors follow the terms.
 """
@@ -33,7 +33,7 @@ from sweeper.search.propose.refit import predicted_objective
 from sweeper.space.layout import Layout
 
 # The share of turns that explore: turn k (0-based) explores when floor((k + 1) * share) > floor(k * share). None by
-# default (module docstring: 0.25 took more trials on three of four landscapes).
+# default (module docstring: 0.25 took more trials on all four landscapes).
 EXPLORATION = 0.0
 # How many of the fit's standard deviations a layout's log objective may lie above its prediction for it to be worth
 # an exploring turn: one that could not beat the best predicted layout even then is not explored.
