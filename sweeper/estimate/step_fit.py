@@ -83,6 +83,7 @@ class StepFit:
     error_after: float | None = None  # with the fitted terms
     noise: float = NOISE  # the measurement spread the fit assumed (log units): NOISE, or the repeats' own
     spread: Spread | None = field(default=None, compare=False)  # how well the samples pin the factors (None: none)
+    level_alone: float = 1.0  # the level of the fit that frees no term (``level`` where ``factors`` is empty)
 
     def factor(self, term: str) -> float:
         return term_factor(term, self.factors, self.level)
@@ -268,6 +269,7 @@ def fit_step(samples: Sequence[StepSample], noise: float = NOISE) -> StepFit:
     raw_log = problem.predict(0.0, zero)[0]
     level0 = float(np.median(problem.log_measured - raw_log))
     level, theta, value = _solve(problem, [], level0, noise=noise)
+    level_alone = math.exp(level)
 
     def bic(objective: float, free: int) -> float:
         return objective / noise ** 2 + (1 + free) * math.log(n)
@@ -299,7 +301,7 @@ def fit_step(samples: Sequence[StepSample], noise: float = NOISE) -> StepFit:
         error_before=_median_error(raw_log, problem.log_measured),
         error_level=_median_error(raw_log + level0, problem.log_measured),
         error_after=_median_error(problem.predict(level, theta)[0], problem.log_measured), noise=noise,
-        spread=_spread(problem, level, theta, noise, len(free)),
+        spread=_spread(problem, level, theta, noise, len(free)), level_alone=level_alone,
     )
 
 
@@ -308,7 +310,12 @@ class StepModel:
 
     ``start``: the factors stored by earlier sweeps on the same cluster. Until a trial is measured they are the
     prediction; after, the shape they learnt (each term's factor relative to their level) stays as the estimator's
-    weights the new fit is pulled towards, and the new trials fit the level and whatever still differs."""
+    weights the new fit is pulled towards, and the new trials fit the level and whatever still differs.
+
+    A proposal is ranked by the freed terms only once they have earned it (``ranking_factor``): each trial measured
+    after the fit freed a term is first predicted by the fit and by the stored shape at the fit's level alone, and
+    the freed terms rank once their squared log errors sum lower. Freed by a few trials to explain a cost the
+    estimator has no term for, they can move the layouts the estimator ranked right below ones it ranked wrong."""
 
     def __init__(self, estimator: Estimator, start: StepFit | None = None) -> None:
         self.estimator = estimator
@@ -318,6 +325,9 @@ class StepModel:
         self.base = {t: f if t == PP_BUBBLE else f / self.start.level for t, f in (self.start.factors or {}).items()}
         self.fit = self.start
         self._terms: dict[Layout, StepTerms] = {}
+        # Each measured trial's squared log error as predicted before it was fitted, by the refit and by the start's
+        # shape at the level alone, summed over the trials where the two differed (the refit had freed a term).
+        self.held_out = {"refit": 0.0, "level": 0.0}
 
     def terms(self, layout: Layout) -> StepTerms:
         """The layout's uncalibrated step-time terms (kept: a sweep asks for the same layouts again)."""
@@ -330,6 +340,10 @@ class StepModel:
 
     def add(self, layout: Layout, measured_step_s: float) -> StepFit:
         """One more measured trial: refit and return the new fit (relative to the stored shape)."""
+        if self.samples and self.fit.factors and measured_step_s > 0:
+            terms = self.terms(layout)
+            for name, factor in (("refit", self.factor), ("level", self._level_alone)):
+                self.held_out[name] += math.log(terms.seconds(factor) / measured_step_s) ** 2
         self.samples.append(StepSample(self.terms(layout).weighted(self._base), measured_step_s))
         self.layouts.append(layout)
         self.fit = fit_step(self.samples, repeat_noise(self.samples, self.layouts) or NOISE)
@@ -353,6 +367,32 @@ class StepModel:
     def step_time_s(self, layout: Layout) -> float:
         """The layout's step time as the current calibration predicts it."""
         return self.terms(layout).seconds(self.factor)
+
+    @property
+    def refit_leads(self) -> bool:
+        """Whether the refit's freed terms have predicted the trials they had not seen better than the start's shape
+        at the level alone (``held_out``): until they have, a proposal ranks by that shape (``ranking_factor``)."""
+        return self.held_out["refit"] < self.held_out["level"]
+
+    def ranking_factor(self, term: str) -> float:
+        """The factor a proposal is priced with: the refit's where it leads (``refit_leads``), else the start's
+        shape at the refit's level alone, which ranks the layouts as the start did."""
+        return self.factor(term) if not self.samples or self.refit_leads else self._level_alone(term)
+
+    def ranking_step_s(self, layout: Layout) -> float:
+        """The layout's step time as a proposal is ranked by (``ranking_factor``)."""
+        return self.terms(layout).seconds(self.ranking_factor)
+
+    def refit_seconds(self, terms: StepTerms) -> float:
+        """Uncalibrated terms priced with what the measured trials changed of each factor a proposal is ranked by:
+        that factor over the one the model started from (all 1.0 before a trial is measured; the level's ratio on
+        every term after a fit of the level alone)."""
+        if not self.samples:
+            return terms.seconds()
+        return terms.seconds(lambda t: self.ranking_factor(t) / self.start.factor(t))
+
+    def _level_alone(self, term: str) -> float:
+        return self._base(term) * term_factor(term, None, self.fit.level_alone)
 
     def raw_seconds(self, sample: StepSample) -> float:
         """A sample's uncalibrated step time (the stored shape taken out again)."""

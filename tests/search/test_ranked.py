@@ -52,8 +52,10 @@ def test_explores_spreads_its_share_evenly() -> None:
 
 
 def test_without_exploration_a_ranked_study_visits_the_frontiers_order_and_follows_its_refit(tmp_path: Path) -> None:
-    """Exploration 0: each proposal is the frontier's best predicted untried layout, before a trial is measured (the
-    estimator's own order) and after measured trials recalibrated it (the frontier re-ranked, the model refitted)."""
+    """Exploration 0: each proposal is the frontier's best predicted untried layout before a trial is measured (the
+    estimator's own order), and the refit model's best predicted one after measured trials refitted it (the
+    frontier's candidates, re-ranked by ``refit.predicted_objective``: it prices the production run's extra step with
+    the refit's factors, where the frontier's order keeps the estimator's price for it)."""
     cfg = load_config(NEMOTRON)
     calibrator = Calibrator(cfg, tmp_path, shared=False)
     frontier = Frontier(cfg, _EverythingSupported(), calibrator, [], lambda layout: False)  # type: ignore[arg-type]
@@ -82,7 +84,11 @@ def test_without_exploration_a_ranked_study_visits_the_frontiers_order_and_follo
         assert proposal is not None
         seen.append(proposal.layout)
         study.tell(proposal.trial, 1.0, infeasible=False)
-    assert seen[4:] == rest[:4]
+    refitted = sorted(rest, key=lambda lo: -predicted_objective(calibrator.step, lo, cfg))  # stable: ties in order
+    assert seen[4:] == refitted[:4]
+    unfitted = StepModel(Estimator.for_config(cfg))
+    assert refitted != sorted(rest, key=lambda lo: -predicted_objective(unfitted, lo, cfg)), \
+        "the refit re-ranked what was left"
 
 
 @pytest.fixture(scope="module")
@@ -148,3 +154,55 @@ def test_a_ranked_study_needs_its_chooser_and_only_it_does(tmp_path: Path) -> No
         LayoutStudy(cfg, tmp_path / "a.log", "ranked", 0, [])
     with pytest.raises(ValueError, match="chooser"):
         LayoutStudy(cfg, tmp_path / "b.log", "tpe", 0, [], Ranked(cfg, StepModel(Estimator.for_config(cfg))))
+
+
+@pytest.mark.parametrize("space, host_cores, off", [
+    (ROOT / "benchmarks" / "spaces" / "landscape_dense.yaml", 2, 300.0),  # the CPU trials' level (docs/benchmarks.md)
+    (QUICKSTART, 2, 250.0),
+    (NEMOTRON, None, 1.3),
+])
+def test_one_measured_trial_keeps_the_estimators_order(space: Path, host_cores: int | None, off: float) -> None:
+    """Issue 54: a fit of the level alone scales every layout's step alike, so after one measured trial the ranked
+    proposer's order is its prior's (the estimator's, never refitted). The production run's extra data-parallel step
+    is priced with the refit's factors too: left at the estimator's price, the dense GPT's order changed after one
+    CPU trial (a level of 300 made the extra step a 300th of what the prior weighed it at)."""
+    cfg = load_config(space)
+    layouts = launchable(cfg)
+    model = StepModel(Estimator.for_config(cfg, host_cores=host_cores))
+    prior = {lo: predicted_objective(model, lo, cfg) for lo in layouts}
+    first = max(layouts, key=prior.__getitem__)
+    model.add(first, off * model.step_time_s(first))
+    assert not model.factors() and math.isclose(model.level, off)
+    # Every layout's predicted objective 1/off of its prior's (the order kept, twins tied as before, to rounding).
+    scaled = {lo.short(): predicted_objective(model, lo, cfg) * off / prior[lo] for lo in layouts}
+    assert all(math.isclose(r, 1.0, rel_tol=1e-9) for r in scaled.values()), \
+        sorted(scaled.items(), key=lambda kv: abs(kv[1] - 1))[-3:]
+
+
+def test_a_refit_ranks_by_its_freed_terms_only_once_they_out_predict_the_level_alone() -> None:
+    """Issue 54, the dense GPT's CPU landscape: three trials (two BF16 layouts, then an FP32 one twice as fast as its
+    BF16 twin, which the estimator prices alike) let the fit free a term, the bubble, to explain a cost it has no
+    term for; ranked by that fit, the pipelined FP32 layout the estimator ranked fourth (the landscape's best) fell
+    below a BF16 layout. Freed terms that have predicted no trial rank nothing: the order stays the prior's, scaled by
+    the level alone, until they predict a trial they had not seen better than the level alone does."""
+    cfg = load_config(ROOT / "benchmarks" / "spaces" / "landscape_dense.yaml")
+    layouts = launchable(cfg)
+    model = StepModel(Estimator.for_config(cfg, host_cores=2))
+    prior = {lo: predicted_objective(model, lo, cfg) for lo in layouts}
+    by_name = {lo.short(): lo for lo in layouts}
+    # The landscape's measured steps (tests/data/landscape_dense.json, medians at the trial's share of the batch).
+    for name, step in (("TP2-PP1-DP1-SP-MBS4-bf16", 0.336), ("TP1-PP2-DP1-MBS4-bf16", 0.338),
+                       ("TP2-PP1-DP1-SP-MBS4-fp32", 0.169)):
+        model.add(by_name[name], step)
+    assert model.fit.factors, "the fit freed a term"
+    assert not model.refit_leads and model.held_out == {"refit": 0.0, "level": 0.0}
+    ratios = [predicted_objective(model, lo, cfg) / prior[lo] for lo in layouts]
+    assert max(ratios) == pytest.approx(min(ratios), rel=1e-9)  # the prior's order: every layout scaled alike
+    best, bf16 = by_name["TP1-PP2-DP1-MBS4-fp32"], by_name["TP1-PP1-DP2-MBS2-bf16"]
+    assert prior[best] > prior[bf16] and model.step_time_s(best) > model.step_time_s(bf16)  # the fit would swap them
+    # A fourth trial the freed terms predicted exactly, the level alone 20 % off: from then on they rank.
+    fourth = by_name["TP1-PP2-DP1-MBS4-RC-full-bf16"]
+    assert model.ranking_step_s(fourth) < 0.85 * model.step_time_s(fourth)
+    model.add(fourth, model.step_time_s(fourth))
+    assert model.refit_leads and model.held_out["refit"] == pytest.approx(0.0, abs=1e-20)
+    assert all(model.ranking_step_s(lo) == model.step_time_s(lo) for lo in layouts)

@@ -2,19 +2,22 @@
 unsure.
 
 Every proposal is the untried launchable layout with the best objective as the sweep's step-time model predicts it
-(``refit.predicted_objective``: the estimator's terms, refitted after every measured trial by ``estimate.step_fit``),
-so before a trial is measured the order is the estimator's own (on GPUs: the frontier's), and each measured trial
-re-ranks what is left. A share ``EXPLORATION`` of the turns may go instead to the untried layout whose prediction the
-fit is least sure of (``StepModel.log_sd``: the Laplace spread of the level and every term's factor; a
-term no measured trial has keeps its whole prior, so layouts made of terms nothing measured come first), among those
-that could still beat the best predicted one at ``OPTIMISM`` standard deviations; where none could, or nothing is
-measured yet (no spread), the turn keeps the order.
+(``refit.predicted_objective``: the estimator's terms, refitted after every measured trial by ``estimate.step_fit``), so
+before a trial is measured the order is the estimator's own (on GPUs: the frontier's), and each measured trial re-ranks
+what is left: first by the level alone, which keeps the estimator's order (the production run's extra step scaled with
+the step), then by the freed terms once they have predicted a measured trial better than the level alone did
+(``StepModel.refit_leads``; on the dense GPT's CPU landscape a third trial freed the bubble to explain what BF16 costs
+there, and the order it gave took a trial more than the estimator's on 8 seeds of 10). A share ``EXPLORATION`` of the
+turns may go instead to the untried layout whose prediction the fit is least sure of (``StepModel.log_sd``: the Laplace
+spread of the level and every term's factor; a term no measured trial has keeps its whole prior, so layouts made of
+terms nothing measured come first), among those that could still beat the best predicted one at ``OPTIMISM`` standard
+deviations; where none could, or nothing is measured yet (no spread), the turn keeps the order.
 
 ``benchmarks/default_proposer.py`` measures it against the estimator's order never refitted, the space's grid order and
 TPE with the refit's turns (``sampler: tpe``, the default before) on the measured CPU landscapes and on rehearsed GPU
 ones whose truth carries the estimator's held-out error (docs/benchmarks.md). Exploring every fourth turn took more
-trials than not exploring on three of the four landscapes that finished (a trial more on both quickstart landscapes
-and on rehearsed Nemotron, one fewer on the dense GPT), so the default explores none: the rehearsal draws each layout's
+trials than not exploring on all four landscapes that finished (a trial more on each CPU landscape at the median, 1.5
+more on rehearsed Nemotron), so the default explores none: the rehearsal draws each layout's
 error on its own, which no measured neighbour can reveal, and on the CPU landscapes the fourth ordered turn already
 finds the best. The exploring turn stays, tested, for a cluster whose errors follow the terms.
 """
@@ -30,7 +33,7 @@ from sweeper.search.propose.refit import predicted_objective
 from sweeper.space.layout import Layout
 
 # The share of turns that explore: turn k (0-based) explores when floor((k + 1) * share) > floor(k * share). None by
-# default (module docstring: 0.25 took more trials on three of four landscapes).
+# default (module docstring: 0.25 took more trials on all four landscapes).
 EXPLORATION = 0.0
 # How many of the fit's standard deviations a layout's log objective may lie above its prediction for it to be worth
 # an exploring turn: one that could not beat the best predicted layout even then is not explored.

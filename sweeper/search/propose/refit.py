@@ -16,11 +16,15 @@ docs/benchmarks.md): the turn stays greedy.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Literal
 
 from sweeper.config.schema import SweepConfig
+from sweeper.errors import LayoutError
+from sweeper.estimate import Estimator
 from sweeper.estimate.step_fit import StepModel
-from sweeper.search.decide.objective import projected
+from sweeper.estimate.step_time import StepTerms
+from sweeper.search.decide.objective import copies, production_layout, production_rate
 from sweeper.space.layout import Layout
 
 # Measured trials before the model proposes: one fixes its level only, two let it free a term.
@@ -32,16 +36,58 @@ ACQUISITION: Acquisition = "greedy"
 
 
 def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> float:
-    """The sweep's objective as the refit model predicts it (``search.objective``): the trial's step time as the
-    model predicts it, projected to the production run the way a measured trial's is (``objective.projected``), so
-    that a proposal is ranked on the same scale as the measured layouts it must beat. (Predicting the production
-    layout's step instead priced it on a simulated cluster as N ranks sharing the host's cores: every layout smaller
-    than N looked that many times slower than its measured projection, and the quickstart's refit took 10 trials to
-    the best instead of 5.) 0.0 where the production run holds no copy of the layout (``production_rate``)."""
-    step = model.step_time_s(layout)
-    if step <= 0:
+    """The sweep's objective as the refit model predicts it (``search.objective``): the trial's step time as the model
+    ranks it (``StepModel.ranking_step_s``: by the freed terms' factors once they have predicted measured trials better
+    than the level alone, until then by the estimator's shape at that level), projected to the production run the way a
+    measured trial's is (``objective.projected``), so that a proposal is ranked on the same scale as the measured
+    layouts it must beat. (Predicting the production layout's step instead priced it on a simulated cluster as N ranks
+    sharing the host's cores: every layout smaller than N looked that many times slower than its measured projection,
+    and the quickstart's refit took 10 trials to the best instead of 5.) The production run's extra step
+    (``objective.extra_step_s``: the estimator's terms of the production layout less the trial's) is priced with what
+    the refit learnt of those terms since its start (``StepModel.refit_seconds``): as the objective prices it before a
+    trial is measured, so that the first order is the estimator's, and a fit of the level alone, which scales every
+    layout's step alike, scales the extra step alike and keeps that order (issue 54: left at the estimator's price, a
+    level of 300 on the CPU landscapes made the extra step a 300th of what the prior weighed it at, and the dense GPT's
+    order changed after one trial). 0.0 where the production run holds no copy of the layout (``production_rate``)."""
+    step = model.ranking_step_s(layout)
+    if step <= 0 or not copies(cfg, layout):
         return 0.0
-    return projected(cfg, layout, layout.gbs * cfg.training.seq_length / step, step)
+    per_gpu = cfg.search.objective == "tflops_per_gpu"  # as objective.projected: per GPU is in proportion
+    tokens_per_s = layout.gbs * cfg.training.seq_length / step
+    rate = tokens_per_s / layout.world_size if per_gpu else tokens_per_s
+    side_by_side = production_rate(cfg, layout, rate, None, per_gpu=per_gpu)  # the copies, no extra step yet
+    return side_by_side * step / (step + _extra_step_s(model, cfg, layout))
+
+
+# Per step model: the config it ranks for, the estimator objective.extra_step_s prices the extra step with (the
+# sweep's, uncalibrated: no host cores, the production run being GPUs), and each layout's uncalibrated step terms on
+# its trial and on its production run (None: the production run is the trial's layout, or the estimator cannot price
+# it). Kept per model: a sweep asks for every untried layout on every turn.
+_Production = tuple[SweepConfig, Estimator, dict[Layout, tuple[StepTerms, StepTerms] | None]]
+_PRODUCTION: weakref.WeakKeyDictionary[StepModel, _Production] = weakref.WeakKeyDictionary()
+
+
+def _extra_step_s(model: StepModel, cfg: SweepConfig, layout: Layout) -> float:
+    """The production run's step over the trial's (``objective.extra_step_s``), each of its terms priced with what
+    the model's refit changed of that term's factor (``StepModel.refit_seconds``)."""
+    held = _PRODUCTION.get(model)
+    if held is None or held[0] is not cfg:
+        held = _PRODUCTION[model] = (cfg, Estimator.for_config(cfg), {})
+    _, estimator, memo = held
+    if layout not in memo:
+        memo[layout] = None
+        production = production_layout(cfg, layout) if copies(cfg, layout) > 1 else None
+        if production is not None:
+            try:
+                trial, scaled = estimator(layout).step_terms, estimator(production).step_terms
+            except (LayoutError, ValueError):  # as objective.extra_step_s: projected without the difference
+                trial = scaled = None
+            if trial is not None and scaled is not None:
+                memo[layout] = trial, scaled
+    pair = memo[layout]
+    if pair is None:
+        return 0.0
+    return max(0.0, model.refit_seconds(pair[1]) - model.refit_seconds(pair[0]))
 
 
 def expected_improvement(model: StepModel, layout: Layout, cfg: SweepConfig, incumbent: float) -> float:
