@@ -433,17 +433,20 @@ class Estimator:
         # block_seconds and slowest_stage's stages of those blocks (its ``stages``), by the fields block_seconds reads
         self._blocks: dict[tuple, _Blocks]
         self._slowest: dict[tuple, dict[str, float]]  # slowest_stage, by the fields it reads
+        # step_terms by layout: a plan's production layouts repeat (every world size of a layout's family scales to
+        # the same production layout). Uncalibrated, they depend on a calibration only through the MoE hot-rank
+        # factor (an offloaded layer's activations): estimators of other calibrations share them otherwise.
+        self._step_terms_of: dict[Layout, StepTerms]
         if kept is None:
             self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
             self._links, self._blocks, self._slowest = {}, {}, {}
+            self._step_terms_of = {}
         else:  # the same space under another calibration (``recalibrated``)
-            stages, self._links, self._blocks, self._slowest = kept.memos()
+            stages, self._links, self._blocks, self._slowest, step_terms_of = kept.memos()
             self._stages = stages.recalibrated(calibration)
+            self._step_terms_of = step_terms_of if _hot_rank(kept.calibration) == _hot_rank(calibration) else {}
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
         self._unit: _Stages | None = None  # the stages at memory factors 1 (unit_stages)
-        # step_time_s by layout: a plan's production layouts repeat (every world size of a layout's family scales to
-        # the same production layout)
-        self._step_s: dict[Layout, float] = {}
 
     @classmethod
     def for_config(cls, cfg: SweepConfig, calibration: Calibration | None = None,
@@ -485,9 +488,11 @@ class Estimator:
         """The MoE hot-rank factor this estimator's activations would be sized with under ``calibration``."""
         return effective_hot_rank(self.constants, calibration)
 
-    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, _Blocks], dict[tuple, dict[str, float]]]:
-        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms."""
-        return self._stages, self._links, self._blocks, self._slowest
+    def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, _Blocks], dict[tuple, dict[str, float]],
+                             dict[Layout, StepTerms]]:
+        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms, and each
+        layout's step terms (``step_terms``) while the MoE hot-rank factor is the same."""
+        return self._stages, self._links, self._blocks, self._slowest, self._step_terms_of
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, constants, calibration, seq_length = layout, self.constants, self.calibration, self.seq_length
@@ -528,17 +533,20 @@ class Estimator:
             step_factor=self._factor,
         )
 
-    def step_time_s(self, layout: Layout) -> float:
-        """``self(layout).step_time_s`` without the memory verdict: what comparing two layouts' steps needs (the
-        production run's larger data parallelism over its trial's, ``objective.extra_step_s``, for every layout of a
-        plan)."""
-        kept = self._step_s.get(layout)
+    def step_terms(self, layout: Layout) -> StepTerms:
+        """``self(layout).step_terms`` without the memory verdict: the layout's uncalibrated step-time terms, which
+        ``.seconds(factors)`` prices under a calibration (the production run's larger data parallelism over its
+        trial's, ``objective.extra_step_s``, for every layout of a plan; the refit's own factors)."""
+        kept = self._step_terms_of.get(layout)
         if kept is None:
             _check_divisible(layout, self.seq_length)
             shape, params, layer_activation_bytes = self._stages.step_inputs(layout)
-            kept = self._step_s[layout] = self._step_terms(layout, shape, params, layer_activation_bytes).seconds(
-                self._factor)
+            kept = self._step_terms_of[layout] = self._step_terms(layout, shape, params, layer_activation_bytes)
         return kept
+
+    def step_time_s(self, layout: Layout) -> float:
+        """``self(layout).step_time_s`` without the memory verdict."""
+        return self.step_terms(layout).seconds(self._factor)
 
     def terms(self, layout: Layout) -> tuple[list[tuple[float, ...]], list[float], StepTerms]:
         """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's

@@ -41,8 +41,9 @@ def test_the_estimators_of_one_config_share_their_memos_and_predict_as_fresh_one
     step times and a sweep's calibrations price the same stages): asked again, under another calibration or none,
     it predicts every layout exactly as an estimator made afresh for that calibration; ``step_time_s`` (the step
     without the memory verdict) is the full prediction's step."""
-    cfg = load_config(SPACES[1])
-    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
+    cfg = load_config(SPACES[1])  # MoE with offloaded layers, their copies exposed over a slow host link: the step
+    cfg = cfg.model_copy(update={"cluster": cfg.cluster.model_copy(update={"host_link_gbs": 0.01})})  # then reads
+    checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)  # the activations' hot-rank factor
     valid = [lo for lo in enumerate_layouts(cfg) if not checker(lo)][::7]
     first = Estimator.for_config(cfg)
     assert Estimator.for_config(cfg) is first
@@ -50,9 +51,13 @@ def test_the_estimators_of_one_config_share_their_memos_and_predict_as_fresh_one
     calibrated = Estimator.for_config(cfg, calibration)
     assert calibrated is not first and calibrated.memos()[1] is first.memos()[1]  # the links, blocks... shared
     assert Estimator.for_config(cfg.model_copy()) is not first  # another config object: its own
+    hot = Calibration(activation_factor=1.1, moe_hot_rank_factor=2.5)  # sizes the activations: offload's bytes
+    pairs = [(first, Estimator.new_for_config(cfg)), (calibrated, Estimator.new_for_config(cfg, calibration)),
+             (Estimator.for_config(cfg, hot), Estimator.new_for_config(cfg, hot))]
+    assert any(lo.offload_layers for lo in valid) and cfg.model.is_moe
     for lo in valid:
-        for shared, fresh in ((first, Estimator.new_for_config(cfg)),
-                              (calibrated, Estimator.new_for_config(cfg, calibration))):
+        for shared, fresh in pairs:
             want = fresh(lo)
             assert shared(lo) == want, lo.short()
+            assert shared.step_terms(lo) == want.step_terms, lo.short()
             assert shared.step_time_s(lo) == want.step_time_s, lo.short()

@@ -26,6 +26,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.errors import LayoutError
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
+from sweeper.estimate.step_time import StepTerms
 from sweeper.record.schema import TrialResult
 from sweeper.space.layout import Layout
 
@@ -38,7 +39,8 @@ PROJECTED_STEP_ERROR = 0.135
 # record on each event; the calibration moves with each measured trial, so the memo is dropped when it grows large.
 _EXTRA_S: dict[tuple[str, str, Layout, int], float] = {}
 _EXTRA_S_MAX = 200_000
-_ESTIMATORS: dict[tuple[str, str], Estimator] = {}
+_ESTIMATORS: dict[tuple[str, str], Estimator] = {}  # by (estimator inputs, calibration): ``Estimator.for_config``'s
+_ESTIMATORS_MAX = 64
 _INPUT_KEYS: dict[int, tuple[SweepConfig, str]] = {}
 
 
@@ -59,27 +61,41 @@ def production_layout(cfg: SweepConfig, layout: Layout) -> Layout | None:
     return cfg.production_layout(layout)
 
 
+def production_terms(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
+                     ) -> tuple[StepTerms, StepTerms] | None:
+    """The estimator's uncalibrated step-time terms of a trial of ``layout`` and of its production layout: what
+    ``extra_step_s`` prices under the sweep's calibration, and the refit proposer under its own factors. None where the
+    production run is the trial's layout itself or holds none, or the estimator cannot price them. ``calibration``
+    matters to the terms only through the MoE hot-rank factor (an offloaded layer's activations)."""
+    if copies(cfg, layout) <= 1:
+        return None
+    production = production_layout(cfg, layout)
+    assert production is not None
+    inputs, calibrated = _inputs_key(cfg), repr(calibration)
+    estimator = _ESTIMATORS.get((inputs, calibrated))
+    if estimator is None:
+        if len(_ESTIMATORS) > _ESTIMATORS_MAX:
+            _ESTIMATORS.clear()
+        estimator = _ESTIMATORS[(inputs, calibrated)] = Estimator.for_config(cfg, calibration)
+    try:
+        return estimator.step_terms(layout), estimator.step_terms(production)
+    except (LayoutError, ValueError):  # a layout the estimator cannot price: projected without the difference
+        return None
+
+
 def extra_step_s(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None) -> float:
     """What the production layout's step costs over the trial layout's, as the estimator prices both (seconds),
     under ``calibration`` (the sweep's current one; None: uncalibrated)."""
     k = copies(cfg, layout)
     if k <= 1:  # the production run is the trial's layout itself, or holds none
         return 0.0
-    inputs, calibrated = _inputs_key(cfg), repr(calibration)
-    key = (inputs, calibrated, layout, k)
+    key = (_inputs_key(cfg), repr(calibration), layout, k)
     if key not in _EXTRA_S:
         if len(_EXTRA_S) > _EXTRA_S_MAX:
             _EXTRA_S.clear()
-            _ESTIMATORS.clear()
-        production = production_layout(cfg, layout)
-        assert production is not None
-        estimator = _ESTIMATORS.get((inputs, calibrated))
-        if estimator is None:
-            estimator = _ESTIMATORS[(inputs, calibrated)] = Estimator.for_config(cfg, calibration)
-        try:
-            trial_s, production_s = estimator.step_time_s(layout), estimator.step_time_s(production)
-        except (LayoutError, ValueError):  # a layout the estimator cannot price: projected without the difference
-            trial_s = production_s = 0.0
+        terms = production_terms(cfg, layout, calibration)
+        factor = (calibration or Calibration()).step_factor  # as the estimator so calibrated prices its terms
+        trial_s, production_s = (terms[0].seconds(factor), terms[1].seconds(factor)) if terms else (0.0, 0.0)
         _EXTRA_S[key] = max(0.0, production_s - trial_s) if trial_s and production_s else 0.0
     return _EXTRA_S[key]
 
@@ -173,5 +189,5 @@ def objective_name(cfg: SweepConfig) -> str:
 
 
 __all__ = ["PROJECTED_STEP_ERROR", "Projection", "copies", "extra_step_s", "objective_name", "objective_value",
-           "predicted_objective", "production_gpus", "production_layout", "production_rate", "projected",
-           "projection"]
+           "predicted_objective", "production_gpus", "production_layout", "production_rate", "production_terms",
+           "projected", "projection"]

@@ -16,15 +16,11 @@ docs/benchmarks.md): the turn stays greedy.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Literal
 
 from sweeper.config.schema import SweepConfig
-from sweeper.errors import LayoutError
-from sweeper.estimate import Estimator
 from sweeper.estimate.step_fit import StepModel
-from sweeper.estimate.step_time import StepTerms
-from sweeper.search.decide.objective import copies, production_layout, production_rate
+from sweeper.search.decide.objective import copies, production_rate, production_terms
 from sweeper.space.layout import Layout
 
 # Measured trials before the model proposes: one fixes its level only, two let it free a term.
@@ -59,35 +55,13 @@ def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> f
     return side_by_side * step / (step + _extra_step_s(model, cfg, layout))
 
 
-# Per step model: the config it ranks for, the estimator objective.extra_step_s prices the extra step with (the
-# sweep's, uncalibrated: no host cores, the production run being GPUs), and each layout's uncalibrated step terms on
-# its trial and on its production run (None: the production run is the trial's layout, or the estimator cannot price
-# it). Kept per model: a sweep asks for every untried layout on every turn.
-_Production = tuple[SweepConfig, Estimator, dict[Layout, tuple[StepTerms, StepTerms] | None]]
-_PRODUCTION: weakref.WeakKeyDictionary[StepModel, _Production] = weakref.WeakKeyDictionary()
-
-
 def _extra_step_s(model: StepModel, cfg: SweepConfig, layout: Layout) -> float:
     """The production run's step over the trial's (``objective.extra_step_s``), each of its terms priced with what
     the model's refit changed of that term's factor (``StepModel.refit_seconds``)."""
-    held = _PRODUCTION.get(model)
-    if held is None or held[0] is not cfg:
-        held = _PRODUCTION[model] = (cfg, Estimator.for_config(cfg), {})
-    _, estimator, memo = held
-    if layout not in memo:
-        memo[layout] = None
-        production = production_layout(cfg, layout) if copies(cfg, layout) > 1 else None
-        if production is not None:
-            try:
-                trial, scaled = estimator(layout).step_terms, estimator(production).step_terms
-            except (LayoutError, ValueError):  # as objective.extra_step_s: projected without the difference
-                trial = scaled = None
-            if trial is not None and scaled is not None:
-                memo[layout] = trial, scaled
-    pair = memo[layout]
-    if pair is None:
+    terms = production_terms(cfg, layout)  # the sweep's estimator, uncalibrated: the production run is GPUs
+    if terms is None:
         return 0.0
-    return max(0.0, model.refit_seconds(pair[1]) - model.refit_seconds(pair[0]))
+    return max(0.0, model.refit_seconds(terms[1]) - model.refit_seconds(terms[0]))
 
 
 def expected_improvement(model: StepModel, layout: Layout, cfg: SweepConfig, incumbent: float) -> float:
