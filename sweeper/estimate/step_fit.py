@@ -318,6 +318,9 @@ class StepModel:
         self.base = {t: f if t == PP_BUBBLE else f / self.start.level for t, f in (self.start.factors or {}).items()}
         self.fit = self.start
         self._terms: dict[Layout, StepTerms] = {}
+        # Each layout's predicted step time under the current fit: a ranked proposal asks it of every untried layout
+        # (thousands on a 1,024-GPU space), several times between two samples (issue 54)
+        self._step_s: dict[Layout, float] = {}
 
     def terms(self, layout: Layout) -> StepTerms:
         """The layout's uncalibrated step-time terms (kept: a sweep asks for the same layouts again)."""
@@ -333,6 +336,7 @@ class StepModel:
         self.samples.append(StepSample(self.terms(layout).weighted(self._base), measured_step_s))
         self.layouts.append(layout)
         self.fit = fit_step(self.samples, repeat_noise(self.samples, self.layouts) or NOISE)
+        self._step_s = {}
         return self.fit
 
     def factor(self, term: str) -> float:
@@ -352,7 +356,10 @@ class StepModel:
 
     def step_time_s(self, layout: Layout) -> float:
         """The layout's step time as the current calibration predicts it."""
-        return self.terms(layout).seconds(self.factor)
+        seconds = self._step_s.get(layout)
+        if seconds is None:
+            seconds = self._step_s[layout] = self.terms(layout).seconds(self.factor)
+        return seconds
 
     def raw_seconds(self, sample: StepSample) -> float:
         """A sample's uncalibrated step time (the stored shape taken out again)."""

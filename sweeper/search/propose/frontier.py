@@ -68,9 +68,14 @@ class Frontier:
         self._raw: Predictions | None = None  # the uncalibrated figures, the evidence's common scale
         self._proofs: Proofs | None = None  # each valid layout's memory proofs among the measured trials
         self._pruned: dict[int, tuple[Predictions, int, dict[str, Any]]] = {}  # by row: predictions, proof, JSON
+        self._shorts: dict[int, str] = {}  # by row: the layout's short name, in each of its pruned elements
         # Asked of every candidate on every event (issue 54), so kept per layout: its key, the backend's answer, its
         # predicted objective under the prediction it was computed for
         self._keys: dict[Layout, tuple[Any, ...]] = {}
+        # Whether each layout asked is decided (a proposal asks it of every launchable layout; hashing its key each
+        # time was most of that), and the layouts asked by key, which ``decide`` marks
+        self._decided: dict[Layout, bool] = {}
+        self._by_key: dict[tuple[Any, ...], list[Layout]] = {}
         self._unsupported: dict[Layout, str | None] = {}
         self._objective: dict[Layout, tuple[Estimate, float]] = {}
         # The last assessment's pruned rows (the predictions they were judged under, the rows, each one's OOM proof
@@ -199,7 +204,10 @@ class Frontier:
         estimate = predicted.estimate(row)
         why = (oom_reason(estimate, self.evidence.ran_out[proof]) if proof >= 0
                else exceeds_reason(estimate, self.evidence.limit_gib))
-        element = {"layout": self._valid[row].short(), **estimate.to_json(), "reason": why}
+        short = self._shorts.get(row)
+        if short is None:
+            short = self._shorts[row] = self._valid[row].short()
+        element = {"layout": short, **estimate.to_json(), "reason": why}
         self._pruned[row] = (predicted, proof, element)
         return element
 
@@ -233,11 +241,19 @@ class Frontier:
 
     def taken(self, layout: Layout) -> bool:
         """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
-        return self._key(layout) in self.decided or self._running(layout)
+        decided = self._decided.get(layout)
+        if decided is None:
+            key = self._key(layout)
+            decided = self._decided[layout] = key in self.decided
+            self._by_key.setdefault(key, []).append(layout)
+        return decided or self._running(layout)
 
     def decide(self, layout: Layout) -> None:
         """The layout has its verdict: never proposed again in this sweep."""
-        self.decided.add(self._key(layout))
+        key = self._key(layout)
+        self.decided.add(key)
+        for known in self._by_key.get(key, ()):
+            self._decided[known] = True
 
     def _key(self, layout: Layout) -> tuple[Any, ...]:
         """``layout_key`` of the layout, kept (a proposal asks ``taken`` of every launchable layout)."""
@@ -247,8 +263,11 @@ class Frontier:
         return key
 
     def assess(self, layout: Layout) -> tuple[PlanEntry, Refusal | None]:
-        """The layout's plan entry as it stands now, and why it may not run (None: it may)."""
-        entry = assess(self.cfg, layout, self.calibrator.current)
+        """The layout's plan entry as it stands now, and why it may not run (None: it may). A valid layout of the
+        space is predicted from the table (equal to the estimator's), not by a new estimator per proposal."""
+        row = self._index.get(layout)
+        entry = (PlanEntry(layout, [], self._predict().estimate(row)) if row is not None
+                 else assess(self.cfg, layout, self.calibrator.current))
         return entry, self._refusal(entry)
 
     def _refusal(self, entry: PlanEntry) -> Refusal | None:

@@ -85,7 +85,7 @@ class Scheduler:
 
     def is_running(self, layout: Layout) -> bool:
         """In flight, or waiting for GPUs."""
-        return any(r.layout == layout for r in self.in_flight + self.waiting)
+        return any(r.layout == layout for runs in (self.futures.values(), self.retry, self.deferred) for r in runs)
 
     # -- the queues ------------------------------------------------------------------------------------------------
     def readmit(self) -> None:
