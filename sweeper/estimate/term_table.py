@@ -21,7 +21,6 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -224,21 +223,22 @@ class Predictions:
         """(layouts, ``BREAKDOWN_SIZES``): each layout's memory breakdown in GiB, the figures its Estimate has."""
         return np.column_stack([self.worst_parts, self.fragmentation, self.non_torch])
 
-    @functools.cached_property
-    def _columns(self) -> list[list[Any]]:
-        # Plain Python values for the Estimates (a list per column is far faster to walk than numpy scalars).
-        return [self.worst_parts.tolist(), self.fragmentation.tolist(), self.non_torch.tolist(), self.rank.tolist(),
-                self.in_flight.tolist(), self.memory_gib.tolist(), self.band_low.tolist(), self.band_high.tolist(),
-                self.fits.tolist(), self.may_fit.tolist(), self.step_time_s.tolist(), self.tokens_per_s.tolist(),
-                list(self.terms)]
-
     def estimate(self, i: int) -> Estimate:
         """The i-th layout's ``Estimate``."""
-        return self._estimate(*[column[i] for column in self._columns])
+        return self.estimates_of([i])[0]
 
     def estimates(self) -> list[Estimate]:
         """Every layout's ``Estimate``, in the table's order."""
-        return list(itertools.starmap(self._estimate, zip(*self._columns)))
+        return self.estimates_of(range(len(self.terms)))
+
+    def estimates_of(self, rows: Sequence[int]) -> list[Estimate]:
+        """The ``Estimate`` of each layout in ``rows`` (indices into the table), in that order."""
+        index = np.asarray(rows, dtype=np.intp)
+        # Plain Python values for the Estimates (a list per column is far faster to walk than numpy scalars).
+        columns = [a[index].tolist() for a in (self.worst_parts, self.fragmentation, self.non_torch, self.rank,
+                                               self.in_flight, self.memory_gib, self.band_low, self.band_high,
+                                               self.fits, self.may_fit, self.step_time_s, self.tokens_per_s)]
+        return list(itertools.starmap(self._estimate, zip(*columns, [self.terms[i] for i in rows])))
 
     def _estimate(self, row: list[float], frag: float, non_torch: float, rank: int, flight: float, mem: float,
                   lo: float, hi: float, fit: bool, may: bool, sec: float, tps: float, terms: StepTerms) -> Estimate:

@@ -30,6 +30,7 @@ from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host
 
 Refusal = tuple[str, str]  # (one-line reason, failure kind)
+MISSING = object()  # not asked yet
 
 
 def layout_key(layout: dict[str, Any]) -> tuple[Any, ...]:
@@ -76,8 +77,8 @@ class Frontier:
         # time was most of that), and the layouts asked by key, which ``decide`` marks
         self._decided: dict[Layout, bool] = {}
         self._by_key: dict[tuple[Any, ...], list[Layout]] = {}
-        self._unsupported: dict[Layout, str | None] = {}
-        self._objective: dict[Layout, tuple[Estimate, float]] = {}
+        self._unsupported: dict[int, str | None] = {}  # by row
+        self._objective: dict[int, tuple[Estimate, float]] = {}  # by row
         # The last assessment's pruned rows (the predictions they were judged under, the rows, each one's OOM proof
         # or -1: over the band), dominated and unsupported layouts (``verdict_lists``)
         self._verdicts: tuple[tuple[Predictions | None, list[int], list[int]], list[dict[str, Any]],
@@ -123,14 +124,15 @@ class Frontier:
         self._plan_calibration = current
         return self._predictions
 
-    def _entry(self, row: int) -> PlanEntry:
-        """The plan entry of the valid layout at ``row`` under the current predictions (one object per row while
-        they stand: its predicted objective is kept by it)."""
-        entry = self._entries.get(row)
-        if entry is None:
+    def _entries_of(self, rows: list[int]) -> list[PlanEntry]:
+        """The plan entries of the valid layouts at ``rows`` under the current predictions (one object per row while
+        they stand: its predicted objective is kept by it), those not made yet made together."""
+        missing = [row for row in rows if row not in self._entries]
+        if missing:
             assert self._predictions is not None
-            entry = self._entries[row] = PlanEntry(self._valid[row], [], self._predictions.estimate(row))
-        return entry
+            for row, estimate in zip(missing, self._predictions.estimates_of(missing)):
+                self._entries[row] = PlanEntry(self._valid[row], [], estimate)
+        return [self._entries[row] for row in rows]
 
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
@@ -150,14 +152,14 @@ class Frontier:
         pruned = pruned_by_oom | (~predicted.may_fit & (proofs.fit < 0))
         rows = np.flatnonzero(pruned)
         pruned_rows = (predicted, rows.tolist(), np.where(pruned_by_oom[rows], proofs.oom[rows], -1).tolist())
-        entries: list[PlanEntry] = []
+        rows_left: list[int] = []
         dominated: list[dict[str, Any]] = []
         unsupported: list[dict[str, Any]] = []
         for row in np.flatnonzero(~pruned).tolist():
             layout = self._valid[row]
-            if layout not in self._unsupported:  # a backend's support of a layout is fixed for the sweep
-                self._unsupported[layout] = self.handle.unsupported(self.cfg.model, layout)
-            backend_says = self._unsupported[layout]
+            backend_says = self._unsupported.get(row, MISSING)
+            if backend_says is MISSING:  # a backend's support of a layout is fixed for the sweep
+                backend_says = self._unsupported[row] = self.handle.unsupported(self.cfg.model, layout)
             if backend_says:
                 unsupported.append({"layout": layout.short(), "reason": backend_says})
                 continue
@@ -165,18 +167,21 @@ class Frontier:
             if inferred is not None and not self.taken(layout):
                 dominated.append({"layout": layout.short(), "reason": inferred})
             elif inferred is None:
-                entries.append(self._entry(row))
+                rows_left.append(row)
         self._verdicts = pruned_rows, dominated, unsupported
-        return sorted(entries, key=self._predicted_objective, reverse=True)
+        entries = self._entries_of(rows_left)
+        objectives = [self._predicted_objective(row, entry) for row, entry in zip(rows_left, entries)]
+        order = sorted(range(len(entries)), key=objectives.__getitem__, reverse=True)  # stable: ties in space order
+        return [entries[i] for i in order]
 
-    def _predicted_objective(self, entry: PlanEntry) -> float:
+    def _predicted_objective(self, row: int, entry: PlanEntry) -> float:
         """The entry's predicted objective (0 when none), kept while its prediction is the same object."""
-        kept = self._objective.get(entry.layout)
+        kept = self._objective.get(row)
         if kept is not None and kept[0] is entry.predicted:
             return kept[1]
         assert entry.predicted is not None
         value = predicted_objective(self.cfg, entry.layout, entry.predicted) or 0.0
-        self._objective[entry.layout] = (entry.predicted, value)
+        self._objective[row] = (entry.predicted, value)
         return value
 
     @property
@@ -189,19 +194,26 @@ class Frontier:
         first), ``dominated``, ``unsupported``. Built when sweep.json is written, not on every event: the JSON of
         tens of thousands of pruned layouts took a second after each calibration change (issue 54)."""
         (predicted, rows, proofs), dominated, unsupported = self._verdicts
-        elements = [self._pruned_json(predicted, row, proof) for row, proof in zip(rows, proofs)]
+        changed = [i for i, (row, proof) in enumerate(zip(rows, proofs))
+                   if not self._pruned_kept(predicted, row, proof)]
+        if changed:
+            assert predicted is not None
+            estimates = predicted.estimates_of([rows[i] for i in changed])
+            for i, estimate in zip(changed, estimates):
+                self._pruned_json(predicted, rows[i], proofs[i], estimate)
+        elements = [self._pruned[row][2] for row in rows]
         return {"memory_pruned": sorted(elements, key=lambda p: p["memory_gib"]), "dominated": dominated,
                 "unsupported": unsupported}
 
-    def _pruned_json(self, predicted: Predictions | None, row: int, proof: int) -> dict[str, Any]:
-        """sweep.json's ``memory_pruned`` element of the valid layout at ``row``, pruned by the OOM trial
-        ``proof`` (its index among the evidence's) or, -1, over the band: kept while its predictions and proof are
-        the same (an event that changes no calibration leaves tens of thousands of them as they were; issue 54)."""
+    def _pruned_kept(self, predicted: Predictions | None, row: int, proof: int) -> bool:
+        """Whether the kept ``memory_pruned`` element of ``row`` is for these predictions and this proof (an event
+        that changes no calibration leaves tens of thousands of them as they were; issue 54)."""
         kept = self._pruned.get(row)
-        if kept is not None and kept[0] is predicted and kept[1] == proof:
-            return kept[2]
-        assert predicted is not None
-        estimate = predicted.estimate(row)
+        return kept is not None and kept[0] is predicted and kept[1] == proof
+
+    def _pruned_json(self, predicted: Predictions, row: int, proof: int, estimate: Estimate) -> None:
+        """sweep.json's ``memory_pruned`` element of the valid layout at ``row`` (predicted ``estimate``), pruned by
+        the OOM trial ``proof`` (its index among the evidence's) or, -1, over the band, kept by row."""
         why = (oom_reason(estimate, self.evidence.ran_out[proof]) if proof >= 0
                else exceeds_reason(estimate, self.evidence.limit_gib))
         short = self._shorts.get(row)
@@ -209,7 +221,6 @@ class Frontier:
             short = self._shorts[row] = self._valid[row].short()
         element = {"layout": short, **estimate.to_json(), "reason": why}
         self._pruned[row] = (predicted, proof, element)
-        return element
 
     def raw_estimate(self, layout: Layout) -> Estimate:
         """The layout's uncalibrated prediction (the memory evidence's scale): the space's own for a valid layout of
