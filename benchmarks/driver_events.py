@@ -7,7 +7,7 @@ frontier (sweeper/search/propose/frontier.py) is built over it as a sweep builds
 every layout is supported) and a fresh sweep folder. Then measured trials arrive as a GPU sweep records them: a
 device peak under the limit (memory evidence) or an out-of-memory failure, each one an event that changes verdicts
 but not the calibration. "before" re-assesses the whole space on every such event (rules and estimator for every
-layout, as the frontier did before issue 43); "after" keeps the assessed plan until the calibration changes. Then
+layout, as the frontier did before issue 43); "after" keeps the predictions until the calibration changes. Then
 the events that do change the calibration (on GPUs, nearly every passed trial: its step time and device peak refit
 both): "fresh" assesses the space again with a new estimator (rules and estimator for every layout, as before issue
 46), "recalibrated" keeps the rules' verdicts and re-predicts the valid layouts with the estimator recalibrated (its
@@ -16,7 +16,9 @@ frontier does now); the re-prediction alone and the whole event (re-prediction, 
 the table's predictions checked equal to the recalibrated estimator's. sweep.json is no part of an event (the sweep
 writes it at most every 30 s, issue 54): writing it with the per-layout lists after a calibration change is timed
 on its own. One proposal (the next launchable layout not
-yet taken) is timed too. Prints CPU seconds and the ratios.
+yet taken) is timed too. Prints CPU seconds and the ratios. Since the frontier keeps the rules' verdicts apart from
+its predictions (branch driver2, issue 54), "before" and "fresh" build a new estimator and term table for every valid
+layout and keep the rules' verdicts: less than they name.
 
     python benchmarks/driver_events.py [--events 5] [--space search_spaces/deepseek_v3_1024.yaml] [--no-fresh]
 """

@@ -328,6 +328,9 @@ class StepModel:
         # Each measured trial's squared log error as predicted before it was fitted, by the refit and by the start's
         # shape at the level alone, summed over the trials where the two differed (the refit had freed a term).
         self.held_out = {"refit": 0.0, "level": 0.0}
+        # Each layout's step time as a proposal ranks it under the current fit: a ranked proposal asks it of every
+        # untried layout (thousands on a 1,024-GPU space), several times between two samples (issue 54)
+        self._step_s: dict[Layout, float] = {}
 
     def terms(self, layout: Layout) -> StepTerms:
         """The layout's uncalibrated step-time terms (kept: a sweep asks for the same layouts again)."""
@@ -347,6 +350,7 @@ class StepModel:
         self.samples.append(StepSample(self.terms(layout).weighted(self._base), measured_step_s))
         self.layouts.append(layout)
         self.fit = fit_step(self.samples, repeat_noise(self.samples, self.layouts) or NOISE)
+        self._step_s = {}
         return self.fit
 
     def factor(self, term: str) -> float:
@@ -380,8 +384,11 @@ class StepModel:
         return self.factor(term) if not self.samples or self.refit_leads else self._level_alone(term)
 
     def ranking_step_s(self, layout: Layout) -> float:
-        """The layout's step time as a proposal is ranked by (``ranking_factor``)."""
-        return self.terms(layout).seconds(self.ranking_factor)
+        """The layout's step time as a proposal is ranked by (``ranking_factor``), kept until the next sample."""
+        seconds = self._step_s.get(layout)
+        if seconds is None:
+            seconds = self._step_s[layout] = self.terms(layout).seconds(self.ranking_factor)
+        return seconds
 
     def refit_seconds(self, terms: StepTerms) -> float:
         """Uncalibrated terms priced with what the measured trials changed of each factor a proposal is ranked by:

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import functools
 import gc
-from collections.abc import Iterator, Sequence
+import itertools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -154,6 +155,13 @@ class TermTable:
 
     def estimates(self, calibration: Calibration | None) -> list[Estimate]:
         """Every layout's ``Estimate`` under ``calibration``, equal to what ``Estimator`` (recalibrated) predicts."""
+        predicted = self.predict(calibration)
+        with without_cycle_collection():
+            return predicted.estimates()
+
+    def predict(self, calibration: Calibration | None) -> Predictions:
+        """Every layout's prediction under ``calibration`` as arrays, its ``Estimate`` made only when asked for: a
+        sweep looks at the figures of all of them (memory verdicts) but at the Estimates of a few (issue 54)."""
         cal = calibration or Calibration()
         factors = np.array([cal.state_factor if k in _SCALED_BY_STATE else cal.activation_factor for k in PARTS])
         parts = factors * self.parts  # (f * bytes / GIB) exactly: GIB is a power of two
@@ -178,23 +186,65 @@ class TermTable:
             tokens_per_s = self.tokens / seconds
 
         low, high = worst_reserved / self.band_divisors[0], worst_reserved / self.band_divisors[1]
-        fits = worst_reserved + self.non_torch <= self.limit_gib
-        may_fit = low + self.non_torch <= self.limit_gib
+        return Predictions(
+            memory_gib=worst_reserved, band_low=low, band_high=high,
+            fits=worst_reserved + self.non_torch <= self.limit_gib, may_fit=low + self.non_torch <= self.limit_gib,
+            worst_parts=parts[worst], fragmentation=reserved[worst] - allocated[worst], non_torch=self.non_torch,
+            rank=self.rank[worst], in_flight=self.in_flight[worst], step_time_s=seconds, tokens_per_s=tokens_per_s,
+            terms=self.terms, step_factor=functools.cache(cal.step_factor))  # a layout's JSON asks it per term
+
+
+# The memory breakdown's sizes in the order an Estimate lists them (its bookkeeping entries, a pipeline rank and a
+# count, after them): ``Predictions.parts_gib``'s columns.
+BREAKDOWN_SIZES = (*PARTS, "fragmentation", "non_torch")
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """A table's layouts under one calibration: the figures as arrays (row i: the table's i-th layout), and
+    ``estimate(i)`` the i-th layout's ``Estimate``, equal to the estimator's."""
+
+    memory_gib: np.ndarray  # the worst stage's reserved peak
+    band_low: np.ndarray
+    band_high: np.ndarray
+    fits: np.ndarray
+    may_fit: np.ndarray
+    worst_parts: np.ndarray  # (layouts, 9): the worst stage's parts
+    fragmentation: np.ndarray
+    non_torch: np.ndarray
+    rank: np.ndarray
+    in_flight: np.ndarray
+    step_time_s: np.ndarray
+    tokens_per_s: np.ndarray
+    terms: tuple[StepTerms, ...]
+    step_factor: Callable[[str], float]
+
+    def parts_gib(self) -> np.ndarray:
+        """(layouts, ``BREAKDOWN_SIZES``): each layout's memory breakdown in GiB, the figures its Estimate has."""
+        return np.column_stack([self.worst_parts, self.fragmentation, self.non_torch])
+
+    def estimate(self, i: int) -> Estimate:
+        """The i-th layout's ``Estimate``."""
+        return self.estimates_of([i])[0]
+
+    def estimates(self) -> list[Estimate]:
+        """Every layout's ``Estimate``, in the table's order."""
+        return self.estimates_of(range(len(self.terms)))
+
+    def estimates_of(self, rows: Sequence[int]) -> list[Estimate]:
+        """The ``Estimate`` of each layout in ``rows`` (indices into the table), in that order."""
+        index = np.asarray(rows, dtype=np.intp)
         # Plain Python values for the Estimates (a list per column is far faster to walk than numpy scalars).
-        worst_parts = parts[worst].tolist()
-        fragmentation = (reserved[worst] - allocated[worst]).tolist()
-        columns = zip(worst_parts, fragmentation, self.non_torch.tolist(), self.rank[worst].tolist(),
-                      self.in_flight[worst].tolist(), worst_reserved.tolist(), low.tolist(), high.tolist(),
-                      fits.tolist(), may_fit.tolist(), seconds.tolist(), tokens_per_s.tolist(), self.terms)
-        step_factor = functools.cache(cal.step_factor)  # each layout's JSON asks it per term: once per name here
-        out = []
-        with without_cycle_collection():
-            for row, frag, non_torch, r, flight, mem, lo, hi, fit, may, sec, tps, terms in columns:
-                breakdown = dict(zip(PARTS, row))
-                breakdown.update(fragmentation=frag, non_torch=non_torch, pipeline_rank=float(r),
-                                 in_flight_microbatches=flight)
-                out.append(Estimate(memory_gib=mem, fits=fit, step_time_s=sec,
-                                    tokens_per_s=tps if sec > 0 else None, breakdown=breakdown,
-                                    memory_band_gib=(lo, hi), may_fit=may, step_terms=terms,
-                                    step_factor=step_factor))
-        return out
+        columns = [a[index].tolist() for a in (self.worst_parts, self.fragmentation, self.non_torch, self.rank,
+                                               self.in_flight, self.memory_gib, self.band_low, self.band_high,
+                                               self.fits, self.may_fit, self.step_time_s, self.tokens_per_s)]
+        return list(itertools.starmap(self._estimate, zip(*columns, [self.terms[i] for i in rows])))
+
+    def _estimate(self, row: list[float], frag: float, non_torch: float, rank: int, flight: float, mem: float,
+                  lo: float, hi: float, fit: bool, may: bool, sec: float, tps: float, terms: StepTerms) -> Estimate:
+        breakdown = dict(zip(PARTS, row))
+        breakdown.update(fragmentation=frag, non_torch=non_torch, pipeline_rank=float(rank),
+                         in_flight_microbatches=flight)
+        return Estimate(memory_gib=mem, fits=fit, step_time_s=sec, tokens_per_s=tps if sec > 0 else None,
+                        breakdown=breakdown, memory_band_gib=(lo, hi), may_fit=may, step_terms=terms,
+                        step_factor=self.step_factor)

@@ -27,17 +27,31 @@ PER_LAYOUT = ("memory_pruned", "dominated", "unsupported")
 SET_HEADER = "# applied over this file: --set "
 
 
-def meta_text(meta: SweepMeta) -> str:
+def meta_text(meta: SweepMeta, rows: dict[int, tuple[Any, str]] | None = None) -> str:
     """sweep.json's text: indented, each per-layout list one entry per line. The lists' entries are JSON already
-    (plain dicts the frontier built), so they skip pydantic's serializer (seconds for tens of thousands of entries)."""
+    (plain dicts the frontier built), so they skip pydantic's serializer (seconds for tens of thousands of entries).
+    ``rows``: each entry's line as the last call wrote it, by the entry's id, kept for the next call (an entry is a
+    new dict whenever what it says changes, never one changed in place: tens of thousands of unchanged lines are
+    not encoded again, issue 54)."""
     data = meta.model_dump(mode="json", exclude_unset=True, exclude=set(PER_LAYOUT))
     data.update({key: getattr(meta, key) for key in PER_LAYOUT if key in meta.model_fields_set})
     lists = {key: data[key] for key in PER_LAYOUT if data.get(key)}
     marked = {key: f"\0{key}" if key in lists else value for key, value in data.items()}
     text = json.dumps(marked, indent=2, default=str)
+    kept = rows if rows is not None else {}
+    written: dict[int, tuple[Any, str]] = {}
     for key, entries in lists.items():
-        rows = ",\n".join("    " + json.dumps(entry, default=str) for entry in entries)
-        text = text.replace(json.dumps(f"\0{key}"), "[\n" + rows + "\n  ]", 1)
+        lines = []
+        for entry in entries:
+            row = kept.get(id(entry))
+            if row is None or row[0] is not entry:
+                row = (entry, "    " + json.dumps(entry, default=str))
+            written[id(entry)] = row
+            lines.append(row[1])
+        text = text.replace(json.dumps(f"\0{key}"), "[\n" + ",\n".join(lines) + "\n  ]", 1)
+    if rows is not None:
+        rows.clear()
+        rows.update(written)  # the entries of this write only (those replaced are let go)
     return text
 
 
@@ -52,6 +66,7 @@ class SweepDir:
         self.trial_dirs = root / "trials"
         self.lock = root / LOCK_FILE  # held by the one driver writing this folder (issue 43)
         self._meta: SweepMeta | None = None  # sweep.json as last read or written through this object
+        self._rows: dict[int, tuple[Any, str]] = {}  # its per-layout lists' lines as last written (``meta_text``)
 
     def exists(self) -> bool:
         return self.trials.exists() or self.meta.exists()
@@ -88,7 +103,7 @@ class SweepDir:
         return self._meta
 
     def write_meta(self, meta: SweepMeta) -> None:
-        write_atomic(self.meta, meta_text(meta))
+        write_atomic(self.meta, meta_text(meta, self._rows))
         self._meta = meta
 
     def write_best(self, data: dict[str, Any], exports: dict[str, str], executable: set[str]) -> None:

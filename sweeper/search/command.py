@@ -128,7 +128,7 @@ def _rehearsal_summary(cfg: SweepConfig, sweep: Sweep, host: Any, sweep_dir: Swe
     from sweeper.search.decide.rehearsal import summary
 
     figures = summary(host, sweep.records, cfg, [e.layout for e in sweep.frontier.launchable],
-                      [e.layout for e in sweep.frontier.assessed if e.valid])
+                      sweep.frontier.valid_layouts)
     write_atomic(sweep_dir.root / "rehearsal.json", json.dumps(figures, indent=1) + "\n")
     reached = figures["trials_to_within_noise_of_best"]
     low, high = figures["band"]["p10"], figures["band"]["p90"]

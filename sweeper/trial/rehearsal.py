@@ -215,6 +215,8 @@ class RehearsalHost(TrialHost):
         self.faults = faults
         self.seed = seed
         self.estimator = Estimator.for_config(cfg)
+        # The same for every layout (the summary asks the truth of every valid layout: tens of thousands, issue 54)
+        self._flops_per_token = model_flops_per_token(cfg.model, cfg.training.seq_length)
         self.level = math.exp(random.Random(f"{seed}:level").gauss(0.0, LEVEL_SIGMA))
         self.ledger = Ledger()
         self._clock = 0.0
@@ -321,7 +323,7 @@ class RehearsalHost(TrialHost):
             sigma = math.log1p(self.cfg.estimate.memory_under_prediction)
             peak = est.memory_gib * math.exp(self._draw("memory", layout.short()).gauss(0.0, sigma))
             tokens = est.tokens_per_s * est.step_time_s / step
-            flops = tokens * model_flops_per_token(self.cfg.model, self.cfg.training.seq_length) / layout.world_size
+            flops = tokens * self._flops_per_token / layout.world_size
             truth = Truth(peak, step, tokens, flops / 1e12)
         self._truth[layout] = truth
         return truth

@@ -71,3 +71,18 @@ def test_sweep_json_lists_one_layout_per_line_and_reads_back_whole(tmp_path: Pat
     assert sweep.read_meta().memory_pruned == pruned
     lines = text.splitlines()
     assert [json.loads(line.strip().rstrip(",")) for line in lines if line.lstrip().startswith('{"layout"')] == pruned
+
+
+def test_sweep_json_rewritten_with_some_entries_new_says_what_a_first_write_says(tmp_path: Path) -> None:
+    """Issue 54: the lines of entries written before are kept, not encoded again; a new entry (a new dict) is
+    written as itself, and the file is what one write of the same lists says."""
+    sweep = SweepDir(tmp_path / "kept")
+    pruned = [{"layout": f"TP{tp}-PP2", "memory_gib": 90.0 + tp, "reason": "over"} for tp in (1, 2, 4)]
+    sweep.write_meta(SweepMeta(name="s", memory_pruned=pruned, dominated=[{"layout": "a", "reason": "b"}]))
+    again = [pruned[0], {**pruned[1], "memory_gib": 70.0}, pruned[2], {"layout": "TP8-PP2", "memory_gib": 1.0}]
+    meta = SweepMeta(name="s", memory_pruned=again, dominated=[])
+    sweep.write_meta(meta)
+    fresh = SweepDir(tmp_path / "fresh")
+    fresh.write_meta(meta)
+    assert sweep.meta.read_text() == fresh.meta.read_text()
+    assert json.loads(sweep.meta.read_text())["memory_pruned"][1]["memory_gib"] == 70.0

@@ -12,21 +12,25 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibrator import Calibrator
-from sweeper.estimate.term_table import TermTable
-from sweeper.plan.assess import PlanEntry, assess, assess_tabled, repredict
+from sweeper.estimate.term_table import BREAKDOWN_SIZES, Predictions, TermTable
+from sweeper.plan.assess import PlanEntry, assess
+from sweeper.plan.rules import Checker
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
 from sweeper.search.decide.objective import predicted_objective
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, is_stable
 from sweeper.search.propose.dominance import Dominance
-from sweeper.search.propose.memory_evidence import MemoryEvidence
+from sweeper.search.propose.memory_evidence import MemoryEvidence, Proofs, exceeds_reason, oom_reason
 from sweeper.space.layout import Layout
 from sweeper.trial.protocol import Host
 
 Refusal = tuple[str, str]  # (one-line reason, failure kind)
+MISSING = object()  # not asked yet
 
 
 def layout_key(layout: dict[str, Any]) -> tuple[Any, ...]:
@@ -50,85 +54,134 @@ class Frontier:
             if r.attempt >= 1:
                 self.dominance.add(r.number, Layout.from_dict(r.layout), r.result, is_stable(r.result, cfg))
         self._layouts = enumerate_layouts(cfg)
-        self._plan: list[PlanEntry] = []
-        self._plan_calibration: object = self  # no plan made yet (never a calibration)
-        self._estimator: Estimator | None = None  # the space's, under the plan's calibration
+        # Every layout with the rules' verdict (no calibration changes them) and the valid ones in the term table's
+        # order (the rules pass once; a calibration re-predicts the valid layouts from the table, issue 54)
+        checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
+        self._judged = [assess(cfg, lo, checker=checker, predict=False) for lo in self._layouts]
+        self._valid = [e.layout for e in self._judged if e.valid]
+        self._index = {lo: i for i, lo in enumerate(self._valid)}
+        self._plan_calibration: object = self  # no prediction made yet (never a calibration)
+        self._estimator: Estimator | None = None  # the space's, under the predictions' calibration
         self._table: TermTable | None = None  # the valid layouts' terms, which a calibration only scales
-        self._pruned: dict[Layout, tuple[Estimate, str, dict[str, Any]]] = {}  # by layout: prediction, reason, JSON
+        self._predictions: Predictions | None = None  # the valid layouts' figures under the current calibration
+        self._entries: dict[int, PlanEntry] = {}  # plan entries made of them so far, by the layout's row
+        self._plan: list[PlanEntry] | None = None  # ``assessed``, made when asked
+        self._raw: Predictions | None = None  # the uncalibrated figures, the evidence's common scale
+        self._proofs: Proofs | None = None  # each valid layout's memory proofs among the measured trials
+        self._pruned: dict[int, tuple[Predictions, int, dict[str, Any]]] = {}  # by row: predictions, proof, JSON
+        self._shorts: dict[int, str] = {}  # by row: the layout's short name, in each of its pruned elements
         # Asked of every candidate on every event (issue 54), so kept per layout: its key, the backend's answer, its
         # predicted objective under the prediction it was computed for
         self._keys: dict[Layout, tuple[Any, ...]] = {}
-        self._unsupported: dict[Layout, str | None] = {}
-        self._objective: dict[Layout, tuple[Estimate, float]] = {}
-        # The last assessment's pruned (entry, reason), dominated and unsupported layouts (``verdict_lists``)
-        self._verdicts: tuple[list[tuple[PlanEntry, str]], list[dict[str, Any]], list[dict[str, Any]]] = [], [], []
+        # Whether each layout asked is decided (a proposal asks it of every launchable layout; hashing its key each
+        # time was most of that), and the layouts asked by key, which ``decide`` marks
+        self._decided: dict[Layout, bool] = {}
+        self._by_key: dict[tuple[Any, ...], list[Layout]] = {}
+        self._unsupported: dict[int, str | None] = {}  # by row
+        self._objective: dict[int, tuple[Estimate, float]] = {}  # by row
+        # The last assessment's pruned rows (the predictions they were judged under, the rows, each one's OOM proof
+        # or -1: over the band), dominated and unsupported layouts (``verdict_lists``)
+        self._verdicts: tuple[tuple[Predictions | None, list[int], list[int]], list[dict[str, Any]],
+                              list[dict[str, Any]]] = (None, [], []), [], []
         self.launchable = self._launchable()
 
     @property
     def assessed(self) -> list[PlanEntry]:
-        """Every layout of the space with its rules' verdict and prediction, as the frontier last assessed it."""
+        """Every layout of the space with its rules' verdict and prediction, as the frontier last assessed it (its
+        Estimates made when asked: a sweep's events need the arrays only, issue 54)."""
+        if self._plan is None:
+            assert self._predictions is not None
+            predicted = iter(self._predictions.estimates())
+            self._plan = [e if not e.valid else PlanEntry(e.layout, e.reasons, next(predicted)) for e in self._judged]
         return self._plan
 
-    def _assessed(self) -> list[PlanEntry]:
-        """Every layout's rules and prediction under the current calibration: predicted again only when the
-        calibration changed (a new object), by the same estimator recalibrated (its memos kept), with the rules'
-        verdicts kept; a measured trial's memory evidence or dominance changes verdicts, not predictions. The
-        prediction is one vectorised pass over the valid layouts' term table (issue 54), built again only when the
-        calibration changes what the terms are (the MoE hot-rank factor sizes the activations)."""
+    @property
+    def valid_layouts(self) -> list[Layout]:
+        """The layouts of the space the rules accept, in the space's order."""
+        return list(self._valid)
+
+    def _predict(self) -> Predictions:
+        """The valid layouts' predictions under the current calibration, as arrays: made again only when the
+        calibration changed (a new object); a measured trial's memory evidence or dominance changes verdicts, not
+        predictions. One vectorised pass over the valid layouts' term table (issue 54), the table built again only
+        when the calibration changes what the terms are (the MoE hot-rank factor sizes the activations)."""
         current = self.calibrator.current
-        if current is self._plan_calibration:
-            return self._plan
+        if current is self._plan_calibration and self._predictions is not None:
+            return self._predictions
         if self._estimator is None or self._table is None:
-            self._plan, self._table = assess_tabled(self.cfg, self._layouts, current)
             self._estimator = Estimator.for_config(self.cfg, current)
-        else:
-            if not self._table.serves(self._estimator, current):
-                self._estimator = self._estimator.recalibrated(current)
-                self._table = TermTable.build(self._estimator, self._table.layouts)
-            self._plan = repredict(self._plan, self._table, current)
+            self._table = TermTable.build(self._estimator, self._valid)
+        elif not self._table.serves(self._estimator, current):
+            self._estimator = self._estimator.recalibrated(current)
+            self._table = TermTable.build(self._estimator, self._table.layouts)
+        if self._raw is None:  # the uncalibrated figures: from this table where its activations are those
+            raw = Estimator.for_config(self.cfg)
+            table = self._table if self._table.serves(raw, None) else TermTable.build(raw, self._valid)
+            self._raw = table.predict(None)
+            self._proofs = Proofs(self._raw.memory_gib, self._raw.parts_gib(), BREAKDOWN_SIZES)
+        self._predictions = self._table.predict(current)
+        self._entries, self._plan = {}, None
         self._plan_calibration = current
-        return self._plan
+        return self._predictions
+
+    def _entries_of(self, rows: list[int]) -> list[PlanEntry]:
+        """The plan entries of the valid layouts at ``rows`` under the current predictions (one object per row while
+        they stand: its predicted objective is kept by it), those not made yet made together."""
+        missing = [row for row in rows if row not in self._entries]
+        if missing:
+            assert self._predictions is not None
+            for row, estimate in zip(missing, self._predictions.estimates_of(missing)):
+                self._entries[row] = PlanEntry(self._valid[row], [], estimate)
+        return [self._entries[row] for row in rows]
 
     def _launchable(self) -> list[PlanEntry]:
         """The layouts a proposal may name: the rules accept them, memory does not rule them out (the estimator's
         band and the measured trials, ``sweeper.search.propose.memory_evidence``), no measured trial dominates them
         (``sweeper.search.propose.dominance``), and this backend can run them; best predicted objective first.
         Everything else is never proposed (``sweeper plan`` lists it with its reasons; the layouts pruned on memory,
-        the dominated and the unsupported ones are kept for sweep.json's lists, ``verdict_lists``, and the report)."""
-        plan = self._assessed()
-        entries: list[PlanEntry] = []
-        pruned: list[tuple[PlanEntry, str]] = []
+        the dominated and the unsupported ones are kept for sweep.json's lists, ``verdict_lists``, and the report).
+        The memory verdicts of the whole space are array operations (issue 54): ``MemoryEvidence.verdict`` for every
+        valid layout at once, the layouts predicted to fit never pruned, those inside the band pruned by an OOM trial's
+        proof, those over it unless a fitted trial's proof says otherwise."""
+        predicted = self._predict()
+        proofs = self._proofs
+        assert proofs is not None
+        proofs.update(self.evidence)
+        band = predicted.may_fit & ~predicted.fits
+        pruned_by_oom = band & (proofs.oom >= 0)
+        pruned = pruned_by_oom | (~predicted.may_fit & (proofs.fit < 0))
+        rows = np.flatnonzero(pruned)
+        pruned_rows = (predicted, rows.tolist(), np.where(pruned_by_oom[rows], proofs.oom[rows], -1).tolist())
+        rows_left: list[int] = []
         dominated: list[dict[str, Any]] = []
         unsupported: list[dict[str, Any]] = []
-        for e in plan:
-            if not e.valid or e.predicted is None:
-                continue
-            why = self.memory_verdict(e)
-            if why is not None:
-                pruned.append((e, why))
-                continue
-            if e.layout not in self._unsupported:  # a backend's support of a layout is fixed for the sweep
-                self._unsupported[e.layout] = self.handle.unsupported(self.cfg.model, e.layout)
-            backend_says = self._unsupported[e.layout]
+        for row in np.flatnonzero(~pruned).tolist():
+            layout = self._valid[row]
+            backend_says = self._unsupported.get(row, MISSING)
+            if backend_says is MISSING:  # a backend's support of a layout is fixed for the sweep
+                backend_says = self._unsupported[row] = self.handle.unsupported(self.cfg.model, layout)
             if backend_says:
-                unsupported.append({"layout": e.layout.short(), "reason": backend_says})
+                unsupported.append({"layout": layout.short(), "reason": backend_says})
                 continue
-            inferred = self.dominance.verdict(e.layout)
-            if inferred is not None and not self.taken(e.layout):
-                dominated.append({"layout": e.layout.short(), "reason": inferred})
+            inferred = self.dominance.verdict(layout)
+            if inferred is not None and not self.taken(layout):
+                dominated.append({"layout": layout.short(), "reason": inferred})
             elif inferred is None:
-                entries.append(e)
-        self._verdicts = pruned, dominated, unsupported
-        return sorted(entries, key=self._predicted_objective, reverse=True)
+                rows_left.append(row)
+        self._verdicts = pruned_rows, dominated, unsupported
+        entries = self._entries_of(rows_left)
+        objectives = [self._predicted_objective(row, entry) for row, entry in zip(rows_left, entries)]
+        order = sorted(range(len(entries)), key=objectives.__getitem__, reverse=True)  # stable: ties in space order
+        return [entries[i] for i in order]
 
-    def _predicted_objective(self, entry: PlanEntry) -> float:
+    def _predicted_objective(self, row: int, entry: PlanEntry) -> float:
         """The entry's predicted objective (0 when none), kept while its prediction is the same object."""
-        kept = self._objective.get(entry.layout)
+        kept = self._objective.get(row)
         if kept is not None and kept[0] is entry.predicted:
             return kept[1]
         assert entry.predicted is not None
         value = predicted_objective(self.cfg, entry.layout, entry.predicted) or 0.0
-        self._objective[entry.layout] = (entry.predicted, value)
+        self._objective[row] = (entry.predicted, value)
         return value
 
     @property
@@ -140,25 +193,42 @@ class Frontier:
         """sweep.json's per-layout lists as the frontier last assessed them: ``memory_pruned`` (least memory
         first), ``dominated``, ``unsupported``. Built when sweep.json is written, not on every event: the JSON of
         tens of thousands of pruned layouts took a second after each calibration change (issue 54)."""
-        pruned, dominated, unsupported = self._verdicts
-        elements = [self._pruned_json(e, why) for e, why in pruned]
+        (predicted, rows, proofs), dominated, unsupported = self._verdicts
+        changed = [i for i, (row, proof) in enumerate(zip(rows, proofs))
+                   if not self._pruned_kept(predicted, row, proof)]
+        if changed:
+            assert predicted is not None
+            estimates = predicted.estimates_of([rows[i] for i in changed])
+            for i, estimate in zip(changed, estimates):
+                self._pruned_json(predicted, rows[i], proofs[i], estimate)
+        elements = [self._pruned[row][2] for row in rows]
         return {"memory_pruned": sorted(elements, key=lambda p: p["memory_gib"]), "dominated": dominated,
                 "unsupported": unsupported}
 
-    def _pruned_json(self, entry: PlanEntry, why: str) -> dict[str, Any]:
-        """sweep.json's ``memory_pruned`` element of ``entry``: kept while its prediction and reason are the same
-        objects (an event that changes no calibration leaves tens of thousands of them as they were; issue 54)."""
-        kept = self._pruned.get(entry.layout)
-        if kept is not None and kept[0] is entry.predicted and kept[1] == why:
-            return kept[2]
-        assert entry.predicted is not None
-        element = {"layout": entry.layout.short(), **entry.predicted.to_json(), "reason": why}
-        self._pruned[entry.layout] = (entry.predicted, why, element)
-        return element
+    def _pruned_kept(self, predicted: Predictions | None, row: int, proof: int) -> bool:
+        """Whether the kept ``memory_pruned`` element of ``row`` is for these predictions and this proof (an event
+        that changes no calibration leaves tens of thousands of them as they were; issue 54)."""
+        kept = self._pruned.get(row)
+        return kept is not None and kept[0] is predicted and kept[1] == proof
+
+    def _pruned_json(self, predicted: Predictions, row: int, proof: int, estimate: Estimate) -> None:
+        """sweep.json's ``memory_pruned`` element of the valid layout at ``row`` (predicted ``estimate``), pruned by
+        the OOM trial ``proof`` (its index among the evidence's) or, -1, over the band, kept by row."""
+        why = (oom_reason(estimate, self.evidence.ran_out[proof]) if proof >= 0
+               else exceeds_reason(estimate, self.evidence.limit_gib))
+        short = self._shorts.get(row)
+        if short is None:
+            short = self._shorts[row] = self._valid[row].short()
+        element = {"layout": short, **estimate.to_json(), "reason": why}
+        self._pruned[row] = (predicted, proof, element)
 
     def raw_estimate(self, layout: Layout) -> Estimate:
+        """The layout's uncalibrated prediction (the memory evidence's scale): the space's own for a valid layout of
+        it (equal to the estimator's, ``TermTable``), else the estimator's."""
         if layout not in self.raw:
-            predicted = assess(self.cfg, layout).predicted
+            row = self._index.get(layout)
+            predicted = self._raw.estimate(row) if row is not None and self._raw is not None else assess(
+                self.cfg, layout).predicted
             assert predicted is not None, "only valid layouts are compared"
             self.raw[layout] = predicted
         return self.raw[layout]
@@ -182,11 +252,19 @@ class Frontier:
 
     def taken(self, layout: Layout) -> bool:
         """Already decided (recorded, not as an infra failure) or running / waiting for GPUs: never proposed."""
-        return self._key(layout) in self.decided or self._running(layout)
+        decided = self._decided.get(layout)
+        if decided is None:
+            key = self._key(layout)
+            decided = self._decided[layout] = key in self.decided
+            self._by_key.setdefault(key, []).append(layout)
+        return decided or self._running(layout)
 
     def decide(self, layout: Layout) -> None:
         """The layout has its verdict: never proposed again in this sweep."""
-        self.decided.add(self._key(layout))
+        key = self._key(layout)
+        self.decided.add(key)
+        for known in self._by_key.get(key, ()):
+            self._decided[known] = True
 
     def _key(self, layout: Layout) -> tuple[Any, ...]:
         """``layout_key`` of the layout, kept (a proposal asks ``taken`` of every launchable layout)."""
@@ -196,8 +274,11 @@ class Frontier:
         return key
 
     def assess(self, layout: Layout) -> tuple[PlanEntry, Refusal | None]:
-        """The layout's plan entry as it stands now, and why it may not run (None: it may)."""
-        entry = assess(self.cfg, layout, self.calibrator.current)
+        """The layout's plan entry as it stands now, and why it may not run (None: it may). A valid layout of the
+        space is predicted from the table (equal to the estimator's), not by a new estimator per proposal."""
+        row = self._index.get(layout)
+        entry = (PlanEntry(layout, [], self._predict().estimate(row)) if row is not None
+                 else assess(self.cfg, layout, self.calibrator.current))
         return entry, self._refusal(entry)
 
     def _refusal(self, entry: PlanEntry) -> Refusal | None:

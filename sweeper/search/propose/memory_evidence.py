@@ -20,8 +20,11 @@ report).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from sweeper.estimate import Estimate
 
@@ -106,15 +109,54 @@ class MemoryEvidence:
             oom = self.proof_of_oom(raw)
             if oom is None:
                 return None
-            return (f"{_band(predicted)} is at least what trial #{oom.number} ({oom.layout}) was predicted to need "
-                    f"({oom.predicted_gib:.1f} GiB), in every part, and that trial ran out of memory (inferred)")
+            return oom_reason(predicted, oom)
         if self.proof_of_fit(raw) is not None:
             return None
         kept = self._exceeds.get(id(raw))
         if kept is None or kept[0] is not predicted:  # written again only when the calibration changed
-            kept = self._exceeds[id(raw)] = (
-                predicted, f"{_band(predicted)} exceeds {self.limit_gib:.1f} GiB even at the band's lower end")
+            kept = self._exceeds[id(raw)] = (predicted, exceeds_reason(predicted, self.limit_gib))
         return kept[1]
+
+
+class Proofs:
+    """``MemoryEvidence``'s proofs for many layouts at once (issue 54: the frontier asks all of a space's valid
+    layouts on every event): per layout, the index of the first fitted trial that proves it fits
+    (``MemoryEvidence.proof_of_fit``) and of the first OOM trial that proves it does not (``proof_of_oom``), -1 where
+    none does, from their uncalibrated predictions as arrays. The evidence only grows and the uncalibrated
+    predictions never change, so ``update`` compares the layouts without a proof with the trials added since."""
+
+    def __init__(self, raw_gib: np.ndarray, raw_parts: np.ndarray, part_names: Sequence[str]) -> None:
+        self.raw_gib, self.raw_parts = raw_gib, raw_parts  # (layouts,), (layouts, parts)
+        self.columns = {name: j for j, name in enumerate(part_names)}
+        self.fit = np.full(len(raw_gib), -1, dtype=np.intp)
+        self.oom = np.full(len(raw_gib), -1, dtype=np.intp)
+        self._fitted, self._ran_out = 0, 0  # the trials of each list compared so far
+
+    def update(self, evidence: MemoryEvidence) -> None:
+        """Compare the layouts without a proof with the trials ``evidence`` gained since the last update."""
+        for k in range(self._fitted, len(evidence.fitted)):
+            m = evidence.fitted[k]
+            self.fit[(self.fit < 0) & (m.predicted_gib >= self.raw_gib)] = k
+        self._fitted = len(evidence.fitted)
+        for k in range(self._ran_out, len(evidence.ran_out)):
+            m = evidence.ran_out[k]
+            proves = (self.oom < 0) & (m.predicted_gib <= self.raw_gib)
+            for name, v in m.parts_gib.items():  # a part the layouts lack counts as 0.0, as proof_of_oom's get
+                j = self.columns.get(name)
+                proves &= (self.raw_parts[:, j] >= v) if j is not None else (0.0 >= v)
+            self.oom[proves] = k
+        self._ran_out = len(evidence.ran_out)
+
+
+def oom_reason(predicted: Estimate, oom: Measured) -> str:
+    """Why a layout inside the band is pruned: ``oom`` ran out of memory although predicted to need no more."""
+    return (f"{_band(predicted)} is at least what trial #{oom.number} ({oom.layout}) was predicted to need "
+            f"({oom.predicted_gib:.1f} GiB), in every part, and that trial ran out of memory (inferred)")
+
+
+def exceeds_reason(predicted: Estimate, limit_gib: float) -> str:
+    """Why a layout over the band is pruned (no fitted trial proves otherwise)."""
+    return f"{_band(predicted)} exceeds {limit_gib:.1f} GiB even at the band's lower end"
 
 
 def _band(predicted: Estimate) -> str:

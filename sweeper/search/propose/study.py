@@ -93,6 +93,7 @@ class LayoutStudy:
         self.rng = random.Random(seed)
         self.counts = AskCounts()
         self._coords: dict[Layout, tuple[int, ...]] = {}  # each candidate's indices along the axes' value lists
+        self.candidates: list[Layout] = []
         self.set_candidates(candidates)
         # Layouts outside the candidates already told infeasible (a resumed study keeps what it learned).
         self.told_infeasible = {
@@ -102,9 +103,12 @@ class LayoutStudy:
 
     def set_candidates(self, candidates: Sequence[Layout]) -> None:
         """The layouts proposals are drawn from, in the order ``ordered`` mode visits them."""
-        self.candidates = list(dict.fromkeys(candidates))
+        unique = list(dict.fromkeys(candidates))
+        if unique == self.candidates:  # the same layouts in the same order (an event that re-ranked nothing)
+            return
+        self.candidates = unique
         known = self._coords  # a layout's coordinates never change; the candidates are set again on every event
-        self._coords = {lo: known[lo] if lo in known else self._coordinates(lo) for lo in self.candidates}
+        self._coords = {lo: self._coordinates(lo) if (kept := known.get(lo)) is None else kept for lo in unique}
 
     # -- layouts <-> Optuna params ---------------------------------------------------------------------------------
     def params_of(self, layout: Layout) -> dict[str, Any]:

@@ -84,8 +84,11 @@ class Scheduler:
         return self.retry + self.deferred
 
     def is_running(self, layout: Layout) -> bool:
-        """In flight, or waiting for GPUs."""
-        return any(r.layout == layout for r in self.in_flight + self.waiting)
+        """In flight, or waiting for GPUs. (A proposal asks it of every untried layout: a Layout's hash is kept,
+        its fields compared only where the hashes agree.)"""
+        key = hash(layout)
+        return any(hash(r.layout) == key and r.layout == layout
+                   for runs in (self.futures.values(), self.retry, self.deferred) for r in runs)
 
     # -- the queues ------------------------------------------------------------------------------------------------
     def readmit(self) -> None:
