@@ -42,6 +42,8 @@ _EXTRA_S_MAX = 200_000
 _ESTIMATORS: dict[tuple[str, str], Estimator] = {}  # by (estimator inputs, calibration): ``Estimator.for_config``'s
 _ESTIMATORS_MAX = 64
 _INPUT_KEYS: dict[int, tuple[SweepConfig, str]] = {}
+# production_terms by (estimator inputs, calibration, layout): the refit proposer asks them of every untried layout.
+_TERMS: dict[tuple[str, str, Layout], tuple[StepTerms, StepTerms] | None] = {}
 
 
 def production_gpus(cfg: SweepConfig) -> int:
@@ -69,18 +71,25 @@ def production_terms(cfg: SweepConfig, layout: Layout, calibration: Calibration 
     matters to the terms only through the MoE hot-rank factor (an offloaded layer's activations)."""
     if copies(cfg, layout) <= 1:
         return None
+    inputs, calibrated = _inputs_key(cfg), repr(calibration)
+    key = (inputs, calibrated, layout)
+    if key in _TERMS:
+        return _TERMS[key]
+    if len(_TERMS) > _EXTRA_S_MAX:
+        _TERMS.clear()
     production = production_layout(cfg, layout)
     assert production is not None
-    inputs, calibrated = _inputs_key(cfg), repr(calibration)
     estimator = _ESTIMATORS.get((inputs, calibrated))
     if estimator is None:
         if len(_ESTIMATORS) > _ESTIMATORS_MAX:
             _ESTIMATORS.clear()
         estimator = _ESTIMATORS[(inputs, calibrated)] = Estimator.for_config(cfg, calibration)
     try:
-        return estimator.step_terms(layout), estimator.step_terms(production)
+        terms: tuple[StepTerms, StepTerms] | None = estimator.step_terms(layout), estimator.step_terms(production)
     except (LayoutError, ValueError):  # a layout the estimator cannot price: projected without the difference
-        return None
+        terms = None
+    _TERMS[key] = terms
+    return terms
 
 
 def extra_step_s(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None) -> float:

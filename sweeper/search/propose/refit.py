@@ -16,6 +16,7 @@ docs/benchmarks.md): the turn stays greedy.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Literal
 
 from sweeper.config.schema import SweepConfig
@@ -45,6 +46,22 @@ def predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> f
     layout's step alike, scales the extra step alike and keeps that order (issue 54: left at the estimator's price, a
     level of 300 on the CPU landscapes made the extra step a 300th of what the prior weighed it at, and the dense GPT's
     order changed after one trial). 0.0 where the production run holds no copy of the layout (``production_rate``)."""
+    held = _OBJECTIVES.get(model)
+    if held is None or held[0] is not model.fit or held[1] is not cfg:  # a new sample refitted it: all anew
+        held = _OBJECTIVES[model] = (model.fit, cfg, {})
+    kept = held[2].get(layout)
+    if kept is None:
+        kept = held[2][layout] = _predicted_objective(model, layout, cfg)
+    return kept
+
+
+# Per step model: its fit and the config the objectives below were ranked for, and each layout's (a ranked proposal
+# asks for every untried layout on every turn; the model changes only with a new sample, which makes a new fit).
+_OBJECTIVES: weakref.WeakKeyDictionary[StepModel, tuple[object, SweepConfig, dict[Layout, float]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _predicted_objective(model: StepModel, layout: Layout, cfg: SweepConfig) -> float:
     step = model.ranking_step_s(layout)
     if step <= 0 or not copies(cfg, layout):
         return 0.0
