@@ -328,6 +328,7 @@ class StepModel:
         # Each measured trial's squared log error as predicted before it was fitted, by the refit and by the start's
         # shape at the level alone, summed over the trials where the two differed (the refit had freed a term).
         self.held_out = {"refit": 0.0, "level": 0.0}
+        self.beyond_prior = False  # whether the level alone misses a measured trial beyond the prior (refit_leads)
         # Each layout's step time as a proposal ranks it under the current fit: a ranked proposal asks it of every
         # untried layout (thousands on a 1,024-GPU space), several times between two samples (issue 54)
         self._step_s: dict[Layout, float] = {}
@@ -351,6 +352,9 @@ class StepModel:
         self.layouts.append(layout)
         self.fit = fit_step(self.samples, repeat_noise(self.samples, self.layouts) or NOISE)
         self._step_s = {}
+        self.beyond_prior = bool(self.fit.factors) and any(
+            abs(math.log(s.terms.seconds(self._level_alone_fitted) / s.measured_s)) > PRIOR
+            for s in self.samples if s.measured_s > 0 and s.terms.seconds() > 0)
         return self.fit
 
     def factor(self, term: str) -> float:
@@ -374,9 +378,13 @@ class StepModel:
 
     @property
     def refit_leads(self) -> bool:
-        """Whether the refit's freed terms have predicted the trials they had not seen better than the start's shape
-        at the level alone (``held_out``): until they have, a proposal ranks by that shape (``ranking_factor``)."""
-        return self.held_out["refit"] < self.held_out["level"]
+        """Whether a proposal ranks by the refit's freed terms: once they have predicted the trials they had not seen
+        better than the start's shape at the level alone (``held_out``), or at once where the level alone misses a
+        measured trial by more than the prior lets a term lie from the level (``beyond_prior``: a factor of three;
+        a pipelined layout measured 20x slower than predicted says the estimator's order is wrong, a BF16 layout
+        twice as slow on the CPU as its FP32 twin does not). Until then a proposal ranks by that shape
+        (``ranking_factor``)."""
+        return self.beyond_prior or self.held_out["refit"] < self.held_out["level"]
 
     def ranking_factor(self, term: str) -> float:
         """The factor a proposal is priced with: the refit's where it leads (``refit_leads``), else the start's
@@ -400,6 +408,9 @@ class StepModel:
 
     def _level_alone(self, term: str) -> float:
         return self._base(term) * term_factor(term, None, self.fit.level_alone)
+
+    def _level_alone_fitted(self, term: str) -> float:  # the same for a sample's terms (the stored shape weighed in)
+        return term_factor(term, None, self.fit.level_alone)
 
     def raw_seconds(self, sample: StepSample) -> float:
         """A sample's uncalibrated step time (the stored shape taken out again)."""

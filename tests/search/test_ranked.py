@@ -206,3 +206,28 @@ def test_a_refit_ranks_by_its_freed_terms_only_once_they_out_predict_the_level_a
     model.add(fourth, model.step_time_s(fourth))
     assert model.refit_leads and model.held_out["refit"] == pytest.approx(0.0, abs=1e-20)
     assert all(model.ranking_step_s(lo) == model.step_time_s(lo) for lo in layouts)
+
+
+def test_a_trial_the_level_alone_misses_beyond_the_prior_hands_the_freed_terms_the_ranking_at_once() -> None:
+    """The dense GPT's landscape again, but its pipelined BF16 layout measured 20 times slower than the estimator
+    prices it (the two PP1 layouts as priced): the level alone misses it by more than the prior lets a term lie from
+    the level (a factor of three), so the freed terms rank before they have predicted a trial, and the untried
+    pipelined layouts fall behind. The dense GPT's own three trials (a factor of two) stay within the prior."""
+    cfg = load_config(ROOT / "benchmarks" / "spaces" / "landscape_dense.yaml")
+    layouts = launchable(cfg)
+    by_name = {lo.short(): lo for lo in layouts}
+    model = StepModel(Estimator.for_config(cfg, host_cores=2))
+    trials = ("TP2-PP1-DP1-SP-MBS4-bf16", "TP1-PP2-DP1-MBS4-bf16", "TP2-PP1-DP1-SP-MBS4-fp32")
+    for name in trials:
+        layout = by_name[name]
+        model.add(layout, model.terms(layout).seconds() * (20.0 if layout.pp == 2 else 1.0))
+    assert model.fit.factors and model.held_out == {"refit": 0.0, "level": 0.0}
+    assert model.beyond_prior and model.refit_leads
+    assert all(model.ranking_step_s(lo) == model.step_time_s(lo) for lo in layouts)
+    untried = [lo for lo in layouts if lo.short() not in trials]
+    best = min(untried, key=model.ranking_step_s)
+    assert best.pp == 1 and min(model.terms(lo).seconds() for lo in untried if lo.pp == 2) < model.terms(best).seconds()
+    dense = StepModel(Estimator.for_config(cfg, host_cores=2))
+    for name, step in zip(trials, (0.336, 0.338, 0.169), strict=True):
+        dense.add(by_name[name], step)
+    assert dense.fit.factors and not dense.beyond_prior and not dense.refit_leads

@@ -5,13 +5,14 @@ Every proposal is the untried launchable layout with the best objective as the s
 (``refit.predicted_objective``: the estimator's terms, refitted after every measured trial by ``estimate.step_fit``), so
 before a trial is measured the order is the estimator's own (on GPUs: the frontier's), and each measured trial re-ranks
 what is left: first by the level alone, which keeps the estimator's order (the production run's extra step scaled with
-the step), then by the freed terms once they have predicted a measured trial better than the level alone did
-(``StepModel.refit_leads``; on the dense GPT's CPU landscape a third trial freed the bubble to explain what BF16 costs
-there, and the order it gave took a trial more than the estimator's on 8 seeds of 10). A share ``EXPLORATION`` of the
-turns may go instead to the untried layout whose prediction the fit is least sure of (``StepModel.log_sd``: the Laplace
-spread of the level and every term's factor; a term no measured trial has keeps its whole prior, so layouts made of
-terms nothing measured come first), among those that could still beat the best predicted one at ``OPTIMISM`` standard
-deviations; where none could, or nothing is measured yet (no spread), the turn keeps the order.
+the step), then by the freed terms once they have predicted a measured trial better than the level alone did, or at once
+where the level alone misses a measured trial beyond the prior's factor of three (``StepModel.refit_leads``; on the
+dense GPT's CPU landscape a third trial freed the bubble to explain what BF16 costs there, and the order it gave took a
+trial more than the estimator's on 8 seeds of 10). A share ``EXPLORATION`` of the turns may go instead to the untried
+layout whose prediction the fit is least sure of (``StepModel.log_sd``: the Laplace spread of the level and every term's
+factor; a term no measured trial has keeps its whole prior, so layouts made of terms nothing measured come first), among
+those that could still beat the best predicted one at ``OPTIMISM`` standard deviations; where none could, or nothing is
+measured yet (no spread), the turn keeps the order.
 
 ``benchmarks/default_proposer.py`` measures it against the estimator's order never refitted, the space's grid order and
 TPE with the refit's turns (``sampler: tpe``, the default before) on the measured CPU landscapes and on rehearsed GPU
