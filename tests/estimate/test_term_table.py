@@ -17,6 +17,7 @@ from sweeper.estimate.term_table import TermTable
 from sweeper.plan.assess import assess_all, assess_tabled
 from sweeper.plan.space import enumerate_layouts
 from sweeper.search.propose.frontier import Frontier
+from tests.search.stand_ins import EverythingSupported
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 2,040 valid, MoE + Mamba
@@ -73,17 +74,10 @@ def test_plan_through_the_table_equals_the_layout_by_layout_plan() -> None:
     assert [e.to_json() for e in tabled] == [e.to_json() for e in assess_all(cfg, layouts, calibration)]
 
 
-class _EverythingSupported:
-    """Stand-in for the trial host (a unit test of the frontier, no Ray): every layout is supported."""
-
-    def unsupported(self, model: object, layout: object) -> None:
-        return None
-
-
 def test_the_frontier_repredicts_a_recalibrated_space_as_a_fresh_assessment() -> None:
     cfg = load_config(WIDE)
     with tempfile.TemporaryDirectory() as tmp:
-        host = _EverythingSupported()
+        host = EverythingSupported()
         frontier = Frontier(cfg, host, Calibrator(cfg, Path(tmp)), [], lambda layout: False)  # type: ignore[arg-type]
         for calibration in (Calibration(activation_factor=1.5, state_factor=0.6, step_time_factor=1.3),
                             Calibration(activation_factor=1.1, moe_hot_rank_factor=2.5)):  # a new table

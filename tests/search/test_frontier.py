@@ -10,8 +10,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Calibration, Estimator
@@ -20,19 +18,10 @@ from sweeper.plan.assess import PlanEntry
 from sweeper.record.schema import TrialMetrics, TrialResult
 from sweeper.search.decide.objective import predicted_objective
 from sweeper.search.propose.frontier import Frontier
+from tests.search.stand_ins import EverythingSupported
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 2,040 valid layouts: fit, inside and over the band
-
-
-class _EverythingSupported:
-    def unsupported(self, model: object, layout: object) -> None:
-        return None
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SWEEPER_CACHE", str(tmp_path / "cache"))  # no stored calibration of the user's
 
 
 def _passed(peak: float) -> TrialResult:
@@ -74,7 +63,7 @@ def _same_as_layout_by_layout(frontier: Frontier, cfg: SweepConfig) -> list[dict
 
 def test_array_verdicts_equal_the_evidence_asked_layout_by_layout(tmp_path: Path) -> None:
     cfg = load_config(WIDE)
-    frontier = Frontier(cfg, _EverythingSupported(), Calibrator(cfg, tmp_path, shared=False), [],  # type: ignore[arg-type]
+    frontier = Frontier(cfg, EverythingSupported(), Calibrator(cfg, tmp_path, shared=False), [],  # type: ignore[arg-type]
                         lambda layout: False)
     valid = [e for e in frontier.assessed if e.valid and e.predicted is not None]
     band = sorted((e for e in valid if e.predicted.may_fit and not e.predicted.fits),  # type: ignore[union-attr]

@@ -23,22 +23,11 @@ from sweeper.search.propose.ranked import EXPLORE, OPTIMISM, ORDER, Ranked, expl
 from sweeper.search.propose.refit import predicted_objective
 from sweeper.search.propose.study import PROPOSED_BY, LayoutStudy
 from sweeper.space.layout import Layout
+from tests.search.stand_ins import EverythingSupported
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "search_spaces" / "quickstart.yaml"
 NEMOTRON = ROOT / "search_spaces" / "nemotron.yaml"  # a GPU cluster: the frontier ranks by the step model's pricing
-
-
-class _EverythingSupported:
-    """Stand-in for the trial host (the frontier asks it only whether a layout can run here): every layout can."""
-
-    def unsupported(self, model: object, layout: object) -> None:
-        return None
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("SWEEPER_CACHE", str(tmp_path / "cache"))  # no stored calibration of the user's
 
 
 def launchable(cfg: SweepConfig) -> list[Layout]:
@@ -58,7 +47,7 @@ def test_without_exploration_a_ranked_study_visits_the_frontiers_order_and_follo
     the refit's factors, where the frontier's order keeps the estimator's price for it)."""
     cfg = load_config(NEMOTRON)
     calibrator = Calibrator(cfg, tmp_path, shared=False)
-    frontier = Frontier(cfg, _EverythingSupported(), calibrator, [], lambda layout: False)  # type: ignore[arg-type]
+    frontier = Frontier(cfg, EverythingSupported(), calibrator, [], lambda layout: False)  # type: ignore[arg-type]
     study = LayoutStudy(cfg, tmp_path / "journal.log", "ranked", 0, [e.layout for e in frontier.launchable],
                         Ranked(cfg, calibrator.step, exploration=0.0))
     order = [e.layout for e in frontier.launchable]
