@@ -314,7 +314,8 @@ class StepModel:
 
     A proposal is ranked by the freed terms only once they have earned it (``ranking_factor``): each trial measured
     after the fit freed a term is first predicted by the fit and by the stored shape at the fit's level alone, and
-    the freed terms rank once their squared log errors sum lower. Freed by a few trials to explain a cost the
+    the freed terms rank once their squared log errors sum lower, or at once where the level alone misses a measured
+    trial beyond the prior's factor of three (``beyond_prior``). Freed by a few trials to explain a cost the
     estimator has no term for, they can move the layouts the estimator ranked right below ones it ranked wrong."""
 
     def __init__(self, estimator: Estimator, start: StepFit | None = None) -> None:
