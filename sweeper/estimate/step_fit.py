@@ -84,6 +84,7 @@ class StepFit:
     noise: float = NOISE  # the measurement spread the fit assumed (log units): NOISE, or the repeats' own
     spread: Spread | None = field(default=None, compare=False)  # how well the samples pin the factors (None: none)
     level_alone: float = 1.0  # the level of the fit that frees no term (``level`` where ``factors`` is empty)
+    level_alone_miss: float = 0.0  # that fit's largest |log predicted - log measured| over the samples
 
     def factor(self, term: str) -> float:
         return term_factor(term, self.factors, self.level)
@@ -270,6 +271,7 @@ def fit_step(samples: Sequence[StepSample], noise: float = NOISE) -> StepFit:
     level0 = float(np.median(problem.log_measured - raw_log))
     level, theta, value = _solve(problem, [], level0, noise=noise)
     level_alone = math.exp(level)
+    level_alone_miss = float(np.max(np.abs(problem.predict(level, theta)[0] - problem.log_measured)))
 
     def bic(objective: float, free: int) -> float:
         return objective / noise ** 2 + (1 + free) * math.log(n)
@@ -302,6 +304,7 @@ def fit_step(samples: Sequence[StepSample], noise: float = NOISE) -> StepFit:
         error_level=_median_error(raw_log + level0, problem.log_measured),
         error_after=_median_error(problem.predict(level, theta)[0], problem.log_measured), noise=noise,
         spread=_spread(problem, level, theta, noise, len(free)), level_alone=level_alone,
+        level_alone_miss=level_alone_miss,
     )
 
 
@@ -329,7 +332,6 @@ class StepModel:
         # Each measured trial's squared log error as predicted before it was fitted, by the refit and by the start's
         # shape at the level alone, summed over the trials where the two differed (the refit had freed a term).
         self.held_out = {"refit": 0.0, "level": 0.0}
-        self.beyond_prior = False  # whether the level alone misses a measured trial beyond the prior (refit_leads)
         # Each layout's step time as a proposal ranks it under the current fit: a ranked proposal asks it of every
         # untried layout (thousands on a 1,024-GPU space), several times between two samples (issue 54)
         self._step_s: dict[Layout, float] = {}
@@ -353,9 +355,6 @@ class StepModel:
         self.layouts.append(layout)
         self.fit = fit_step(self.samples, repeat_noise(self.samples, self.layouts) or NOISE)
         self._step_s = {}
-        self.beyond_prior = bool(self.fit.factors) and any(
-            abs(math.log(s.terms.seconds(self._level_alone_fitted) / s.measured_s)) > PRIOR
-            for s in self.samples if s.measured_s > 0 and s.terms.seconds() > 0)
         return self.fit
 
     def factor(self, term: str) -> float:
@@ -376,6 +375,12 @@ class StepModel:
     def step_time_s(self, layout: Layout) -> float:
         """The layout's step time as the current calibration predicts it."""
         return self.terms(layout).seconds(self.factor)
+
+    @property
+    def beyond_prior(self) -> bool:
+        """Whether the fit freed a term and the level alone misses a measured trial by more than the prior lets a term
+        lie from the level (``refit_leads``)."""
+        return bool(self.fit.factors) and self.fit.level_alone_miss > PRIOR
 
     @property
     def refit_leads(self) -> bool:
@@ -409,9 +414,6 @@ class StepModel:
 
     def _level_alone(self, term: str) -> float:
         return self._base(term) * term_factor(term, None, self.fit.level_alone)
-
-    def _level_alone_fitted(self, term: str) -> float:  # the same for a sample's terms (the stored shape weighed in)
-        return term_factor(term, None, self.fit.level_alone)
 
     def raw_seconds(self, sample: StepSample) -> float:
         """A sample's uncalibrated step time (the stored shape taken out again)."""
