@@ -22,7 +22,7 @@ START = T()
 from sweeper.config.load import load_config  # noqa: E402  (the imports are a phase)
 from sweeper.estimate import Estimator  # noqa: E402
 from sweeper.estimate.term_table import TermTable  # noqa: E402
-from sweeper.plan.assess import _order, assess, repredict  # noqa: E402
+from sweeper.plan.assess import Plan, assess  # noqa: E402
 from sweeper.plan.rules import Checker  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 
@@ -42,10 +42,10 @@ def main() -> int:
     table = TermTable.build(Estimator.for_config(cfg), [e.layout for e in judged if e.valid])
     spent["estimator"] = T() - t
     t = T()
-    entries = sorted(repredict(judged, table, None), key=_order)
+    plan = Plan.of(judged, table, None)
     spent["predictions + order"] = T() - t
     t = T()
-    text = orjson.dumps([e.to_json() for e in entries]).decode()  # as cmd_plan writes it
+    text = orjson.dumps(plan.to_json()).decode()  # as cmd_plan writes it
     spent["JSON"] = T() - t
     print(f"{len(layouts)} layouts, {len(table.layouts)} valid, {len(text) / 1e6:.0f} MB of JSON; CPU s: "
           + ", ".join(f"{k} {v:.2f}" for k, v in spent.items()) + f"; total {sum(spent.values()):.2f}")

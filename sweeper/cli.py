@@ -221,28 +221,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     only = only_filter(args.only)
     from sweeper.estimate.calibrator import stored
     from sweeper.estimate.term_table import without_cycle_collection
-    from sweeper.plan.assess import build_plan
+    from sweeper.plan.assess import Plan
 
     calibration, calibrated = stored(cfg)  # what earlier sweeps on this cluster measured
     # A plan is one large tree of values without cycles (layouts, entries, estimates, their JSON): the cycle
     # collector's passes over it find nothing, and were a third of a DeepSeek-V3 plan's CPU (issue 54).
     with without_cycle_collection():
-        entries = build_plan(cfg, only, calibration)
-        if only and not entries:
+        plan = Plan.build(cfg, only, calibration)
+        if only and not len(plan):
             raise UsageError(_nothing_matched(cfg, only))
         if calibrated:  # on stderr: --json keeps stdout one JSON array
             print(calibrated, file=sys.stderr)
         if args.json:
             # One line, through orjson: the DeepSeek-V3 space's 145 MB in 0.2 s CPU, json.dumps's C encoder 1.9 s
             # (issue 54). Its text differs from json.dumps's only in spacing (none) and in how a float's exponent is
-            # written (1e-5, not 1e-05): the same values.
+            # written (1e-5, not 1e-05): the same values. Written as the bytes orjson makes where stdout has them.
             import orjson
 
-            sys.stdout.write(orjson.dumps([e.to_json() for e in entries]).decode() + "\n")
+            text = orjson.dumps(plan.to_json(), option=orjson.OPT_APPEND_NEWLINE)
+            if hasattr(sys.stdout, "buffer"):
+                sys.stdout.flush()
+                sys.stdout.buffer.write(text)
+            else:
+                sys.stdout.write(text.decode())
             return EXIT_OK
         from sweeper.ui.views import print_plan
 
-        print_plan(cfg, entries, limit=args.limit)
+        print_plan(cfg, plan.entries(), limit=args.limit)
     return EXIT_OK
 
 

@@ -26,12 +26,13 @@ raise ValueError naming the problem; ``plan`` only calls ``estimate`` for layout
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from itertools import repeat
 from operator import attrgetter
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, ParamSpec, cast
+
+import numpy as np
 
 from sweeper.config.estimator import CPU_RANK_EFFICIENCIES, EstimatorConstants
 from sweeper.config.run_settings import RunSettings
@@ -49,6 +50,7 @@ from sweeper.estimate.memory import (
     stage_activations,
     stage_params,
 )
+from sweeper.estimate.rounding import rounded
 from sweeper.estimate.step_time import (
     Links,
     StepTerms,
@@ -93,22 +95,55 @@ class Estimate:
         show; ``memory_breakdown_gib`` the worst rank's components (its allocated parts, the allocator's
         fragmentation, and ``non_torch``: the CUDA context and NCCL buffers outside torch), as users compare them
         with their own torch.cuda figures."""
-        # The rounding as map(round, ...) over whole lists: a plan writes this for every valid layout (issue 54).
         sizes = [k for k in self.breakdown if k not in _NOT_GIB]
         values = [self.breakdown[k] for k in sizes]
         allocated = sum(v for k, v in zip(sizes, values) if k not in _NOT_ALLOCATED)
         terms = self.step_time_terms_s
-        return {
-            "memory_gib": round(self.memory_gib, 3),
-            "allocated_gib": round(allocated, 3),
-            "memory_breakdown_gib": dict(zip(sizes, map(round, values, repeat(3)))),
-            "fits": self.fits,
-            "step_time_s": None if self.step_time_s is None else round(self.step_time_s, 4),
-            "step_time_terms_s": dict(zip(terms, map(round, terms.values(), repeat(6)))),
-            "tokens_per_s": None if self.tokens_per_s is None else round(self.tokens_per_s, 1),
-            "memory_band_gib": list(map(round, self.memory_band_gib, repeat(3))),
-            "may_fit": self.may_fit,
-        }
+        return estimates_json(
+            memory=[self.memory_gib], breakdown=rounded_rows(sizes, [values], GIB_DIGITS), allocated=[allocated],
+            fits=[self.fits], step_time=[self.step_time_s], terms=rounded_rows(list(terms), [list(terms.values())]),
+            tokens=[self.tokens_per_s], band_low=[self.memory_band_gib[0]], band_high=[self.memory_band_gib[1]],
+            may_fit=[self.may_fit])[0]
+
+
+# Decimal places of an Estimate's JSON figures: GiB to the MiB, the step time to 0.1 ms and each of its terms to the
+# microsecond, throughput to 0.1 token/s.
+GIB_DIGITS, STEP_DIGITS, TERM_DIGITS, TOKENS_DIGITS = 3, 4, 6, 1
+
+
+def _rounded(values: Column, digits: int) -> list[float | None]:
+    if isinstance(values, np.ndarray):
+        return rounded(values, digits)
+    return [v if v is None else round(v, digits) for v in values]
+
+
+def rounded_rows(names: Sequence[str], rows: Sequence[Sequence[float]] | np.ndarray,
+                 digits: int = TERM_DIGITS) -> list[dict[str, float]]:
+    """Each row of figures (one per name) as a dict of them rounded to ``digits``: an Estimate's memory breakdown,
+    its ``step_time_terms_s`` (the default) as its JSON holds them."""
+    width = len(names)
+    flat = rows.ravel() if isinstance(rows, np.ndarray) else [v for row in rows for v in row]
+    values = cast(list[float], _rounded(flat, digits))  # sizes and seconds, never NaN
+    return [dict(zip(names, values[i * width:(i + 1) * width])) for i in range(len(rows))]
+
+
+# A column of figures: a list, or a numpy array (``rounded`` then rounds it whole).
+Column = Sequence[float | None] | np.ndarray
+
+
+def estimates_json(memory: Column, breakdown: Sequence[dict[str, float]], allocated: Column, fits: Sequence[bool],
+                   step_time: Column, terms: Sequence[dict[str, float]], tokens: Column, band_low: Column,
+                   band_high: Column, may_fit: Sequence[bool]) -> list[dict[str, Any]]:
+    """``Estimate.to_json`` of many Estimates from their figures given a column at a time (lists, or numpy arrays
+    with NaN for a figure an Estimate has not got; ``breakdown`` and ``terms`` rounded already, ``rounded_rows``):
+    a plan writes it for every valid layout from the term table's arrays (``Predictions.json_of``, issue 54).
+    Rounded as Python's ``round`` rounds, whichever path calls it."""
+    return [{"memory_gib": m, "allocated_gib": a, "memory_breakdown_gib": b, "fits": f, "step_time_s": s,
+             "step_time_terms_s": t, "tokens_per_s": tps, "memory_band_gib": [lo, hi], "may_fit": may}
+            for m, a, b, f, s, t, tps, lo, hi, may in zip(
+                _rounded(memory, GIB_DIGITS), _rounded(allocated, GIB_DIGITS), breakdown, fits,
+                _rounded(step_time, STEP_DIGITS), terms, _rounded(tokens, TOKENS_DIGITS),
+                _rounded(band_low, GIB_DIGITS), _rounded(band_high, GIB_DIGITS), may_fit, strict=True)]
 
 
 # The memory parts of a stage, in the order a breakdown lists them: the model state's first (``_state_rows``), then

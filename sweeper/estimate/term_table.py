@@ -21,11 +21,21 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
 
 import numpy as np
 
 from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, STEP_KEYS, Calibration
-from sweeper.estimate.estimator import PARTS, Estimate, Estimator, non_torch_gib
+from sweeper.estimate.estimator import (
+    GIB_DIGITS,
+    PARTS,
+    Estimate,
+    Estimator,
+    estimates_json,
+    non_torch_gib,
+    rounded_rows,
+)
 from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
 from sweeper.space.layout import Layout
 
@@ -66,6 +76,11 @@ def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndar
         if names:
             matrix[np.ix_(rows, [index[t] for t in names])] = [list(dicts[i].values()) for i in rows]
     return columns, matrix
+
+
+def _in_order(names: Sequence[str], columns: Sequence[str]) -> bool:
+    at = [columns.index(t) for t in names]
+    return at == sorted(at)
 
 
 def _weighted_sum(matrix: np.ndarray, factors: np.ndarray) -> np.ndarray:
@@ -149,6 +164,13 @@ class TermTable:
             tokens=np.array([lo.gbs * estimator.seq_length for lo in layouts], dtype=float), terms=tuple(terms),
         )
 
+    @cached_property
+    def terms_in_column_order(self) -> bool:
+        """Every layout's stage and step terms are in the columns' order (``_column_order``): its per-step terms can
+        then be read off the matrices in the order its ``StepTerms.per_step`` lists them."""
+        return all(_in_order(names, self.stage_terms) for names in {tuple(t.stage) for t in self.terms}) and all(
+            _in_order(names, self.step_terms_names) for names in {tuple(t.step) for t in self.terms})
+
     def serves(self, estimator: Estimator, calibration: Calibration | None) -> bool:
         """The table can re-predict under ``calibration``: the activations were sized with its hot-rank factor."""
         return estimator.hot_rank_factor(calibration) == self.hot_rank_factor
@@ -180,18 +202,26 @@ class TermTable:
         step_f = np.array([cal.step_factor(t) for t in self.stage_terms])
         per_microbatch = _weighted_sum(self.stage_matrix, step_f)
         slots = self.microbatches + cal.step_factor(PP_BUBBLE) * self.bubble_slots
-        once = _weighted_sum(self.step_matrix, np.array([cal.step_factor(t) for t in self.step_terms_names]))
+        step_u = np.array([cal.step_factor(t) for t in self.step_terms_names])
+        once = _weighted_sum(self.step_matrix, step_u)
         seconds = per_microbatch * slots + once
         with np.errstate(divide="ignore"):
             tokens_per_s = self.tokens / seconds
 
+        per_step = None
+        if self.terms_in_column_order:  # StepTerms.per_step as columns: the stage's, the bubble, the step's
+            stage_f = self.stage_matrix * step_f
+            per_step = np.column_stack([stage_f * self.microbatches[:, None],
+                                        cal.step_factor(PP_BUBBLE) * self.bubble_slots * per_microbatch,
+                                        self.step_matrix * step_u])
         low, high = worst_reserved / self.band_divisors[0], worst_reserved / self.band_divisors[1]
         return Predictions(
             memory_gib=worst_reserved, band_low=low, band_high=high,
             fits=worst_reserved + self.non_torch <= self.limit_gib, may_fit=low + self.non_torch <= self.limit_gib,
             worst_parts=parts[worst], fragmentation=reserved[worst] - allocated[worst], non_torch=self.non_torch,
             rank=self.rank[worst], in_flight=self.in_flight[worst], step_time_s=seconds, tokens_per_s=tokens_per_s,
-            terms=self.terms, step_factor=functools.cache(cal.step_factor))  # a layout's JSON asks it per term
+            terms=self.terms, step_factor=functools.cache(cal.step_factor),  # a layout's JSON asks it per term
+            per_step_names=(*self.stage_terms, PP_BUBBLE, *self.step_terms_names), per_step=per_step)
 
 
 # The memory breakdown's sizes in the order an Estimate lists them (its bookkeeping entries, a pipeline rank and a
@@ -218,6 +248,10 @@ class Predictions:
     tokens_per_s: np.ndarray
     terms: tuple[StepTerms, ...]
     step_factor: Callable[[str], float]
+    # Each layout's ``StepTerms.per_step`` (calibrated seconds per step of every term, zero where it has none) as
+    # columns of these names; None where some layout orders its terms otherwise (``TermTable.terms_in_column_order``)
+    per_step_names: tuple[str, ...]
+    per_step: np.ndarray | None
 
     def parts_gib(self) -> np.ndarray:
         """(layouts, ``BREAKDOWN_SIZES``): each layout's memory breakdown in GiB, the figures its Estimate has."""
@@ -239,6 +273,43 @@ class Predictions:
                                                self.in_flight, self.memory_gib, self.band_low, self.band_high,
                                                self.fits, self.may_fit, self.step_time_s, self.tokens_per_s)]
         return list(itertools.starmap(self._estimate, zip(*columns, [self.terms[i] for i in rows])))
+
+    def json_of(self, rows: Sequence[int]) -> list[dict[str, Any]]:
+        """``Estimate.to_json`` of each layout in ``rows``, in that order, made from the arrays a column at a time:
+        a plan writes every valid layout's (issue 54)."""
+        if self.per_step is None:
+            return [e.to_json() for e in self.estimates_of(rows)]
+        index = np.asarray(rows, dtype=np.intp)
+        seconds = self.step_time_s[index]
+        return estimates_json(
+            memory=self.memory_gib[index], breakdown=rounded_rows(BREAKDOWN_SIZES, self.parts_gib()[index], GIB_DIGITS),
+            allocated=_weighted_sum(self.worst_parts[index], np.ones(len(PARTS))),  # as Estimate.to_json sums
+            fits=self.fits[index].tolist(), step_time=seconds, terms=self._terms_json(self.per_step[index]),
+            tokens=np.where(seconds > 0, self.tokens_per_s[index], np.nan), band_low=self.band_low[index],
+            band_high=self.band_high[index], may_fit=self.may_fit[index].tolist())
+
+    def _terms_json(self, per_step: np.ndarray) -> list[dict[str, float]]:
+        """Each row's positive terms (what ``StepTerms.per_step`` keeps), rounded: the rows of one set of terms at a
+        time (a space's layouts have a handful)."""
+        out: list[dict[str, float]] = [{}] * len(per_step)
+        positive = per_step > 0
+        # Each row's set of terms as one integer (a bit per column; a space has a few dozen terms at most), whose
+        # distinct values np.unique finds far faster than distinct rows of the boolean matrix.
+        bits = np.packbits(positive, axis=1, bitorder="little")
+        codes: np.ndarray
+        if bits.shape[1] <= 8:
+            codes = np.zeros(len(per_step), dtype=np.uint64)
+            for byte in range(bits.shape[1]):
+                codes |= bits[:, byte].astype(np.uint64) << np.uint64(8 * byte)
+        else:  # more terms than a code holds: the rows themselves
+            codes = np.unique(positive, axis=0, return_inverse=True)[1].ravel()
+        _, first, which = np.unique(codes, return_index=True, return_inverse=True)
+        for p, row in enumerate(first.tolist()):
+            members, columns = np.flatnonzero(which == p), np.flatnonzero(positive[row])
+            names = [self.per_step_names[j] for j in columns]
+            for i, terms in zip(members.tolist(), rounded_rows(names, per_step[np.ix_(members, columns)])):
+                out[i] = terms
+        return out
 
     def _estimate(self, row: list[float], frag: float, non_torch: float, rank: int, flight: float, mem: float,
                   lo: float, hi: float, fit: bool, may: bool, sec: float, tps: float, terms: StepTerms) -> Estimate:

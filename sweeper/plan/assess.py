@@ -11,10 +11,12 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, Estimator
 from sweeper.estimate.calibration import Calibration
-from sweeper.estimate.term_table import TermTable, without_cycle_collection
+from sweeper.estimate.term_table import Predictions, TermTable, without_cycle_collection
 from sweeper.plan.rules import Checker, check
 from sweeper.plan.space import enumerate_layouts, matches
 from sweeper.space.layout import Layout
@@ -45,9 +47,57 @@ class PlanEntry:
         return self.launchable and self.predicted is not None and self.predicted.uncertain
 
     def to_json(self) -> dict[str, Any]:
-        predicted = self.predicted.to_json() if self.predicted else _NO_PREDICTION.copy()
-        return {"layout": self.layout.to_dict(), "valid": not self.reasons, "reasons": self.reasons,
-                "predicted": predicted}
+        return _entry_json(self.layout, self.reasons,
+                           self.predicted.to_json() if self.predicted else _NO_PREDICTION.copy())
+
+
+def _entry_json(layout: Layout, reasons: list[str], predicted: dict[str, Any]) -> dict[str, Any]:
+    """The contract's JSON element of one layout, ``predicted`` its Estimate's JSON (or ``_NO_PREDICTION``'s)."""
+    return {"layout": layout.to_dict(), "valid": not reasons, "reasons": reasons, "predicted": predicted}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A space's layouts judged by the rules, the valid ones predicted through their term table, in the plan's
+    order (``build_plan``'s): its entries, or their JSON made from the predictions' arrays a column at a time
+    instead of one Estimate at a time (a plan of DeepSeek-V3's space writes 53,739 of them, issue 54)."""
+
+    judged: list[PlanEntry]  # the rules' verdicts, none predicted, in the space's order
+    predictions: Predictions  # of the valid ones, in the same order
+    order: list[int]  # indices into ``judged``, in the plan's order
+
+    @classmethod
+    def build(cls, cfg: SweepConfig, only: dict[str, Any] | None = None,
+              calibration: Calibration | None = None) -> Plan:
+        layouts = [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
+        return cls.of(*_judged(cfg, layouts, calibration), calibration)
+
+    @classmethod
+    def of(cls, judged: list[PlanEntry], table: TermTable, calibration: Calibration | None) -> Plan:
+        """The plan of ``judged`` (the rules' verdicts) with ``table`` (of its valid layouts) under ``calibration``."""
+        predicted = table.predict(calibration)
+        valid = np.array([e.valid for e in judged], dtype=bool)
+        row = np.cumsum(valid) - 1  # each valid entry's row in the table
+        return cls(judged, predicted, _plan_order(valid, row, predicted))
+
+    def __len__(self) -> int:
+        return len(self.judged)
+
+    def entries(self) -> list[PlanEntry]:
+        """The entries, each valid one with its Estimate."""
+        with without_cycle_collection():
+            predicted = iter(self.predictions.estimates())
+            entries = [e if not e.valid else PlanEntry(e.layout, e.reasons, next(predicted)) for e in self.judged]
+            return [entries[i] for i in self.order]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        """The contract's JSON array: ``[e.to_json() for e in self.entries()]``, equal to it (the invalid layouts'
+        ``predicted`` one object: the array is for writing)."""
+        with without_cycle_collection():
+            predicted = iter(self.predictions.json_of(range(len(self.predictions.terms))))
+            elements = [_entry_json(e.layout, e.reasons, next(predicted) if e.valid else _NO_PREDICTION)
+                        for e in self.judged]
+            return [elements[i] for i in self.order]
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
@@ -73,8 +123,22 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None,
                calibration: Calibration | None = None) -> list[PlanEntry]:
     """Valid layouts first: those predicted to fit by predicted throughput, then those inside the estimator's error
     band (lowest predicted memory first), then those over the band; then the invalid ones."""
-    layouts = [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
-    return sorted(assess_tabled(cfg, layouts, calibration)[0], key=_order)
+    return Plan.build(cfg, only, calibration).entries()
+
+
+def _plan_order(valid: np.ndarray, row: np.ndarray, p: Predictions) -> list[int]:
+    """``build_plan``'s order, from the arrays: the valid layouts predicted to fit by predicted throughput, then
+    those inside the band by predicted memory, then those over it by predicted memory, then the invalid ones; ties
+    in the space's order."""
+    if not valid.any():
+        return list(range(len(valid)))
+    at = np.where(valid, row, 0)
+    fits, may_fit, memory = p.fits[at], p.may_fit[at], p.memory_gib[at]
+    tokens = np.where(p.step_time_s[at] > 0, p.tokens_per_s[at], 0.0)  # an Estimate's tokens_per_s is None else
+    group = np.where(~valid, 4, np.where(fits, 1, np.where(may_fit, 2, 3)))
+    first = np.where(~valid, 0.0, np.where(fits, -tokens, memory))
+    second = np.where(valid & fits, memory, 0.0)
+    return np.lexsort((np.arange(len(valid)), second, first, group)).tolist()
 
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
@@ -94,10 +158,16 @@ def assess_tabled(cfg: SweepConfig, layouts: list[Layout], calibration: Calibrat
                   ) -> tuple[list[PlanEntry], TermTable]:
     """``assess_all``, the valid layouts predicted through their term table (returned too: a later calibration
     re-predicts them with ``repredict`` in one vectorised pass)."""
+    judged, table = _judged(cfg, layouts, calibration)
+    return repredict(judged, table, calibration), table
+
+
+def _judged(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
+            ) -> tuple[list[PlanEntry], TermTable]:
+    """The rules' verdict on each layout (none predicted) and the term table of the valid ones, in order."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     judged = [assess(cfg, lo, calibration, checker, predict=False) for lo in layouts]
-    table = TermTable.build(Estimator.for_config(cfg, calibration), [e.layout for e in judged if e.valid])
-    return repredict(judged, table, calibration), table
+    return judged, TermTable.build(Estimator.for_config(cfg, calibration), [e.layout for e in judged if e.valid])
 
 
 def repredict(entries: list[PlanEntry], table: TermTable, calibration: Calibration | None) -> list[PlanEntry]:
@@ -112,16 +182,6 @@ def reassess(entries: list[PlanEntry], estimator: Estimator) -> list[PlanEntry]:
     """``entries`` (assessed before, under any calibration) with the rules' verdicts kept, which no calibration
     changes, and each valid layout predicted again by ``estimator`` (the space's, under the new calibration)."""
     return [e if not e.valid else PlanEntry(e.layout, e.reasons, estimator(e.layout)) for e in entries]
-
-
-def _order(entry: PlanEntry) -> tuple[int, float, float]:
-    if not entry.valid:
-        return (4, 0.0, 0.0)
-    p = entry.predicted
-    assert p is not None
-    if p.fits:
-        return (1, -(p.tokens_per_s or 0.0), p.memory_gib)
-    return (2 if p.may_fit else 3, p.memory_gib, 0.0)
 
 
 def invalid_reasons(entries: list[PlanEntry]) -> list[tuple[str, int]]:

@@ -3,18 +3,20 @@ over whole spaces; the frontier re-predicts through it."""
 
 from __future__ import annotations
 
+import dataclasses
 import tempfile
 from pathlib import Path
 
+import orjson
 import pytest
 
 from sweeper.config.load import load_config
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Calibration, Estimator
 from sweeper.estimate.calibrator import Calibrator
-from sweeper.estimate.step_time import PP_BUBBLE
+from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
 from sweeper.estimate.term_table import TermTable
-from sweeper.plan.assess import assess_all, assess_tabled
+from sweeper.plan.assess import Plan, PlanEntry, assess_all, assess_tabled
 from sweeper.plan.space import enumerate_layouts
 from sweeper.search.propose.frontier import Frontier
 from tests.search.stand_ins import EverythingSupported
@@ -45,6 +47,9 @@ def _equal_to_fresh(cfg: SweepConfig) -> None:
             want = fresh(layout)
             assert estimate == want, layout.short()  # every figure bit for bit, the breakdown's too
             assert estimate.to_json() == want.to_json(), layout.short()
+        # The JSON a plan writes, made from the arrays a column at a time: the same text as the Estimates'.
+        columns = table.predict(calibration).json_of(range(len(valid)))
+        assert orjson.dumps(columns) == orjson.dumps([e.to_json() for e in got])
         worst_ranks.add(tuple(e.breakdown["pipeline_rank"] for e in got))
     assert len(worst_ranks) > 1, "the calibrations should move some layout's worst pipeline stage"
 
@@ -74,6 +79,30 @@ def test_plan_through_the_table_equals_the_layout_by_layout_plan() -> None:
     assert [e.to_json() for e in tabled] == [e.to_json() for e in assess_all(cfg, layouts, calibration)]
 
 
+def _plan_order(entry: PlanEntry) -> tuple[int, float, float]:
+    """The plan's order, one entry at a time: fitting layouts by predicted throughput, then inside the band and
+    over it by predicted memory, then the invalid ones."""
+    if not entry.valid:
+        return (4, 0.0, 0.0)
+    p = entry.predicted
+    assert p is not None
+    if p.fits:
+        return (1, -(p.tokens_per_s or 0.0), p.memory_gib)
+    return (2 if p.may_fit else 3, p.memory_gib, 0.0)
+
+
+@pytest.mark.parametrize("calibration", [None, Calibration(activation_factor=1.2, state_factor=0.9, overhead_gib=1.0,
+                                                           step_time_factor=1.1)])
+def test_the_plans_order_and_json_from_arrays_equal_the_layout_by_layout_ones(calibration: Calibration | None,
+                                                                              ) -> None:
+    cfg = load_config(WIDE)
+    plan = Plan.build(cfg, calibration=calibration)
+    want = sorted(assess_all(cfg, enumerate_layouts(cfg), calibration), key=_plan_order)  # a stable sort
+    assert [e.layout for e in plan.entries()] == [e.layout for e in want]
+    assert orjson.dumps(plan.to_json()) == orjson.dumps([e.to_json() for e in want])
+    assert len({_plan_order(e)[0] for e in want}) == 4  # every group of the order is there
+
+
 def test_the_frontier_repredicts_a_recalibrated_space_as_a_fresh_assessment() -> None:
     cfg = load_config(WIDE)
     with tempfile.TemporaryDirectory() as tmp:
@@ -92,3 +121,17 @@ def test_the_columns_keep_every_layouts_order_of_terms() -> None:
 
     assert _column_order([["a", "b", "d"], ["a", "c", "d"], ["b", "c"]]) == ["a", "b", "c", "d"]
     assert _column_order([["x", "y"], ["y", "x"]]) == ["x", "y"]  # conflicting: the first seen first, none lost
+
+
+def test_a_layout_whose_terms_leave_the_columns_order_gets_its_json_from_its_estimate() -> None:
+    cfg = load_config(WIDE)
+    valid = [e.layout for e in assess_all(cfg, enumerate_layouts(cfg)) if e.valid]
+    table = TermTable.build(Estimator.for_config(cfg), valid)
+    first = table.terms[0]
+    swapped = StepTerms(dict(reversed(first.stage.items())), first.microbatches, first.bubble_slots, first.step)
+    mixed = dataclasses.replace(table, terms=(swapped, *table.terms[1:]))
+    assert table.terms_in_column_order and not mixed.terms_in_column_order
+    predicted = mixed.predict(None)
+    assert predicted.per_step is None
+    assert predicted.json_of([0, 1]) == [predicted.estimate(0).to_json(), predicted.estimate(1).to_json()]
+    assert list(predicted.json_of([0])[0]["step_time_terms_s"]) == list(swapped.per_step())
