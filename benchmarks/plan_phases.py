@@ -22,7 +22,7 @@ START = T()
 from sweeper.config.load import load_config  # noqa: E402  (the imports are a phase)
 from sweeper.estimate import Estimator  # noqa: E402
 from sweeper.estimate.term_table import TermTable  # noqa: E402
-from sweeper.plan.assess import Plan, assess  # noqa: E402
+from sweeper.plan.assess import Plan, judge  # noqa: E402
 from sweeper.plan.rules import Checker  # noqa: E402
 from sweeper.plan.space import enumerate_layouts  # noqa: E402
 
@@ -36,7 +36,7 @@ def main() -> int:
     spent["enumeration"] = T() - t
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     t = T()
-    judged = [assess(cfg, lo, None, checker, predict=False) for lo in layouts]
+    judged = judge(cfg, layouts, checker)  # as assess_tabled judges them
     spent["rules"] = T() - t
     t = T()
     table = TermTable.build(Estimator.for_config(cfg), [e.layout for e in judged if e.valid])

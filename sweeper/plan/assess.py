@@ -110,13 +110,23 @@ def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = N
     caller predicts the valid layouts itself)."""
     reasons = (checker(layout) if checker is not None
                else check(cfg.model, layout, cfg.cluster, cfg.training.seq_length, cfg.run))
-    shared = cfg.production_batch_reason(layout.world_size) if production else None
-    if shared:
-        reasons = [shared, *reasons]  # first: the rules below judged a rounded share
+    reasons = _sharing(cfg.production_batch_reason(layout.world_size) if production else None, reasons)
     predicted = None
     if not reasons and predict:
         predicted = (estimator or Estimator.for_config(cfg, calibration))(layout)
     return PlanEntry(layout, reasons, predicted)
+
+
+def judge(cfg: SweepConfig, layouts: list[Layout], checker: Checker) -> list[PlanEntry]:
+    """``assess`` of each layout with ``predict`` false (the rules only), the production batch's verdict taken once
+    per world size instead of once per layout."""
+    shared = {w: cfg.production_batch_reason(w) for w in {layout.world_size for layout in layouts}}
+    return [PlanEntry(layout, _sharing(shared[layout.world_size], checker(layout)), None) for layout in layouts]
+
+
+def _sharing(shared: str | None, reasons: list[str]) -> list[str]:
+    """The rules' ``reasons`` after the production batch's: first, since the rules judged a rounded share."""
+    return [shared, *reasons] if shared else reasons
 
 
 def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None,
@@ -166,7 +176,7 @@ def _judged(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | 
             ) -> tuple[list[PlanEntry], TermTable]:
     """The rules' verdict on each layout (none predicted) and the term table of the valid ones, in order."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
-    judged = [assess(cfg, lo, calibration, checker, predict=False) for lo in layouts]
+    judged = judge(cfg, layouts, checker)
     return judged, TermTable.build(Estimator.for_config(cfg, calibration), [e.layout for e in judged if e.valid])
 
 

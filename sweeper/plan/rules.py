@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import attrgetter
+from operator import itemgetter
 from typing import Any
 
 from packaging.version import Version
@@ -63,18 +63,38 @@ def check(model: ModelSpec, layout: Layout, cluster: ClusterConfig, seq_length: 
     return [reason for fn in RULES if (reason := fn(ctx))]
 
 
+# The layout fields each derived size of READS is computed from (``Layout.dp``, ``Layout.num_microbatches``): the
+# Checker keys a rule reading one by these instead, read out of the layout's field dict, where the property would be
+# a Python call per layout.
+DERIVED_FROM: dict[str, tuple[str, ...]] = {
+    "dp": ("world_size", "tp", "pp", "cp"),
+    "num_microbatches": ("world_size", "tp", "pp", "cp", "gbs", "mbs"),
+}
+# Families of fields a space varies together: the parallel grid, the batch over it, one rank's tensor shapes; the
+# rule groups inside a family share one memo (the Checker's), every other group the family of the rest.
+FAMILIES: tuple[frozenset[str], ...] = (
+    frozenset({"world_size", "tp", "pp", "cp", "ep", "etp"}),
+    frozenset({"world_size", "tp", "pp", "cp", "vpp", "gbs", "mbs"}),
+    frozenset({"tp", "sp", "cp", "etp", "mbs", "precision"}),
+)
+
+Verdict = list[tuple[int, str]]  # (the rule's place in RULES, its reason) of each rule that refuses the layout
+_Group = tuple[list[tuple[int, Rule]], Callable[[dict[str, Any]], Any], dict[Any, Verdict]]
+
+
 class Checker:
     """``check`` for the many layouts of one model, cluster and sequence length (a space): each rule's verdict is
-    kept per value of the fields it reads (``READS``), so a space of ten thousand layouts costs each rule a handful
-    of evaluations and the rest dictionary lookups."""
+    kept per value of the fields it reads (``READS``), and the verdicts of a family of rules per value of all their
+    fields, so a space of a hundred thousand layouts costs each rule a handful of evaluations, each family a few
+    thousand, and each layout one read of its fields and a lookup per family."""
 
     def __init__(self, model: ModelSpec, cluster: ClusterConfig, seq_length: int,
                  run: RunSettings = RunSettings()) -> None:
         self.model, self.cluster, self.seq_length, self.run = model, cluster, seq_length, run
         # One memo per group of rules, keyed by the fields the group reads. A rule whose fields are a subset of a
         # larger group's joins that group: keyed by more fields its verdict is still right (the memo only holds more
-        # entries, a few hundred at most), and a layout costs one lookup per group: about ten instead of thirty.
-        reads = {fn: frozenset(READS[fn]) for fn in RULES}
+        # entries, a few hundred at most), and a new key costs one lookup per group: about ten instead of thirty.
+        reads = {fn: frozenset(f for name in READS[fn] for f in DERIVED_FROM.get(name, (name,))) for fn in RULES}
         largest_first = sorted(dict.fromkeys(reads.values()), key=len, reverse=True)
         keys: list[frozenset[str]] = []
         for fields in largest_first:
@@ -84,25 +104,48 @@ class Checker:
         for fn in RULES:
             groups[min((key for key in keys if reads[fn] <= key), key=len)].append(fn)
         order = {fn: i for i, fn in enumerate(RULES)}
-        self._groups: list[tuple[list[tuple[int, Rule]], Callable[[Layout], Any], dict[Any, list[tuple[int, str]]]]]
-        self._groups = [([(order[fn], fn) for fn in fns], attrgetter(*sorted(key)), {})
-                        for key, fns in groups.items()]
+        families: dict[frozenset[str] | None, list[tuple[frozenset[str], list[Rule]]]] = {}
+        for key, fns in groups.items():
+            family = next((f for f in FAMILIES if key <= f), None)
+            families.setdefault(family, []).append((key, fns))
+        # Per family: the key of all its groups' fields, its memo of their combined verdict, and the groups.
+        self._families: list[tuple[Callable[[dict[str, Any]], Any], dict[Any, Verdict], list[_Group]]] = [
+            (_key_of(frozenset().union(*(key for key, _ in members))), {},
+             [([(order[fn], fn) for fn in fns], _key_of(key), {}) for key, fns in members])
+            for members in families.values()]
 
     def __call__(self, layout: Layout) -> list[str]:
-        ctx: RuleContext | None = None
-        found: list[tuple[int, str]] = []
-        for rules, key_of, memo in self._groups:
-            key = key_of(layout)
-            reasons = memo.get(key)
-            if reasons is None:
-                if ctx is None:
-                    ctx = RuleContext(self.model, layout, self.cluster, self.seq_length, self.run)
-                reasons = memo[key] = [(i, r) for i, fn in rules if (r := fn(ctx))]
-            if reasons:
-                found += reasons
+        values = vars(layout)  # a frozen dataclass's fields: read by name, cheaper than an attribute read each
+        found: Verdict = []
+        for key_of, memo, groups in self._families:
+            key = key_of(values)
+            verdict = memo.get(key)
+            if verdict is None:
+                verdict = memo[key] = self._judge(layout, values, groups)
+            if verdict:
+                found += verdict
         if len(found) > 1:
             found.sort()
         return [reason for _, reason in found]
+
+    def _judge(self, layout: Layout, values: dict[str, Any], groups: list[_Group]) -> Verdict:
+        """The combined verdict of a family's groups on ``layout`` (its ``values``), each group's from its memo."""
+        ctx: RuleContext | None = None
+        found: Verdict = []
+        for rules, key_of, memo in groups:
+            key = key_of(values)
+            verdict = memo.get(key)
+            if verdict is None:
+                if ctx is None:
+                    ctx = RuleContext(self.model, layout, self.cluster, self.seq_length, self.run)
+                verdict = memo[key] = [(i, r) for i, fn in rules if (r := fn(ctx))]
+            found += verdict
+        return found
+
+
+def _key_of(fields: frozenset[str]) -> Callable[[dict[str, Any]], Any]:
+    """The values of ``fields`` out of a layout's field dict (in sorted order: one key whatever the set's order)."""
+    return itemgetter(*sorted(fields)) if fields else lambda values: ()
 
 
 # -- sizes (parallel_state.initialize_model_parallel) ------------------------------------------------------------

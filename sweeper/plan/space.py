@@ -14,34 +14,55 @@ from typing import Any
 
 from sweeper.config.schema import SweepConfig
 from sweeper.models.spec import ModelSpec
-from sweeper.space.axes import AUTO_LAYOUT, AXIS, SEARCHED
+from sweeper.space.axes import AUTO_LAYOUT, AXIS, PIPELINE_SPLIT, SEARCHED
 from sweeper.space.layout import Layout, PipelineSplit, parse_assignments, resolve_sp
 from sweeper.space.pipeline import balanced_layout, parse_layout, pipeline_split_fields, stage_layers
 
 
 def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
     # Each axis value goes through the Layout constructor once (checked, canonical spelling); the product's layouts
-    # are then assembled from checked values, which is what keeps ten thousand of them instant.
+    # are then assembled from checked values, which is what keeps a hundred thousand of them quick. Duplicates are
+    # dropped among each axis's values (SP's per TP, the pipeline's per PP) before the product, so no layout is built
+    # twice and none needs a key: a layout keeps the place in the product where its values first appear.
     defaults = vars(Layout(world_size=1, gbs=cfg.training.global_batch_size))
-    fields = [a.field for a in SEARCHED]
-    choices = [_checked(a.field, cfg.world_sizes if a.name == "gpus" else cfg.space.values(a.name)) for a in SEARCHED]
-    splits: dict[tuple[int, int, str | None], list[dict[str, Any]]] = {}
-    batches: dict[int, int] = {}  # world size -> the trial's share of the production batch
-    seen: dict[tuple[Any, ...], Layout] = {}
-    for values in itertools.product(*choices):
-        axes = dict(zip(fields, values, strict=True))
-        axes["sp"] = resolve_sp(axes["sp"], axes["tp"])
-        pipeline = (axes["pp"], axes["vpp"], axes.pop("pipeline_layout"))
-        if pipeline not in splits:
-            splits[pipeline] = pipeline_splits(cfg.model, *pipeline)
-        gbs = batches.get(axes["world_size"]) or batches.setdefault(
-            axes["world_size"], cfg.trial_global_batch(axes["world_size"]))
-        for split in splits[pipeline]:
-            fields_of = {**defaults, **axes, **split, "gbs": gbs}
-            key = tuple(fields_of.values())  # in the order of ``defaults``, every field's: one key per layout
-            if key not in seen:
-                seen[key] = Layout.from_checked(fields_of)
-    return list(seen.values())
+    values = {a.name: list(dict.fromkeys(_checked(a.field, cfg.world_sizes if a.name == "gpus"
+                                                  else cfg.space.values(a.name)))) for a in SEARCHED}
+    patches = {a.name: [{a.field: v} for v in values[a.name]] for a in SEARCHED}
+    patches["gpus"] = [{"world_size": w, "gbs": cfg.trial_global_batch(w)} for w in values["gpus"]]
+    sp = {tp: [{"sp": on} for on in dict.fromkeys(resolve_sp(v, tp) for v in values["sp"])] for tp in values["tp"]}
+    rows = [dict(defaults)]
+    after_sp = [a.name for a in SEARCHED].index("sp") + 1
+    for axis in SEARCHED[:after_sp]:
+        by_row = (lambda row: sp[row["tp"]]) if axis.name == "sp" else (lambda row, p=patches[axis.name]: p)
+        rows = [{**row, **patch} for row in rows for patch in by_row(row)]
+    # The axes after SP take the same values in every row: their product, the pipeline's parts innermost (its axis
+    # is the last), is one list of patches per (PP, VPP), and each layout costs one copy of its row.
+    tail: list[dict[str, Any]] = [{}]
+    for axis in SEARCHED[after_sp:-1]:
+        tail = [{**t, **patch} for t in tail for patch in patches[axis.name]]
+    parts = _pipeline_parts(cfg.model, values["pp"], values["vpp"], values["pipeline_layout"], defaults)
+    inner = {key: [{**t, **part} for t in tail for part in pipeline] for key, pipeline in parts.items()}
+    return [Layout.from_checked({**row, **patch}) for row in rows for patch in inner[row["pp"], row["vpp"]]]
+
+
+def _pipeline_parts(model: ModelSpec, pps: list[int], vpps: list[int], layouts: list[str | None],
+                    defaults: dict[str, Any]) -> dict[tuple[int, int], list[dict[str, Any]]]:
+    """The VPP and pipeline-split fields each (PP, VPP) gives over the pipeline_layout values, each set of them only
+    where it first appears for its PP: a layout string sets its own VPP, so every VPP of the axis gives it again, and
+    auto's balanced string can be one the space lists."""
+    out: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for pp in pps:
+        seen: set[tuple[Any, ...]] = set()
+        for vpp in vpps:
+            out[pp, vpp] = []
+            for layout in layouts:
+                for split in pipeline_splits(model, pp, vpp, layout):
+                    part = {"vpp": vpp, **split}
+                    key = tuple(part.get(name, defaults[name]) for name in ("vpp", *PIPELINE_SPLIT))
+                    if key not in seen:
+                        seen.add(key)
+                        out[pp, vpp].append(part)
+    return out
 
 
 def pipeline_splits(model: ModelSpec, pp: int, vpp: int, layout: str | None) -> list[dict[str, Any]]:

@@ -58,3 +58,24 @@ def test_a_layout_larger_than_the_production_run_is_refused_with_the_reason(tmp_
     assert refused.reasons[0] == ("the layout needs 8 GPUs, more than the production run's 4 (budget.gpus): no copy "
                                   "of it runs in production")
     assert not assess(cfg, layout_from_string(cfg, "gpus=4,pp=2,mbs=1")).reasons
+
+
+
+def test_judging_a_space_at_once_gives_each_layouts_own_verdict(tmp_path: Path) -> None:
+    """``judge`` (the plan's rules pass, the production batch's verdict once per world size) against ``assess`` layout
+    by layout: 2-GPU trials whose share of a batch of 6 does not split over 4 copies, 8-GPU ones that a 4-GPU
+    production run cannot hold; the batch's reason first, the rules' after it."""
+    from sweeper.plan.assess import judge
+    from sweeper.plan.rules import Checker
+
+    for gbs, budget, why in ((6, None, "does not split"), (64, 4, "budget.gpus")):
+        cfg = _cfg(tmp_path, gbs=gbs, budget_gpus=budget)
+        layouts = enumerate_layouts(cfg)
+        judged = judge(cfg, layouts, Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run))
+        assert [(e.layout, e.reasons, e.predicted) for e in judged] == [
+            (lo, assess(cfg, lo, predict=False).reasons, None) for lo in layouts]
+        assert any(why in e.reasons[0] for e in judged if e.reasons)
+        if budget:
+            assert any(e.valid for e in judged)
+        else:  # and a rule's reason after the batch's
+            assert any(len(e.reasons) > 1 and why in e.reasons[0] for e in judged)
