@@ -50,12 +50,15 @@ from sweeper.estimate.memory import (
     stage_params,
 )
 from sweeper.estimate.step_time import (
+    OFFLOAD,
     Links,
     StepTerms,
     TimeInputs,
     block_seconds,
     ep_ranks_per_node,
     group_bandwidth,
+    offload_seconds,
+    once_per_step,
     slowest_stage,
     step_time,
 )
@@ -433,16 +436,17 @@ class Estimator:
         # block_seconds and slowest_stage's stages of those blocks (its ``stages``), by the fields block_seconds reads
         self._blocks: dict[tuple, _Blocks]
         self._slowest: dict[tuple, dict[str, float]]  # slowest_stage, by the fields it reads
+        self._once: dict[tuple, dict[str, float]]  # once_per_step, by the fields it reads
         # step_terms by layout: a plan's production layouts repeat (every world size of a layout's family scales to
         # the same production layout). Uncalibrated, they depend on a calibration only through the MoE hot-rank
         # factor (an offloaded layer's activations): estimators of other calibrations share them otherwise.
         self._step_terms_of: dict[Layout, StepTerms]
         if kept is None:
             self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
-            self._links, self._blocks, self._slowest = {}, {}, {}
+            self._links, self._blocks, self._slowest, self._once = {}, {}, {}, {}
             self._step_terms_of = {}
         else:  # the same space under another calibration (``recalibrated``)
-            stages, self._links, self._blocks, self._slowest, step_terms_of = kept.memos()
+            stages, self._links, self._blocks, self._slowest, self._once, step_terms_of = kept.memos()
             self._stages = stages.recalibrated(calibration)
             self._step_terms_of = step_terms_of if _hot_rank(kept.calibration) == _hot_rank(calibration) else {}
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
@@ -489,10 +493,10 @@ class Estimator:
         return effective_hot_rank(self.constants, calibration)
 
     def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, _Blocks], dict[tuple, dict[str, float]],
-                             dict[Layout, StepTerms]]:
-        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms, and each
-        layout's step terms (``step_terms``) while the MoE hot-rank factor is the same."""
-        return self._stages, self._links, self._blocks, self._slowest, self._step_terms_of
+                             dict[tuple, dict[str, float]], dict[Layout, StepTerms]]:
+        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks', slowest stages' and once-per-step
+        terms, and each layout's step terms (``step_terms``) while the MoE hot-rank factor is the same."""
+        return self._stages, self._links, self._blocks, self._slowest, self._once, self._step_terms_of
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, constants, calibration, seq_length = layout, self.constants, self.calibration, self.seq_length
@@ -548,56 +552,77 @@ class Estimator:
         """``self(layout).step_time_s`` without the memory verdict."""
         return self.step_terms(layout).seconds(self._factor)
 
-    def terms(self, layout: Layout) -> tuple[list[tuple[float, ...]], list[float], StepTerms]:
-        """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's
-        ``PARTS`` (GiB) and micro-batches in flight, and its uncalibrated step terms."""
+    def terms(self, layout: Layout) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...], StepTerms]:
+        """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's model
+        state (``PARTS``' first six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes,
+        activations, transient, logits in GiB)`` (``_Stages.rows``), and its uncalibrated step terms. The rows are
+        the memos' own, shared by the layouts that share them: the caller must not change them."""
         _check_divisible(layout, self.seq_length)
         if self._unit is None:
             hot = self.calibration.moe_hot_rank_factor if self.calibration else None
             self._unit = self._stages.recalibrated(Calibration(moe_hot_rank_factor=hot))
         shape, params, state_rows, dynamic_rows = self._unit.rows(layout)
-        parts = [state + dynamic[2:] for state, dynamic in zip(state_rows, dynamic_rows)]
-        in_flight = [dynamic[0] for dynamic in dynamic_rows]
-        return parts, in_flight, self._step_terms(layout, shape, params, dynamic_rows[0][1])
+        return state_rows, dynamic_rows, self._step_terms(layout, shape, params, dynamic_rows[0][1])
 
     def _step_terms(self, lo: Layout, shape: ActivationShape, params: tuple[StageParams, ...],
                     layer_activation_bytes: float) -> StepTerms:
         """The layout's step time as uncalibrated terms (of the stages it reads their parameters and, for
         offloading, the first stage's layer's activations, which no calibration factor changes)."""
-        model, cluster, constants, seq_length = self.model, self.cluster, self.constants, self.seq_length
-        ep, etp = shape.ep, shape.etp
+        model = self.model
         vpp = lo.vpp if lo.pp > 1 else 1
-        sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
-        links = self._links.get(sizes)
-        if links is None:
-            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency, constants.link_latency_us)
+        microbatches = _microbatches(lo)
+        split = _split_fields(lo)
         dispatcher = lo.dispatcher if model.is_moe else "alltoall"
         a2a_overlap = lo.moe_a2a_overlap and model.is_moe
-        inputs = TimeInputs(
-            seq_length=seq_length, mbs=lo.mbs, num_microbatches=_microbatches(lo), tp=lo.tp, pp=lo.pp, vpp=vpp,
-            cp=lo.cp, dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision,
-            recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
-            overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
-            cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
-            offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
-            fp8_recipe=self.run.recipe(lo.precision, cluster.compute_capability),
-        )
         # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
         # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.
         block_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
                      lo.cuda_graph)
-        stage_key = (*block_key, lo.pp, vpp, _split_fields(lo))
-        slowest = self._slowest.get(stage_key)
-        if slowest is None:
-            blocks = self._blocks.get(block_key)
-            if blocks is None:
-                blocks = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants), {}
-            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants, *blocks)
-        terms = step_time(model, inputs, self._device, links, tuple(p.dense for p in params),
-                          tuple(p.expert for p in params), constants, slowest)
+        stage_key = (*block_key, lo.pp, vpp, split)
+        # Everything once_per_step reads: the sizes that set the groups and their links, the pipeline (its stages'
+        # parameters), the micro-batches and the DP-side options. A layout's TimeInputs are built only on a miss.
+        once_key = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp, vpp, split, lo.mbs, shape.sp, lo.precision,
+                    microbatches, lo.distributed_optimizer, lo.fsdp)
+        stage = self._slowest.get(stage_key)
+        once = self._once.get(once_key)
+        if stage is None or once is None or lo.offload_layers:
+            inputs, links = self._time_inputs(lo, shape, layer_activation_bytes)
+            device, constants = self._device, self.constants
+            if stage is None:
+                blocks = self._blocks.get(block_key)
+                if blocks is None:
+                    blocks = self._blocks[block_key] = block_seconds(model, inputs, device, links, constants), {}
+                stage = self._slowest[stage_key] = slowest_stage(model, inputs, device, links, constants, *blocks)
+            if once is None:
+                once = self._once[once_key] = once_per_step(
+                    model, inputs, device, links, max(p.dense for p in params), max(p.expert for p in params),
+                    constants)
+            if lo.offload_layers:
+                stage = {**stage, OFFLOAD: offload_seconds(model, inputs, links, stage)}
+        terms = step_time(stage, microbatches, lo.pp, vpp, once)
         if self.host_cores and lo.world_size > self.host_cores:
             terms = terms.scaled(lo.world_size / self.host_cores)
         return terms
+
+    def _time_inputs(self, lo: Layout, shape: ActivationShape, layer_activation_bytes: float,
+                     ) -> tuple[TimeInputs, Links]:
+        """What the step-time functions read of ``lo``, and its links."""
+        model, cluster, constants = self.model, self.cluster, self.constants
+        sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
+        links = self._links.get(sizes)
+        if links is None:
+            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency, constants.link_latency_us)
+        inputs = TimeInputs(
+            seq_length=self.seq_length, mbs=lo.mbs, num_microbatches=_microbatches(lo), tp=lo.tp, pp=lo.pp,
+            vpp=lo.vpp if lo.pp > 1 else 1, cp=lo.cp, dp=lo.dp, ep=shape.ep, etp=shape.etp, edp=lo.edp, sp=shape.sp,
+            precision=lo.precision, recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer,
+            split=lo.split, overlap_grad_reduce=self.run.overlaps_grad_reduce,
+            dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
+            cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
+            offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
+            fp8_recipe=self.run.recipe(lo.precision, cluster.compute_capability),
+        )
+        return inputs, links
 
 
 P = ParamSpec("P")

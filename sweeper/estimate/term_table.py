@@ -55,17 +55,38 @@ def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
 
 
 def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndarray]:
-    # The layouts of a space name a handful of distinct term lists: the rows of each are filled at once.
+    # The layouts of a space share their term dicts (the estimator's memos: a few per pipeline stage's shape) and
+    # name a handful of distinct term lists: each distinct dict is read once, the rows of each list filled at once.
+    unique: dict[int, int] = {}  # row of each distinct dict (by identity) in ``distinct``
+    distinct: list[dict[str, float]] = []
+    for d in dicts:
+        if id(d) not in unique:
+            unique[id(d)] = len(distinct)
+            distinct.append(d)
     rows_of: dict[tuple[str, ...], list[int]] = {}
-    for i, d in enumerate(dicts):
+    for i, d in enumerate(distinct):
         rows_of.setdefault(tuple(d), []).append(i)
     columns = _column_order(list(rows_of))
     index = {t: j for j, t in enumerate(columns)}
-    matrix = np.zeros((len(dicts), len(columns)))
+    matrix = np.zeros((len(distinct), len(columns)))
     for names, rows in rows_of.items():
         if names:
-            matrix[np.ix_(rows, [index[t] for t in names])] = [list(dicts[i].values()) for i in rows]
-    return columns, matrix
+            matrix[np.ix_(rows, [index[t] for t in names])] = [list(distinct[i].values()) for i in rows]
+    return columns, matrix[np.array([unique[id(d)] for d in dicts], dtype=np.intp)]
+
+
+def _stage_rows(blocks: Sequence[tuple[tuple[float, ...], ...]], width: int, owner: np.ndarray, rank: np.ndarray,
+                ) -> np.ndarray:
+    """Stage ``rank`` of layout ``owner`` of each row, from ``blocks`` (each layout's rows of ``width`` values, a
+    tuple per stage, shared among layouts by the estimator's memos): each distinct block, by identity, read once."""
+    start: dict[int, int] = {}  # first row of each distinct block in ``rows``
+    rows: list[tuple[float, ...]] = []
+    for block in blocks:
+        if id(block) not in start:
+            start[id(block)] = len(rows)
+            rows += block
+    firsts = np.array([start[id(block)] for block in blocks], dtype=np.intp)
+    return np.array(rows, dtype=float).reshape(len(rows), width)[firsts[owner] + rank]
 
 
 def _weighted_sum(matrix: np.ndarray, factors: np.ndarray) -> np.ndarray:
@@ -118,20 +139,14 @@ class TermTable:
     @classmethod
     def build(cls, estimator: Estimator, layouts: Sequence[Layout]) -> TermTable:
         """The table of ``layouts`` (valid ones: their sizes divide) under ``estimator``'s model and settings."""
-        rows: list[tuple[float, ...]] = []
-        in_flight: list[float] = []
-        rank: list[int] = []
-        owner: list[int] = []
-        first: list[int] = []
-        terms: list[StepTerms] = []
-        for i, lo in enumerate(layouts):
-            first.append(len(rows))
-            parts, flight, step = estimator.terms(lo)
-            terms.append(step)
-            rows += parts
-            in_flight += flight
-            rank += range(len(parts))
-            owner += [i] * len(parts)
+        states, dynamics, terms = zip(*map(estimator.terms, layouts)) if layouts else ((), (), ())
+        counts = np.array([len(block) for block in states], dtype=np.intp)
+        first = np.cumsum(counts) - counts
+        owner = np.repeat(np.arange(len(layouts), dtype=np.intp), counts)
+        rank = np.arange(len(owner)) - first[owner]
+        # The model state's parts and (in flight, a layer's activations, then the dynamic parts): Estimator.terms
+        dynamic = _stage_rows(dynamics, 2 + len(DYNAMIC_KEYS), owner, rank)
+        parts = np.hstack([_stage_rows(states, len(PARTS) - len(DYNAMIC_KEYS), owner, rank), dynamic[:, 2:]])
         stage_names, stage_matrix = _terms_matrix([t.stage for t in terms])
         step_names, step_matrix = _terms_matrix([t.step for t in terms])
         constants = estimator.constants
@@ -140,8 +155,7 @@ class TermTable:
             fragmentation=constants.allocator_fragmentation,
             band_divisors=(1 + constants.memory_over_prediction, 1 - constants.memory_under_prediction),
             limit_gib=estimator.limit_gib,
-            parts=np.array(rows, dtype=float).reshape(len(rows), len(PARTS)), in_flight=np.array(in_flight),
-            rank=np.array(rank), owner=np.array(owner, dtype=np.intp), first_stage=np.array(first, dtype=np.intp),
+            parts=parts, in_flight=dynamic[:, 0].copy(), rank=rank, owner=owner, first_stage=first,
             non_torch=np.array([non_torch_gib(lo, constants) for lo in layouts]),
             stage_terms=tuple(stage_names), stage_matrix=stage_matrix, step_terms_names=tuple(step_names),
             step_matrix=step_matrix, microbatches=np.array([t.microbatches for t in terms], dtype=float),
