@@ -41,11 +41,16 @@ from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dyn
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
     ActivationShape,
+    LayerActivations,
+    PipelineStages,
     StageActivations,
     StageParams,
+    StageRole,
     StateBytes,
     in_flight_microbatches,
+    layer_activations,
     model_state_bytes,
+    pipeline_stages,
     stage_activations,
     stage_params,
 )
@@ -269,7 +274,9 @@ class _Stages:
         self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
         self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
         self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
-        self._stage_activations: dict[tuple, dict[tuple, StageActivations]] = {}  # stage_activations' stages by shape
+        # By the shape's axes: the shape, one layer's activations of each kind and stage_activations' stages by role.
+        self._shapes: dict[tuple, tuple[ActivationShape, LayerActivations, dict[StageRole, StageActivations]]] = {}
+        self._pipelines: dict[tuple, PipelineStages] = {}  # by (PP, VPP, split fields)
         # Under this calibration's factors: the state parts by states key; the dynamic ones (``_dynamic_rows``) by
         # activations key, micro-batches, A2A overlap and offload. Layouts of other world sizes share both halves.
         self._state_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
@@ -325,25 +332,39 @@ class _Stages:
         acts_key = (*shape_axes, lo.pp, vpp, split)
         kept = self._activations.get(acts_key)
         if kept is None:
-            shape = _activation_shape(model, lo, self.seq_length, self.constants, self.calibration,
-                                      self.run.recipe(lo.precision, self.compute_capability))
-            stages = self._stage_activations.setdefault(shape_axes, {})
-            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split,
-                                                                          self.constants, stages)
+            shape, per_layer, stages = self._shape(lo, shape_axes)
+            kept = self._activations[acts_key] = shape, stage_activations(
+                model, shape, per_layer, self.pipeline(lo, vpp, split), self.constants, stages)
         params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
         params = self._params.get(params_key)
         if params is None:
             params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
         return acts_key, kept[0], kept[1], params_key, params
 
+    def _shape(self, lo: Layout, shape_axes: tuple,
+               ) -> tuple[ActivationShape, LayerActivations, dict[StageRole, StageActivations]]:
+        kept = self._shapes.get(shape_axes)
+        if kept is None:
+            shape = _activation_shape(self.model, lo, self.seq_length, self.constants, self.calibration,
+                                      self.run.recipe(lo.precision, self.compute_capability))
+            kept = self._shapes[shape_axes] = shape, layer_activations(self.model, shape, self.constants), {}
+        return kept
+
+    def pipeline(self, lo: Layout, vpp: int, split: tuple) -> PipelineStages:
+        """The stages of ``lo``'s pipeline (``vpp``: its VPP, 1 without a pipeline; ``split``: ``_split_fields``)."""
+        kept = self._pipelines.get((lo.pp, vpp, split))
+        if kept is None:
+            kept = self._pipelines[lo.pp, vpp, split] = pipeline_stages(self.model, lo.pp, vpp, lo.split)
+        return kept
+
     def recalibrated(self, calibration: Calibration | None) -> _Stages:
         """The same stages under another calibration, keeping what it does not change: the parameters and model
         state always (the factors scale them when combined), the activations while the MoE hot-rank factor, which
         sizes them, is the same."""
         other = _Stages(self.model, self.seq_length, self.constants, calibration, self.compute_capability, self.run)
-        other._params, other._states = self._params, self._states
+        other._params, other._states, other._pipelines = self._params, self._states, self._pipelines
         if _hot_rank(self.calibration) == _hot_rank(calibration):
-            other._activations, other._stage_activations = self._activations, self._stage_activations
+            other._activations, other._shapes = self._activations, self._shapes
         return other
 
 
@@ -592,7 +613,8 @@ class Estimator:
                 blocks = self._blocks.get(block_key)
                 if blocks is None:
                     blocks = self._blocks[block_key] = block_seconds(model, inputs, device, links, constants), {}
-                stage = self._slowest[stage_key] = slowest_stage(model, inputs, device, links, constants, *blocks)
+                stage = self._slowest[stage_key] = slowest_stage(
+                    model, inputs, self._stages.pipeline(lo, vpp, split), device, links, constants, *blocks)
             if once is None:
                 once = self._once[once_key] = once_per_step(
                     model, inputs, device, links, max(p.dense for p in params), max(p.expert for p in params),

@@ -18,11 +18,12 @@ from functools import lru_cache
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
+from sweeper.estimate.memory import PipelineStages, StageRole
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.axes import SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
-from sweeper.space.pipeline import mtp_rank, stage_layer_kinds
+from sweeper.space.pipeline import stage_layer_kinds
 
 GB = 1e9
 TFLOP = 1e12
@@ -383,14 +384,14 @@ def _gemm_widths(spec: ModelSpec, block: str, x: TimeInputs) -> tuple[float, flo
     return float(spec.hidden_size), spec.hidden_size / x.tp
 
 
-def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
-                  per_block: dict[Block, dict[str, float]] | None = None,
-                  stages: dict[tuple, tuple[dict[str, float], float]] | None = None) -> dict[str, float]:
-    """Seconds per micro-batch of the slowest pipeline stage, by term (compute and recompute after the TP split):
-    its compute and its exposed tensor/context/expert-parallel communication. Reads what ``block_seconds`` reads
-    (``per_block``: its result, when the caller keeps it), PP, VPP and the split: not the data-parallel side, the
-    micro-batch count or offload. ``stages``: each stage's terms and seconds by its layer kinds and heads, kept by
-    the caller for every call with the same ``per_block`` (pipelines of other depths repeat stages)."""
+def slowest_stage(spec: ModelSpec, x: TimeInputs, pipeline: PipelineStages, device: Device, links: Links,
+                  constants: EstimatorConstants, per_block: dict[Block, dict[str, float]] | None = None,
+                  stages: dict[StageRole, tuple[dict[str, float], float]] | None = None) -> dict[str, float]:
+    """Seconds per micro-batch of the slowest stage of ``pipeline`` (``x``'s PP, VPP and split), by term (compute and
+    recompute after the TP split): its compute and its exposed tensor/context/expert-parallel communication. Reads
+    what ``block_seconds`` reads (``per_block``: its result, when the caller keeps it): not the data-parallel side,
+    the micro-batch count or offload. ``stages``: each stage's terms and seconds by its role, kept by the caller for
+    every call with the same ``per_block`` (pipelines of other depths repeat stages)."""
     if per_block is None:
         per_block = block_seconds(spec, x, device, links, constants)
     if stages is None:
@@ -402,12 +403,11 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     logits_rate = _rates(x.precision, device, constants)[0]
     slowest: dict[str, float] = {}
     slowest_s = -1.0
-    holder = mtp_rank(spec, x.pp, x.split)
-    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
-        stage_key = (kinds, rank == x.pp - 1, rank == holder)
-        kept = stages.get(stage_key)
+    for role in pipeline.roles:  # the first rank's first: the first of the slowest ranks wins a tie
+        kept = stages.get(role)
         if kept is None:
-            kept = stages[stage_key] = _stage_seconds(spec, x, per_block, kinds, *stage_key[1:], tokens, logits_rate)
+            kinds, holder, last = role
+            kept = stages[role] = _stage_seconds(spec, x, per_block, kinds, last, holder, tokens, logits_rate)
         stage, seconds = kept
         if seconds > slowest_s:
             slowest, slowest_s = stage, seconds
