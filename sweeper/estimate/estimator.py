@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from itertools import repeat
 from operator import attrgetter
-from typing import Any, Concatenate, ParamSpec
+from typing import Any, Concatenate, NamedTuple, ParamSpec
 
 from sweeper.config.estimator import CPU_RANK_EFFICIENCIES, EstimatorConstants
 from sweeper.config.run_settings import RunSettings
@@ -209,23 +209,33 @@ class StageMemory:
         return self.state_gib + fragmentation * self.dynamic_gib
 
 
-def _check_divisible(layout: Layout, seq_length: int) -> None:
-    lo = layout
-    if lo.dp == 0:
-        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
-    if lo.edp == 0:
-        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
-    if seq_length % lo.cp:
-        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
-
-
 # Layout.split's fields: memo keys hold them as a plain tuple, which hashes faster than the PipelineSplit.
 _split_fields = attrgetter("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
                            "pipeline_layout")
 
 
-def _microbatches(layout: Layout) -> int:
-    return layout.num_microbatches or max(1, layout.gbs // max(1, layout.mbs * layout.dp))
+class _Sizes(NamedTuple):
+    """What the memo keys read of a layout besides its fields, worked out once per layout (``_checked``)."""
+
+    dp: int
+    edp: int
+    vpp: int  # as the pipeline runs it: 1 without one
+    microbatches: int
+    split: tuple  # _split_fields
+
+
+def _checked(layout: Layout, seq_length: int) -> _Sizes:
+    """``layout``'s derived sizes; ValueError where they do not divide."""
+    lo = layout
+    dp, edp = lo.dp, lo.edp
+    if dp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
+    if edp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
+    if seq_length % lo.cp:
+        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
+    # Micro-batches: Layout.num_microbatches where the global batch divides, as many as fit otherwise (one at least).
+    return _Sizes(dp, edp, lo.vpp if lo.pp > 1 else 1, max(1, lo.gbs // (lo.mbs * dp)), _split_fields(lo))
 
 
 def _activation_shape(
@@ -255,8 +265,8 @@ def stage_memory(
 ) -> tuple[StageMemory, ...]:
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
     ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
-    _check_divisible(layout, seq_length)
-    return _Stages(model, seq_length, constants, calibration, compute_capability, run)(layout)[1]
+    sizes = _checked(layout, seq_length)
+    return _Stages(model, seq_length, constants, calibration, compute_capability, run)(layout, sizes)[1]
 
 
 class _Stages:
@@ -271,9 +281,12 @@ class _Stages:
         self.model, self.seq_length, self.constants, self.run = model, seq_length, constants, run
         self.calibration, self.compute_capability = calibration, compute_capability
         self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
+        self._moe = model.is_moe
         self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
         self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
-        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
+        # by the shape's axes and the pipeline: the shape, its stages' activations, and their parameters with their key
+        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...], tuple,
+                                             tuple[StageParams, ...]]] = {}
         # By the shape's axes: the shape, one layer's activations of each kind and stage_activations' stages by role.
         self._shapes: dict[tuple, tuple[ActivationShape, LayerActivations, dict[StageRole, StageActivations]]] = {}
         self._pipelines: dict[tuple, PipelineStages] = {}  # by (PP, VPP, split fields)
@@ -282,20 +295,20 @@ class _Stages:
         self._state_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
         self._dynamic_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
 
-    def __call__(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
-        """The activation shape of ``lo`` (its sizes divide: ``_check_divisible``) and its stages' memory."""
-        shape, params, state_rows, dynamic_rows = self.rows(lo)
+    def __call__(self, lo: Layout, sizes: _Sizes) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
+        """The activation shape of ``lo`` (of ``sizes``, ``_checked``'s) and its stages' memory."""
+        shape, params, state_rows, dynamic_rows = self.rows(lo, sizes)
         return shape, tuple(StageMemory(dict(zip(PARTS, (*state, *dynamic[2:]))), dynamic[0], p, dynamic[1])
                             for p, state, dynamic in zip(params, state_rows, dynamic_rows))
 
-    def rows(self, lo: Layout) -> tuple[ActivationShape, tuple[StageParams, ...], tuple[tuple[float, ...], ...],
-                                        tuple[tuple[float, ...], ...]]:
+    def rows(self, lo: Layout, sizes: _Sizes) -> tuple[ActivationShape, tuple[StageParams, ...],
+                                                       tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
         """``__call__``'s stages as plain rows: per stage its parameters, its model-state parts (``PARTS``' first
         six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes, activations, transient, logits
         in GiB)``."""
         model, constants = self.model, self.constants
-        acts_key, shape, acts, params_key, params = self._shape_and_params(lo)
-        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
+        acts_key, shape, acts, params_key, params = self._shape_and_params(lo, sizes)
+        states_key = (*params_key, lo.precision, lo.distributed_optimizer, sizes.dp * lo.cp, sizes.edp, lo.fsdp)
         state_rows = self._state_rows.get(states_key)
         if state_rows is None:
             states = self._states.get(states_key)
@@ -303,7 +316,7 @@ class _Stages:
                 states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability,
                                                                   self.run)
             state_rows = self._state_rows[states_key] = _state_rows(states, constants, self._factors.state_factor)
-        microbatches = _microbatches(lo)
+        microbatches = sizes.microbatches
         dynamic_key = (acts_key, microbatches, lo.moe_a2a_overlap, lo.offload_layers)
         dynamic_rows = self._dynamic_rows.get(dynamic_key)
         if dynamic_rows is None:
@@ -311,35 +324,35 @@ class _Stages:
                 model, lo, microbatches, acts, self._factors.activation_factor)
         return shape, params, state_rows, dynamic_rows
 
-    def step_inputs(self, lo: Layout) -> tuple[ActivationShape, tuple[StageParams, ...], float]:
+    def step_inputs(self, lo: Layout, sizes: _Sizes) -> tuple[ActivationShape, tuple[StageParams, ...], float]:
         """What the step time reads of the stages: the activation shape, each stage's parameters and, for
         offloading, the first stage's layer's activations in bytes (``rows`` without the memory parts)."""
         if lo.offload_layers:
-            shape, params, _, dynamic_rows = self.rows(lo)
+            shape, params, _, dynamic_rows = self.rows(lo, sizes)
             return shape, params, dynamic_rows[0][1]
-        _, shape, _, _, params = self._shape_and_params(lo)
+        _, shape, _, _, params = self._shape_and_params(lo, sizes)
         return shape, params, 0.0
 
-    def _shape_and_params(self, lo: Layout) -> tuple[tuple, ActivationShape, tuple[StageActivations, ...], tuple,
-                                                      tuple[StageParams, ...]]:
+    def _shape_and_params(self, lo: Layout, sizes: _Sizes) -> tuple[tuple, ActivationShape,
+                                                                    tuple[StageActivations, ...], tuple,
+                                                                    tuple[StageParams, ...]]:
         """The layout's activation shape and its stages' activations per micro-batch, and its stages' parameters,
-        each with its memo key."""
-        model = self.model
-        vpp = lo.vpp if lo.pp > 1 else 1
-        split = _split_fields(lo)
-        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
+        each with its memo key. The activations' key holds the parameters' fields: its entry keeps them too."""
+        vpp, split = sizes.vpp, sizes.split
+        ep, etp = (lo.ep, lo.etp) if self._moe else (1, 1)
         shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
         acts_key = (*shape_axes, lo.pp, vpp, split)
         kept = self._activations.get(acts_key)
         if kept is None:
+            model = self.model
             shape, per_layer, stages = self._shape(lo, shape_axes)
+            params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
+            params = self._params.get(params_key)
+            if params is None:
+                params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
             kept = self._activations[acts_key] = shape, stage_activations(
-                model, shape, per_layer, self.pipeline(lo, vpp, split), self.constants, stages)
-        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
-        params = self._params.get(params_key)
-        if params is None:
-            params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
-        return acts_key, kept[0], kept[1], params_key, params
+                model, shape, per_layer, self.pipeline(lo, vpp, split), self.constants, stages), params_key, params
+        return acts_key, *kept
 
     def _shape(self, lo: Layout, shape_axes: tuple,
                ) -> tuple[ActivationShape, LayerActivations, dict[StageRole, StageActivations]]:
@@ -471,6 +484,7 @@ class Estimator:
             self._stages = stages.recalibrated(calibration)
             self._step_terms_of = step_terms_of if _hot_rank(kept.calibration) == _hot_rank(calibration) else {}
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
+        self._moe = model.is_moe
         self._unit: _Stages | None = None  # the stages at memory factors 1 (unit_stages)
 
     @classmethod
@@ -521,8 +535,8 @@ class Estimator:
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, constants, calibration, seq_length = layout, self.constants, self.calibration, self.seq_length
-        _check_divisible(lo, seq_length)
-        shape, stages = self._stages(lo)
+        sizes = _checked(lo, seq_length)
+        shape, stages = self._stages(lo, sizes)
         non_torch = non_torch_gib(lo, constants)
 
         worst: dict[str, float] = {}
@@ -542,7 +556,8 @@ class Estimator:
                     "in_flight_microbatches": stage.in_flight_microbatches,
                 }
 
-        terms = self._step_terms(lo, shape, tuple(st.params for st in stages), stages[0].layer_activation_bytes)
+        terms = self._step_terms(lo, sizes, shape, tuple(st.params for st in stages),
+                                 stages[0].layer_activation_bytes)
         seconds = terms.seconds(self._factor)
         tokens = lo.gbs * seq_length
         band = memory_band(worst_reserved, constants)
@@ -564,9 +579,9 @@ class Estimator:
         trial's, ``objective.extra_step_s``, for every layout of a plan; the refit's own factors)."""
         kept = self._step_terms_of.get(layout)
         if kept is None:
-            _check_divisible(layout, self.seq_length)
-            shape, params, layer_activation_bytes = self._stages.step_inputs(layout)
-            kept = self._step_terms_of[layout] = self._step_terms(layout, shape, params, layer_activation_bytes)
+            sizes = _checked(layout, self.seq_length)
+            shape, params, layer_activation_bytes = self._stages.step_inputs(layout, sizes)
+            kept = self._step_terms_of[layout] = self._step_terms(layout, sizes, shape, params, layer_activation_bytes)
         return kept
 
     def step_time_s(self, layout: Layout) -> float:
@@ -578,37 +593,48 @@ class Estimator:
         state (``PARTS``' first six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes,
         activations, transient, logits in GiB)`` (``_Stages.rows``), and its uncalibrated step terms. The rows are
         the memos' own, shared by the layouts that share them: the caller must not change them."""
-        _check_divisible(layout, self.seq_length)
+        sizes = _checked(layout, self.seq_length)
         if self._unit is None:
             hot = self.calibration.moe_hot_rank_factor if self.calibration else None
             self._unit = self._stages.recalibrated(Calibration(moe_hot_rank_factor=hot))
-        shape, params, state_rows, dynamic_rows = self._unit.rows(layout)
-        return state_rows, dynamic_rows, self._step_terms(layout, shape, params, dynamic_rows[0][1])
+        shape, params, state_rows, dynamic_rows = self._unit.rows(layout, sizes)
+        return state_rows, dynamic_rows, self._step_terms(layout, sizes, shape, params, dynamic_rows[0][1])
 
-    def _step_terms(self, lo: Layout, shape: ActivationShape, params: tuple[StageParams, ...],
+    def _step_terms(self, lo: Layout, sizes: _Sizes, shape: ActivationShape, params: tuple[StageParams, ...],
                     layer_activation_bytes: float) -> StepTerms:
         """The layout's step time as uncalibrated terms (of the stages it reads their parameters and, for
         offloading, the first stage's layer's activations, which no calibration factor changes)."""
-        model = self.model
-        vpp = lo.vpp if lo.pp > 1 else 1
-        microbatches = _microbatches(lo)
-        split = _split_fields(lo)
-        dispatcher = lo.dispatcher if model.is_moe else "alltoall"
-        a2a_overlap = lo.moe_a2a_overlap and model.is_moe
+        moe = self._moe
+        _, _, vpp, microbatches, split = sizes
+        dispatcher = lo.dispatcher if moe else "alltoall"
+        a2a_overlap = lo.moe_a2a_overlap and moe
         # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
         # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.
         block_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
                      lo.cuda_graph)
         stage_key = (*block_key, lo.pp, vpp, split)
         # Everything once_per_step reads: the sizes that set the groups and their links, the pipeline (its stages'
-        # parameters), the micro-batches and the DP-side options. A layout's TimeInputs are built only on a miss.
+        # parameters), the micro-batches and the DP-side options.
         once_key = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp, vpp, split, lo.mbs, shape.sp, lo.precision,
                     microbatches, lo.distributed_optimizer, lo.fsdp)
         stage = self._slowest.get(stage_key)
         once = self._once.get(once_key)
-        if stage is None or once is None or lo.offload_layers:
-            inputs, links = self._time_inputs(lo, shape, layer_activation_bytes)
-            device, constants = self._device, self.constants
+        if stage is None or once is None or lo.offload_layers:  # the layout's TimeInputs, only on a miss
+            model, constants, device = self.model, self.constants, self._device
+            spans = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
+            links = self._links.get(spans)
+            if links is None:
+                links = self._links[spans] = _links(lo, self.cluster, constants.comm_efficiency,
+                                                    constants.link_latency_us)
+            inputs = TimeInputs(
+                seq_length=self.seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp,
+                cp=lo.cp, dp=sizes.dp, ep=shape.ep, etp=shape.etp, edp=sizes.edp, sp=shape.sp, precision=lo.precision,
+                recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
+                overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
+                cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
+                offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
+                fp8_recipe=shape.fp8_recipe,  # RunSettings.recipe of the precision on this cluster's device
+            )
             if stage is None:
                 blocks = self._blocks.get(block_key)
                 if blocks is None:
@@ -625,26 +651,6 @@ class Estimator:
         if self.host_cores and lo.world_size > self.host_cores:
             terms = terms.scaled(lo.world_size / self.host_cores)
         return terms
-
-    def _time_inputs(self, lo: Layout, shape: ActivationShape, layer_activation_bytes: float,
-                     ) -> tuple[TimeInputs, Links]:
-        """What the step-time functions read of ``lo``, and its links."""
-        model, cluster, constants = self.model, self.cluster, self.constants
-        sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
-        links = self._links.get(sizes)
-        if links is None:
-            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency, constants.link_latency_us)
-        inputs = TimeInputs(
-            seq_length=self.seq_length, mbs=lo.mbs, num_microbatches=_microbatches(lo), tp=lo.tp, pp=lo.pp,
-            vpp=lo.vpp if lo.pp > 1 else 1, cp=lo.cp, dp=lo.dp, ep=shape.ep, etp=shape.etp, edp=lo.edp, sp=shape.sp,
-            precision=lo.precision, recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer,
-            split=lo.split, overlap_grad_reduce=self.run.overlaps_grad_reduce,
-            dispatcher=lo.dispatcher if model.is_moe else "alltoall", a2a_overlap=lo.moe_a2a_overlap and model.is_moe,
-            cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
-            offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
-            fp8_recipe=self.run.recipe(lo.precision, cluster.compute_capability),
-        )
-        return inputs, links
 
 
 P = ParamSpec("P")
