@@ -128,6 +128,10 @@ _NOT_GIB = ("pipeline_rank", "in_flight_microbatches")
 _NOT_ALLOCATED = (*_NOT_GIB, "fragmentation", "non_torch")  # and the parts outside allocated memory
 
 
+# Everything non_torch_gib reads of a layout: the sizes of its groups follow from these.
+NON_TORCH_SIZES = attrgetter("world_size", "tp", "pp", "cp", "ep", "etp")
+
+
 def _nccl_groups(layout: Layout) -> int:
     """Process groups with more than one rank that this rank communicates in (world group included)."""
     sizes = (layout.tp, layout.pp, layout.cp, layout.dp * layout.cp, layout.ep, layout.etp, layout.edp)
@@ -340,12 +344,13 @@ class _Stages:
         each with its memo key. The activations' key holds the parameters' fields: its entry keeps them too."""
         vpp, split = sizes.vpp, sizes.split
         ep, etp = (lo.ep, lo.etp) if self._moe else (1, 1)
-        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
-        acts_key = (*shape_axes, lo.pp, vpp, split)
+        # The shape's axes (the dispatcher field as given: a finer key than Layout.dispatcher), then the pipeline's.
+        acts_key = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.moe_token_dispatcher,
+                    lo.cuda_graph, lo.pp, vpp, split)
         kept = self._activations.get(acts_key)
         if kept is None:
             model = self.model
-            shape, per_layer, stages = self._shape(lo, shape_axes)
+            shape, per_layer, stages = self._shape(lo, acts_key[:10])
             params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
             params = self._params.get(params_key)
             if params is None:
@@ -410,12 +415,13 @@ def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[S
     activations, transient, logits)``, the last three in GiB times the calibrated activation factor ``f``. Reads of
     ``lo`` PP, VPP, the A2A overlap and offload."""
     vpp = lo.vpp if lo.pp > 1 else 1
+    a2a_overlap = lo.moe_a2a_overlap and model.is_moe
     out = []
     for rank, a in enumerate(acts):
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         activations = a.per_microbatch * in_flight
         per_layer = a.per_microbatch / max(a.layers, 1)
-        if lo.moe_a2a_overlap and model.is_moe:
+        if a2a_overlap:
             # Megatron's combined 1F1B pairs each layer's forward of the next micro-batch with a layer's backward of
             # this one: the backward frees a layer as the forward builds one, so the peak holds one layer more.
             activations += per_layer
@@ -604,15 +610,12 @@ class Estimator:
                     layer_activation_bytes: float) -> StepTerms:
         """The layout's step time as uncalibrated terms (of the stages it reads their parameters and, for
         offloading, the first stage's layer's activations, which no calibration factor changes)."""
-        moe = self._moe
         _, _, vpp, microbatches, split = sizes
-        dispatcher = lo.dispatcher if moe else "alltoall"
-        a2a_overlap = lo.moe_a2a_overlap and moe
-        # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
-        # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.
-        block_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
-                     lo.cuda_graph)
-        stage_key = (*block_key, lo.pp, vpp, split)
+        # Everything block_seconds reads (its first eleven): the sizes within a stage (and so their links), the
+        # precision, recompute and the MoE and CUDA-graph knobs (as given: finer than what it reads of them for a
+        # dense model); slowest_stage also the pipeline and its split. Neither reads the DP side.
+        stage_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, lo.moe_token_dispatcher,
+                     lo.moe_a2a_overlap, lo.cuda_graph, lo.pp, vpp, split)
         # Everything once_per_step reads: the sizes that set the groups and their links, the pipeline (its stages'
         # parameters), the micro-batches and the DP-side options.
         once_key = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp, vpp, split, lo.mbs, shape.sp, lo.precision,
@@ -620,7 +623,7 @@ class Estimator:
         stage = self._slowest.get(stage_key)
         once = self._once.get(once_key)
         if stage is None or once is None or lo.offload_layers:  # the layout's TimeInputs, only on a miss
-            model, constants, device = self.model, self.constants, self._device
+            model, constants, device, moe = self.model, self.constants, self._device, self._moe
             spans = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
             links = self._links.get(spans)
             if links is None:
@@ -630,15 +633,16 @@ class Estimator:
                 seq_length=self.seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp,
                 cp=lo.cp, dp=sizes.dp, ep=shape.ep, etp=shape.etp, edp=sizes.edp, sp=shape.sp, precision=lo.precision,
                 recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
-                overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
+                overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=lo.dispatcher if moe else "alltoall",
+                a2a_overlap=lo.moe_a2a_overlap and moe,
                 cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
                 offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
                 fp8_recipe=shape.fp8_recipe,  # RunSettings.recipe of the precision on this cluster's device
             )
             if stage is None:
-                blocks = self._blocks.get(block_key)
+                blocks = self._blocks.get(stage_key[:11])
                 if blocks is None:
-                    blocks = self._blocks[block_key] = block_seconds(model, inputs, device, links, constants), {}
+                    blocks = self._blocks[stage_key[:11]] = block_seconds(model, inputs, device, links, constants), {}
                 stage = self._slowest[stage_key] = slowest_stage(
                     model, inputs, self._stages.pipeline(lo, vpp, split), device, links, constants, *blocks)
             if once is None:

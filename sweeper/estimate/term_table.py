@@ -21,11 +21,12 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
 from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, STEP_KEYS, Calibration
-from sweeper.estimate.estimator import PARTS, Estimate, Estimator, non_torch_gib
+from sweeper.estimate.estimator import NON_TORCH_SIZES, PARTS, Estimate, Estimator, non_torch_gib
 from sweeper.estimate.step_time import PP_BUBBLE, StepTerms
 from sweeper.space.layout import Layout
 
@@ -33,6 +34,7 @@ _STATE_COLS = [PARTS.index(k) for k in STATE_KEYS]
 _DYNAMIC_COLS = [PARTS.index(k) for k in DYNAMIC_KEYS]
 _STEP_COLS = [PARTS.index(k) for k in STEP_KEYS]
 _SCALED_BY_STATE = frozenset((*STATE_KEYS, *STEP_KEYS))  # the rest scale with the activation factor
+_T = TypeVar("_T")
 
 
 def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
@@ -54,39 +56,52 @@ def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
     return order
 
 
+def _distinct(items: Sequence[_T]) -> tuple[list[_T], np.ndarray]:
+    """The distinct objects of ``items`` by identity, first seen first, and each item's index among them: the
+    estimator's memos share their values among layouts, so each is read once."""
+    seen: dict[int, int] = {}
+    index = [seen.setdefault(id(x), len(seen)) for x in items]
+    return list({id(x): x for x in items}.values()), np.array(index, dtype=np.intp)
+
+
 def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndarray]:
-    # The layouts of a space share their term dicts (the estimator's memos: a few per pipeline stage's shape) and
-    # name a handful of distinct term lists: each distinct dict is read once, the rows of each list filled at once.
-    unique: dict[int, int] = {}  # row of each distinct dict (by identity) in ``distinct``
-    distinct: list[dict[str, float]] = []
-    for d in dicts:
-        if id(d) not in unique:
-            unique[id(d)] = len(distinct)
-            distinct.append(d)
+    # The distinct dicts of a space (a few per pipeline stage's shape) name a handful of distinct term lists: the rows
+    # of each list are filled at once.
+    distinct, index = _distinct(dicts)
     rows_of: dict[tuple[str, ...], list[int]] = {}
     for i, d in enumerate(distinct):
         rows_of.setdefault(tuple(d), []).append(i)
     columns = _column_order(list(rows_of))
-    index = {t: j for j, t in enumerate(columns)}
+    column = {t: j for j, t in enumerate(columns)}
     matrix = np.zeros((len(distinct), len(columns)))
     for names, rows in rows_of.items():
         if names:
-            matrix[np.ix_(rows, [index[t] for t in names])] = [list(distinct[i].values()) for i in rows]
-    return columns, matrix[np.array([unique[id(d)] for d in dicts], dtype=np.intp)]
+            matrix[np.ix_(rows, [column[t] for t in names])] = [list(distinct[i].values()) for i in rows]
+    return columns, matrix[index]
 
 
 def _stage_rows(blocks: Sequence[tuple[tuple[float, ...], ...]], width: int, owner: np.ndarray, rank: np.ndarray,
                 ) -> np.ndarray:
-    """Stage ``rank`` of layout ``owner`` of each row, from ``blocks`` (each layout's rows of ``width`` values, a
-    tuple per stage, shared among layouts by the estimator's memos): each distinct block, by identity, read once."""
-    start: dict[int, int] = {}  # first row of each distinct block in ``rows``
-    rows: list[tuple[float, ...]] = []
-    for block in blocks:
-        if id(block) not in start:
-            start[id(block)] = len(rows)
-            rows += block
-    firsts = np.array([start[id(block)] for block in blocks], dtype=np.intp)
-    return np.array(rows, dtype=float).reshape(len(rows), width)[firsts[owner] + rank]
+    """Stage ``rank`` of layout ``owner`` of each row, from ``blocks``: each layout's rows of ``width`` values, a
+    tuple per stage."""
+    distinct, index = _distinct(blocks)
+    lengths = np.array([len(block) for block in distinct], dtype=np.intp)
+    values = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(distinct)), float,
+                         int(lengths.sum()) * width).reshape(-1, width)
+    return values[(np.cumsum(lengths) - lengths)[index][owner] + rank]
+
+
+def _non_torch(layouts: Sequence[Layout], estimator: Estimator) -> np.ndarray:
+    """``non_torch_gib`` of each layout, worked out once per value of the sizes it reads."""
+    kept: dict[tuple, float] = {}
+    out = []
+    for lo in layouts:
+        key = NON_TORCH_SIZES(lo)
+        value = kept.get(key)
+        if value is None:
+            value = kept[key] = non_torch_gib(lo, estimator.constants)
+        out.append(value)
+    return np.array(out, dtype=float)
 
 
 def _weighted_sum(matrix: np.ndarray, factors: np.ndarray) -> np.ndarray:
@@ -156,7 +171,7 @@ class TermTable:
             band_divisors=(1 + constants.memory_over_prediction, 1 - constants.memory_under_prediction),
             limit_gib=estimator.limit_gib,
             parts=parts, in_flight=dynamic[:, 0].copy(), rank=rank, owner=owner, first_stage=first,
-            non_torch=np.array([non_torch_gib(lo, constants) for lo in layouts]),
+            non_torch=_non_torch(layouts, estimator),
             stage_terms=tuple(stage_names), stage_matrix=stage_matrix, step_terms_names=tuple(step_names),
             step_matrix=step_matrix, microbatches=np.array([t.microbatches for t in terms], dtype=float),
             bubble_slots=np.array([t.bubble_slots for t in terms]),
