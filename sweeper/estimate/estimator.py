@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import attrgetter
-from typing import Any, Concatenate, ParamSpec, cast
+from typing import Any, Concatenate, NamedTuple, ParamSpec, cast
 
 import numpy as np
 
@@ -42,22 +42,30 @@ from sweeper.estimate.calibration import STATE_KEYS, STEP_KEYS, Calibration, dyn
 from sweeper.estimate.devices import device_for
 from sweeper.estimate.memory import (
     ActivationShape,
+    LayerActivations,
+    PipelineStages,
     StageActivations,
     StageParams,
+    StageRole,
     StateBytes,
     in_flight_microbatches,
+    layer_activations,
     model_state_bytes,
+    pipeline_stages,
     stage_activations,
     stage_params,
 )
 from sweeper.estimate.rounding import rounded
 from sweeper.estimate.step_time import (
+    OFFLOAD,
     Links,
     StepTerms,
     TimeInputs,
     block_seconds,
     ep_ranks_per_node,
     group_bandwidth,
+    offload_seconds,
+    once_per_step,
     slowest_stage,
     step_time,
 )
@@ -155,6 +163,10 @@ _NOT_GIB = ("pipeline_rank", "in_flight_microbatches")
 _NOT_ALLOCATED = (*_NOT_GIB, "fragmentation", "non_torch")  # and the parts outside allocated memory
 
 
+# Everything non_torch_gib reads of a layout: the sizes of its groups follow from these.
+NON_TORCH_SIZES = attrgetter("world_size", "tp", "pp", "cp", "ep", "etp")
+
+
 def _nccl_groups(layout: Layout) -> int:
     """Process groups with more than one rank that this rank communicates in (world group included)."""
     sizes = (layout.tp, layout.pp, layout.cp, layout.dp * layout.cp, layout.ep, layout.etp, layout.edp)
@@ -236,23 +248,33 @@ class StageMemory:
         return self.state_gib + fragmentation * self.dynamic_gib
 
 
-def _check_divisible(layout: Layout, seq_length: int) -> None:
-    lo = layout
-    if lo.dp == 0:
-        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
-    if lo.edp == 0:
-        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
-    if seq_length % lo.cp:
-        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
-
-
 # Layout.split's fields: memo keys hold them as a plain tuple, which hashes faster than the PipelineSplit.
 _split_fields = attrgetter("first_stage_layers", "last_stage_layers", "account_for_embedding", "account_for_loss",
                            "pipeline_layout")
 
 
-def _microbatches(layout: Layout) -> int:
-    return layout.num_microbatches or max(1, layout.gbs // max(1, layout.mbs * layout.dp))
+class _Sizes(NamedTuple):
+    """What the memo keys read of a layout besides its fields, worked out once per layout (``_checked``)."""
+
+    dp: int
+    edp: int
+    vpp: int  # as the pipeline runs it: 1 without one
+    microbatches: int
+    split: tuple  # _split_fields
+
+
+def _checked(layout: Layout, seq_length: int) -> _Sizes:
+    """``layout``'s derived sizes; ValueError where they do not divide."""
+    lo = layout
+    dp, edp = lo.dp, lo.edp
+    if dp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by TP*PP*CP = {lo.model_parallel}")
+    if edp == 0:
+        raise ValueError(f"world size {lo.world_size} is not divisible by ETP*EP*PP = {lo.etp * lo.ep * lo.pp}")
+    if seq_length % lo.cp:
+        raise ValueError(f"seq_length {seq_length} is not divisible by CP {lo.cp}")
+    # Micro-batches: Layout.num_microbatches where the global batch divides, as many as fit otherwise (one at least).
+    return _Sizes(dp, edp, lo.vpp if lo.pp > 1 else 1, max(1, lo.gbs // (lo.mbs * dp)), _split_fields(lo))
 
 
 def _activation_shape(
@@ -282,8 +304,8 @@ def stage_memory(
 ) -> tuple[StageMemory, ...]:
     """Predicted allocated memory of one rank of every pipeline stage (index = pipeline rank).
     ``compute_capability`` (e.g. "9.0") decides TE's FP8 weight copies; None is a Hopper-like device."""
-    _check_divisible(layout, seq_length)
-    return _Stages(model, seq_length, constants, calibration, compute_capability, run)(layout)[1]
+    sizes = _checked(layout, seq_length)
+    return _Stages(model, seq_length, constants, calibration, compute_capability, run)(layout, sizes)[1]
 
 
 class _Stages:
@@ -298,29 +320,34 @@ class _Stages:
         self.model, self.seq_length, self.constants, self.run = model, seq_length, constants, run
         self.calibration, self.compute_capability = calibration, compute_capability
         self._factors = calibration or Calibration()  # the memory factors (1.0 when uncalibrated)
+        self._moe = model.is_moe
         self._params: dict[tuple, tuple[StageParams, ...]] = {}  # by (tp, pp, vpp, ep, etp, split fields)
         self._states: dict[tuple, tuple[StateBytes, ...]] = {}  # by those, precision, distributed optimizer, shards
-        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...]]] = {}
-        self._stage_activations: dict[tuple, dict[tuple, StageActivations]] = {}  # stage_activations' stages by shape
+        # by the shape's axes and the pipeline: the shape, its stages' activations, and their parameters with their key
+        self._activations: dict[tuple, tuple[ActivationShape, tuple[StageActivations, ...], tuple,
+                                             tuple[StageParams, ...]]] = {}
+        # By the shape's axes: the shape, one layer's activations of each kind and stage_activations' stages by role.
+        self._shapes: dict[tuple, tuple[ActivationShape, LayerActivations, dict[StageRole, StageActivations]]] = {}
+        self._pipelines: dict[tuple, PipelineStages] = {}  # by (PP, VPP, split fields)
         # Under this calibration's factors: the state parts by states key; the dynamic ones (``_dynamic_rows``) by
         # activations key, micro-batches, A2A overlap and offload. Layouts of other world sizes share both halves.
         self._state_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
         self._dynamic_rows: dict[tuple, tuple[tuple[float, ...], ...]] = {}
 
-    def __call__(self, lo: Layout) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
-        """The activation shape of ``lo`` (its sizes divide: ``_check_divisible``) and its stages' memory."""
-        shape, params, state_rows, dynamic_rows = self.rows(lo)
+    def __call__(self, lo: Layout, sizes: _Sizes) -> tuple[ActivationShape, tuple[StageMemory, ...]]:
+        """The activation shape of ``lo`` (of ``sizes``, ``_checked``'s) and its stages' memory."""
+        shape, params, state_rows, dynamic_rows = self.rows(lo, sizes)
         return shape, tuple(StageMemory(dict(zip(PARTS, (*state, *dynamic[2:]))), dynamic[0], p, dynamic[1])
                             for p, state, dynamic in zip(params, state_rows, dynamic_rows))
 
-    def rows(self, lo: Layout) -> tuple[ActivationShape, tuple[StageParams, ...], tuple[tuple[float, ...], ...],
-                                        tuple[tuple[float, ...], ...]]:
+    def rows(self, lo: Layout, sizes: _Sizes) -> tuple[ActivationShape, tuple[StageParams, ...],
+                                                       tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
         """``__call__``'s stages as plain rows: per stage its parameters, its model-state parts (``PARTS``' first
         six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes, activations, transient, logits
         in GiB)``."""
         model, constants = self.model, self.constants
-        acts_key, shape, acts, params_key, params = self._shape_and_params(lo)
-        states_key = (*params_key, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, lo.fsdp)
+        acts_key, shape, acts, params_key, params = self._shape_and_params(lo, sizes)
+        states_key = (*params_key, lo.precision, lo.distributed_optimizer, sizes.dp * lo.cp, sizes.edp, lo.fsdp)
         state_rows = self._state_rows.get(states_key)
         if state_rows is None:
             states = self._states.get(states_key)
@@ -328,7 +355,7 @@ class _Stages:
                 states = self._states[states_key] = _stage_states(params, lo, constants, self.compute_capability,
                                                                   self.run)
             state_rows = self._state_rows[states_key] = _state_rows(states, constants, self._factors.state_factor)
-        microbatches = _microbatches(lo)
+        microbatches = sizes.microbatches
         dynamic_key = (acts_key, microbatches, lo.moe_a2a_overlap, lo.offload_layers)
         dynamic_rows = self._dynamic_rows.get(dynamic_key)
         if dynamic_rows is None:
@@ -336,46 +363,61 @@ class _Stages:
                 model, lo, microbatches, acts, self._factors.activation_factor)
         return shape, params, state_rows, dynamic_rows
 
-    def step_inputs(self, lo: Layout) -> tuple[ActivationShape, tuple[StageParams, ...], float]:
+    def step_inputs(self, lo: Layout, sizes: _Sizes) -> tuple[ActivationShape, tuple[StageParams, ...], float]:
         """What the step time reads of the stages: the activation shape, each stage's parameters and, for
         offloading, the first stage's layer's activations in bytes (``rows`` without the memory parts)."""
         if lo.offload_layers:
-            shape, params, _, dynamic_rows = self.rows(lo)
+            shape, params, _, dynamic_rows = self.rows(lo, sizes)
             return shape, params, dynamic_rows[0][1]
-        _, shape, _, _, params = self._shape_and_params(lo)
+        _, shape, _, _, params = self._shape_and_params(lo, sizes)
         return shape, params, 0.0
 
-    def _shape_and_params(self, lo: Layout) -> tuple[tuple, ActivationShape, tuple[StageActivations, ...], tuple,
-                                                      tuple[StageParams, ...]]:
+    def _shape_and_params(self, lo: Layout, sizes: _Sizes) -> tuple[tuple, ActivationShape,
+                                                                    tuple[StageActivations, ...], tuple,
+                                                                    tuple[StageParams, ...]]:
         """The layout's activation shape and its stages' activations per micro-batch, and its stages' parameters,
-        each with its memo key."""
-        model = self.model
-        vpp = lo.vpp if lo.pp > 1 else 1
-        split = _split_fields(lo)
-        ep, etp = (lo.ep, lo.etp) if model.is_moe else (1, 1)
-        shape_axes = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.dispatcher, lo.cuda_graph)
-        acts_key = (*shape_axes, lo.pp, vpp, split)
+        each with its memo key. The activations' key holds the parameters' fields: its entry keeps them too."""
+        vpp, split = sizes.vpp, sizes.split
+        ep, etp = (lo.ep, lo.etp) if self._moe else (1, 1)
+        # The shape's axes (the dispatcher field as given: a finer key than Layout.dispatcher), then the pipeline's.
+        acts_key = (lo.mbs, lo.tp, lo.sp, lo.cp, ep, etp, lo.precision, lo.recompute, lo.moe_token_dispatcher,
+                    lo.cuda_graph, lo.pp, vpp, split)
         kept = self._activations.get(acts_key)
         if kept is None:
-            shape = _activation_shape(model, lo, self.seq_length, self.constants, self.calibration,
+            model = self.model
+            shape, per_layer, stages = self._shape(lo, acts_key[:10])
+            params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
+            params = self._params.get(params_key)
+            if params is None:
+                params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
+            kept = self._activations[acts_key] = shape, stage_activations(
+                model, shape, per_layer, self.pipeline(lo, vpp, split), self.constants, stages), params_key, params
+        return acts_key, *kept
+
+    def _shape(self, lo: Layout, shape_axes: tuple,
+               ) -> tuple[ActivationShape, LayerActivations, dict[StageRole, StageActivations]]:
+        kept = self._shapes.get(shape_axes)
+        if kept is None:
+            shape = _activation_shape(self.model, lo, self.seq_length, self.constants, self.calibration,
                                       self.run.recipe(lo.precision, self.compute_capability))
-            stages = self._stage_activations.setdefault(shape_axes, {})
-            kept = self._activations[acts_key] = shape, stage_activations(model, shape, lo.pp, vpp, lo.split,
-                                                                          self.constants, stages)
-        params_key = (lo.tp, lo.pp, vpp, ep, etp, split)
-        params = self._params.get(params_key)
-        if params is None:
-            params = self._params[params_key] = stage_params(model, lo.tp, lo.pp, vpp, ep, etp, split=lo.split)
-        return acts_key, kept[0], kept[1], params_key, params
+            kept = self._shapes[shape_axes] = shape, layer_activations(self.model, shape, self.constants), {}
+        return kept
+
+    def pipeline(self, lo: Layout, vpp: int, split: tuple) -> PipelineStages:
+        """The stages of ``lo``'s pipeline (``vpp``: its VPP, 1 without a pipeline; ``split``: ``_split_fields``)."""
+        kept = self._pipelines.get((lo.pp, vpp, split))
+        if kept is None:
+            kept = self._pipelines[lo.pp, vpp, split] = pipeline_stages(self.model, lo.pp, vpp, lo.split)
+        return kept
 
     def recalibrated(self, calibration: Calibration | None) -> _Stages:
         """The same stages under another calibration, keeping what it does not change: the parameters and model
         state always (the factors scale them when combined), the activations while the MoE hot-rank factor, which
         sizes them, is the same."""
         other = _Stages(self.model, self.seq_length, self.constants, calibration, self.compute_capability, self.run)
-        other._params, other._states = self._params, self._states
+        other._params, other._states, other._pipelines = self._params, self._states, self._pipelines
         if _hot_rank(self.calibration) == _hot_rank(calibration):
-            other._activations, other._stage_activations = self._activations, self._stage_activations
+            other._activations, other._shapes = self._activations, self._shapes
         return other
 
 
@@ -408,12 +450,13 @@ def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[S
     activations, transient, logits)``, the last three in GiB times the calibrated activation factor ``f``. Reads of
     ``lo`` PP, VPP, the A2A overlap and offload."""
     vpp = lo.vpp if lo.pp > 1 else 1
+    a2a_overlap = lo.moe_a2a_overlap and model.is_moe
     out = []
     for rank, a in enumerate(acts):
         in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
         activations = a.per_microbatch * in_flight
         per_layer = a.per_microbatch / max(a.layers, 1)
-        if lo.moe_a2a_overlap and model.is_moe:
+        if a2a_overlap:
             # Megatron's combined 1F1B pairs each layer's forward of the next micro-batch with a layer's backward of
             # this one: the backward frees a layer as the forward builds one, so the peak holds one layer more.
             activations += per_layer
@@ -468,19 +511,21 @@ class Estimator:
         # block_seconds and slowest_stage's stages of those blocks (its ``stages``), by the fields block_seconds reads
         self._blocks: dict[tuple, _Blocks]
         self._slowest: dict[tuple, dict[str, float]]  # slowest_stage, by the fields it reads
+        self._once: dict[tuple, dict[str, float]]  # once_per_step, by the fields it reads
         # step_terms by layout: a plan's production layouts repeat (every world size of a layout's family scales to
         # the same production layout). Uncalibrated, they depend on a calibration only through the MoE hot-rank
         # factor (an offloaded layer's activations): estimators of other calibrations share them otherwise.
         self._step_terms_of: dict[Layout, StepTerms]
         if kept is None:
             self._stages = _Stages(model, seq_length, constants, calibration, cluster.compute_capability, run)
-            self._links, self._blocks, self._slowest = {}, {}, {}
+            self._links, self._blocks, self._slowest, self._once = {}, {}, {}, {}
             self._step_terms_of = {}
         else:  # the same space under another calibration (``recalibrated``)
-            stages, self._links, self._blocks, self._slowest, step_terms_of = kept.memos()
+            stages, self._links, self._blocks, self._slowest, self._once, step_terms_of = kept.memos()
             self._stages = stages.recalibrated(calibration)
             self._step_terms_of = step_terms_of if _hot_rank(kept.calibration) == _hot_rank(calibration) else {}
         self._factor = (calibration or Calibration()).step_factor  # a step-time term's calibrated efficiency factor
+        self._moe = model.is_moe
         self._unit: _Stages | None = None  # the stages at memory factors 1 (unit_stages)
 
     @classmethod
@@ -524,15 +569,15 @@ class Estimator:
         return effective_hot_rank(self.constants, calibration)
 
     def memos(self) -> tuple[_Stages, dict[tuple, Links], dict[tuple, _Blocks], dict[tuple, dict[str, float]],
-                             dict[Layout, StepTerms]]:
-        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks' and slowest stages' terms, and each
-        layout's step terms (``step_terms``) while the MoE hot-rank factor is the same."""
-        return self._stages, self._links, self._blocks, self._slowest, self._step_terms_of
+                             dict[tuple, dict[str, float]], dict[Layout, StepTerms]]:
+        """What ``recalibrated`` keeps: the stages' memos, the links, the blocks', slowest stages' and once-per-step
+        terms, and each layout's step terms (``step_terms``) while the MoE hot-rank factor is the same."""
+        return self._stages, self._links, self._blocks, self._slowest, self._once, self._step_terms_of
 
     def __call__(self, layout: Layout) -> Estimate:
         lo, constants, calibration, seq_length = layout, self.constants, self.calibration, self.seq_length
-        _check_divisible(lo, seq_length)
-        shape, stages = self._stages(lo)
+        sizes = _checked(lo, seq_length)
+        shape, stages = self._stages(lo, sizes)
         non_torch = non_torch_gib(lo, constants)
 
         worst: dict[str, float] = {}
@@ -552,7 +597,8 @@ class Estimator:
                     "in_flight_microbatches": stage.in_flight_microbatches,
                 }
 
-        terms = self._step_terms(lo, shape, tuple(st.params for st in stages), stages[0].layer_activation_bytes)
+        terms = self._step_terms(lo, sizes, shape, tuple(st.params for st in stages),
+                                 stages[0].layer_activation_bytes)
         seconds = terms.seconds(self._factor)
         tokens = lo.gbs * seq_length
         band = memory_band(worst_reserved, constants)
@@ -574,62 +620,73 @@ class Estimator:
         trial's, ``objective.extra_step_s``, for every layout of a plan; the refit's own factors)."""
         kept = self._step_terms_of.get(layout)
         if kept is None:
-            _check_divisible(layout, self.seq_length)
-            shape, params, layer_activation_bytes = self._stages.step_inputs(layout)
-            kept = self._step_terms_of[layout] = self._step_terms(layout, shape, params, layer_activation_bytes)
+            sizes = _checked(layout, self.seq_length)
+            shape, params, layer_activation_bytes = self._stages.step_inputs(layout, sizes)
+            kept = self._step_terms_of[layout] = self._step_terms(layout, sizes, shape, params, layer_activation_bytes)
         return kept
 
     def step_time_s(self, layout: Layout) -> float:
         """``self(layout).step_time_s`` without the memory verdict."""
         return self.step_terms(layout).seconds(self._factor)
 
-    def terms(self, layout: Layout) -> tuple[list[tuple[float, ...]], list[float], StepTerms]:
-        """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's
-        ``PARTS`` (GiB) and micro-batches in flight, and its uncalibrated step terms."""
-        _check_divisible(layout, self.seq_length)
+    def terms(self, layout: Layout) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...], StepTerms]:
+        """What a calibration scales (``term_table``): ``layout``'s stages at memory factors 1, as each stage's model
+        state (``PARTS``' first six, GiB) and ``(in-flight micro-batches, one layer's activations in bytes,
+        activations, transient, logits in GiB)`` (``_Stages.rows``), and its uncalibrated step terms. The rows are
+        the memos' own, shared by the layouts that share them: the caller must not change them."""
+        sizes = _checked(layout, self.seq_length)
         if self._unit is None:
             hot = self.calibration.moe_hot_rank_factor if self.calibration else None
             self._unit = self._stages.recalibrated(Calibration(moe_hot_rank_factor=hot))
-        shape, params, state_rows, dynamic_rows = self._unit.rows(layout)
-        parts = [state + dynamic[2:] for state, dynamic in zip(state_rows, dynamic_rows)]
-        in_flight = [dynamic[0] for dynamic in dynamic_rows]
-        return parts, in_flight, self._step_terms(layout, shape, params, dynamic_rows[0][1])
+        shape, params, state_rows, dynamic_rows = self._unit.rows(layout, sizes)
+        return state_rows, dynamic_rows, self._step_terms(layout, sizes, shape, params, dynamic_rows[0][1])
 
-    def _step_terms(self, lo: Layout, shape: ActivationShape, params: tuple[StageParams, ...],
+    def _step_terms(self, lo: Layout, sizes: _Sizes, shape: ActivationShape, params: tuple[StageParams, ...],
                     layer_activation_bytes: float) -> StepTerms:
         """The layout's step time as uncalibrated terms (of the stages it reads their parameters and, for
         offloading, the first stage's layer's activations, which no calibration factor changes)."""
-        model, cluster, constants, seq_length = self.model, self.cluster, self.constants, self.seq_length
-        ep, etp = shape.ep, shape.etp
-        vpp = lo.vpp if lo.pp > 1 else 1
-        sizes = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
-        links = self._links.get(sizes)
-        if links is None:
-            links = self._links[sizes] = _links(lo, cluster, constants.comm_efficiency, constants.link_latency_us)
-        dispatcher = lo.dispatcher if model.is_moe else "alltoall"
-        a2a_overlap = lo.moe_a2a_overlap and model.is_moe
-        inputs = TimeInputs(
-            seq_length=seq_length, mbs=lo.mbs, num_microbatches=_microbatches(lo), tp=lo.tp, pp=lo.pp, vpp=vpp,
-            cp=lo.cp, dp=lo.dp, ep=ep, etp=etp, edp=lo.edp, sp=shape.sp, precision=lo.precision,
-            recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
-            overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=dispatcher, a2a_overlap=a2a_overlap,
-            cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
-            offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
-            fp8_recipe=self.run.recipe(lo.precision, cluster.compute_capability),
-        )
-        # Everything block_seconds reads: the sizes within a stage (and so their links), the precision, recompute and
-        # the MoE and CUDA-graph knobs; slowest_stage also the pipeline and its split. Neither reads the DP side.
-        block_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, dispatcher, a2a_overlap,
-                     lo.cuda_graph)
-        stage_key = (*block_key, lo.pp, vpp, _split_fields(lo))
-        slowest = self._slowest.get(stage_key)
-        if slowest is None:
-            blocks = self._blocks.get(block_key)
-            if blocks is None:
-                blocks = self._blocks[block_key] = block_seconds(model, inputs, self._device, links, constants), {}
-            slowest = self._slowest[stage_key] = slowest_stage(model, inputs, self._device, links, constants, *blocks)
-        terms = step_time(model, inputs, self._device, links, tuple(p.dense for p in params),
-                          tuple(p.expert for p in params), constants, slowest)
+        _, _, vpp, microbatches, split = sizes
+        # Everything block_seconds reads (its first eleven): the sizes within a stage (and so their links), the
+        # precision, recompute and the MoE and CUDA-graph knobs (as given: finer than what it reads of them for a
+        # dense model); slowest_stage also the pipeline and its split. Neither reads the DP side.
+        stage_key = (lo.mbs, lo.tp, lo.cp, lo.ep, lo.etp, shape.sp, lo.precision, lo.recompute, lo.moe_token_dispatcher,
+                     lo.moe_a2a_overlap, lo.cuda_graph, lo.pp, vpp, split)
+        # Everything once_per_step reads: the sizes that set the groups and their links, the pipeline (its stages'
+        # parameters), the micro-batches and the DP-side options.
+        once_key = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp, vpp, split, lo.mbs, shape.sp, lo.precision,
+                    microbatches, lo.distributed_optimizer, lo.fsdp)
+        stage = self._slowest.get(stage_key)
+        once = self._once.get(once_key)
+        if stage is None or once is None or lo.offload_layers:  # the layout's TimeInputs, only on a miss
+            model, constants, device, moe = self.model, self.constants, self._device, self._moe
+            spans = (lo.world_size, lo.tp, lo.pp, lo.cp, lo.ep, lo.etp)  # all _links reads (DP and EDP follow)
+            links = self._links.get(spans)
+            if links is None:
+                links = self._links[spans] = _links(lo, self.cluster, constants.comm_efficiency,
+                                                    constants.link_latency_us)
+            inputs = TimeInputs(
+                seq_length=self.seq_length, mbs=lo.mbs, num_microbatches=microbatches, tp=lo.tp, pp=lo.pp, vpp=vpp,
+                cp=lo.cp, dp=sizes.dp, ep=shape.ep, etp=shape.etp, edp=sizes.edp, sp=shape.sp, precision=lo.precision,
+                recompute=lo.recompute, distributed_optimizer=lo.distributed_optimizer, split=lo.split,
+                overlap_grad_reduce=self.run.overlaps_grad_reduce, dispatcher=lo.dispatcher if moe else "alltoall",
+                a2a_overlap=lo.moe_a2a_overlap and moe,
+                cuda_graph=lo.cuda_graph, offload_layers=lo.offload_layers, fsdp=lo.fsdp,
+                offload_bytes_per_layer=layer_activation_bytes if lo.offload_layers else 0.0,
+                fp8_recipe=shape.fp8_recipe,  # RunSettings.recipe of the precision on this cluster's device
+            )
+            if stage is None:
+                blocks = self._blocks.get(stage_key[:11])
+                if blocks is None:
+                    blocks = self._blocks[stage_key[:11]] = block_seconds(model, inputs, device, links, constants), {}
+                stage = self._slowest[stage_key] = slowest_stage(
+                    model, inputs, self._stages.pipeline(lo, vpp, split), device, links, constants, *blocks)
+            if once is None:
+                once = self._once[once_key] = once_per_step(
+                    model, inputs, device, links, max(p.dense for p in params), max(p.expert for p in params),
+                    constants)
+            if lo.offload_layers:
+                stage = {**stage, OFFLOAD: offload_seconds(model, inputs, links, stage)}
+        terms = step_time(stage, microbatches, lo.pp, vpp, once)
         if self.host_cores and lo.world_size > self.host_cores:
             terms = terms.scaled(lo.world_size / self.host_cores)
         return terms

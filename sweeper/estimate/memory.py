@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from types import MappingProxyType
+from typing import TypeVar
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.config.run_settings import RunSettings
@@ -35,7 +36,9 @@ from sweeper.models.params import (
 from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.axes import QUANTIZED, SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
-from sweeper.space.pipeline import mtp_rank, stage_layer_kinds
+from sweeper.space.pipeline import LayerKind, mtp_rank, stage_layer_kinds
+
+T = TypeVar("T")
 
 BF16_BYTES = 2
 FP32_BYTES = 4
@@ -474,32 +477,55 @@ def layer_activations(spec: ModelSpec, s: ActivationShape, constants: EstimatorC
     return LayerActivations(MappingProxyType(blocks), MappingProxyType(rebuilt), layer_input_bytes(spec, s), dispatch)
 
 
+# A pipeline stage as far as its memory and step time go: its layers of each kind (``stage_layer_kinds``), whether it
+# holds the MTP layers, whether it is the last (the output layer).
+StageRole = tuple[tuple[tuple[LayerKind, int], ...], bool, bool]
+
+
+@dataclass(frozen=True)
+class PipelineStages:
+    """A pipeline's stages: the distinct roles, first rank's first, and the one each rank plays. Ranks of one role
+    have the same activations and step time, so each is priced once."""
+
+    roles: tuple[StageRole, ...]
+    of_rank: tuple[int, ...]
+
+    def per_rank(self, per_role: list[T]) -> tuple[T, ...]:
+        """Each rank's value, of ``per_role``: one value per role."""
+        return tuple([per_role[i] for i in self.of_rank])
+
+
+def pipeline_stages(spec: ModelSpec, pp: int, vpp: int, split: PipelineSplit) -> PipelineStages:
+    """The stages of ``spec`` split over ``pp`` ranks of ``vpp`` virtual stages as ``split`` says."""
+    holder = mtp_rank(spec, pp, split)
+    ranks = [(kinds, rank == holder, rank == pp - 1)
+             for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split))]
+    roles = list(dict.fromkeys(ranks))
+    return PipelineStages(tuple(roles), tuple(roles.index(r) for r in ranks))
+
+
 # Not cached here: the Estimator keeps each result per value of the layout fields it depends on, so a cache would
 # only hash the model spec and the shape again on every call.
 def stage_activations(
     spec: ModelSpec,
     s: ActivationShape,
-    pp: int,
-    vpp: int,
-    split: PipelineSplit,
+    per_layer: LayerActivations,
+    pipeline: PipelineStages,
     constants: EstimatorConstants,
-    stages: dict[tuple, StageActivations] | None = None,
+    stages: dict[StageRole, StageActivations] | None = None,
 ) -> tuple[StageActivations, ...]:
-    """Each pipeline rank's activations. ``stages``: each stage's by its layer kinds and whether it holds the MTP
-    layers and the output layer, kept by the caller for every call with the same ``s`` (pipelines of other depths
+    """Each pipeline rank's activations, of ``per_layer``, ``layer_activations(spec, s, constants)``. ``stages``:
+    each stage's by its role, kept by the caller for every call with the same ``s`` (pipelines of other depths
     repeat stages)."""
-    per_layer = layer_activations(spec, s, constants)
     if stages is None:
         stages = {}
-    out = []
-    holder = mtp_rank(spec, pp, split)
-    for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, split=split)):
-        key = (kinds, rank == holder, rank == pp - 1)
-        stage = stages.get(key)
+    per_role = []
+    for role in pipeline.roles:
+        stage = stages.get(role)
         if stage is None:
-            stage = stages[key] = _stage_activations(spec, s, per_layer, constants, *key)
-        out.append(stage)
-    return tuple(out)
+            stage = stages[role] = _stage_activations(spec, s, per_layer, constants, *role)
+        per_role.append(stage)
+    return pipeline.per_rank(per_role)
 
 
 def _stage_activations(spec: ModelSpec, s: ActivationShape, per_layer: LayerActivations,

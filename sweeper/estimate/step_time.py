@@ -18,11 +18,12 @@ from functools import lru_cache
 
 from sweeper.config.estimator import EstimatorConstants
 from sweeper.estimate.devices import Device
+from sweeper.estimate.memory import PipelineStages, StageRole
 from sweeper.models.params import padded_vocab_size
 from sweeper.models.spec import Block, ModelSpec
 from sweeper.space.axes import SCOPE_BLOCK, precision_dtype
 from sweeper.space.layout import PipelineSplit, graphed_scopes, recompute_modules
-from sweeper.space.pipeline import mtp_rank, stage_layer_kinds
+from sweeper.space.pipeline import stage_layer_kinds
 
 GB = 1e9
 TFLOP = 1e12
@@ -383,14 +384,14 @@ def _gemm_widths(spec: ModelSpec, block: str, x: TimeInputs) -> tuple[float, flo
     return float(spec.hidden_size), spec.hidden_size / x.tp
 
 
-def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, constants: EstimatorConstants,
-                  per_block: dict[Block, dict[str, float]] | None = None,
-                  stages: dict[tuple, tuple[dict[str, float], float]] | None = None) -> dict[str, float]:
-    """Seconds per micro-batch of the slowest pipeline stage, by term (compute and recompute after the TP split):
-    its compute and its exposed tensor/context/expert-parallel communication. Reads what ``block_seconds`` reads
-    (``per_block``: its result, when the caller keeps it), PP, VPP and the split: not the data-parallel side, the
-    micro-batch count or offload. ``stages``: each stage's terms and seconds by its layer kinds and heads, kept by
-    the caller for every call with the same ``per_block`` (pipelines of other depths repeat stages)."""
+def slowest_stage(spec: ModelSpec, x: TimeInputs, pipeline: PipelineStages, device: Device, links: Links,
+                  constants: EstimatorConstants, per_block: dict[Block, dict[str, float]] | None = None,
+                  stages: dict[StageRole, tuple[dict[str, float], float]] | None = None) -> dict[str, float]:
+    """Seconds per micro-batch of the slowest stage of ``pipeline`` (``x``'s PP, VPP and split), by term (compute and
+    recompute after the TP split): its compute and its exposed tensor/context/expert-parallel communication. Reads
+    what ``block_seconds`` reads (``per_block``: its result, when the caller keeps it): not the data-parallel side,
+    the micro-batch count or offload. ``stages``: each stage's terms and seconds by its role, kept by the caller for
+    every call with the same ``per_block`` (pipelines of other depths repeat stages)."""
     if per_block is None:
         per_block = block_seconds(spec, x, device, links, constants)
     if stages is None:
@@ -402,12 +403,11 @@ def slowest_stage(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, 
     logits_rate = _rates(x.precision, device, constants)[0]
     slowest: dict[str, float] = {}
     slowest_s = -1.0
-    holder = mtp_rank(spec, x.pp, x.split)
-    for rank, kinds in enumerate(stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)):
-        stage_key = (kinds, rank == x.pp - 1, rank == holder)
-        kept = stages.get(stage_key)
+    for role in pipeline.roles:  # the first rank's first: the first of the slowest ranks wins a tie
+        kept = stages.get(role)
         if kept is None:
-            kept = stages[stage_key] = _stage_seconds(spec, x, per_block, kinds, *stage_key[1:], tokens, logits_rate)
+            kinds, holder, last = role
+            kept = stages[role] = _stage_seconds(spec, x, per_block, kinds, last, holder, tokens, logits_rate)
         stage, seconds = kept
         if seconds > slowest_s:
             slowest, slowest_s = stage, seconds
@@ -438,28 +438,31 @@ def _stage_seconds(spec: ModelSpec, x: TimeInputs, per_block: dict[Block, dict[s
     return stage, sum(stage.values())
 
 
-def step_time(
-    spec: ModelSpec,
-    x: TimeInputs,
-    device: Device,
-    links: Links,
-    stage_dense_params: tuple[int, ...],
-    stage_expert_params: tuple[int, ...],
-    constants: EstimatorConstants,
-    slowest: dict[str, float] | None = None,
-) -> StepTerms:
-    """The terms of one optimizer step (all micro-batches of the global batch); ``.seconds()`` is the step time.
-    ``slowest``: what ``slowest_stage`` gives for the same arguments, when the caller keeps it (the Estimator does,
-    per value of the fields it reads)."""
-    stage = dict(slowest if slowest is not None else slowest_stage(spec, x, device, links, constants))
+def step_time(stage: dict[str, float], microbatches: int, pp: int, vpp: int, once: dict[str, float]) -> StepTerms:
+    """The terms of one optimizer step (all micro-batches of the global batch; ``.seconds()`` is the step time):
+    ``stage``, the slowest stage's (``slowest_stage``, with ``offload_seconds`` where layers are offloaded), run for
+    every micro-batch and the pipeline's fill and drain, and ``once``, ``once_per_step``'s. The result holds both
+    dicts, which its callers keep per value of the fields each reads and never change."""
+    return StepTerms(stage, microbatches, (pp - 1) / vpp, once)
+
+
+def offload_seconds(spec: ModelSpec, x: TimeInputs, links: Links, stage: dict[str, float]) -> float:
+    """Per micro-batch of the slowest stage (its terms ``stage``), the activation offload copies not hidden: each
+    offloaded layer's activations go out in forward and come back in backward, behind the next layer's compute."""
+    layers = max(1, sum(n for _, n in stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)[0]))
+    copy = x.offload_bytes_per_layer / links.host
+    busy = sum(stage.values())
+    return 2 * x.offload_layers * max(0.0, copy - busy / layers)
+
+
+def once_per_step(spec: ModelSpec, x: TimeInputs, device: Device, links: Links, dense: int, expert: int,
+                  constants: EstimatorConstants) -> dict[str, float]:
+    """The terms paid once per step (``StepTerms.step``): pipeline point-to-point, the DP and EDP gradient reduce
+    and parameter gather, the optimizer step; ``dense`` and ``expert``: the largest stage's parameters of each kind.
+    Of ``x`` it reads the micro-batches and their size, PP, VPP, TP, SP, CP, DP, EDP, the precision, the distributed
+    optimizer, FSDP and the grad-reduce overlap; of ``links`` PP, DP and EDP."""
     tokens = x.mbs * x.seq_length / x.cp  # per micro-batch on one CP rank
     act_bytes = 4 if x.precision == "fp32" else 2
-
-    if x.offload_layers:  # each offloaded layer's activations go out in forward and come back in backward
-        layers = max(1, sum(n for _, n in stage_layer_kinds(spec, x.pp, x.vpp, split=x.split)[0]))
-        copy = x.offload_bytes_per_layer / links.host
-        busy = sum(stage.values())
-        stage[OFFLOAD] = 2 * x.offload_layers * max(0.0, copy - busy / layers)  # behind the next layer's compute
     step: dict[str, float] = {}
     if x.pp > 1:
         p2p = tokens * spec.hidden_size * act_bytes / (x.tp if x.sp else 1)
@@ -468,8 +471,6 @@ def step_time(
 
     grad_bytes = 2 if x.precision == "fp16" else 4
     param_bytes = 4 if x.precision == "fp32" else 2
-    dense = max(stage_dense_params)
-    expert = max(stage_expert_params)
     dense_group = x.dp * x.cp
 
     def sharded(nbytes: int) -> tuple[float, float]:  # one reduce-scatter or all-gather of every parameter, DP / EDP
@@ -495,7 +496,7 @@ def step_time(
     if x.distributed_optimizer or x.fsdp:
         sharded_params = dense / max(1, dense_group) + expert / max(1, x.edp)
     step[OPTIMIZER] = sharded_params * OPTIMIZER_BYTES_PER_PARAM / (device.memory_tbs * 1e12)
-    return StepTerms(stage, x.num_microbatches, (x.pp - 1) / x.vpp, step)
+    return step
 
 
 def expert_dispatch(spec: ModelSpec, x: TimeInputs, links: Links, local: float, recomputed: bool,

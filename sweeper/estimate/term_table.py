@@ -22,13 +22,14 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from sweeper.estimate.calibration import DYNAMIC_KEYS, STATE_KEYS, STEP_KEYS, Calibration
 from sweeper.estimate.estimator import (
     GIB_DIGITS,
+    NON_TORCH_SIZES,
     PARTS,
     Estimate,
     Estimator,
@@ -43,6 +44,7 @@ _STATE_COLS = [PARTS.index(k) for k in STATE_KEYS]
 _DYNAMIC_COLS = [PARTS.index(k) for k in DYNAMIC_KEYS]
 _STEP_COLS = [PARTS.index(k) for k in STEP_KEYS]
 _SCALED_BY_STATE = frozenset((*STATE_KEYS, *STEP_KEYS))  # the rest scale with the activation factor
+_T = TypeVar("_T")
 
 
 def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
@@ -64,18 +66,52 @@ def _column_order(names: Sequence[Sequence[str]]) -> list[str]:
     return order
 
 
+def _distinct(items: Sequence[_T]) -> tuple[list[_T], np.ndarray]:
+    """The distinct objects of ``items`` by identity, first seen first, and each item's index among them: the
+    estimator's memos share their values among layouts, so each is read once."""
+    seen: dict[int, int] = {}
+    index = [seen.setdefault(id(x), len(seen)) for x in items]
+    return list({id(x): x for x in items}.values()), np.array(index, dtype=np.intp)
+
+
 def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndarray]:
-    # The layouts of a space name a handful of distinct term lists: the rows of each are filled at once.
+    # The distinct dicts of a space (a few per pipeline stage's shape) name a handful of distinct term lists: the rows
+    # of each list are filled at once.
+    distinct, index = _distinct(dicts)
     rows_of: dict[tuple[str, ...], list[int]] = {}
-    for i, d in enumerate(dicts):
+    for i, d in enumerate(distinct):
         rows_of.setdefault(tuple(d), []).append(i)
     columns = _column_order(list(rows_of))
-    index = {t: j for j, t in enumerate(columns)}
-    matrix = np.zeros((len(dicts), len(columns)))
+    column = {t: j for j, t in enumerate(columns)}
+    matrix = np.zeros((len(distinct), len(columns)))
     for names, rows in rows_of.items():
         if names:
-            matrix[np.ix_(rows, [index[t] for t in names])] = [list(dicts[i].values()) for i in rows]
-    return columns, matrix
+            matrix[np.ix_(rows, [column[t] for t in names])] = [list(distinct[i].values()) for i in rows]
+    return columns, matrix[index]
+
+
+def _stage_rows(blocks: Sequence[tuple[tuple[float, ...], ...]], width: int, owner: np.ndarray, rank: np.ndarray,
+                ) -> np.ndarray:
+    """Stage ``rank`` of layout ``owner`` of each row, from ``blocks``: each layout's rows of ``width`` values, a
+    tuple per stage."""
+    distinct, index = _distinct(blocks)
+    lengths = np.array([len(block) for block in distinct], dtype=np.intp)
+    values = np.fromiter(itertools.chain.from_iterable(itertools.chain.from_iterable(distinct)), float,
+                         int(lengths.sum()) * width).reshape(-1, width)
+    return values[(np.cumsum(lengths) - lengths)[index][owner] + rank]
+
+
+def _non_torch(layouts: Sequence[Layout], estimator: Estimator) -> np.ndarray:
+    """``non_torch_gib`` of each layout, worked out once per value of the sizes it reads."""
+    kept: dict[tuple, float] = {}
+    out = []
+    for lo in layouts:
+        key = NON_TORCH_SIZES(lo)
+        value = kept.get(key)
+        if value is None:
+            value = kept[key] = non_torch_gib(lo, estimator.constants)
+        out.append(value)
+    return np.array(out, dtype=float)
 
 
 def _in_order(names: Sequence[str], columns: Sequence[str]) -> bool:
@@ -133,20 +169,14 @@ class TermTable:
     @classmethod
     def build(cls, estimator: Estimator, layouts: Sequence[Layout]) -> TermTable:
         """The table of ``layouts`` (valid ones: their sizes divide) under ``estimator``'s model and settings."""
-        rows: list[tuple[float, ...]] = []
-        in_flight: list[float] = []
-        rank: list[int] = []
-        owner: list[int] = []
-        first: list[int] = []
-        terms: list[StepTerms] = []
-        for i, lo in enumerate(layouts):
-            first.append(len(rows))
-            parts, flight, step = estimator.terms(lo)
-            terms.append(step)
-            rows += parts
-            in_flight += flight
-            rank += range(len(parts))
-            owner += [i] * len(parts)
+        states, dynamics, terms = zip(*map(estimator.terms, layouts)) if layouts else ((), (), ())
+        counts = np.array([len(block) for block in states], dtype=np.intp)
+        first = np.cumsum(counts) - counts
+        owner = np.repeat(np.arange(len(layouts), dtype=np.intp), counts)
+        rank = np.arange(len(owner)) - first[owner]
+        # The model state's parts and (in flight, a layer's activations, then the dynamic parts): Estimator.terms
+        dynamic = _stage_rows(dynamics, 2 + len(DYNAMIC_KEYS), owner, rank)
+        parts = np.hstack([_stage_rows(states, len(PARTS) - len(DYNAMIC_KEYS), owner, rank), dynamic[:, 2:]])
         stage_names, stage_matrix = _terms_matrix([t.stage for t in terms])
         step_names, step_matrix = _terms_matrix([t.step for t in terms])
         constants = estimator.constants
@@ -155,9 +185,8 @@ class TermTable:
             fragmentation=constants.allocator_fragmentation,
             band_divisors=(1 + constants.memory_over_prediction, 1 - constants.memory_under_prediction),
             limit_gib=estimator.limit_gib,
-            parts=np.array(rows, dtype=float).reshape(len(rows), len(PARTS)), in_flight=np.array(in_flight),
-            rank=np.array(rank), owner=np.array(owner, dtype=np.intp), first_stage=np.array(first, dtype=np.intp),
-            non_torch=np.array([non_torch_gib(lo, constants) for lo in layouts]),
+            parts=parts, in_flight=dynamic[:, 0].copy(), rank=rank, owner=owner, first_stage=first,
+            non_torch=_non_torch(layouts, estimator),
             stage_terms=tuple(stage_names), stage_matrix=stage_matrix, step_terms_names=tuple(step_names),
             step_matrix=step_matrix, microbatches=np.array([t.microbatches for t in terms], dtype=float),
             bubble_slots=np.array([t.bubble_slots for t in terms]),
