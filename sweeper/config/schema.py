@@ -8,7 +8,6 @@ to a default on a 16-GPU reservation). ``config.load.load_config`` reads a file 
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -458,4 +457,4 @@ def check_address_override(cluster: ClusterConfig, address: str | None) -> None:
 
 def scaled_layout(layout: Layout, copies: int) -> Layout:
     """``copies`` of ``layout`` side by side as one run: the data parallelism and the global batch times as many."""
-    return replace(layout, world_size=layout.world_size * copies, gbs=layout.gbs * copies)
+    return layout.resized(layout.world_size * copies, layout.gbs * copies)

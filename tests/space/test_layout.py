@@ -59,6 +59,21 @@ def test_sizes_must_be_positive_integers(field: str, bad: object) -> None:
         Layout(**kwargs)
 
 
+def test_a_resized_layout_is_the_replaced_one_and_checks_its_new_sizes() -> None:
+    lo = Layout(world_size=16, tp=2, pp=2, vpp=2, ep=4, mbs=2, gbs=64, precision="fp8", recompute="full",
+                pipeline_layout="Et|tt|tt|tL", moe_a2a_overlap=True)
+    hash(lo)  # a kept hash must not follow the copy
+    big = lo.resized(64, 256)
+    assert big == dataclasses.replace(lo, world_size=64, gbs=256) and hash(big) == hash(
+        dataclasses.replace(lo, world_size=64, gbs=256))
+    assert (big.dp, big.edp, big.num_microbatches) == (16, 8, 8) and lo.world_size == 16
+    for bad in (0, -2, True, 2.0):
+        with pytest.raises(LayoutError, match="world_size"):
+            lo.resized(bad, 64)  # type: ignore[arg-type]
+        with pytest.raises(LayoutError, match="gbs"):
+            lo.resized(32, bad)  # type: ignore[arg-type]
+
+
 def test_recompute_modules_are_canonical_and_checked() -> None:
     lo = Layout(world_size=1, recompute="selective:layernorm+moe_act")
     assert lo.recompute == "selective:moe_act+layernorm" and lo.recompute_granularity == "selective"

@@ -32,7 +32,7 @@ from sweeper.estimate.calibration import Calibration, load
 from sweeper.estimate.calibrator import key
 from sweeper.estimate.term_table import TermTable, without_cycle_collection
 from sweeper.models.proxy import PROXY_SUFFIX
-from sweeper.plan.assess import assess
+from sweeper.plan.assess import assess, judge
 from sweeper.plan.rules import Checker
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import MODELLED, SweepMeta, TrialRecord, is_rehearsal
@@ -405,8 +405,10 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     by_production: dict[Layout, Layout] = {}
     with without_cycle_collection():
-        for trial in sorted(enumerate_layouts(_largest_sizes(new)), key=lambda lo: -lo.world_size):
-            if assess(new, trial, checker=checker, predict=False).reasons or trial.short() in unsupported:
+        for judged in judge(new, sorted(enumerate_layouts(_largest_sizes(new)), key=lambda lo: -lo.world_size),
+                            checker):
+            trial = judged.layout
+            if judged.reasons or trial.short() in unsupported:
                 continue
             layout = new.production_layout(trial)
             if layout is None or layout in measured or layout in by_production:
