@@ -3,9 +3,10 @@
 Enumeration, the rules, the estimator (the term table of the valid layouts), the predictions and their order, the
 JSON text, and the imports before them, in CPU seconds (``time.process_time``, steadier than wall on a shared host),
 with the cycle collector paused as the command pauses it. Times the sweeper first on PYTHONPATH, so two checkouts
-compare with interleaved runs:
+compare with interleaved runs (each with its own copy of this script: it calls ``Plan`` and ``judge``, which
+checkouts before 0270634 and 131afd6 lack):
 
-    for d in /tmp/base .; do PYTHONPATH=$d python benchmarks/plan_phases.py search_spaces/deepseek_v3_1024.yaml; done
+    for d in /tmp/base .; do PYTHONPATH=$d python $d/benchmarks/plan_phases.py search_spaces/deepseek_v3_1024.yaml; done
 """
 
 from __future__ import annotations
