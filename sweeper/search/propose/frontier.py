@@ -198,9 +198,11 @@ class Frontier:
                    if not self._pruned_kept(predicted, row, proof)]
         if changed:
             assert predicted is not None
-            estimates = predicted.estimates_of([rows[i] for i in changed])
-            for i, estimate in zip(changed, estimates):
-                self._pruned_json(predicted, rows[i], proofs[i], estimate)
+            changed_rows = [rows[i] for i in changed]
+            # The Estimates for the reasons, their JSON from the arrays a column at a time (Predictions.json_of).
+            for i, estimate, figures in zip(changed, predicted.estimates_of(changed_rows),
+                                            predicted.json_of(changed_rows), strict=True):
+                self._pruned_json(predicted, rows[i], proofs[i], estimate, figures)
         elements = [self._pruned[row][2] for row in rows]
         return {"memory_pruned": sorted(elements, key=lambda p: p["memory_gib"]), "dominated": dominated,
                 "unsupported": unsupported}
@@ -211,15 +213,17 @@ class Frontier:
         kept = self._pruned.get(row)
         return kept is not None and kept[0] is predicted and kept[1] == proof
 
-    def _pruned_json(self, predicted: Predictions, row: int, proof: int, estimate: Estimate) -> None:
-        """sweep.json's ``memory_pruned`` element of the valid layout at ``row`` (predicted ``estimate``), pruned by
-        the OOM trial ``proof`` (its index among the evidence's) or, -1, over the band, kept by row."""
+    def _pruned_json(self, predicted: Predictions, row: int, proof: int, estimate: Estimate,
+                     figures: dict[str, Any]) -> None:
+        """sweep.json's ``memory_pruned`` element of the valid layout at ``row`` (predicted ``estimate``, whose JSON
+        is ``figures``), pruned by the OOM trial ``proof`` (its index among the evidence's) or, -1, over the band,
+        kept by row."""
         why = (oom_reason(estimate, self.evidence.ran_out[proof]) if proof >= 0
                else exceeds_reason(estimate, self.evidence.limit_gib))
         short = self._shorts.get(row)
         if short is None:
             short = self._shorts[row] = self._valid[row].short()
-        element = {"layout": short, **estimate.to_json(), "reason": why}
+        element = {"layout": short, **figures, "reason": why}
         self._pruned[row] = (predicted, proof, element)
 
     def raw_estimate(self, layout: Layout) -> Estimate:
