@@ -237,12 +237,13 @@ class TermTable:
         with np.errstate(divide="ignore"):
             tokens_per_s = self.tokens / seconds
 
-        per_step = None
-        if self.terms_in_column_order:  # StepTerms.per_step as columns: the stage's, the bubble, the step's
-            stage_f = self.stage_matrix * step_f
-            per_step = np.column_stack([stage_f * self.microbatches[:, None],
-                                        cal.step_factor(PP_BUBBLE) * self.bubble_slots * per_microbatch,
-                                        self.step_matrix * step_u])
+        def per_step() -> np.ndarray | None:  # StepTerms.per_step as columns: the stage's, the bubble, the step's
+            if not self.terms_in_column_order:
+                return None
+            return np.column_stack([self.stage_matrix * step_f * self.microbatches[:, None],
+                                    cal.step_factor(PP_BUBBLE) * self.bubble_slots * per_microbatch,
+                                    self.step_matrix * step_u])
+
         low, high = worst_reserved / self.band_divisors[0], worst_reserved / self.band_divisors[1]
         return Predictions(
             memory_gib=worst_reserved, band_low=low, band_high=high,
@@ -250,7 +251,8 @@ class TermTable:
             worst_parts=parts[worst], fragmentation=reserved[worst] - allocated[worst], non_torch=self.non_torch,
             rank=self.rank[worst], in_flight=self.in_flight[worst], step_time_s=seconds, tokens_per_s=tokens_per_s,
             terms=self.terms, step_factor=functools.cache(cal.step_factor),  # a layout's JSON asks it per term
-            per_step_names=(*self.stage_terms, PP_BUBBLE, *self.step_terms_names), per_step=per_step)
+            per_step_names=(*self.stage_terms, PP_BUBBLE, *self.step_terms_names),
+            per_step=functools.cache(per_step))  # made when JSON is asked for, not on every re-prediction
 
 
 # The memory breakdown's sizes in the order an Estimate lists them (its bookkeeping entries, a pipeline rank and a
@@ -280,7 +282,7 @@ class Predictions:
     # Each layout's ``StepTerms.per_step`` (calibrated seconds per step of every term, zero where it has none) as
     # columns of these names; None where some layout orders its terms otherwise (``TermTable.terms_in_column_order``)
     per_step_names: tuple[str, ...]
-    per_step: np.ndarray | None
+    per_step: Callable[[], np.ndarray | None]
 
     def parts_gib(self) -> np.ndarray:
         """(layouts, ``BREAKDOWN_SIZES``): each layout's memory breakdown in GiB, the figures its Estimate has."""
@@ -306,14 +308,15 @@ class Predictions:
     def json_of(self, rows: Sequence[int]) -> list[dict[str, Any]]:
         """``Estimate.to_json`` of each layout in ``rows``, in that order, made from the arrays a column at a time:
         a plan writes every valid layout's (issue 54)."""
-        if self.per_step is None:
+        per_step = self.per_step()
+        if per_step is None:
             return [e.to_json() for e in self.estimates_of(rows)]
         index = np.asarray(rows, dtype=np.intp)
         seconds = self.step_time_s[index]
         return estimates_json(
             memory=self.memory_gib[index], breakdown=rounded_rows(BREAKDOWN_SIZES, self.parts_gib()[index], GIB_DIGITS),
             allocated=_weighted_sum(self.worst_parts[index], np.ones(len(PARTS))),  # as Estimate.to_json sums
-            fits=self.fits[index].tolist(), step_time=seconds, terms=self._terms_json(self.per_step[index]),
+            fits=self.fits[index].tolist(), step_time=seconds, terms=self._terms_json(per_step[index]),
             tokens=np.where(seconds > 0, self.tokens_per_s[index], np.nan), band_low=self.band_low[index],
             band_high=self.band_high[index], may_fit=self.may_fit[index].tolist())
 

@@ -132,6 +132,6 @@ def test_a_layout_whose_terms_leave_the_columns_order_gets_its_json_from_its_est
     mixed = dataclasses.replace(table, terms=(swapped, *table.terms[1:]))
     assert table.terms_in_column_order and not mixed.terms_in_column_order
     predicted = mixed.predict(None)
-    assert predicted.per_step is None
+    assert predicted.per_step() is None
     assert predicted.json_of([0, 1]) == [predicted.estimate(0).to_json(), predicted.estimate(1).to_json()]
     assert list(predicted.json_of([0])[0]["step_time_terms_s"]) == list(swapped.per_step())
