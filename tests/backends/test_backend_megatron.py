@@ -378,6 +378,50 @@ def test_memory_limit_stops_the_rank_as_oom(tmp_path: Path) -> None:
     assert reports[0].peak_memory_bytes > 0.05 * 2**30
 
 
+def test_the_memory_watchdog_stops_a_rank_already_past_the_limit_before_it_blocks() -> None:
+    """A rank over the limit when the watchdog is armed fails at once in its own thread. The sampling thread's first
+    look could come after the rank entered the rendezvous (a C call an asynchronous raise cannot interrupt): the
+    rank then exited after the grace period with no report (CI, stop 57: rank 0 None, rank 1 oom)."""
+    import psutil
+
+    from sweeper.backends.megatron.memory import MemoryWatchdog
+
+    rss = psutil.Process().memory_info().rss
+    watchdog = MemoryWatchdog(rss // 2, interval_s=60.0)  # the sampling thread would look only after a minute
+    try:
+        with pytest.raises(SimulatedOOMError, match="exceeded the simulated GPU memory"):
+            watchdog.start()
+    finally:
+        watchdog.stop()
+    assert watchdog.exceeded_bytes and watchdog.exceeded_bytes > rss // 2
+
+
+def test_the_memory_watchdog_interrupts_a_rank_that_crosses_the_limit_while_running() -> None:
+    """Under the limit when armed, past it later: the sampling thread raises in the running thread at its next
+    bytecode."""
+    import time
+
+    import psutil
+    import torch
+
+    from sweeper.backends.megatron.memory import MemoryWatchdog
+
+    watchdog = MemoryWatchdog(psutil.Process().memory_info().rss + 64 * 2**20).start()
+    held = []
+    try:
+        with pytest.raises(SimulatedOOMError):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                held.append(torch.ones(8 * 2**20 // 4))  # 8 MiB at a time, up to ~2.5 GiB in 20 s
+                time.sleep(0.002)
+                if len(held) > 320:
+                    held.clear()
+    finally:
+        watchdog.stop()
+        held.clear()
+    assert watchdog.exceeded_bytes is not None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # unit: the steps' peak memory
 

@@ -50,6 +50,11 @@ class MemoryWatchdog:
         self._process = psutil.Process()
 
     def start(self) -> MemoryWatchdog:
+        """Arm the watchdog. A rank already past the limit fails here, in the calling thread: the sampling thread's
+        first look could otherwise come after the rank entered a blocking C call (the rendezvous), which an
+        asynchronous raise cannot interrupt, and the rank would exit instead of reporting."""
+        if self._over_limit():
+            raise self.error()
         self._thread.start()
         return self
 
@@ -76,12 +81,17 @@ class MemoryWatchdog:
         if self.exceeded_bytes is not None:
             raise self.error()
 
+    def _over_limit(self) -> bool:
+        rss = self._process.memory_info().rss
+        if rss <= self.limit_bytes:
+            return False
+        self.exceeded_bytes = rss
+        return True
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            rss = self._process.memory_info().rss
-            if rss <= self.limit_bytes:
+            if not self._over_limit():
                 continue
-            self.exceeded_bytes = rss
             _log.error("memory watchdog: %s", self.error())
             # Raise in the smoke-run thread at its next bytecode: the rank stops now, run_rank's handler reports it.
             if not self._handled.is_set():
