@@ -6,6 +6,7 @@ Instant and offline: imports neither torch, ray nor megatron. Each entry is the 
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -93,11 +94,19 @@ class Plan:
     def to_json(self) -> list[dict[str, Any]]:
         """The contract's JSON array: ``[e.to_json() for e in self.entries()]``, equal to it (the invalid layouts'
         ``predicted`` one object: the array is for writing)."""
+        return list(itertools.chain.from_iterable(self.json_parts(len(self.order) or 1)))
+
+    def json_parts(self, size: int = 4096) -> Iterator[list[dict[str, Any]]]:
+        """``to_json``'s array in consecutive parts of ``size`` elements: a writer encodes each part and lets it go
+        before the next is made, instead of holding the whole tree (a DeepSeek-V3 plan's is most of a gigabyte)."""
+        judged = self.judged
+        row = (np.cumsum([e.valid for e in judged]) - 1).tolist()  # each valid entry's row in the predictions
         with without_cycle_collection():
-            predicted = iter(self.predictions.json_of(range(len(self.predictions.terms))))
-            elements = [_entry_json(e.layout, e.reasons, next(predicted) if e.valid else _NO_PREDICTION)
-                        for e in self.judged]
-            return [elements[i] for i in self.order]
+            for start in range(0, len(self.order), size):
+                part = self.order[start:start + size]
+                predicted = iter(self.predictions.json_of([row[i] for i in part if judged[i].valid]))
+                yield [_entry_json(e.layout, e.reasons, next(predicted) if e.valid else _NO_PREDICTION)
+                       for e in (judged[i] for i in part)]
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,

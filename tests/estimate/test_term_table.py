@@ -93,13 +93,19 @@ def _plan_order(entry: PlanEntry) -> tuple[int, float, float]:
 
 @pytest.mark.parametrize("calibration", [None, Calibration(activation_factor=1.2, state_factor=0.9, overhead_gib=1.0,
                                                            step_time_factor=1.1)])
-def test_the_plans_order_and_json_from_arrays_equal_the_layout_by_layout_ones(calibration: Calibration | None,
-                                                                              ) -> None:
+def test_the_plans_order_and_json_from_arrays_equal_the_layout_by_layout_ones(
+        calibration: Calibration | None, capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    from sweeper.cli import _write_json_array
+
     cfg = load_config(WIDE)
     plan = Plan.build(cfg, calibration=calibration)
     want = sorted(assess_all(cfg, enumerate_layouts(cfg), calibration), key=_plan_order)  # a stable sort
     assert [e.layout for e in plan.entries()] == [e.layout for e in want]
     assert orjson.dumps(plan.to_json()) == orjson.dumps([e.to_json() for e in want])
+    # What `plan --json` writes, a part at a time (parts of 997: the valid ones' end falls inside a part), is the
+    # whole array's text.
+    _write_json_array(plan.json_parts(997))
+    assert capsysbinary.readouterr().out == orjson.dumps([e.to_json() for e in want], option=orjson.OPT_APPEND_NEWLINE)
     assert len({_plan_order(e)[0] for e in want}) == 4  # every group of the order is there
 
 
