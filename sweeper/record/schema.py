@@ -276,6 +276,11 @@ class SweepMeta(BaseModel):
             return cls()
         if isinstance(data.get("model"), str):  # an older writer's preset name
             data = {**data, "model": {"name": data["model"]}}
+        if not isinstance(data.get("memory_headroom"), bool):
+            try:  # a file as sweeper writes it: validated once, not field by field and then again (issue 54)
+                return cls.model_validate(data)
+            except ValueError:
+                pass  # some field holds the wrong type: each one on its own
         kept: dict[str, Any] = {}
         for key, value in data.items():
             if key not in cls.model_fields:
