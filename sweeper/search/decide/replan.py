@@ -24,6 +24,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from sweeper.config.load import load_config, proxy_config
 from sweeper.config.schema import BudgetConfig, SweepConfig
 from sweeper.errors import LayoutError, UsageError
@@ -408,7 +410,7 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
         for judged in judge(new, sorted(enumerate_layouts(_largest_sizes(new)), key=lambda lo: -lo.world_size),
                             checker):
             trial = judged.layout
-            if judged.reasons or trial.short() in unsupported:
+            if judged.reasons or (unsupported and trial.short() in unsupported):
                 continue
             layout = new.production_layout(trial)
             if layout is None or layout in measured or layout in by_production:
@@ -419,13 +421,20 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
         launched = {new.production_layout(replace(t, gbs=new.trial_global_batch(t.world_size))) for t in tried}
         layouts = [lo for lo in by_production if lo not in launched]
         estimator = Estimator.for_config(cfg, folder.calibration)
-        estimates = TermTable.build(estimator, layouts).estimates(folder.calibration) if layouts else []
+        # The fitting ones with a throughput, fastest first (a stable order: the enumeration's among equals); an
+        # Estimate only for the ``top`` shown.
+        fitting: list[int] = []
+        estimates: list[Estimate] = []
+        if layouts:
+            p = TermTable.build(estimator, layouts).predict(folder.calibration)
+            fits = np.flatnonzero(p.fits & (p.step_time_s > 0) & (p.tokens_per_s > 0))
+            fitting = fits[np.argsort(-p.tokens_per_s[fits], kind="stable")].tolist()
+            estimates = p.estimates_of(fitting[:top])
+        shown = fitting[:top]
     cal = folder.calibration
     kind = "predicted (calibrated)" if cal is not None and (cal.samples or cal.step_term_factors) else "predicted"
-    fitting = [(lo, e) for lo, e in zip(layouts, estimates, strict=True) if e.fits and e.tokens_per_s]
-    fitting.sort(key=lambda pair: -(pair[1].tokens_per_s or 0.0))
     rows = []
-    for layout, estimate in fitting[:top]:
+    for layout, estimate in zip([layouts[i] for i in shown], estimates, strict=True):
         tokens = estimate.tokens_per_s or 0.0
         trial = by_production[layout]
         row = Row(layout=layout, trial=trial, kind=kind, tokens_per_s=tokens,
