@@ -17,7 +17,7 @@ best layout's value less max(3%, the measured noise) (rehearsed: the truth's bes
 landscape and strategy, the median and p90 over seeds of trials launched until one reached the target, and the
 ei / greedy ratio of the medians.
 
-    python benchmarks/proposer_comparison.py [--seeds 20]
+    python benchmarks/proposer_comparison.py [--seeds 20] [--only rehearsed] [--landscape deepseek]
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ MEASURED = ["tests/data/landscape_quickstart.json", "tests/data/landscape_dense.
 # Runs per layout of a rehearsed landscape: as many repeats as the measured ones have.
 REPEATS = 3
 # DeepSeek-V3 on 128 x 8 H100 (search_spaces/deepseek_v3_1024.yaml), sliced to trials of 256 and 512 GPUs in FP8:
-# 505 launchable layouts, not 3,992, so that a landscape's 60 replays take minutes.
+# 1,254 launchable layouts (since issue 52's layout strings), a fraction of the space's, so that a landscape's 60
+# replays take minutes (14 on the 2-core machine, most of it the replays that never reach the target).
 DEEPSEEK_SLICE = {"gpus": [256, 512], "precision": ["fp8"]}
 
 
@@ -119,6 +120,8 @@ def compare(name: str, cfg: SweepConfig, landscape: Callable[[int], Landscape], 
         counts["tpe"].append(run_study(cfg, land, target, seed, "tpe").launched)
         for acquisition in ("greedy", "ei"):
             counts[acquisition].append(run_study(cfg, land, target, seed, "tpe+refit", cores, acquisition).launched)
+        print(f"  {name} replay {seed}: " + ", ".join(f"{k} {v[-1]}" for k, v in counts.items())
+              + f" ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     n = len(land.samples)
     failed = sum(1 for v in land.samples.values() if not v)
     row = {"landscape": name, "layouts": n, "failed": failed, "kind": land.kind,
@@ -140,6 +143,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20)
     parser.add_argument("--only", choices=["measured", "rehearsed"], help="one kind of landscape")
     parser.add_argument("--out", type=Path, help="write the rows as JSON")
+    parser.add_argument("--landscape", help="only the landscapes whose name contains this (e.g. deepseek)")
     args = parser.parse_args()
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     logging.getLogger("optuna").setLevel(logging.WARNING)
@@ -147,10 +151,14 @@ def main() -> None:
     rows = []
     if args.only != "rehearsed":
         for name, cfg, land, cores in measured_landscapes():
+            if args.landscape and args.landscape not in name:
+                continue
             rows.append(compare(name, cfg, lambda _, land=land: land, args.seeds, cores))
     if args.only != "measured":
         for label, cfg in (("nemotron", load_config(ROOT / "search_spaces/nemotron.yaml")),
                            ("deepseek_v3 slice", deepseek_slice())):
+            if args.landscape and args.landscape not in label:
+                continue
             rows.append(compare(f"{label} rehearsed", cfg, functools.partial(rehearsed_landscape, cfg), args.seeds,
                                 None))
     print("\n| landscape | layouts | TPE median / p90 | greedy refit median / p90 | EI refit median / p90 | "
