@@ -228,12 +228,8 @@ class TermTable:
         is_worst = reserved == worst_reserved[self.owner]
         worst = np.minimum.reduceat(np.where(is_worst, np.arange(len(reserved)), len(reserved)), self.first_stage)
 
-        step_f = np.array([cal.step_factor(t) for t in self.stage_terms])
-        per_microbatch = _weighted_sum(self.stage_matrix, step_f)
-        slots = self.microbatches + cal.step_factor(PP_BUBBLE) * self.bubble_slots
-        step_u = np.array([cal.step_factor(t) for t in self.step_terms_names])
-        once = _weighted_sum(self.step_matrix, step_u)
-        seconds = per_microbatch * slots + once
+        seconds, per_microbatch, step_f, step_u = _priced(self.stage_terms, self.stage_matrix, self.step_terms_names,
+                                                          self.step_matrix, self.microbatches, self.bubble_slots, cal)
         with np.errstate(divide="ignore"):
             tokens_per_s = self.tokens / seconds
 
@@ -253,6 +249,30 @@ class TermTable:
             terms=self.terms, step_factor=functools.cache(cal.step_factor),  # a layout's JSON asks it per term
             per_step_names=(*self.stage_terms, PP_BUBBLE, *self.step_terms_names),
             per_step=functools.cache(per_step))  # made when JSON is asked for, not on every re-prediction
+
+
+def _priced(stage_terms: Sequence[str], stage_matrix: np.ndarray, step_terms: Sequence[str], step_matrix: np.ndarray,
+            microbatches: np.ndarray, bubble_slots: np.ndarray, cal: Calibration,
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``StepTerms.seconds`` under ``cal``'s step factors of each row of the terms' matrices, in its order of
+    operations; with the slowest stage's seconds per micro-batch and the factors of the stage's and the step's
+    columns."""
+    step_f = np.array([cal.step_factor(t) for t in stage_terms])
+    per_microbatch = _weighted_sum(stage_matrix, step_f)
+    slots = microbatches + cal.step_factor(PP_BUBBLE) * bubble_slots
+    step_u = np.array([cal.step_factor(t) for t in step_terms])
+    once = _weighted_sum(step_matrix, step_u)
+    return per_microbatch * slots + once, per_microbatch, step_f, step_u
+
+
+def step_seconds(terms: Sequence[StepTerms], calibration: Calibration | None) -> np.ndarray:
+    """``[t.seconds(cal.step_factor) for t in terms]`` (``cal``: ``calibration``, or none's factors) as one array, the
+    terms priced a column at a time: a plan's table orders every valid layout by its production step (issue 54)."""
+    stage_terms, stage_matrix = _terms_matrix([t.stage for t in terms])
+    step_terms, step_matrix = _terms_matrix([t.step for t in terms])
+    return _priced(stage_terms, stage_matrix, step_terms, step_matrix,
+                   np.array([t.microbatches for t in terms], dtype=float),
+                   np.array([t.bubble_slots for t in terms], dtype=float), calibration or Calibration())[0]
 
 
 # The memory breakdown's sizes in the order an Estimate lists them (its bookkeeping entries, a pipeline rank and a

@@ -11,7 +11,7 @@ from sweeper.config.schema import SweepConfig
 from sweeper.estimate.disk import disk_plan
 from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
-from sweeper.search.decide.objective import predicted_objective, production_gpus
+from sweeper.search.decide.objective import predicted_objectives, production_gpus
 from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
@@ -42,10 +42,9 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
         f"band (a sweep launches them)[/], {len(valid) - len(fits) - len(maybe)} over {over} even at the band's "
         f"lower end, [red]{len(entries) - len(valid)} invalid[/]"
     )
-    def best(e: PlanEntry) -> float:
-        return predicted_objective(cfg, e.layout, e.predicted) or 0.0
-
-    valid = sorted(valid, key=lambda e: (not e.launchable, -best(e)))  # launchable first
+    objectives = predicted_objectives(cfg, [e.layout for e in valid], [e.predicted for e in valid])
+    order = sorted(range(len(valid)), key=lambda i: (not valid[i].launchable, -(objectives[i] or 0.0)))
+    valid, objectives = [valid[i] for i in order], [objectives[i] for i in order]  # launchable first, best first
     n = production_gpus(cfg)
     unit = "tokens/s" if cfg.search.objective == "tokens_per_s" else "rel. per GPU"
     table = Table(title=f"valid layouts, launchable first, best first as a {n}-GPU production run would run each "
@@ -55,7 +54,7 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
     table.add_column("layout", no_wrap=True, min_width=max((len(name) for name in names), default=6))
     for col in ("GPUs", "DP", "EDP", "mem GiB", "band GiB", "fits", "step s", "tokens/s", f"{n}-GPU {unit}"):
         table.add_column(col, justify="right", no_wrap=True)
-    for name, e in zip(names, shown, strict=True):
+    for name, e, objective in zip(names, shown, objectives[:len(shown)], strict=True):
         p = e.predicted
         table.add_row(
             name, str(e.layout.world_size), str(e.layout.dp), str(e.layout.edp),
@@ -63,7 +62,7 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
             "-" if p is None else f"{p.memory_band_gib[0]:.1f}-{p.memory_band_gib[1]:.1f}",
             "[green]yes[/]" if p and p.fits else "[yellow]maybe[/]" if e.uncertain else "[red]no[/]",
             _num(p.step_time_s if p else None, "{:.3f}"), _num(p.tokens_per_s if p else None, "{:,.0f}"),
-            _num(predicted_objective(cfg, e.layout, e.predicted), "{:,.0f}" if unit == "tokens/s" else "{:,.3g}"),
+            _num(objective, "{:,.0f}" if unit == "tokens/s" else "{:,.3g}"),
         )
     if valid:
         # Piped (or on a narrow terminal) rich would fold every layout name over several lines: the table keeps

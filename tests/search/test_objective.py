@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 
 from sweeper.config.load import load_config
 from sweeper.estimate.calibration import Calibration
+from sweeper.plan.assess import build_plan
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialRecord, TrialResult
 from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates
@@ -15,12 +17,17 @@ from sweeper.search.decide.objective import (
     PROJECTED_STEP_ERROR,
     copies,
     extra_step_s,
+    extra_steps_s,
     objective_value,
+    predicted_objective,
+    predicted_objectives,
     production_gpus,
     production_layout,
     projection,
 )
 from sweeper.space.layout import Layout
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SPACE = {
     "name": "objective", "model": "tiny-moe",
@@ -116,3 +123,18 @@ def test_two_trials_of_one_production_layout_are_one_candidate_the_largest_stand
     small_doc = best_layout_document(cfg, candidates(records[:1], cfg)[0], None)
     extra = extra_step_s(cfg, small)
     assert small_doc["objective"]["projected_share"] == extra / (0.5 + extra) > 0
+
+
+@pytest.mark.parametrize("space", ["benchmarks/spaces/nemotron_wide.yaml", "search_spaces/moe_knobs.yaml"])
+def test_objectives_priced_together_equal_them_layout_by_layout(space: str):
+    """A plan's table and the frontier price every valid layout's production step together (issue 54): the same
+    figures, exactly, as one layout at a time, uncalibrated and under a calibration of the terms."""
+    cfg = load_config(ROOT / space)
+    plan = build_plan(cfg)
+    valid = [e for e in plan if e.valid]
+    layouts = [e.layout for e in valid]
+    assert sum(copies(cfg, lo) > 1 for lo in layouts) >= 20  # the production run holds copies of many of them
+    assert predicted_objectives(cfg, layouts, [e.predicted for e in valid]) == [
+        predicted_objective(cfg, e.layout, e.predicted) for e in valid]
+    calibration = Calibration(step_term_factors={"dp": 3.0, "edp": 0.7}, step_time_factor=1.3, samples=3)
+    assert extra_steps_s(cfg, layouts, calibration) == [extra_step_s(cfg, lo, calibration) for lo in layouts]

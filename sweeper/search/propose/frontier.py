@@ -22,7 +22,7 @@ from sweeper.plan.assess import PlanEntry, assess
 from sweeper.plan.rules import Checker
 from sweeper.plan.space import enumerate_layouts
 from sweeper.record.schema import TrialRecord, TrialResult
-from sweeper.search.decide.objective import predicted_objective
+from sweeper.search.decide.objective import predicted_objectives
 from sweeper.search.decide.verdicts import NOT_THE_LAYOUTS, is_stable
 from sweeper.search.propose.dominance import Dominance
 from sweeper.search.propose.memory_evidence import MemoryEvidence, Proofs, exceeds_reason, oom_reason
@@ -78,7 +78,7 @@ class Frontier:
         self._decided: dict[Layout, bool] = {}
         self._by_key: dict[tuple[Any, ...], list[Layout]] = {}
         self._unsupported: dict[int, str | None] = {}  # by row
-        self._objective: dict[int, tuple[Estimate, float]] = {}  # by row
+        self._objective: dict[int, tuple[Estimate | None, float]] = {}  # by row
         # The last assessment's pruned rows (the predictions they were judged under, the rows, each one's OOM proof
         # or -1: over the band), dominated and unsupported layouts (``verdict_lists``)
         self._verdicts: tuple[tuple[Predictions | None, list[int], list[int]], list[dict[str, Any]],
@@ -170,19 +170,20 @@ class Frontier:
                 rows_left.append(row)
         self._verdicts = pruned_rows, dominated, unsupported
         entries = self._entries_of(rows_left)
-        objectives = [self._predicted_objective(row, entry) for row, entry in zip(rows_left, entries)]
+        objectives = self._predicted_objectives(rows_left, entries)
         order = sorted(range(len(entries)), key=objectives.__getitem__, reverse=True)  # stable: ties in space order
         return [entries[i] for i in order]
 
-    def _predicted_objective(self, row: int, entry: PlanEntry) -> float:
-        """The entry's predicted objective (0 when none), kept while its prediction is the same object."""
-        kept = self._objective.get(row)
-        if kept is not None and kept[0] is entry.predicted:
-            return kept[1]
-        assert entry.predicted is not None
-        value = predicted_objective(self.cfg, entry.layout, entry.predicted) or 0.0
-        self._objective[row] = (entry.predicted, value)
-        return value
+    def _predicted_objectives(self, rows: list[int], entries: list[PlanEntry]) -> list[float]:
+        """Each entry's predicted objective (0 when none), kept per row while its prediction is the same object; the
+        others priced together (``predicted_objectives``)."""
+        kept = self._objective
+        new = [i for i, (row, entry) in enumerate(zip(rows, entries))
+               if (held := kept.get(row)) is None or held[0] is not entry.predicted]
+        values = predicted_objectives(self.cfg, [entries[i].layout for i in new], [entries[i].predicted for i in new])
+        for i, value in zip(new, values):
+            kept[rows[i]] = (entries[i].predicted, value or 0.0)
+        return [kept[row][1] for row in rows]
 
     @property
     def unsupported(self) -> list[dict[str, Any]]:
