@@ -234,9 +234,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if calibrated:  # on stderr: --json keeps stdout one JSON array
             print(calibrated, file=sys.stderr)
         if args.json:
-            # One line, through orjson: the DeepSeek-V3 space's 145 MB in 0.2 s CPU, json.dumps's C encoder 1.9 s
-            # (issue 54). Its text differs from json.dumps's only in spacing (none) and in how a float's exponent is
-            # written (1e-5, not 1e-05): the same values. Written as the bytes orjson makes where stdout has them.
             _write_json_array(plan.json_parts())
             return EXIT_OK
         from sweeper.ui.views import print_plan
