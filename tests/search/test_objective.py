@@ -11,6 +11,7 @@ from sweeper.config.load import load_config
 from sweeper.estimate.calibration import Calibration
 from sweeper.plan.assess import build_plan
 from sweeper.record.schema import TrialChecks, TrialMetrics, TrialRecord, TrialResult
+from sweeper.search.decide import objective
 from sweeper.search.decide.best_layout import best_layout_document
 from sweeper.search.decide.candidates import candidates
 from sweeper.search.decide.objective import (
@@ -134,7 +135,12 @@ def test_objectives_priced_together_equal_them_layout_by_layout(space: str):
     valid = [e for e in plan if e.valid]
     layouts = [e.layout for e in valid]
     assert sum(copies(cfg, lo) > 1 for lo in layouts) >= 20  # the production run holds copies of many of them
-    assert predicted_objectives(cfg, layouts, [e.predicted for e in valid]) == [
-        predicted_objective(cfg, e.layout, e.predicted) for e in valid]
+    predictions = [e.predicted for e in valid]
     calibration = Calibration(step_term_factors={"dp": 3.0, "edp": 0.7}, step_time_factor=1.3, samples=3)
-    assert extra_steps_s(cfg, layouts, calibration) == [extra_step_s(cfg, lo, calibration) for lo in layouts]
+    together = predicted_objectives(cfg, layouts, predictions)
+    together_calibrated = extra_steps_s(cfg, layouts, calibration)
+    objective._EXTRA_S.clear()  # the one-by-one figures priced afresh, not read back from the memo filled above
+    assert together == [predicted_objective(cfg, lo, p) for lo, p in zip(layouts, predictions)]
+    assert together_calibrated == [extra_step_s(cfg, lo, calibration) for lo in layouts]
+    # Asked again (a frontier after each event), they come from the memo: the same.
+    assert predicted_objectives(cfg, layouts, predictions) == together

@@ -114,19 +114,36 @@ def extra_step_s(cfg: SweepConfig, layout: Layout, calibration: Calibration | No
 def extra_steps_s(cfg: SweepConfig, layouts: Sequence[Layout], calibration: Calibration | None = None) -> list[float]:
     """``extra_step_s`` of each of ``layouts``, equal to it layout by layout: their trial and production step terms
     priced as arrays (a plan's table orders every valid layout by its objective: 53,739 on DeepSeek-V3)."""
+    inputs, calibrated = _inputs_key(cfg), repr(calibration)
     out = [0.0] * len(layouts)
+    keys: list[tuple[str, str, Layout, int]] = []  # of the layouts not priced yet (extra_step_s's memo)
     rows: list[int] = []
+    for i, layout in enumerate(layouts):
+        k = copies(cfg, layout)
+        if k > 1:
+            key = (inputs, calibrated, layout, k)
+            kept = _EXTRA_S.get(key)
+            if kept is None:
+                keys.append(key)
+                rows.append(i)
+            else:
+                out[i] = kept
+    if len(_EXTRA_S) + len(keys) > _EXTRA_S_MAX:
+        _EXTRA_S.clear()
+    priced: list[int] = []
     trials: list[StepTerms] = []
     productions: list[StepTerms] = []
-    for i, layout in enumerate(layouts):
-        terms = production_terms(cfg, layout, calibration)  # None: one copy or none, or not priceable
-        if terms is not None:
-            rows.append(i)
+    for j, i in enumerate(rows):
+        terms = production_terms(cfg, layouts[i], calibration)
+        if terms is None:  # one the estimator cannot price: no difference, as extra_step_s
+            _EXTRA_S[keys[j]] = 0.0
+        else:
+            priced.append(j)
             trials.append(terms[0])
             productions.append(terms[1])
     trial_s, production_s = step_seconds(trials, calibration).tolist(), step_seconds(productions, calibration).tolist()
-    for i, trial, production in zip(rows, trial_s, production_s):
-        out[i] = max(0.0, production - trial) if trial and production else 0.0
+    for j, trial, production in zip(priced, trial_s, production_s):
+        out[rows[j]] = _EXTRA_S[keys[j]] = max(0.0, production - trial) if trial and production else 0.0
     return out
 
 
