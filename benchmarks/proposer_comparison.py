@@ -55,7 +55,7 @@ MEASURED = ["tests/data/landscape_quickstart.json", "tests/data/landscape_dense.
 # Runs per layout of a rehearsed landscape: as many repeats as the measured ones have.
 REPEATS = 3
 # DeepSeek-V3 on 128 x 8 H100 (search_spaces/deepseek_v3_1024.yaml), sliced to trials of 256 and 512 GPUs in FP8:
-# 1,254 launchable layouts (since issue 52's layout strings), a fraction of the space's, so that a landscape's 60
+# 1,254 launchable layouts at issue 54's last stop (505 at issue 46's), a fraction of the space's, so that its 60
 # replays take minutes (14 on the 2-core machine, most of it the replays that never reach the target).
 DEEPSEEK_SLICE = {"gpus": [256, 512], "precision": ["fp8"]}
 
