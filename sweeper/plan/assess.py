@@ -66,6 +66,7 @@ class Plan:
     judged: list[PlanEntry]  # the rules' verdicts, none predicted, in the space's order
     predictions: Predictions  # of the valid ones, in the same order
     order: list[int]  # indices into ``judged``, in the plan's order
+    row: list[int]  # each valid entry's row in ``predictions`` (by its index in ``judged``)
 
     @classmethod
     def build(cls, cfg: SweepConfig, only: dict[str, Any] | None = None,
@@ -79,7 +80,7 @@ class Plan:
         predicted = table.predict(calibration)
         valid = np.array([e.valid for e in judged], dtype=bool)
         row = np.cumsum(valid) - 1  # each valid entry's row in the table
-        return cls(judged, predicted, _plan_order(valid, row, predicted))
+        return cls(judged, predicted, _plan_order(valid, row, predicted), row.tolist())
 
     def __len__(self) -> int:
         return len(self.judged)
@@ -99,8 +100,7 @@ class Plan:
     def json_parts(self, size: int = 4096) -> Iterator[list[dict[str, Any]]]:
         """``to_json``'s array in consecutive parts of ``size`` elements: a writer encodes each part and lets it go
         before the next is made, instead of holding the whole tree (a DeepSeek-V3 plan's is most of a gigabyte)."""
-        judged = self.judged
-        row = (np.cumsum([e.valid for e in judged]) - 1).tolist()  # each valid entry's row in the predictions
+        judged, row = self.judged, self.row
         with without_cycle_collection():
             for start in range(0, len(self.order), size):
                 part = self.order[start:start + size]

@@ -138,7 +138,7 @@ class Layout:
         without checking every other field again (a replan scales some 14,000 layouts to the production run)."""
         _check_size("world_size", world_size)
         _check_size("gbs", gbs)
-        fields = {k: v for k, v in self.__dict__.items() if k != "_hash"}
+        fields = self.__getstate__()
         fields.update(world_size=world_size, gbs=gbs)
         return Layout.from_checked(fields)
 
@@ -456,6 +456,7 @@ _BRIDGE_PRECISION: dict[str, str] = {
     "mxfp8": "bf16_with_mxfp8_mixed",
     "nvfp4": "bf16_with_nvfp4_mixed",
 }
+
 
 def _check_size(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -107,8 +107,13 @@ def extra_step_s(cfg: SweepConfig, layout: Layout, calibration: Calibration | No
         terms = production_terms(cfg, layout, calibration)
         factor = (calibration or Calibration()).step_factor  # as the estimator so calibrated prices its terms
         trial_s, production_s = (terms[0].seconds(factor), terms[1].seconds(factor)) if terms else (0.0, 0.0)
-        _EXTRA_S[key] = max(0.0, production_s - trial_s) if trial_s and production_s else 0.0
+        _EXTRA_S[key] = _difference(trial_s, production_s)
     return _EXTRA_S[key]
+
+
+def _difference(trial_s: float, production_s: float) -> float:
+    """What the production step costs over the trial's: nothing where either step could not be priced."""
+    return max(0.0, production_s - trial_s) if trial_s and production_s else 0.0
 
 
 def extra_steps_s(cfg: SweepConfig, layouts: Sequence[Layout], calibration: Calibration | None = None) -> list[float]:
@@ -143,7 +148,7 @@ def extra_steps_s(cfg: SweepConfig, layouts: Sequence[Layout], calibration: Cali
             productions.append(terms[1])
     trial_s, production_s = step_seconds(trials, calibration).tolist(), step_seconds(productions, calibration).tolist()
     for j, trial, production in zip(priced, trial_s, production_s):
-        out[rows[j]] = _EXTRA_S[keys[j]] = max(0.0, production - trial) if trial and production else 0.0
+        out[rows[j]] = _EXTRA_S[keys[j]] = _difference(trial, production)
     return out
 
 
