@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import orjson
 import yaml
 
 from sweeper.config.files import write_atomic
@@ -133,7 +134,14 @@ def read_trials(path: Path) -> tuple[list[TrialRecord], int]:
 def read_meta(path: Path) -> SweepMeta | None:
     """sweep.json, or None when it is missing or not JSON."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        raw = path.read_bytes()
+    except OSError:
         return None
+    try:  # orjson: a DeepSeek-V3 rehearsal's 37 MB in 0.24 s, json's 0.31 (replan opens it; issue 54)
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:  # also a NaN or Infinity, which json.dumps writes and orjson does not read
+        try:
+            data = json.loads(raw.decode("utf-8"))
+        except ValueError:
+            return None
     return SweepMeta.from_json(data)
