@@ -90,12 +90,16 @@ def stage_params(
     ``split`` (``Layout.split``) replaces ``first``/``last`` with all of Megatron's pipeline-split options."""
     out = []
     holder = mtp_rank(spec, pp, split)
+    per_kind: dict[tuple, ShardParams] = {}  # one layer of each kind (integers: the sum is the same however kept)
     for rank, kinds in enumerate(stage_layer_kinds(spec, pp, vpp, first, last, split)):
         layers, largest = ShardParams(), 0
         for kind, n in kinds:
-            layer = ShardParams()
-            for block in kind:
-                layer = layer + block_params(spec, block, tp, ep, etp, local_spec)
+            layer = per_kind.get(kind)
+            if layer is None:
+                layer = ShardParams()
+                for block in kind:
+                    layer = layer + block_params(spec, block, tp, ep, etp, local_spec)
+                per_kind[kind] = layer
             layers = layers + layer.scaled(n)
             largest = max(largest, layer.total if n else 0)
         if rank == holder:  # MTP's own norms and eh_proj; its stage builds an embedding copy unless it is the first
