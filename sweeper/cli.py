@@ -239,20 +239,24 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     calibration, calibrated = stored(cfg)  # what earlier sweeps on this cluster measured
     # A plan is one large tree of values without cycles (layouts, entries, estimates, their JSON): the cycle
-    # collector's passes over it find nothing, and were a third of a DeepSeek-V3 plan's CPU (issue 54).
+    # collector's passes over it find nothing, and were a third of a DeepSeek-V3 plan's CPU (issue 54). The tree is
+    # gone (``_show_plan`` returned) before the collector runs again: alive, its first pass would walk all of it.
     with without_cycle_collection():
-        plan = Plan.build(cfg, only, calibration)
-        if only and not len(plan):
-            raise UsageError(_nothing_matched(cfg, only))
-        if calibrated:  # on stderr: --json keeps stdout one JSON array
-            print(calibrated, file=sys.stderr)
-        if args.json:
-            _write_json_array(plan.json_parts())
-            return EXIT_OK
-        from sweeper.ui.views import print_plan
-
-        print_plan(cfg, plan.entries(), limit=args.limit)
+        _show_plan(args, cfg, Plan.build(cfg, only, calibration), only, calibrated)
     return EXIT_OK
+
+
+def _show_plan(args: argparse.Namespace, cfg: Any, plan: Any, only: dict[str, Any], calibrated: str | None) -> None:
+    if only and not len(plan):
+        raise UsageError(_nothing_matched(cfg, only))
+    if calibrated:  # on stderr: --json keeps stdout one JSON array
+        print(calibrated, file=sys.stderr)
+    if args.json:
+        _write_json_array(plan.json_parts())
+        return
+    from sweeper.ui.views import print_plan
+
+    print_plan(cfg, plan.entries(), limit=args.limit)
 
 
 def _write_json_array(parts: Iterable[list[Any]]) -> None:

@@ -420,16 +420,8 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
         # again: its trial's outcome stands (the report says why).
         launched = {new.production_layout(replace(t, gbs=new.trial_global_batch(t.world_size))) for t in tried}
         layouts = [lo for lo in by_production if lo not in launched]
-        estimator = Estimator.for_config(cfg, folder.calibration)
-        # The fitting ones with a throughput, fastest first (a stable order: the enumeration's among equals); an
-        # Estimate only for the ``top`` shown.
-        fitting: list[int] = []
-        estimates: list[Estimate] = []
-        if layouts:
-            p = TermTable.build(estimator, layouts).predict(folder.calibration)
-            fits = np.flatnonzero(p.fits & (p.step_time_s > 0) & (p.tokens_per_s > 0))
-            fitting = fits[np.argsort(-p.tokens_per_s[fits], kind="stable")].tolist()
-            estimates = p.estimates_of(fitting[:top])
+        fitting, estimates = _fastest_fitting(Estimator.for_config(cfg, folder.calibration), layouts,
+                                              folder.calibration, top)
         shown = fitting[:top]
     cal = folder.calibration
     kind = "predicted (calibrated)" if cal is not None and (cal.samples or cal.step_term_factors) else "predicted"
@@ -459,6 +451,19 @@ def _predicted_rows(folder: SweepFolder, new: SweepConfig, measured: set[Layout]
     counts = {"valid": len(by_production), "launched_not_stable": len(by_production) - len(layouts),
               "predicted": len(layouts), "over_memory": len(layouts) - len(fitting)}
     return rows, counts
+
+
+def _fastest_fitting(estimator: Estimator, layouts: list[Layout], calibration: Calibration | None,
+                     top: int) -> tuple[list[int], list[Estimate]]:
+    """The indices of ``layouts`` predicted to fit with a throughput, fastest first (a stable order: the
+    enumeration's among equals), through one term table, and the ``Estimate`` of the first ``top``. The table goes
+    with the call, before the caller lets the cycle collector run again (alive, its first pass walks all of it)."""
+    if not layouts:
+        return [], []
+    p = TermTable.build(estimator, layouts).predict(calibration)
+    fits = np.flatnonzero(p.fits & (p.step_time_s > 0) & (p.tokens_per_s > 0))
+    fitting = fits[np.argsort(-p.tokens_per_s[fits], kind="stable")].tolist()
+    return fitting, p.estimates_of(fitting[:top])
 
 
 def _largest_sizes(cfg: SweepConfig) -> SweepConfig:
