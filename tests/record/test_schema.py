@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from sweeper.record.schema import SweepMeta, TrialMetrics, TrialRecord, TrialResult, json_schemas
-from sweeper.record.sweepdir import SweepDir, read_trials
+from sweeper.record.sweepdir import SweepDir, read_meta, read_trials
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -86,3 +86,20 @@ def test_sweep_json_rewritten_with_some_entries_new_says_what_a_first_write_says
     fresh.write_meta(meta)
     assert sweep.meta.read_text() == fresh.meta.read_text()
     assert json.loads(sweep.meta.read_text())["memory_pruned"][1]["memory_gib"] == 70.0
+
+
+def test_sweep_json_with_a_nan_reads_back_and_a_broken_one_reads_as_none(tmp_path: Path) -> None:
+    """sweep.json is parsed by orjson, which refuses the NaN and Infinity that json.dumps writes for a float that is
+    one: such a file is read through json instead, and one that is not JSON (or not UTF-8) reads as none."""
+    sweep = SweepDir(tmp_path / "nan")
+    pruned = [{"layout": "TP1-PP2", "memory_gib": float("nan"), "reason": "over"}]
+    sweep.write_meta(SweepMeta(name="s", memory_pruned=pruned, scheduling_efficiency=float("inf")))
+    assert "NaN" in sweep.meta.read_text()
+    back = SweepDir(tmp_path / "nan").read_meta()
+    assert back.name == "s" and back.scheduling_efficiency == float("inf")
+    assert back.memory_pruned is not None and back.memory_pruned[0]["memory_gib"] != back.memory_pruned[0]["memory_gib"]
+    for text in (b'{"name": "s", ', b'\xff\xfe{"name": "s"}'):
+        broken = SweepDir(tmp_path / str(len(text)))
+        broken.meta.parent.mkdir(parents=True, exist_ok=True)
+        broken.meta.write_bytes(text)
+        assert read_meta(broken.meta) is None
