@@ -15,11 +15,14 @@ import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sweeper.config.load import load_config, proxy_config, resolve_space_path
 from sweeper.config.schema import SweepConfig, check_address_override
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
+
+if TYPE_CHECKING:  # imported by the command that uses it (``sweeper --help`` imports no estimator)
+    from sweeper.plan.assess import Plan
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -246,7 +249,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _show_plan(args: argparse.Namespace, cfg: Any, plan: Any, only: dict[str, Any], calibrated: str | None) -> None:
+def _show_plan(args: argparse.Namespace, cfg: SweepConfig, plan: Plan, only: dict[str, Any],
+               calibrated: str | None) -> None:
     if only and not len(plan):
         raise UsageError(_nothing_matched(cfg, only))
     if calibrated:  # on stderr: --json keeps stdout one JSON array
