@@ -232,7 +232,8 @@ class Layout:
         if self.account_for_embedding or self.account_for_loss or self.pipeline_layout:
             out.update(account_for_embedding=self.account_for_embedding, account_for_loss=self.account_for_loss,
                        pipeline_layout=self.pipeline_layout)
-        out.update(self._knobs())
+        if _knob_values(self) != _KNOB_DEFAULT_VALUES:  # most layouts set none
+            out.update(self._knobs())
         return out
 
     def _knobs(self) -> dict[str, Any]:
