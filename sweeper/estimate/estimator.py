@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from operator import attrgetter
 from typing import Any, Concatenate, NamedTuple, ParamSpec, cast
 
@@ -448,6 +448,12 @@ def _state_rows(states: tuple[StateBytes, ...], constants: EstimatorConstants, s
                  for state in states)
 
 
+@lru_cache(maxsize=65536)
+def _in_flight(pp: int, vpp: int, microbatches: int, ranks: int) -> tuple[float, ...]:
+    """``in_flight_microbatches`` of each of a pipeline's ``ranks``: the same for every shape on it."""
+    return tuple(in_flight_microbatches(rank, pp, vpp, microbatches) for rank in range(ranks))
+
+
 def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[StageActivations, ...], f: float,
                   ) -> tuple[tuple[float, ...], ...]:
     """Each stage's activations times its micro-batches in flight: ``(in flight, one layer's activations in bytes,
@@ -456,8 +462,7 @@ def _dynamic_rows(model: ModelSpec, lo: Layout, microbatches: int, acts: tuple[S
     vpp = lo.vpp if lo.pp > 1 else 1
     a2a_overlap = lo.moe_a2a_overlap and model.is_moe
     out = []
-    for rank, a in enumerate(acts):
-        in_flight = in_flight_microbatches(rank, lo.pp, vpp, microbatches)
+    for a, in_flight in zip(acts, _in_flight(lo.pp, vpp, microbatches, len(acts)), strict=True):
         activations = a.per_microbatch * in_flight
         per_layer = a.per_microbatch / max(a.layers, 1)
         if a2a_overlap:

@@ -18,7 +18,7 @@ recompute; the layer being rebuilt in backward is a transient. Checked against p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from types import MappingProxyType
 from typing import TypeVar
@@ -467,6 +467,16 @@ class LayerActivations:
     rebuilt: Mapping[Block, float]  # what its selective recomputation rebuilds during its backward (empty: none)
     kept_per_layer: float  # what full recomputation keeps per layer
     dispatch: float  # a MoE layer's token dispatcher buffers
+    # Each layer kind's (blocks' bytes kept, bytes rebuilt) as its stages ask for them: the stages of every pipeline
+    # of this shape are made of a few kinds (``of_kind``)
+    kinds: dict[LayerKind, tuple[float, float]] = field(default_factory=dict, compare=False, repr=False)
+
+    def of_kind(self, kind: LayerKind) -> tuple[float, float]:
+        """What one layer of ``kind`` keeps for backward, and what its selective recomputation rebuilds."""
+        kept = self.kinds.get(kind)
+        if kept is None:
+            kept = self.kinds[kind] = (sum(self.blocks[b] for b in kind), sum(self.rebuilt.get(b, 0.0) for b in kind))
+        return kept
 
 
 @lru_cache(maxsize=65536)
@@ -536,17 +546,16 @@ def _stage_activations(spec: ModelSpec, s: ActivationShape, per_layer: LayerActi
                        constants: EstimatorConstants, kinds: tuple, holder: bool, last: bool) -> StageActivations:
     """One stage's activations (``stage_activations``): its layers of ``kinds``, the MTP layers' logits on their
     ``holder`` and the output layer's on the ``last`` rank."""
-    blocks, rebuilt, kept_per_layer, dispatch = (per_layer.blocks, per_layer.rebuilt, per_layer.kept_per_layer,
-                                                 per_layer.dispatch)
-    per_kind = [(sum(blocks[b] for b in kind), n) for kind, n in kinds]
+    per_kind = [(per_layer.of_kind(kind), n) for kind, n in kinds]  # ((kept, rebuilt), layers of the kind)
+    layers, moe = _layers_and_moe(kinds)
     if s.recompute == "full":
-        kept = sum(n for _, n in kinds) * kept_per_layer
-        transient = max((a for a, _ in per_kind), default=0.0)  # one layer rebuilt during its backward
+        kept = layers * per_layer.kept_per_layer
+        transient = max((k[0] for k, _ in per_kind), default=0.0)  # one layer rebuilt during its backward
     else:
-        kept = sum(a * n for a, n in per_kind)
-        transient = max((sum(rebuilt.get(b, 0.0) for b in kind) for kind, _ in kinds), default=0.0)
-    if any("moe" in kind for kind, _ in kinds):
-        transient += dispatch
+        kept = sum(k[0] * n for k, n in per_kind)
+        transient = max((k[1] for k, _ in per_kind), default=0.0)
+    if moe:
+        transient += per_layer.dispatch
     logits = 0.0
     if holder:  # each MTP layer's own logits and loss, kept for backward beside the model's
         logits += spec.mtp_num_layers * s.tokens * padded_vocab_size(spec, s.tp) / s.tp \
@@ -555,8 +564,13 @@ def _stage_activations(spec: ModelSpec, s: ActivationShape, per_layer: LayerActi
         logits += s.tokens * padded_vocab_size(spec, s.tp) / s.tp * constants.logits_bytes_per_element
         # Final norm input and output (the output layer's input, gathered over SP for the vocab GEMM).
         logits += s.tokens * spec.hidden_size * s.act_bytes * (1 / s.seq_div + 1)
-    layers = sum(n for _, n in kinds)
     return StageActivations(kept, transient, logits, layers, graph_static_bytes(spec, s, kinds, constants))
+
+
+@lru_cache(maxsize=65536)
+def _layers_and_moe(kinds: tuple[tuple[LayerKind, int], ...]) -> tuple[int, bool]:
+    """A stage's decoder layers and whether a MoE block is among them (its kinds: the same in every shape)."""
+    return sum(n for _, n in kinds), any("moe" in kind for kind, _ in kinds)
 
 
 def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, constants: EstimatorConstants) -> float:
@@ -566,6 +580,8 @@ def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, consta
     Counted for the micro-batches in flight (the estimator multiplies), assuming a finished micro-batch's buffers
     are reused as TE's reuse of graph input/output buffers does; local and full-iteration graphs capture every block,
     TE graphs their scopes' blocks."""
+    if s.cuda_graph == "none":
+        return 0.0
     graphed = {SCOPE_BLOCK[scope] for scope in graphed_scopes(s.cuda_graph)}
     if not graphed:
         return 0.0
