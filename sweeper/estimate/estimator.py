@@ -432,12 +432,8 @@ def _hot_rank(calibration: Calibration | None) -> float | None:
 
 def _stage_states(params: tuple[StageParams, ...], lo: Layout, constants: EstimatorConstants,
                   compute_capability: str | None, run: RunSettings) -> tuple[StateBytes, ...]:
-    # Each distinct stage once: a pipeline's middle stages hold the same parameters (DeepSeek-V3 on PP16: 3 of 16),
-    # and every call of the cached function hashes the model's constants and run settings again.
-    dense_shards, edp = lo.dp * lo.cp, lo.edp
-    states = {p: model_state_bytes(p, lo.precision, lo.distributed_optimizer, dense_shards, edp, constants,
-                                   compute_capability, run, lo.fsdp) for p in dict.fromkeys(params)}
-    return tuple(states[p] for p in params)
+    return tuple(model_state_bytes(p, lo.precision, lo.distributed_optimizer, lo.dp * lo.cp, lo.edp, constants,
+                                   compute_capability, run, lo.fsdp) for p in params)
 
 
 def _state_rows(states: tuple[StateBytes, ...], constants: EstimatorConstants, s: float,

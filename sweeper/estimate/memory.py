@@ -580,13 +580,17 @@ def graph_static_bytes(spec: ModelSpec, s: ActivationShape, kinds: tuple, consta
     Counted for the micro-batches in flight (the estimator multiplies), assuming a finished micro-batch's buffers
     are reused as TE's reuse of graph input/output buffers does; local and full-iteration graphs capture every block,
     TE graphs their scopes' blocks."""
-    if s.cuda_graph == "none":
-        return 0.0
-    graphed = {SCOPE_BLOCK[scope] for scope in graphed_scopes(s.cuda_graph)}
+    graphed = _graphed_blocks(s.cuda_graph)
     if not graphed:
         return 0.0
     blocks = sum(n * sum(1 for b in kind if b in graphed) for kind, n in kinds)
     return constants.cuda_graph_static_copies * blocks * s.tokens * spec.hidden_size * s.act_bytes / s.seq_div
+
+
+@lru_cache(maxsize=256)
+def _graphed_blocks(cuda_graph: str) -> frozenset[str]:
+    """The blocks a cuda_graph value's scopes capture (none without graphs): a handful of values per space."""
+    return frozenset(SCOPE_BLOCK[scope] for scope in graphed_scopes(cuda_graph))
 
 
 def in_flight_microbatches(rank: int, pp: int, vpp: int, num_microbatches: int) -> float:
