@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import orjson
 
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate import Estimate, Estimator
@@ -71,8 +72,7 @@ class Plan:
     @classmethod
     def build(cls, cfg: SweepConfig, only: dict[str, Any] | None = None,
               calibration: Calibration | None = None) -> Plan:
-        layouts = [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
-        return cls.of(*_judged(cfg, layouts, calibration), calibration)
+        return cls.of(*judge_space(cfg, space_layouts(cfg, only), calibration), calibration)
 
     @classmethod
     def of(cls, judged: list[PlanEntry], table: TermTable, calibration: Calibration | None) -> Plan:
@@ -109,6 +109,12 @@ class Plan:
                 predicted = iter(self.predictions.json_of([row[i] for i in part if not judged[i].reasons]))
                 yield [_entry_json(e.layout, e.reasons, _NO_PREDICTION if e.reasons else next(predicted))
                        for e in (judged[i] for i in part)]
+
+    def json_text(self, size: int = 4096) -> Iterator[bytes]:
+        """``json_parts`` encoded: each part's elements as JSON text, comma-separated, without the array's brackets
+        (orjson: the same values as json.dumps, without spaces, a float's exponent as 1e-5 rather than 1e-05)."""
+        for part in self.json_parts(size):
+            yield orjson.dumps(part)[1:-1]
 
 
 def assess(cfg: SweepConfig, layout: Layout, calibration: Calibration | None = None,
@@ -148,18 +154,23 @@ def build_plan(cfg: SweepConfig, only: dict[str, Any] | None = None,
 
 
 def _plan_order(valid: np.ndarray, row: np.ndarray, p: Predictions) -> list[int]:
-    """``build_plan``'s order, from the arrays: the valid layouts predicted to fit by predicted throughput, then
-    those inside the band by predicted memory, then those over it by predicted memory, then the invalid ones; ties
-    in the space's order."""
+    """``build_plan``'s order, from the arrays: ``order_keys`` in turn, ties in the space's order."""
     if not valid.any():
         return list(range(len(valid)))
+    return np.lexsort((np.arange(len(valid)), *reversed(order_keys(valid, row, p)))).tolist()
+
+
+def order_keys(valid: np.ndarray, row: np.ndarray, p: Predictions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each layout's keys in the plan's order, each layout's from its own prediction: the valid layouts predicted to
+    fit (group 1) by predicted throughput, then those inside the band (2) by predicted memory, then those over it
+    (3) by predicted memory, then the invalid ones (4). ``row``: each valid layout's row in ``p``."""
     at = np.where(valid, row, 0)
     fits, may_fit, memory = p.fits[at], p.may_fit[at], p.memory_gib[at]
     tokens = np.where(p.step_time_s[at] > 0, p.tokens_per_s[at], 0.0)  # an Estimate's tokens_per_s is None else
     group = np.where(~valid, 4, np.where(fits, 1, np.where(may_fit, 2, 3)))
     first = np.where(~valid, 0.0, np.where(fits, -tokens, memory))
     second = np.where(valid & fits, memory, 0.0)
-    return np.lexsort((np.arange(len(valid)), second, first, group)).tolist()
+    return group, first, second
 
 
 def assess_all(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None = None) -> list[PlanEntry]:
@@ -179,12 +190,17 @@ def assess_tabled(cfg: SweepConfig, layouts: list[Layout], calibration: Calibrat
                   ) -> tuple[list[PlanEntry], TermTable]:
     """``assess_all``, the valid layouts predicted through their term table (returned too: a later calibration
     re-predicts them with ``repredict`` in one vectorised pass)."""
-    judged, table = _judged(cfg, layouts, calibration)
+    judged, table = judge_space(cfg, layouts, calibration)
     return repredict(judged, table, calibration), table
 
 
-def _judged(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
-            ) -> tuple[list[PlanEntry], TermTable]:
+def space_layouts(cfg: SweepConfig, only: dict[str, Any] | None = None) -> list[Layout]:
+    """The space's layouts (``enumerate_layouts``) that ``--only`` keeps, in the space's order."""
+    return [lo for lo in enumerate_layouts(cfg) if matches(lo, only or {})]
+
+
+def judge_space(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
+                ) -> tuple[list[PlanEntry], TermTable]:
     """The rules' verdict on each layout (none predicted) and the term table of the valid ones, in order."""
     checker = Checker(cfg.model, cfg.cluster, cfg.training.seq_length, cfg.run)
     judged = judge(cfg, layouts, checker)

@@ -104,7 +104,7 @@ def test_the_plans_order_and_json_from_arrays_equal_the_layout_by_layout_ones(
     assert orjson.dumps(plan.to_json()) == orjson.dumps([e.to_json() for e in want])
     # What `plan --json` writes, a part at a time (parts of 997: the valid ones' end falls inside a part), is the
     # whole array's text.
-    _write_json_array(plan.json_parts(997))
+    _write_json_array(plan.json_text(997))
     assert capsysbinary.readouterr().out == orjson.dumps([e.to_json() for e in want], option=orjson.OPT_APPEND_NEWLINE)
     assert len({_plan_order(e)[0] for e in want}) == 4  # every group of the order is there
 
