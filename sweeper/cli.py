@@ -22,7 +22,8 @@ from sweeper.config.schema import SweepConfig, check_address_override
 from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, UsageError
 
 if TYPE_CHECKING:  # imported by the command that uses it (``sweeper --help`` imports no estimator)
-    from sweeper.plan.assess import Plan
+    from sweeper.estimate.calibration import Calibration
+    from sweeper.space.layout import Layout
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -238,29 +239,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     only = only_filter(args.only)
     from sweeper.estimate.calibrator import stored
     from sweeper.estimate.term_table import without_cycle_collection
-    from sweeper.plan.assess import Plan
+    from sweeper.plan.assess import space_layouts
 
     calibration, calibrated = stored(cfg)  # what earlier sweeps on this cluster measured
     # A plan is one large tree of values without cycles (layouts, entries, estimates, their JSON): the cycle
     # collector's passes over it find nothing, and were a third of a DeepSeek-V3 plan's CPU (issue 54). The tree is
     # gone (``_show_plan`` returned) before the collector runs again: alive, its first pass would walk all of it.
     with without_cycle_collection():
-        _show_plan(args, cfg, Plan.build(cfg, only, calibration), only, calibrated)
+        _show_plan(args, cfg, space_layouts(cfg, only), only, calibration, calibrated)
     return EXIT_OK
 
 
-def _show_plan(args: argparse.Namespace, cfg: SweepConfig, plan: Plan, only: dict[str, Any],
-               calibrated: str | None) -> None:
-    if only and not len(plan):
+def _show_plan(args: argparse.Namespace, cfg: SweepConfig, layouts: list[Layout], only: dict[str, Any],
+               calibration: Calibration | None, calibrated: str | None) -> None:
+    if only and not layouts:
         raise UsageError(_nothing_matched(cfg, only))
     if calibrated:  # on stderr: --json keeps stdout one JSON array
         print(calibrated, file=sys.stderr)
-    if args.json:
-        _write_json_array(plan.json_text())
+    if args.json:  # a large space's on every core this process may use (sweeper/plan/shards.py)
+        from sweeper.plan.shards import plan_json_text
+
+        _write_json_array(plan_json_text(cfg, layouts, calibration))
         return
+    from sweeper.plan.assess import Plan, judge_space
     from sweeper.ui.views import print_plan
 
-    print_plan(cfg, plan.entries(), limit=args.limit)
+    print_plan(cfg, Plan.of(*judge_space(cfg, layouts, calibration), calibration).entries(), limit=args.limit)
 
 
 def _write_json_array(text: Iterable[bytes]) -> None:

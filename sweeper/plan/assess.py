@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,15 +100,19 @@ class Plan:
     def json_parts(self, size: int = 4096) -> Iterator[list[dict[str, Any]]]:
         """``to_json``'s array in consecutive parts of ``size`` elements: a writer encodes each part and lets it go
         before the next is made, instead of holding the whole tree (a DeepSeek-V3 plan's is most of a gigabyte)."""
-        judged, row = self.judged, self.row
         with without_cycle_collection():
             for start in range(0, len(self.order), size):
-                part = self.order[start:start + size]
-                # An entry is valid where it has no reasons (``PlanEntry.valid``, read here without its call: a
-                # plan writes a hundred thousand of them)
-                predicted = iter(self.predictions.json_of([row[i] for i in part if not judged[i].reasons]))
-                yield [_entry_json(e.layout, e.reasons, _NO_PREDICTION if e.reasons else next(predicted))
-                       for e in (judged[i] for i in part)]
+                yield self.json_of(self.order[start:start + size])
+
+    def json_of(self, indices: Sequence[int]) -> list[dict[str, Any]]:
+        """The contract's JSON element of each entry in ``indices`` (into ``judged``), in that order, the valid
+        ones' predictions made from the arrays a column at a time."""
+        judged, row = self.judged, self.row
+        # An entry is valid where it has no reasons (``PlanEntry.valid``, read here without its call: a plan writes a
+        # hundred thousand of them)
+        predicted = iter(self.predictions.json_of([row[i] for i in indices if not judged[i].reasons]))
+        return [_entry_json(e.layout, e.reasons, _NO_PREDICTION if e.reasons else next(predicted))
+                for e in (judged[i] for i in indices)]
 
     def json_text(self, size: int = 4096) -> Iterator[bytes]:
         """``json_parts`` encoded: each part's elements as JSON text, comma-separated, without the array's brackets

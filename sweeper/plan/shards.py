@@ -1,0 +1,141 @@
+"""`plan --json` of a large space on the cores this process may use (issue 54).
+
+A plan's work is per layout (the rules, the estimator, the JSON text) and so is its order: the valid layouts by
+their own predictions (``order_keys``), ties in the space's order, then the invalid ones in the space's order. So the
+space's layouts go in blocks, round robin, to worker processes forked once the layouts are enumerated (each inherits
+the config, the calibration and the layouts: nothing is imported or enumerated again); each judges its blocks,
+predicts their valid layouts through its own term table and writes their JSON elements; this process, worker 0,
+merges them: the valid elements by their keys, then each block's invalid elements, one piece of text a block. The
+text is byte for byte the one-process plan's (``Plan.json_text``; tests over spaces, block sizes and worker counts).
+A worker that fails or dies has its share done again here, where an error reaches the command as it would alone.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NoReturn
+
+import numpy as np
+import orjson
+
+from sweeper.config.schema import SweepConfig
+from sweeper.estimate.calibration import Calibration
+from sweeper.plan.assess import Plan, judge_space, order_keys
+from sweeper.space.layout import Layout
+
+BLOCK = 2048  # layouts: a worker's unit of work, and the invalid layouts' piece of text
+MAX_WORKERS = 8  # each worker predicts the stage shapes its layouts share with the others' again
+MIN_LAYOUTS = 4 * BLOCK  # fewer: one process (forking and merging would cost more than they save)
+
+
+def workers_for(count: int) -> int:
+    """How many processes plan ``count`` layouts: one per core this process may run on, at most ``MAX_WORKERS``
+    and one a block; one below ``MIN_LAYOUTS``, or where fork is not the platform's safe default (Linux only)."""
+    if sys.platform != "linux" or count < MIN_LAYOUTS:
+        return 1
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS, -(-count // BLOCK)))
+
+
+def plan_json_text(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
+                   workers: int | None = None, block: int = BLOCK) -> Iterator[bytes]:
+    """``Plan.json_text`` of ``layouts`` (the space's, in its order) under ``calibration``: the contract's JSON
+    elements a piece at a time, comma-separated within a piece, made by ``workers`` processes (``workers_for``'s
+    count when None)."""
+    blocks = [range(start, min(start + block, len(layouts))) for start in range(0, len(layouts), block)]
+    workers = min(workers_for(len(layouts)) if workers is None else workers, len(blocks))
+    if workers <= 1:
+        yield from Plan.of(*judge_space(cfg, layouts, calibration), calibration).json_text()
+        return
+    shards = _in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
+    index, group, first, second = (np.concatenate([getattr(s, name) for s in shards])
+                                   for name in ("index", "group", "first", "second"))
+    elements = [text for s in shards for text in s.valid]
+    yield b",".join([elements[i] for i in np.lexsort((index, second, first, group)).tolist()])
+    invalid = {b: text for s in shards for b, text in zip(s.blocks, s.invalid, strict=True)}
+    for b in range(len(blocks)):
+        yield invalid[b]
+
+
+@dataclass(frozen=True)
+class _Shard:
+    """What a worker sends back: its valid layouts' places in the space, their keys in the plan's order and their
+    JSON elements, and the text of each of its blocks' invalid elements (comma-separated, empty where none)."""
+
+    index: np.ndarray
+    group: np.ndarray
+    first: np.ndarray
+    second: np.ndarray
+    valid: list[bytes]
+    blocks: list[int]
+    invalid: list[bytes]
+
+
+def _shard(cfg: SweepConfig, layouts: list[Layout], blocks: Sequence[range], share: range,
+           calibration: Calibration | None) -> _Shard:
+    """One worker's share: the layouts of the blocks numbered in ``share``, judged, predicted and written."""
+    mine = [layouts[i] for b in share for i in blocks[b]]
+    plan = Plan.of(*judge_space(cfg, mine, calibration), calibration)
+    valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
+    keys = order_keys(valid, np.asarray(plan.row), plan.predictions)
+    places = np.concatenate([np.arange(blocks[b].start, blocks[b].stop) for b in share])
+    at = np.flatnonzero(valid).tolist()
+    texts = [orjson.dumps(element) for start in range(0, len(at), BLOCK)
+             for element in plan.json_of(at[start:start + BLOCK])]
+    invalid, start = [], 0
+    for b in share:
+        judged = range(start, start + len(blocks[b]))
+        invalid.append(orjson.dumps(plan.json_of([i for i in judged if not valid[i]]))[1:-1])
+        start += len(blocks[b])
+    group, first, second = (k[valid] for k in keys)
+    return _Shard(places[valid], group, first, second, texts, list(share), invalid)
+
+
+def _in_workers(work: Callable[[int], _Shard], workers: int) -> list[_Shard]:
+    """``work(w)`` for w in 0..workers-1: 0 in this process, the others each in a forked process whose result
+    comes back pickled through a pipe. One that fails or dies (no result, or a non-zero exit) is done again here."""
+    children: list[tuple[int, int, int]] = []  # (worker, pid, the pipe's reading end)
+    try:
+        for w in range(1, workers):
+            read, write = os.pipe()
+            with warnings.catch_warnings():
+                # Python 3.12 warns on forking a process with threads. The only other thread of a plan is numpy's
+                # OpenBLAS pool, which shuts down over a fork through its own pthread_atfork handler.
+                warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
+                pid = os.fork()
+            if pid == 0:
+                os.close(read)
+                _serve(work, w, write)
+            os.close(write)
+            children.append((w, pid, read))
+        results = [work(0)]
+        while children:
+            w, pid, read = children.pop(0)
+            with open(read, "rb") as pipe:
+                data = pipe.read()
+            _, status = os.waitpid(pid, 0)
+            results.append(pickle.loads(data) if data and os.waitstatus_to_exitcode(status) == 0 else work(w))
+        return results
+    finally:  # this process failed: its workers stopped and reaped, their pipes closed
+        for _, pid, read in children:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            os.close(read)
+
+
+def _serve(work: Callable[[int], _Shard], w: int, write: int) -> NoReturn:
+    """A forked worker: ``work(w)`` pickled into the pipe, then out without running this process's exit handlers or
+    flushing the stdout it inherited. An error exits non-zero, so the first process does the share again itself."""
+    code = 1
+    try:
+        data = pickle.dumps(work(w), protocol=pickle.HIGHEST_PROTOCOL)
+        with open(write, "wb") as pipe:
+            pipe.write(data)
+        code = 0
+    finally:
+        os._exit(code)
