@@ -262,9 +262,11 @@ def _show_plan(args: argparse.Namespace, cfg: SweepConfig, layouts: list[Layout]
         _write_json_array(plan_json_text(cfg, layouts, calibration))
         return
     from sweeper.plan.assess import Plan, judge_space
+    from sweeper.ui.plan_table import PlanTable
     from sweeper.ui.views import print_plan
 
-    print_plan(cfg, Plan.of(*judge_space(cfg, layouts, calibration), calibration).entries(), limit=args.limit)
+    entries = Plan.of(*judge_space(cfg, layouts, calibration), calibration).entries()
+    print_plan(cfg, PlanTable.of(cfg, entries), limit=args.limit)
 
 
 def _write_json_array(text: Iterable[bytes]) -> None:

@@ -19,7 +19,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, TypeVar
 
 import numpy as np
 import orjson
@@ -32,6 +32,7 @@ from sweeper.space.layout import Layout
 BLOCK = 2048  # layouts: a worker's unit of work, and the invalid layouts' piece of text
 MAX_WORKERS = 8  # each worker predicts the stage shapes its layouts share with the others' again
 MIN_LAYOUTS = 4 * BLOCK  # fewer: one process (forking and merging would cost more than they save)
+_R = TypeVar("_R")
 
 
 def workers_for(count: int) -> int:
@@ -47,12 +48,11 @@ def plan_json_text(cfg: SweepConfig, layouts: list[Layout], calibration: Calibra
     """``Plan.json_text`` of ``layouts`` (the space's, in its order) under ``calibration``: the contract's JSON
     elements a piece at a time, comma-separated within a piece, made by ``workers`` processes (``workers_for``'s
     count when None)."""
-    blocks = [range(start, min(start + block, len(layouts))) for start in range(0, len(layouts), block)]
-    workers = min(workers_for(len(layouts)) if workers is None else workers, len(blocks))
+    blocks, workers = split(len(layouts), workers, block)
     if workers <= 1:
         yield from Plan.of(*judge_space(cfg, layouts, calibration), calibration).json_text()
         return
-    shards = _in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
+    shards = in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
     index, group, first, second = (np.concatenate([getattr(s, name) for s in shards])
                                    for name in ("index", "group", "first", "second"))
     elements = [text for s in shards for text in s.valid]
@@ -60,6 +60,13 @@ def plan_json_text(cfg: SweepConfig, layouts: list[Layout], calibration: Calibra
     invalid = {b: text for s in shards for b, text in zip(s.blocks, s.invalid, strict=True)}
     for b in range(len(blocks)):
         yield invalid[b]
+
+
+def split(count: int, workers: int | None, block: int = BLOCK) -> tuple[list[range], int]:
+    """``count`` layouts' blocks of ``block``, and how many workers share them (``workers_for``'s when None, at
+    most one a block); worker w takes blocks w, w + workers, ... (``range(w, len(blocks), workers)``)."""
+    blocks = [range(start, min(start + block, count)) for start in range(0, count, block)]
+    return blocks, min(workers_for(count) if workers is None else workers, len(blocks))
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,7 @@ def _shard(cfg: SweepConfig, layouts: list[Layout], blocks: Sequence[range], sha
     return _Shard(places[valid], group, first, second, texts, list(share), invalid)
 
 
-def _in_workers(work: Callable[[int], _Shard], workers: int) -> list[_Shard]:
+def in_workers(work: Callable[[int], _R], workers: int) -> list[_R]:
     """``work(w)`` for w in 0..workers-1: 0 in this process, the others each in a forked process whose result
     comes back pickled through a pipe. One that fails or dies (no result, or a non-zero exit) is done again here."""
     children: list[tuple[int, int, int]] = []  # (worker, pid, the pipe's reading end)
@@ -128,7 +135,7 @@ def _in_workers(work: Callable[[int], _Shard], workers: int) -> list[_Shard]:
             os.close(read)
 
 
-def _serve(work: Callable[[int], _Shard], w: int, write: int) -> NoReturn:
+def _serve(work: Callable[[int], object], w: int, write: int) -> NoReturn:
     """A forked worker: ``work(w)`` pickled into the pipe, then out without running this process's exit handlers or
     flushing the stdout it inherited. An error exits non-zero, so the first process does the share again itself."""
     code = 1

@@ -9,13 +9,13 @@ from rich.table import Table
 
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.disk import disk_plan
-from sweeper.plan.assess import PlanEntry, invalid_reasons
 from sweeper.record.schema import TrialResult
-from sweeper.search.decide.objective import predicted_objectives, production_gpus
+from sweeper.search.decide.objective import production_gpus
 from sweeper.space.layout import Layout
 
 if TYPE_CHECKING:
     from sweeper.search.decide.replan import Replan
+    from sweeper.ui.plan_table import PlanTable
 
 console = Console()
 
@@ -29,22 +29,19 @@ def _table_width(table: Table, names: list[str]) -> int:
     return max((len(name) for name in names), default=6) + 14 * (len(table.columns) - 1) + 3 * len(table.columns)
 
 
-def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> None:
-    valid = [e for e in entries if e.valid]
+def print_plan(cfg: SweepConfig, plan: PlanTable, limit: int = 40) -> None:
+    valid, objectives = plan.valid, plan.objectives
     fits = [e for e in valid if e.predicted and e.predicted.fits]
     maybe = [e for e in valid if e.uncertain]
     c = cfg.cluster
     over = f"{(1 - cfg.search.memory_headroom) * 100:.0f}% memory"
     console.print(
         f"[bold]{cfg.name}[/]: {cfg.model.name} on {c.nodes} x {c.gpus_per_node} GPUs "
-        f"({c.gpu_memory_gib:g} GiB, cc {c.compute_capability}); {len(entries)} layouts: "
+        f"({c.gpu_memory_gib:g} GiB, cc {c.compute_capability}); {plan.layouts} layouts: "
         f"[green]{len(fits)} fit[/], [yellow]{len(maybe)} predicted over {over} but inside the estimator's error "
         f"band (a sweep launches them)[/], {len(valid) - len(fits) - len(maybe)} over {over} even at the band's "
-        f"lower end, [red]{len(entries) - len(valid)} invalid[/]"
+        f"lower end, [red]{plan.layouts - len(valid)} invalid[/]"
     )
-    objectives = predicted_objectives(cfg, [e.layout for e in valid], [e.predicted for e in valid])
-    order = sorted(range(len(valid)), key=lambda i: (not valid[i].launchable, -(objectives[i] or 0.0)))
-    valid, objectives = [valid[i] for i in order], [objectives[i] for i in order]  # launchable first, best first
     n = production_gpus(cfg)
     unit = "tokens/s" if cfg.search.objective == "tokens_per_s" else "rel. per GPU"
     table = Table(title=f"valid layouts, launchable first, best first as a {n}-GPU production run would run each "
@@ -77,7 +74,7 @@ def print_plan(cfg: SweepConfig, entries: list[PlanEntry], limit: int = 40) -> N
         reference = "fp32" if c.simulate is True else cfg.space.values("precision")[0]
         smallest = min(e.layout.world_size for e in valid)
         console.print(disk_plan(cfg, reference, smallest).line(cfg.training.keep_checkpoints))
-    reasons = invalid_reasons(entries)
+    reasons = plan.reasons
     if reasons:
         why = Table(title="invalid layouts by reason")
         why.add_column("layouts", justify="right")
