@@ -256,17 +256,16 @@ def _show_plan(args: argparse.Namespace, cfg: SweepConfig, layouts: list[Layout]
         raise UsageError(_nothing_matched(cfg, only))
     if calibrated:  # on stderr: --json keeps stdout one JSON array
         print(calibrated, file=sys.stderr)
-    if args.json:  # a large space's on every core this process may use (sweeper/plan/shards.py)
+    # A large space's JSON or table is made on the cores this process may use (sweeper/plan/shards.py)
+    if args.json:
         from sweeper.plan.shards import plan_json_text
 
         _write_json_array(plan_json_text(cfg, layouts, calibration))
         return
-    from sweeper.plan.assess import Plan, judge_space
-    from sweeper.ui.plan_table import PlanTable
+    from sweeper.ui.plan_table import plan_table
     from sweeper.ui.views import print_plan
 
-    entries = Plan.of(*judge_space(cfg, layouts, calibration), calibration).entries()
-    print_plan(cfg, PlanTable.of(cfg, entries), limit=args.limit)
+    print_plan(cfg, plan_table(cfg, layouts, calibration), limit=args.limit)
 
 
 def _write_json_array(text: Iterable[bytes]) -> None:

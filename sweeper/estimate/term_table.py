@@ -20,7 +20,7 @@ import gc
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
@@ -246,7 +246,7 @@ class TermTable:
             fits=worst_reserved + self.non_torch <= self.limit_gib, may_fit=low + self.non_torch <= self.limit_gib,
             worst_parts=parts[worst], fragmentation=reserved[worst] - allocated[worst], non_torch=self.non_torch,
             rank=self.rank[worst], in_flight=self.in_flight[worst], step_time_s=seconds, tokens_per_s=tokens_per_s,
-            terms=self.terms, step_factor=functools.cache(cal.step_factor),  # a layout's JSON asks it per term
+            terms=self.terms, step_factor=StepFactors(cal),
             per_step_names=(*self.stage_terms, PP_BUBBLE, *self.step_terms_names),
             per_step=functools.cache(per_step))  # made when JSON is asked for, not on every re-prediction
 
@@ -278,6 +278,21 @@ def step_seconds(terms: Sequence[StepTerms], calibration: Calibration | None) ->
 # The memory breakdown's sizes in the order an Estimate lists them (its bookkeeping entries, a pipeline rank and a
 # count, after them): ``Predictions.parts_gib``'s columns.
 BREAKDOWN_SIZES = (*PARTS, "fragmentation", "non_torch")
+
+
+@dataclass(frozen=True)
+class StepFactors:
+    """``calibration.step_factor``, each term's asked once (a layout's JSON asks it per term). A plain value, not a
+    ``functools.cache`` of the method: the Estimates that carry it pickle (``plan``'s workers send them back)."""
+
+    calibration: Calibration
+    known: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+
+    def __call__(self, term: str) -> float:
+        factor = self.known.get(term)
+        if factor is None:
+            factor = self.known[term] = self.calibration.step_factor(term)
+        return factor
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,21 @@
 """What `sweeper plan`'s table shows: the valid layouts, launchable first and best first by the sweep's objective
 as the production run would run each, with those objectives; the space's size; the invalid layouts' reasons by how
-many layouts each rejects."""
+many layouts each rejects. A large space's made on the cores this process may use, as `plan --json`'s (issue 54)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from sweeper.config.schema import SweepConfig
-from sweeper.plan.assess import PlanEntry, invalid_reasons
+from sweeper.estimate.calibration import Calibration
+from sweeper.plan.assess import Plan, PlanEntry, invalid_reasons, judge_space, order_keys
+from sweeper.plan.shards import BLOCK, in_workers, split
 from sweeper.search.decide.objective import predicted_objectives
+from sweeper.space.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -31,3 +38,61 @@ def ranked(valid: list[PlanEntry], objectives: list[float | None],
     """``valid`` (in the plan's order) and their ``objectives``, launchable first, best first."""
     order = sorted(range(len(valid)), key=lambda i: (not valid[i].launchable, -(objectives[i] or 0.0)))
     return [valid[i] for i in order], [objectives[i] for i in order]
+
+
+def plan_table(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
+               workers: int | None = None, block: int = BLOCK) -> PlanTable:
+    """``PlanTable.of`` the plan of ``layouts`` (the space's, in its order) under ``calibration``; a large space's on
+    the cores this process may use, as ``plan --json``'s (sweeper/plan/shards.py): each worker judges and predicts
+    its blocks and prices its valid layouts' objectives, and the merge puts them in the plan's order (``order_keys``,
+    ties in the space's) before ranking them as one process does. The same table whatever the workers (a test)."""
+    blocks, workers = split(len(layouts), workers, block)
+    if workers <= 1:
+        return PlanTable.of(cfg, Plan.of(*judge_space(cfg, layouts, calibration), calibration).entries())
+    parts = in_workers(lambda w: _part(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
+    index, group, first, second = (np.concatenate([getattr(p, name) for p in parts])
+                                   for name in ("index", "group", "first", "second"))
+    entries = [e for p in parts for e in p.valid]
+    objectives = [o for p in parts for o in p.objectives]
+    order = np.lexsort((index, second, first, group)).tolist()
+    # ``invalid_reasons``' order: most layouts first, ties in the order a reason first appears over the space
+    counts: dict[str, list[Any]] = {}
+    for p in parts:
+        for reason, (count, seen) in p.reasons.items():
+            total = counts.setdefault(reason, [0, seen])
+            total[0] += count
+            total[1] = min(total[1], seen)
+    reasons = [(reason, total[0]) for reason, total in sorted(counts.items(), key=lambda kv: (-kv[1][0], kv[1][1]))]
+    return PlanTable(len(layouts), *ranked([entries[i] for i in order], [objectives[i] for i in order]), reasons)
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A worker's part of the table: its valid entries (in the space's order) with their places in the space, their
+    keys in the plan's order and their objectives; each invalid reason with how many of its layouts it rejects and
+    where it first appears (the layout's place in the space, the reason's place among that layout's reasons)."""
+
+    index: np.ndarray
+    group: np.ndarray
+    first: np.ndarray
+    second: np.ndarray
+    valid: list[PlanEntry]
+    objectives: list[float | None]
+    reasons: dict[str, tuple[int, tuple[int, int]]]
+
+
+def _part(cfg: SweepConfig, layouts: list[Layout], blocks: Sequence[range], share: range,
+          calibration: Calibration | None) -> _Part:
+    places = [i for b in share for i in blocks[b]]
+    plan = Plan.of(*judge_space(cfg, [layouts[i] for i in places], calibration), calibration)
+    valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
+    group, first, second = (k[valid] for k in order_keys(valid, np.asarray(plan.row), plan.predictions))
+    entries = [PlanEntry(e.layout, e.reasons, p) for e, p in
+               zip((e for e in plan.judged if not e.reasons), plan.predictions.estimates(), strict=True)]
+    objectives = predicted_objectives(cfg, [e.layout for e in entries], [e.predicted for e in entries])
+    reasons: dict[str, tuple[int, tuple[int, int]]] = {}
+    for place, e in zip(places, plan.judged, strict=True):
+        for k, reason in enumerate(e.reasons):
+            count, seen = reasons.get(reason, (0, (place, k)))
+            reasons[reason] = (count + 1, seen)
+    return _Part(np.asarray(places)[valid], group, first, second, entries, objectives, reasons)

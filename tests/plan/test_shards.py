@@ -40,9 +40,19 @@ def one_process(wide: Any) -> dict[int, bytes]:
 @pytest.mark.parametrize(("workers", "block"), [(2, 97), (3, 1000), (2, 4096), (7, 2048)])
 @pytest.mark.parametrize("calibrated", [0, 1])
 def test_the_workers_text_is_one_processs(wide: Any, one_process: dict[int, bytes], workers: int, block: int,
-                                          calibrated: int) -> None:
+                                          calibrated: int, monkeypatch: pytest.MonkeyPatch) -> None:
     calibration = CALIBRATED if calibrated else None
+    here, real = os.getpid(), shards._shard
+    made_here: list[int] = []
+
+    def shard(*args: Any) -> Any:
+        if os.getpid() == here:
+            made_here.append(args[3].start)
+        return real(*args)
+
+    monkeypatch.setattr(shards, "_shard", shard)
     text = _text(shards.plan_json_text(wide, space_layouts(wide), calibration, workers=workers, block=block))
+    assert made_here == [0]  # every other worker's share came back from its process
     assert text == one_process[calibrated]
     assert len(orjson.loads(b"[" + text + b"]")) == 11520
 

@@ -1,0 +1,44 @@
+"""`sweeper plan`'s table of a large space made on several processes (sweeper/ui/plan_table.py): the same table as
+one process makes, the workers' parts really made by the workers."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sweeper.config.load import load_config
+from sweeper.estimate import Calibration
+from sweeper.plan.assess import space_layouts
+from sweeper.ui import plan_table
+
+ROOT = Path(__file__).resolve().parents[2]
+WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 2,040 valid, MoE + Mamba
+
+
+@pytest.mark.parametrize(("workers", "block"), [(2, 97), (3, 2048)])
+@pytest.mark.parametrize("calibration", [None, Calibration(activation_factor=1.2, state_factor=0.9,
+                                                           overhead_gib=1.0, step_time_factor=1.1)])
+def test_the_workers_table_is_one_processs(workers: int, block: int, calibration: Calibration | None,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = load_config(WIDE)
+    layouts = space_layouts(cfg)
+    here, real = os.getpid(), plan_table._part
+    made_here: list[int] = []
+
+    def part(*args: Any) -> Any:
+        if os.getpid() == here:
+            made_here.append(args[3].start)
+        return real(*args)
+
+    monkeypatch.setattr(plan_table, "_part", part)
+    table = plan_table.plan_table(cfg, layouts, calibration, workers=workers, block=block)
+    assert made_here == [0]  # every other worker's part came back from its process
+    one = plan_table.plan_table(load_config(WIDE), layouts, calibration, workers=1)
+    assert table == one
+    assert [e.predicted for e in table.valid] == [e.predicted for e in one.valid]
+    assert table.layouts == 11520 and len(table.valid) == 2040
+    assert len(table.reasons) > 10 and len({count for _, count in table.reasons}) < len(table.reasons)  # ties
+
