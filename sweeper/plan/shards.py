@@ -12,6 +12,7 @@ A worker that fails or dies has its share done again here, where an error reache
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import signal
@@ -33,6 +34,7 @@ BLOCK = 2048  # layouts: a worker's unit of work, and the invalid layouts' piece
 MAX_WORKERS = 8  # each worker predicts the stage shapes its layouts share with the others' again
 MIN_LAYOUTS = 4 * BLOCK  # fewer: one process (forking and merging would cost more than they save)
 _R = TypeVar("_R")
+_log = logging.getLogger("sweeper.plan")
 
 
 def workers_for(count: int) -> int:
@@ -126,7 +128,14 @@ def in_workers(work: Callable[[int], _R], workers: int) -> list[_R]:
             with open(read, "rb") as pipe:
                 data = pipe.read()
             _, status = os.waitpid(pid, 0)
-            results.append(pickle.loads(data) if data and os.waitstatus_to_exitcode(status) == 0 else work(w))
+            code = os.waitstatus_to_exitcode(status)
+            if data and code == 0:
+                results.append(pickle.loads(data))
+                continue
+            # On stderr (stdout may be the JSON): a worker that fails here is a bug of sweeper's or a lack of memory
+            _log.warning("plan: worker %d of %d %s; its share is done in this process", w, workers,
+                         f"exited with {code}" if code >= 0 else f"was killed by signal {-code}")
+            results.append(work(w))
         return results
     finally:  # this process failed: its workers stopped and reaped, their pipes closed
         for _, pid, read in children:

@@ -91,9 +91,14 @@ def _failing_in_workers(how: str, parent: int) -> Any:
 
 @pytest.mark.parametrize("how", ["raise", "exit", "kill"])
 def test_a_worker_that_fails_or_dies_is_done_again_here(wide: Any, one_process: dict[int, bytes], how: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+                                                        monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(shards, "_shard", _failing_in_workers(how, os.getpid()))
-    assert _text(shards.plan_json_text(wide, space_layouts(wide), None, workers=3, block=1000)) == one_process[0]
+    with caplog.at_level("WARNING", logger="sweeper.plan"):
+        assert _text(shards.plan_json_text(wide, space_layouts(wide), None, workers=3, block=1000)) == one_process[0]
+    said = {"raise": "exited with 1", "exit": "exited with 0", "kill": "was killed by signal 9"}[how]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"plan: worker {w} of 3 {said}; its share is done in this process" for w in (1, 2)]
 
 
 def test_a_failure_here_stops_and_reaps_every_worker(wide: Any, monkeypatch: pytest.MonkeyPatch) -> None:
