@@ -9,7 +9,9 @@ collapse to one layout.
 
 from __future__ import annotations
 
+import bisect
 import itertools
+from collections.abc import Sequence
 from typing import Any
 
 from sweeper.config.schema import SweepConfig
@@ -20,29 +22,58 @@ from sweeper.space.pipeline import balanced_layout, parse_layout, pipeline_split
 
 
 def enumerate_layouts(cfg: SweepConfig) -> list[Layout]:
-    # Each axis value goes through the Layout constructor once (checked, canonical spelling); the product's layouts
-    # are then assembled from checked values, which is what keeps a hundred thousand of them quick. Duplicates are
-    # dropped among each axis's values (SP's per TP, the pipeline's per PP) before the product, so no layout is built
-    # twice and none needs a key: a layout keeps the place in the product where its values first appear.
-    defaults = vars(Layout(world_size=1, gbs=cfg.training.global_batch_size))
-    values = {a.name: list(dict.fromkeys(_checked(a.field, cfg.world_sizes if a.name == "gpus"
-                                                  else cfg.space.values(a.name)))) for a in SEARCHED}
-    patches = {a.name: [{a.field: v} for v in values[a.name]] for a in SEARCHED}
-    patches["gpus"] = [{"world_size": w, "gbs": cfg.trial_global_batch(w)} for w in values["gpus"]]
-    sp = {tp: [{"sp": on} for on in dict.fromkeys(resolve_sp(v, tp) for v in values["sp"])] for tp in values["tp"]}
-    rows = [dict(defaults)]
-    after_sp = [a.name for a in SEARCHED].index("sp") + 1
-    for axis in SEARCHED[:after_sp]:
-        by_row = (lambda row: sp[row["tp"]]) if axis.name == "sp" else (lambda row, p=patches[axis.name]: p)
-        rows = [{**row, **patch} for row in rows for patch in by_row(row)]
-    # The axes after SP take the same values in every row: their product, the pipeline's parts innermost (its axis
-    # is the last), is one list of patches per (PP, VPP), and each layout costs one copy of its row.
-    tail: list[dict[str, Any]] = [{}]
-    for axis in SEARCHED[after_sp:-1]:
-        tail = [{**t, **patch} for t in tail for patch in patches[axis.name]]
-    parts = _pipeline_parts(cfg.model, values["pp"], values["vpp"], values["pipeline_layout"], defaults)
-    inner = {key: [{**t, **part} for t in tail for part in pipeline] for key, pipeline in parts.items()}
-    return [Layout.from_checked({**row, **patch}) for row in rows for patch in inner[row["pp"], row["vpp"]]]
+    return SpaceProduct(cfg).layouts()
+
+
+class SpaceProduct:
+    """The space's layouts as the product of its axes, each built only when asked for: all of them, or those at
+    some places of the space (a worker of a large plan builds its own blocks, sweeper/plan/shards.py)."""
+
+    def __init__(self, cfg: SweepConfig) -> None:
+        # Each axis value goes through the Layout constructor once (checked, canonical spelling); the product's
+        # layouts are then assembled from checked values, which is what keeps a hundred thousand of them quick.
+        # Duplicates are dropped among each axis's values (SP's per TP, the pipeline's per PP) before the product, so
+        # no layout is built twice and none needs a key: a layout keeps the place in the product where its values
+        # first appear.
+        defaults = vars(Layout(world_size=1, gbs=cfg.training.global_batch_size))
+        values = {a.name: list(dict.fromkeys(_checked(a.field, cfg.world_sizes if a.name == "gpus"
+                                                      else cfg.space.values(a.name)))) for a in SEARCHED}
+        patches = {a.name: [{a.field: v} for v in values[a.name]] for a in SEARCHED}
+        patches["gpus"] = [{"world_size": w, "gbs": cfg.trial_global_batch(w)} for w in values["gpus"]]
+        sp = {tp: [{"sp": on} for on in dict.fromkeys(resolve_sp(v, tp) for v in values["sp"])]
+              for tp in values["tp"]}
+        rows = [dict(defaults)]
+        after_sp = [a.name for a in SEARCHED].index("sp") + 1
+        for axis in SEARCHED[:after_sp]:
+            by_row = (lambda row: sp[row["tp"]]) if axis.name == "sp" else (lambda row, p=patches[axis.name]: p)
+            rows = [{**row, **patch} for row in rows for patch in by_row(row)]
+        # The axes after SP take the same values in every row: their product, the pipeline's parts innermost (its
+        # axis is the last), is one list of patches per (PP, VPP), and each layout costs one copy of its row.
+        tail: list[dict[str, Any]] = [{}]
+        for axis in SEARCHED[after_sp:-1]:
+            tail = [{**t, **patch} for t in tail for patch in patches[axis.name]]
+        parts = _pipeline_parts(cfg.model, values["pp"], values["vpp"], values["pipeline_layout"], defaults)
+        inner = {key: [{**t, **part} for t in tail for part in pipeline] for key, pipeline in parts.items()}
+        self._rows = [(row, inner[row["pp"], row["vpp"]]) for row in rows]
+        self._starts = list(itertools.accumulate((len(patches) for _, patches in self._rows), initial=0))
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def layouts(self, places: Sequence[range] | None = None) -> list[Layout]:
+        """Every layout of the space, in its order; or those at ``places`` (ranges of it, in that order)."""
+        if places is None:
+            return [Layout.from_checked({**row, **patch}) for row, patches in self._rows for patch in patches]
+        out: list[Layout] = []
+        for where in places:
+            r = bisect.bisect_right(self._starts, where.start) - 1  # the row of the range's first layout
+            while r < len(self._rows) and self._starts[r] < where.stop:
+                row, patches = self._rows[r]
+                first = self._starts[r]
+                out += [Layout.from_checked({**row, **patch})
+                        for patch in patches[max(where.start - first, 0):where.stop - first]]
+                r += 1
+        return out
 
 
 def _pipeline_parts(model: ModelSpec, pps: list[int], vpps: list[int], layouts: list[str | None],
