@@ -23,7 +23,7 @@ from sweeper.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, SweeperError, Usage
 
 if TYPE_CHECKING:  # imported by the command that uses it (``sweeper --help`` imports no estimator)
     from sweeper.estimate.calibration import Calibration
-    from sweeper.space.layout import Layout
+    from sweeper.plan.shards import Layouts
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -240,19 +240,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from sweeper.estimate.calibrator import stored
     from sweeper.estimate.term_table import without_cycle_collection
     from sweeper.plan.assess import space_layouts
+    from sweeper.plan.shards import Listed
+    from sweeper.plan.space import SpaceProduct
 
     calibration, calibrated = stored(cfg)  # what earlier sweeps on this cluster measured
     # A plan is one large tree of values without cycles (layouts, entries, estimates, their JSON): the cycle
     # collector's passes over it find nothing, and were a third of a DeepSeek-V3 plan's CPU (issue 54). The tree is
     # gone (``_show_plan`` returned) before the collector runs again: alive, its first pass would walk all of it.
     with without_cycle_collection():
-        _show_plan(args, cfg, space_layouts(cfg, only), only, calibration, calibrated)
+        # The whole space's layouts are built where they are judged (a large space's by each worker, its own)
+        _show_plan(args, cfg, Listed(space_layouts(cfg, only)) if only else SpaceProduct(cfg), only, calibration,
+                   calibrated)
     return EXIT_OK
 
 
-def _show_plan(args: argparse.Namespace, cfg: SweepConfig, layouts: list[Layout], only: dict[str, Any],
+def _show_plan(args: argparse.Namespace, cfg: SweepConfig, layouts: Layouts, only: dict[str, Any],
                calibration: Calibration | None, calibrated: str | None) -> None:
-    if only and not layouts:
+    if only and not len(layouts):
         raise UsageError(_nothing_matched(cfg, only))
     if calibrated:  # on stderr: --json keeps stdout one JSON array
         print(calibrated, file=sys.stderr)

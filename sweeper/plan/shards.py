@@ -8,6 +8,7 @@ predicts their valid layouts through its own term table and writes their JSON el
 merges them: the valid elements by their keys, then each block's invalid elements, one piece of text a block. The
 text is byte for byte the one-process plan's (``Plan.json_text``; tests over spaces, block sizes and worker counts).
 A worker that fails or dies has its share done again here, where an error reaches the command as it would alone.
+A whole space's layouts are built by the workers too, each its own blocks (``SpaceProduct``).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, TypeVar
+from typing import NoReturn, Protocol, TypeVar
 
 import numpy as np
 import orjson
@@ -37,6 +38,27 @@ _R = TypeVar("_R")
 _log = logging.getLogger("sweeper.plan")
 
 
+class Layouts(Protocol):
+    """A plan's layouts, built when asked for: all, or those at some places (ranges) of their order."""
+
+    def __len__(self) -> int: ...
+
+    def layouts(self, places: Sequence[range] | None = None) -> list[Layout]: ...
+
+
+@dataclass(frozen=True)
+class Listed:
+    """``Layouts`` already built (a space after ``--only``)."""
+
+    items: list[Layout]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def layouts(self, places: Sequence[range] | None = None) -> list[Layout]:
+        return list(self.items) if places is None else [self.items[i] for where in places for i in where]
+
+
 def workers_for(count: int) -> int:
     """How many processes plan ``count`` layouts: one per core this process may run on, at most ``MAX_WORKERS``
     and one a block; one below ``MIN_LAYOUTS``, or where fork is not the platform's safe default (Linux only)."""
@@ -45,14 +67,14 @@ def workers_for(count: int) -> int:
     return max(1, min(len(os.sched_getaffinity(0)), MAX_WORKERS, -(-count // BLOCK)))
 
 
-def plan_json_text(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
+def plan_json_text(cfg: SweepConfig, layouts: Layouts, calibration: Calibration | None,
                    workers: int | None = None, block: int = BLOCK) -> Iterator[bytes]:
     """``Plan.json_text`` of ``layouts`` (the space's, in its order) under ``calibration``: the contract's JSON
     elements a piece at a time, comma-separated within a piece, made by ``workers`` processes (``workers_for``'s
     count when None)."""
     blocks, workers = split(len(layouts), workers, block)
     if workers <= 1:
-        yield from Plan.of(*judge_space(cfg, layouts, calibration), calibration).json_text()
+        yield from Plan.of(*judge_space(cfg, layouts.layouts(), calibration), calibration).json_text()
         return
     shards = in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
     index, group, first, second = (np.concatenate([getattr(s, name) for s in shards])
@@ -85,10 +107,10 @@ class _Shard:
     invalid: list[bytes]
 
 
-def _shard(cfg: SweepConfig, layouts: list[Layout], blocks: Sequence[range], share: range,
+def _shard(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
            calibration: Calibration | None) -> _Shard:
-    """One worker's share: the layouts of the blocks numbered in ``share``, judged, predicted and written."""
-    mine = [layouts[i] for b in share for i in blocks[b]]
+    """One worker's share: the layouts of the blocks numbered in ``share``, built, judged, predicted and written."""
+    mine = layouts.layouts([blocks[b] for b in share])
     plan = Plan.of(*judge_space(cfg, mine, calibration), calibration)
     valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
     keys = order_keys(valid, np.asarray(plan.row), plan.predictions)

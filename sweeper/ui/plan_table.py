@@ -13,9 +13,8 @@ import numpy as np
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.calibration import Calibration
 from sweeper.plan.assess import Plan, PlanEntry, invalid_reasons, judge_space, order_keys
-from sweeper.plan.shards import BLOCK, in_workers, split
+from sweeper.plan.shards import BLOCK, Layouts, in_workers, split
 from sweeper.search.decide.objective import predicted_objectives
-from sweeper.space.layout import Layout
 
 
 @dataclass(frozen=True)
@@ -40,7 +39,7 @@ def ranked(valid: list[PlanEntry], objectives: list[float | None],
     return [valid[i] for i in order], [objectives[i] for i in order]
 
 
-def plan_table(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration | None,
+def plan_table(cfg: SweepConfig, layouts: Layouts, calibration: Calibration | None,
                workers: int | None = None, block: int = BLOCK) -> PlanTable:
     """``PlanTable.of`` the plan of ``layouts`` (the space's, in its order) under ``calibration``; a large space's on
     the cores this process may use, as ``plan --json``'s (sweeper/plan/shards.py): each worker judges and predicts
@@ -48,7 +47,7 @@ def plan_table(cfg: SweepConfig, layouts: list[Layout], calibration: Calibration
     ties in the space's) before ranking them as one process does. The same table whatever the workers (a test)."""
     blocks, workers = split(len(layouts), workers, block)
     if workers <= 1:
-        return PlanTable.of(cfg, Plan.of(*judge_space(cfg, layouts, calibration), calibration).entries())
+        return PlanTable.of(cfg, Plan.of(*judge_space(cfg, layouts.layouts(), calibration), calibration).entries())
     parts = in_workers(lambda w: _part(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
     index, group, first, second = (np.concatenate([getattr(p, name) for p in parts])
                                    for name in ("index", "group", "first", "second"))
@@ -81,10 +80,10 @@ class _Part:
     reasons: dict[str, tuple[int, tuple[int, int]]]
 
 
-def _part(cfg: SweepConfig, layouts: list[Layout], blocks: Sequence[range], share: range,
+def _part(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
           calibration: Calibration | None) -> _Part:
     places = [i for b in share for i in blocks[b]]
-    plan = Plan.of(*judge_space(cfg, [layouts[i] for i in places], calibration), calibration)
+    plan = Plan.of(*judge_space(cfg, layouts.layouts([blocks[b] for b in share]), calibration), calibration)
     valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
     group, first, second = (k[valid] for k in order_keys(valid, np.asarray(plan.row), plan.predictions))
     entries = [PlanEntry(e.layout, e.reasons, p) for e, p in

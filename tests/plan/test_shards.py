@@ -16,6 +16,7 @@ from sweeper.config.load import load_config
 from sweeper.estimate import Calibration
 from sweeper.plan import shards
 from sweeper.plan.assess import Plan, judge_space, space_layouts
+from sweeper.plan.space import SpaceProduct
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 2,040 valid, MoE + Mamba
@@ -51,21 +52,29 @@ def test_the_workers_text_is_one_processs(wide: Any, one_process: dict[int, byte
         return real(*args)
 
     monkeypatch.setattr(shards, "_shard", shard)
-    text = _text(shards.plan_json_text(wide, space_layouts(wide), calibration, workers=workers, block=block))
+    text = _text(shards.plan_json_text(wide, SpaceProduct(wide), calibration, workers=workers, block=block))
     assert made_here == [0]  # every other worker's share came back from its process
     assert text == one_process[calibrated]
     assert len(orjson.loads(b"[" + text + b"]")) == 11520
 
 
+def test_a_listed_space_after_only_goes_to_workers_too(wide: Any) -> None:
+    only = {"precision": "fp8"}
+    listed = shards.Listed(space_layouts(wide, only))
+    assert 4000 < len(listed) < 11520
+    assert _text(shards.plan_json_text(wide, listed, None, workers=2, block=500)) == _text(
+        Plan.build(wide, only).json_text())
+
+
 def test_a_space_smaller_than_a_block_or_empty_stays_in_one_process(wide: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    layouts = space_layouts(wide)[:50]
+    layouts = shards.Listed(space_layouts(wide)[:50])
     forks: list[int] = []
     real_fork = os.fork
     monkeypatch.setattr(os, "fork", lambda: forks.append(1) or real_fork())
     assert _text(shards.plan_json_text(wide, layouts, None, workers=4, block=2048)) == _text(
-        Plan.of(*judge_space(wide, layouts, None), None).json_text())
+        Plan.of(*judge_space(wide, layouts.items, None), None).json_text())
     assert not forks
-    assert _text(shards.plan_json_text(wide, [], None, workers=4)) == b""
+    assert _text(shards.plan_json_text(wide, shards.Listed([]), None, workers=4)) == b""
 
 
 def test_workers_for_a_small_space_is_one() -> None:
@@ -95,7 +104,7 @@ def test_a_worker_that_fails_or_dies_is_done_again_here(wide: Any, one_process: 
                                                         caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(shards, "_shard", _failing_in_workers(how, os.getpid()))
     with caplog.at_level("WARNING", logger="sweeper.plan"):
-        assert _text(shards.plan_json_text(wide, space_layouts(wide), None, workers=3, block=1000)) == one_process[0]
+        assert _text(shards.plan_json_text(wide, SpaceProduct(wide), None, workers=3, block=1000)) == one_process[0]
     said = {"raise": "exited with 1", "exit": "exited with 0", "kill": "was killed by signal 9"}[how]
     assert [r.getMessage() for r in caplog.records] == [
         f"plan: worker {w} of 3 {said}; its share is done in this process" for w in (1, 2)]
@@ -120,7 +129,7 @@ def test_a_failure_here_stops_and_reaps_every_worker(wide: Any, monkeypatch: pyt
     monkeypatch.setattr(os, "fork", fork)
     monkeypatch.setattr(shards, "_shard", shard)
     with pytest.raises(RuntimeError, match="this process's bug"):
-        list(shards.plan_json_text(wide, space_layouts(wide), None, workers=3, block=1000))
+        list(shards.plan_json_text(wide, SpaceProduct(wide), None, workers=3, block=1000))
     assert len(forked) == 2
     for pid in forked:  # reaped: no longer this process's child
         with pytest.raises(ChildProcessError):

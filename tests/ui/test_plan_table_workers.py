@@ -12,6 +12,8 @@ import pytest
 from sweeper.config.load import load_config
 from sweeper.estimate import Calibration
 from sweeper.plan.assess import space_layouts
+from sweeper.plan.shards import Listed
+from sweeper.plan.space import SpaceProduct
 from sweeper.ui import plan_table
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,7 +26,7 @@ WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 
 def test_the_workers_table_is_one_processs(workers: int, block: int, calibration: Calibration | None,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(WIDE)
-    layouts = space_layouts(cfg)
+    layouts = SpaceProduct(cfg) if block == 97 else Listed(space_layouts(cfg))  # the whole space, a built list
     here, real = os.getpid(), plan_table._part
     made_here: list[int] = []
 
