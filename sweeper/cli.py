@@ -272,7 +272,7 @@ def _show_plan(args: argparse.Namespace, cfg: SweepConfig, layouts: Layouts, onl
     print_plan(cfg, plan_table(cfg, layouts, calibration), limit=args.limit)
 
 
-def _write_json_array(text: Iterable[bytes]) -> None:
+def _write_json_array(text: Iterable[bytes | memoryview]) -> None:
     """One JSON array on stdout, one line, from the text of its elements a piece at a time (each piece elements
     separated by commas, as ``Plan.json_text`` makes them; an empty piece has none): each piece freed before the next
     is made. Written as bytes where stdout takes them."""
@@ -280,11 +280,11 @@ def _write_json_array(text: Iterable[bytes]) -> None:
     if binary:
         sys.stdout.flush()
 
-    def write(data: bytes) -> None:
+    def write(data: bytes | memoryview) -> None:
         if binary:
             sys.stdout.buffer.write(data)
         else:
-            sys.stdout.write(data.decode())
+            sys.stdout.write(bytes(data).decode())
 
     write(b"[")
     separator = b""

@@ -13,15 +13,19 @@ A whole space's layouts are built by the workers too, each its own blocks (``Spa
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import logging
+import mmap
 import os
 import pickle
 import signal
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NoReturn, Protocol, TypeVar
+from typing import IO, Any, NoReturn, Protocol, TypeVar
 
 import numpy as np
 import orjson
@@ -68,7 +72,7 @@ def workers_for(count: int) -> int:
 
 
 def plan_json_text(cfg: SweepConfig, layouts: Layouts, calibration: Calibration | None,
-                   workers: int | None = None, block: int = BLOCK) -> Iterator[bytes]:
+                   workers: int | None = None, block: int = BLOCK) -> Iterator[bytes | memoryview]:
     """``Plan.json_text`` of ``layouts`` (the space's, in its order) under ``calibration``: the contract's JSON
     elements a piece at a time, comma-separated within a piece, made by ``workers`` processes (``workers_for``'s
     count when None)."""
@@ -76,7 +80,8 @@ def plan_json_text(cfg: SweepConfig, layouts: Layouts, calibration: Calibration 
     if workers <= 1:
         yield from Plan.of(*judge_space(cfg, layouts.layouts(), calibration), calibration).json_text()
         return
-    shards = in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
+    shards = in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers,
+                        _Shard.dump, _Shard.load)
     index, group, first, second = (np.concatenate([getattr(s, name) for s in shards])
                                    for name in ("index", "group", "first", "second"))
     elements = [text for s in shards for text in s.valid]
@@ -96,15 +101,35 @@ def split(count: int, workers: int | None, block: int = BLOCK) -> tuple[list[ran
 @dataclass(frozen=True)
 class _Shard:
     """What a worker sends back: its valid layouts' places in the space, their keys in the plan's order and their
-    JSON elements, and the text of each of its blocks' invalid elements (comma-separated, empty where none)."""
+    JSON elements, and the text of each of its blocks' invalid elements (comma-separated, empty where none). The
+    text comes back as written (``dump``, ``load``): views of the worker's file, not a pickle copied twice."""
 
     index: np.ndarray
     group: np.ndarray
     first: np.ndarray
     second: np.ndarray
-    valid: list[bytes]
+    valid: Sequence[bytes | memoryview]
     blocks: list[int]
-    invalid: list[bytes]
+    invalid: Sequence[bytes | memoryview]
+
+    def dump(self, spool: IO[bytes]) -> None:
+        """Written as the header's length, the header (the arrays and every text's length, pickled), the texts."""
+        lengths = [len(text) for text in (*self.valid, *self.invalid)]
+        header = pickle.dumps((self.index, self.group, self.first, self.second, len(self.valid), self.blocks,
+                               lengths), protocol=pickle.HIGHEST_PROTOCOL)
+        spool.write(len(header).to_bytes(8, "little"))
+        spool.write(header)
+        for text in (*self.valid, *self.invalid):
+            spool.write(text)
+
+    @classmethod
+    def load(cls, spool: IO[bytes]) -> _Shard:
+        view = memoryview(mmap.mmap(spool.fileno(), 0, access=mmap.ACCESS_READ))
+        size = int.from_bytes(view[:8], "little")
+        index, group, first, second, valid, blocks, lengths = pickle.loads(view[8:8 + size])
+        ends = list(itertools.accumulate(lengths, initial=8 + size))
+        texts = [view[a:b] for a, b in itertools.pairwise(ends)]
+        return cls(index, group, first, second, texts[:valid], blocks, texts[valid:])
 
 
 def _shard(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
@@ -127,53 +152,72 @@ def _shard(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: r
     return _Shard(places[valid], group, first, second, texts, list(share), invalid)
 
 
-def in_workers(work: Callable[[int], _R], workers: int) -> list[_R]:
-    """``work(w)`` for w in 0..workers-1: 0 in this process, the others each in a forked process whose result
-    comes back pickled through a pipe. One that fails or dies (no result, or a non-zero exit) is done again here."""
-    children: list[tuple[int, int, int]] = []  # (worker, pid, the pipe's reading end)
+def _pickled(result: object, spool: IO[bytes]) -> None:
+    spool.write(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def _unpickled(spool: IO[bytes]) -> Any:
+    spool.seek(0)
+    return pickle.loads(spool.read())
+
+
+def in_workers(work: Callable[[int], _R], workers: int, dump: Callable[[_R, IO[bytes]], None] = _pickled,
+               load: Callable[[IO[bytes]], _R] = _unpickled) -> list[_R]:
+    """``work(w)`` for w in 0..workers-1: 0 in this process, the others each in a forked process that ``dump``s its
+    result in an unnamed temporary file (written while this process works; a pipe would hold the worker until this
+    one reads, then copy tens of MB while nothing else runs) and says so on a pipe. One that fails or dies (its pipe
+    closed without a word) is done again here."""
+    children: list[tuple[int, int, IO[bytes], int]] = []  # (worker, pid, its file, its pipe's reading end)
+    running: set[int] = set()  # the workers' pids not reaped nor known to be exiting
     try:
         for w in range(1, workers):
-            read, write = os.pipe()
+            spool: IO[bytes] = tempfile.TemporaryFile()
+            ready, said = os.pipe()
             with warnings.catch_warnings():
                 # Python 3.12 warns on forking a process with threads. The only other thread of a plan is numpy's
                 # OpenBLAS pool, which shuts down over a fork through its own pthread_atfork handler.
                 warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
                 pid = os.fork()
             if pid == 0:
-                os.close(read)
-                _serve(work, w, write)
-            os.close(write)
-            children.append((w, pid, read))
+                os.close(ready)
+                _serve(work, w, spool, said, dump)
+            os.close(said)
+            children.append((w, pid, spool, ready))
+            running.add(pid)
         results = [work(0)]
-        while children:
-            w, pid, read = children.pop(0)
-            with open(read, "rb") as pipe:
-                data = pipe.read()
+        for w, pid, spool, ready in children:
+            if os.read(ready, 1):  # its result is written; it exits by itself
+                running.discard(pid)
+                results.append(load(spool))
+                continue
+            running.discard(pid)
             _, status = os.waitpid(pid, 0)
             code = os.waitstatus_to_exitcode(status)
-            if data and code == 0:
-                results.append(pickle.loads(data))
-                continue
             # On stderr (stdout may be the JSON): a worker that fails here is a bug of sweeper's or a lack of memory
             _log.warning("plan: worker %d of %d %s; its share is done in this process", w, workers,
                          f"exited with {code}" if code >= 0 else f"was killed by signal {-code}")
             results.append(work(w))
         return results
-    finally:  # this process failed: its workers stopped and reaped, their pipes closed
-        for _, pid, read in children:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            os.close(read)
+    finally:  # done, or this process failed: every worker stopped and reaped, its file and pipe closed
+        for _, pid, spool, ready in children:
+            if pid in running:
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):  # one whose failure was reaped above
+                os.waitpid(pid, 0)
+            spool.close()
+            os.close(ready)
 
 
-def _serve(work: Callable[[int], object], w: int, write: int) -> NoReturn:
-    """A forked worker: ``work(w)`` pickled into the pipe, then out without running this process's exit handlers or
-    flushing the stdout it inherited. An error exits non-zero, so the first process does the share again itself."""
+def _serve(work: Callable[[int], _R], w: int, spool: IO[bytes], said: int,
+           dump: Callable[[_R, IO[bytes]], None]) -> NoReturn:
+    """A forked worker: ``work(w)`` dumped into ``spool``, a byte on the pipe ``said``, then out without running this
+    process's exit handlers or flushing the stdout it inherited. An error exits non-zero without the byte, so the
+    first process does the share again itself."""
     code = 1
     try:
-        data = pickle.dumps(work(w), protocol=pickle.HIGHEST_PROTOCOL)
-        with open(write, "wb") as pipe:
-            pipe.write(data)
+        dump(work(w), spool)
+        spool.flush()
+        os.write(said, b"1")
         code = 0
     finally:
         os._exit(code)
