@@ -23,6 +23,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,15 +47,21 @@ def run_plan(space: Path, checkout: Path, overrides: list[str]) -> tuple[float, 
     """One cold ``plan --json`` of ``space`` (``overrides``: its ``--set`` items) by ``checkout``'s sweeper: wall
     seconds and its stdout."""
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    start, cpu = time.perf_counter(), _children_cpu()
     sets = [arg for item in overrides for arg in ("--set", item)]
-    proc = subprocess.run([sys.executable, "-m", "sweeper", "plan", str(space.resolve()), "--json", *sets],
-                          cwd=checkout, capture_output=True, text=True, check=False, env=env)
-    wall = time.perf_counter() - start
-    CPU_S.setdefault(checkout, []).append(_children_cpu() - cpu)
+    # stdout to a file, as `plan --json > plan.json` writes it, read once the clock has stopped: through a pipe this
+    # process would read and decode the tens of MB while the command runs, on the same cores as the command's
+    # workers (sweeper/plan/shards.py)
+    with tempfile.TemporaryFile() as out:
+        start, cpu = time.perf_counter(), _children_cpu()
+        proc = subprocess.run([sys.executable, "-m", "sweeper", "plan", str(space.resolve()), "--json", *sets],
+                              cwd=checkout, stdout=out, stderr=subprocess.PIPE, text=True, check=False, env=env)
+        wall = time.perf_counter() - start
+        CPU_S.setdefault(checkout, []).append(_children_cpu() - cpu)
+        out.seek(0)
+        text = out.read().decode()
     if proc.returncode != 0:
         raise SystemExit(f"{space.name}: plan exited {proc.returncode}: {proc.stderr.strip()[-500:]}")
-    return wall, proc.stdout
+    return wall, text
 
 
 def time_plan(space: Path, runs: int, against: Path | None = None, overrides: list[str] | None = None,
