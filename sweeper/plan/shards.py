@@ -2,13 +2,13 @@
 
 A plan's work is per layout (the rules, the estimator, the JSON text) and so is its order: the valid layouts by
 their own predictions (``order_keys``), ties in the space's order, then the invalid ones in the space's order. So the
-space's layouts go in blocks, round robin, to worker processes forked once the layouts are enumerated (each inherits
-the config, the calibration and the layouts: nothing is imported or enumerated again); each judges its blocks,
-predicts their valid layouts through its own term table and writes their JSON elements; this process, worker 0,
-merges them: the valid elements by their keys, then each block's invalid elements, one piece of text a block. The
-text is byte for byte the one-process plan's (``Plan.json_text``; tests over spaces, block sizes and worker counts).
-A worker that fails or dies has its share done again here, where an error reaches the command as it would alone.
-A whole space's layouts are built by the workers too, each its own blocks (``SpaceProduct``).
+space's layouts go in blocks, round robin, to worker processes forked once the config is loaded (each inherits the
+config, the calibration and the space's product: nothing is imported again); each builds its blocks' layouts
+(``SpaceProduct.layouts``), judges them, predicts the valid ones through its own term table and writes their JSON
+elements; this process, worker 0, merges them: the valid elements by their keys, then each block's invalid
+elements, one piece of text a block. The text is byte for byte the one-process plan's (``Plan.json_text``; tests
+over spaces, block sizes and worker counts). A worker that fails or dies has its share done again here, where an
+error reaches the command as it would alone.
 """
 
 from __future__ import annotations
