@@ -10,6 +10,7 @@ stays instant.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -41,7 +42,13 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
-        return int(args.func(args))
+        code = int(args.func(args))
+        if argv is None and args.func is cmd_plan:  # the process's own command line: it ends when this returns
+            # The estimator's memos stay alive until the process ends, and the interpreter's last cycle collection
+            # would walk every object of them (0.13 s of a 0.19 s exit after a 99,360-layout plan, issue 54). They
+            # hold no resource a finaliser must release: left out of that collection.
+            gc.freeze()
+        return code
     except SweeperError as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return exc.exit_code

@@ -147,3 +147,18 @@ def test_plan_json_of_a_large_space_is_written_by_workers_as_one_process_writes_
     assert main(["plan", str(WIDE), "--json"]) == 0
     assert capsysbinary.readouterr().out == b"[" + one_process[0] + b"]\n"
     assert forked == [1]
+
+
+def test_only_the_process_own_plan_command_leaves_its_memos_out_of_the_exit_collection(
+        monkeypatch: pytest.MonkeyPatch, capsysbinary: pytest.CaptureFixture[bytes]) -> None:
+    import gc
+
+    frozen: list[int] = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(1))  # recorded, not done: this is pytest's process
+    monkeypatch.setattr("sys.argv", ["sweeper", "plan", "quickstart", "--json"])
+    assert main() == 0  # as `sweeper plan ...` runs it: the process ends when main returns
+    assert frozen == [1]
+    assert main(["plan", "quickstart", "--json"]) == 0  # called by a program that goes on
+    assert main(["plan", "quickstart", "--only", "tp=3"]) == 2
+    assert frozen == [1]
+    capsysbinary.readouterr()
