@@ -17,6 +17,7 @@ from sweeper.estimate import Calibration
 from sweeper.plan import shards
 from sweeper.plan.assess import Plan, judge_space, space_layouts
 from sweeper.plan.space import SpaceProduct
+from tests.workers import shares_made_here
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 2,040 valid, MoE + Mamba
@@ -43,15 +44,7 @@ def one_process(wide: Any) -> dict[int, bytes]:
 def test_the_workers_text_is_one_processs(wide: Any, one_process: dict[int, bytes], workers: int, block: int,
                                           calibrated: int, monkeypatch: pytest.MonkeyPatch) -> None:
     calibration = CALIBRATED if calibrated else None
-    here, real = os.getpid(), shards._shard
-    made_here: list[int] = []
-
-    def shard(*args: Any) -> Any:
-        if os.getpid() == here:
-            made_here.append(args[3].start)
-        return real(*args)
-
-    monkeypatch.setattr(shards, "_shard", shard)
+    made_here = shares_made_here(monkeypatch, shards, "_shard")
     text = _text(shards.plan_json_text(wide, SpaceProduct(wide), calibration, workers=workers, block=block))
     assert made_here == [0]  # every other worker's share came back from its process
     assert text == one_process[calibrated]

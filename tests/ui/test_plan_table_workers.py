@@ -3,9 +3,7 @@ one process makes, the workers' parts really made by the workers."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -15,6 +13,7 @@ from sweeper.plan.assess import space_layouts
 from sweeper.plan.shards import Listed
 from sweeper.plan.space import SpaceProduct
 from sweeper.ui import plan_table
+from tests.workers import shares_made_here
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = ROOT / "benchmarks" / "spaces" / "nemotron_wide.yaml"  # 11,520 layouts, 2,040 valid, MoE + Mamba
@@ -27,15 +26,7 @@ def test_the_workers_table_is_one_processs(workers: int, block: int, calibration
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = load_config(WIDE)
     layouts = SpaceProduct(cfg) if block == 97 else Listed(space_layouts(cfg))  # the whole space, a built list
-    here, real = os.getpid(), plan_table._part
-    made_here: list[int] = []
-
-    def part(*args: Any) -> Any:
-        if os.getpid() == here:
-            made_here.append(args[3].start)
-        return real(*args)
-
-    monkeypatch.setattr(plan_table, "_part", part)
+    made_here = shares_made_here(monkeypatch, plan_table, "_part")
     table = plan_table.plan_table(cfg, layouts, calibration, workers=workers, block=block)
     assert made_here == [0]  # every other worker's part came back from its process
     one = plan_table.plan_table(load_config(WIDE), layouts, calibration, workers=1)
