@@ -82,13 +82,20 @@ def plan_json_text(cfg: SweepConfig, layouts: Layouts, calibration: Calibration 
         return
     shards = in_workers(lambda w: _shard(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers,
                         _Shard.dump, _Shard.load)
-    index, group, first, second = (np.concatenate([getattr(s, name) for s in shards])
-                                   for name in ("index", "group", "first", "second"))
     elements = [text for s in shards for text in s.valid]
-    yield b",".join([elements[i] for i in np.lexsort((index, second, first, group)).tolist()])
+    yield b",".join([elements[i] for i in merged_order(shards)])
     invalid = {b: text for s in shards for b, text in zip(s.blocks, s.invalid, strict=True)}
     for b in range(len(blocks)):
         yield invalid[b]
+
+
+def merged_order(parts: Sequence[Any]) -> list[int]:
+    """The plan's order of the valid layouts of ``parts`` (each with their places in the space, ``index``, and their
+    ``order_keys``, ``group``, ``first``, ``second``), as indices into the parts' valid layouts one part after
+    another."""
+    index, group, first, second = (np.concatenate([getattr(p, name) for p in parts])
+                                   for name in ("index", "group", "first", "second"))
+    return np.lexsort((index, second, first, group)).tolist()
 
 
 def split(count: int, workers: int | None, block: int = BLOCK) -> tuple[list[range], int]:

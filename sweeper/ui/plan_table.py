@@ -13,7 +13,7 @@ import numpy as np
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.calibration import Calibration
 from sweeper.plan.assess import Plan, PlanEntry, invalid_reasons, judge_space, order_keys
-from sweeper.plan.shards import BLOCK, Layouts, in_workers, split
+from sweeper.plan.shards import BLOCK, Layouts, in_workers, merged_order, split
 from sweeper.search.decide.objective import predicted_objectives
 
 
@@ -49,11 +49,9 @@ def plan_table(cfg: SweepConfig, layouts: Layouts, calibration: Calibration | No
     if workers <= 1:
         return PlanTable.of(cfg, Plan.of(*judge_space(cfg, layouts.layouts(), calibration), calibration).entries())
     parts = in_workers(lambda w: _part(cfg, layouts, blocks, range(w, len(blocks), workers), calibration), workers)
-    index, group, first, second = (np.concatenate([getattr(p, name) for p in parts])
-                                   for name in ("index", "group", "first", "second"))
     entries = [e for p in parts for e in p.valid]
     objectives = [o for p in parts for o in p.objectives]
-    order = np.lexsort((index, second, first, group)).tolist()
+    order = merged_order(parts)
     # ``invalid_reasons``' order: most layouts first, ties in the order a reason first appears over the space
     counts: dict[str, list[Any]] = {}
     for p in parts:
@@ -82,6 +80,7 @@ class _Part:
 
 def _part(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
           calibration: Calibration | None) -> _Part:
+    """One worker's part: the layouts of the blocks numbered in ``share``, built, judged, predicted and priced."""
     places = [i for b in share for i in blocks[b]]
     plan = Plan.of(*judge_space(cfg, layouts.layouts([blocks[b] for b in share]), calibration), calibration)
     valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
