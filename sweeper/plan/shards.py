@@ -176,22 +176,36 @@ def in_workers(work: Callable[[int], _R], workers: int, dump: Callable[[_R, IO[b
     closed without a word) is done again here."""
     children: list[tuple[int, int, IO[bytes], int]] = []  # (worker, pid, its file, its pipe's reading end)
     running: set[int] = set()  # the workers' pids not reaped nor known to be exiting
+    here = [0]  # the shares this process does
     try:
         for w in range(1, workers):
-            spool: IO[bytes] = tempfile.TemporaryFile()
+            try:
+                spool: IO[bytes] = tempfile.TemporaryFile()
+            except OSError as exc:  # no temporary directory to write to: the rest of the shares done here
+                _not_started(w, workers, exc)
+                here += range(w, workers)
+                break
             ready, said = os.pipe()
             with warnings.catch_warnings():
                 # Python 3.12 warns on forking a process with threads. The only other thread of a plan is numpy's
                 # OpenBLAS pool, which shuts down over a fork through its own pthread_atfork handler.
                 warnings.filterwarnings("ignore", r".*use of fork\(\) may lead to deadlocks", DeprecationWarning)
-                pid = os.fork()
+                try:
+                    pid = os.fork()
+                except OSError as exc:  # out of processes or memory: the rest of the shares done here
+                    _not_started(w, workers, exc)
+                    spool.close()
+                    os.close(ready)
+                    os.close(said)
+                    here += range(w, workers)
+                    break
             if pid == 0:
                 os.close(ready)
                 _serve(work, w, spool, said, dump)
             os.close(said)
             children.append((w, pid, spool, ready))
             running.add(pid)
-        results = [work(0)]
+        results = [work(w) for w in here]
         for w, pid, spool, ready in children:
             if os.read(ready, 1):  # its result is written; it exits by itself
                 running.discard(pid)
@@ -213,6 +227,11 @@ def in_workers(work: Callable[[int], _R], workers: int, dump: Callable[[_R, IO[b
                 os.waitpid(pid, 0)
             spool.close()
             os.close(ready)
+
+
+def _not_started(w: int, workers: int, exc: OSError) -> None:
+    _log.warning("plan: worker %d of %d not started (%s); its share and the later ones are done in this process", w,
+                 workers, exc)
 
 
 def _serve(work: Callable[[int], _R], w: int, spool: IO[bytes], said: int,

@@ -103,6 +103,23 @@ def test_a_worker_that_fails_or_dies_is_done_again_here(wide: Any, one_process: 
         f"plan: worker {w} of 3 {said}; its share is done in this process" for w in (1, 2)]
 
 
+@pytest.mark.parametrize("what", ["temporary file", "fork"])
+def test_without_a_temporary_file_or_a_process_the_plan_is_made_here(
+        what: str, wide: Any, one_process: dict[int, bytes], monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    import tempfile
+
+    def refused(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(28, "No space left on device") if what == "temporary file" else BlockingIOError(
+            11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(tempfile if what == "temporary file" else os, "TemporaryFile" if what == "temporary file"
+                        else "fork", refused)
+    with caplog.at_level("WARNING", logger="sweeper.plan"):
+        assert _text(shards.plan_json_text(wide, SpaceProduct(wide), None, workers=3, block=1000)) == one_process[0]
+    assert len(caplog.records) == 1 and "this process" in caplog.records[0].getMessage()
+
+
 def test_a_failure_here_stops_and_reaps_every_worker(wide: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     parent, forked = os.getpid(), []
     real_fork = os.fork
