@@ -139,14 +139,35 @@ class _Shard:
         return cls(index, group, first, second, texts[:valid], blocks, texts[valid:])
 
 
+@dataclass(frozen=True)
+class PlannedShare:
+    """A worker's share of the space planned: its layouts' plan (in the space's order), their places in the space,
+    which are valid, and the valid ones' places (``index``) and keys in the plan's order (``merged_order``'s)."""
+
+    plan: Plan
+    places: np.ndarray
+    valid: np.ndarray
+    index: np.ndarray
+    group: np.ndarray
+    first: np.ndarray
+    second: np.ndarray
+
+
+def plan_share(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
+               calibration: Calibration | None) -> PlannedShare:
+    """The layouts of the blocks numbered in ``share``, built, judged and predicted."""
+    plan = Plan.of(*judge_space(cfg, layouts.layouts([blocks[b] for b in share]), calibration), calibration)
+    places = np.concatenate([np.arange(blocks[b].start, blocks[b].stop) for b in share])
+    valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
+    group, first, second = (k[valid] for k in order_keys(valid, np.asarray(plan.row), plan.predictions))
+    return PlannedShare(plan, places, valid, places[valid], group, first, second)
+
+
 def _shard(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
            calibration: Calibration | None) -> _Shard:
-    """One worker's share: the layouts of the blocks numbered in ``share``, built, judged, predicted and written."""
-    mine = layouts.layouts([blocks[b] for b in share])
-    plan = Plan.of(*judge_space(cfg, mine, calibration), calibration)
-    valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
-    keys = order_keys(valid, np.asarray(plan.row), plan.predictions)
-    places = np.concatenate([np.arange(blocks[b].start, blocks[b].stop) for b in share])
+    """One worker's share: its layouts planned (``plan_share``) and written."""
+    mine = plan_share(cfg, layouts, blocks, share, calibration)
+    plan, valid = mine.plan, mine.valid
     at = np.flatnonzero(valid).tolist()
     texts = [orjson.dumps(element) for start in range(0, len(at), BLOCK)
              for element in plan.json_of(at[start:start + BLOCK])]
@@ -155,8 +176,7 @@ def _shard(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: r
         judged = range(start, start + len(blocks[b]))
         invalid.append(orjson.dumps(plan.json_of([i for i in judged if not valid[i]]))[1:-1])
         start += len(blocks[b])
-    group, first, second = (k[valid] for k in keys)
-    return _Shard(places[valid], group, first, second, texts, list(share), invalid)
+    return _Shard(mine.index, mine.group, mine.first, mine.second, texts, list(share), invalid)
 
 
 def _pickled(result: object, spool: IO[bytes]) -> None:

@@ -12,8 +12,8 @@ import numpy as np
 
 from sweeper.config.schema import SweepConfig
 from sweeper.estimate.calibration import Calibration
-from sweeper.plan.assess import Plan, PlanEntry, invalid_reasons, judge_space, order_keys
-from sweeper.plan.shards import BLOCK, Layouts, in_workers, merged_order, split
+from sweeper.plan.assess import Plan, PlanEntry, invalid_reasons, judge_space
+from sweeper.plan.shards import BLOCK, Layouts, in_workers, merged_order, plan_share, split
 from sweeper.search.decide.objective import predicted_objectives
 
 
@@ -80,17 +80,15 @@ class _Part:
 
 def _part(cfg: SweepConfig, layouts: Layouts, blocks: Sequence[range], share: range,
           calibration: Calibration | None) -> _Part:
-    """One worker's part: the layouts of the blocks numbered in ``share``, built, judged, predicted and priced."""
-    places = [i for b in share for i in blocks[b]]
-    plan = Plan.of(*judge_space(cfg, layouts.layouts([blocks[b] for b in share]), calibration), calibration)
-    valid = np.array([not e.reasons for e in plan.judged], dtype=bool)
-    group, first, second = (k[valid] for k in order_keys(valid, np.asarray(plan.row), plan.predictions))
+    """One worker's part: its layouts planned (``plan_share``) and its valid ones priced."""
+    mine = plan_share(cfg, layouts, blocks, share, calibration)
+    plan = mine.plan
     entries = [PlanEntry(e.layout, e.reasons, p) for e, p in
                zip((e for e in plan.judged if not e.reasons), plan.predictions.estimates(), strict=True)]
     objectives = predicted_objectives(cfg, [e.layout for e in entries], [e.predicted for e in entries])
     reasons: dict[str, tuple[int, tuple[int, int]]] = {}
-    for place, e in zip(places, plan.judged, strict=True):
+    for place, e in zip(mine.places.tolist(), plan.judged, strict=True):
         for k, reason in enumerate(e.reasons):
             count, seen = reasons.get(reason, (0, (place, k)))
             reasons[reason] = (count + 1, seen)
-    return _Part(np.asarray(places)[valid], group, first, second, entries, objectives, reasons)
+    return _Part(mine.index, mine.group, mine.first, mine.second, entries, objectives, reasons)
