@@ -93,6 +93,14 @@ def _terms_matrix(dicts: Sequence[dict[str, float]]) -> tuple[list[str], np.ndar
     return columns, matrix[index], in_order[index]
 
 
+def _terms_matrices(terms: Sequence[StepTerms]) -> tuple[list[str], np.ndarray, list[str], np.ndarray, np.ndarray]:
+    """The stage terms' columns and matrix, the step terms', and the rows whose stage or step terms are in another
+    order than the columns (``_priced`` prices those one by one)."""
+    stage_names, stage_matrix, stage_in_order = _terms_matrix([t.stage for t in terms])
+    step_names, step_matrix, step_in_order = _terms_matrix([t.step for t in terms])
+    return stage_names, stage_matrix, step_names, step_matrix, np.flatnonzero(~(stage_in_order & step_in_order))
+
+
 def _stage_rows(blocks: Sequence[tuple[tuple[float, ...], ...]], width: int, owner: np.ndarray, rank: np.ndarray,
                 ) -> np.ndarray:
     """Stage ``rank`` of layout ``owner`` of each row, from ``blocks``: each layout's rows of ``width`` values, a
@@ -181,8 +189,7 @@ class TermTable:
         # The model state's parts and (in flight, a layer's activations, then the dynamic parts): Estimator.terms
         dynamic = _stage_rows(dynamics, 2 + len(DYNAMIC_KEYS), owner, rank)
         parts = np.hstack([_stage_rows(states, len(PARTS) - len(DYNAMIC_KEYS), owner, rank), dynamic[:, 2:]])
-        stage_names, stage_matrix, stage_in_order = _terms_matrix([t.stage for t in terms])
-        step_names, step_matrix, step_in_order = _terms_matrix([t.step for t in terms])
+        stage_names, stage_matrix, step_names, step_matrix, unordered = _terms_matrices(terms)
         constants = estimator.constants
         return cls(
             layouts=tuple(layouts), hot_rank_factor=estimator.hot_rank_factor(estimator.calibration),
@@ -195,7 +202,7 @@ class TermTable:
             step_matrix=step_matrix, microbatches=np.array([t.microbatches for t in terms], dtype=float),
             bubble_slots=np.array([t.bubble_slots for t in terms]),
             tokens=np.array([lo.gbs * estimator.seq_length for lo in layouts], dtype=float), terms=tuple(terms),
-            unordered=np.flatnonzero(~(stage_in_order & step_in_order)),
+            unordered=unordered,
         )
 
     @property
@@ -278,12 +285,11 @@ def _priced(stage_terms: Sequence[str], stage_matrix: np.ndarray, step_terms: Se
 def step_seconds(terms: Sequence[StepTerms], calibration: Calibration | None) -> np.ndarray:
     """``[t.seconds(cal.step_factor) for t in terms]`` (``cal``: ``calibration``, or none's factors) as one array, the
     terms priced a column at a time: a plan's table orders every valid layout by its production step (issue 54)."""
-    stage_terms, stage_matrix, stage_in_order = _terms_matrix([t.stage for t in terms])
-    step_terms, step_matrix, step_in_order = _terms_matrix([t.step for t in terms])
+    stage_terms, stage_matrix, step_terms, step_matrix, unordered = _terms_matrices(terms)
     return _priced(stage_terms, stage_matrix, step_terms, step_matrix,
                    np.array([t.microbatches for t in terms], dtype=float),
                    np.array([t.bubble_slots for t in terms], dtype=float), calibration or Calibration(), terms,
-                   np.flatnonzero(~(stage_in_order & step_in_order)))[0]
+                   unordered)[0]
 
 
 # The memory breakdown's sizes in the order an Estimate lists them (its bookkeeping entries, a pipeline rank and a
